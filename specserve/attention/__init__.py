@@ -1,0 +1,1 @@
+"""Attention backends: eager metadata, graph-buffer metadata, and the paged attention itself."""

@@ -1,0 +1,40 @@
+"""The attention-backend interface.
+
+One backend instance belongs to one runner (or to the eager path) and one model's KV pool. It owns its metadata
+buffers: a draft runner's backend can never write a target runner's metadata (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.kvcache.kv_pool import KVPool
+from specserve.kvcache.req_to_token import ReqToTokenPool
+
+
+class AttentionBackend(abc.ABC):
+    def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool):
+        self.req_to_token = req_to_token
+        self.kv_pool = kv_pool
+        self.graph_buffers: dict[str, torch.Tensor] = {}
+
+    @abc.abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Eager path: build this forward's metadata (may allocate, may read host values)."""
+
+    @abc.abstractmethod
+    def alloc_graph_buffers(self, max_bs: int, width: int, max_seq_len: int) -> None:
+        """Allocate this runner's private metadata buffers for fixed-width batches up to max_bs requests."""
+
+    @abc.abstractmethod
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        """Graph path: fill the private buffers from fb's tensors with device ops only (capturable, no host sync).
+
+        May be called several times inside one captured function (the draft-decode loop advances seq_lens)."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+        """Store k, v at fb.out_cache_loc, then attend. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""

@@ -1,0 +1,98 @@
+"""Torch reference attention over the paged KV cache. Runs on CPU and GPU (capturable in fixed-width modes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.backend import AttentionBackend
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.kernels import ops
+
+
+@dataclass
+class _FixedMeta:
+    kv_slots: torch.Tensor  # [bs, max_kv] slot of every key position (row 0 / slot 0 for padded rows)
+    mask: torch.Tensor  # [bs, 1, w, max_kv] True where the query may attend
+
+
+@dataclass
+class _ExtendMeta:
+    pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q_start, q_len, slots [s], mask [q_len, s])
+
+
+def _fixed_meta(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, width: int, max_kv: int,
+                out_slots: torch.Tensor | None = None, out_mask: torch.Tensor | None = None) -> _FixedMeta:
+    bs = rows.shape[0]
+    kv_pos = torch.arange(max_kv, device=rows.device)  # [max_kv]
+    slots = table[rows, :max_kv]  # [bs, max_kv]
+    q_idx = seq_lens[:, None] - width + torch.arange(width, device=rows.device)[None, :]  # [bs, w]
+    mask = (kv_pos[None, None, :] <= q_idx[:, :, None]).view(bs, 1, width, max_kv)
+    if out_slots is not None:
+        out_slots.copy_(slots)
+        out_mask.copy_(mask)
+        return _FixedMeta(out_slots, out_mask)
+    return _FixedMeta(slots, mask)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, req_to_token, kv_pool):
+        super().__init__(req_to_token, kv_pool)
+        self.meta: _FixedMeta | _ExtendMeta | None = None
+
+    # ---------------------------------------------------------------- eager
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        table = self.req_to_token.table
+        if fb.width is not None:  # decode / verify / draft phases: every request has `width` new tokens
+            self.meta = _fixed_meta(table, fb.req_pool_indices, fb.seq_lens, fb.width, fb.max_seq_len)
+            return
+        pieces = []
+        rows = fb.req_pool_indices.tolist()
+        q0 = 0
+        for row, s, e in zip(rows, fb.seq_lens_cpu, fb.extend_lens_cpu):
+            slots = table[row, :s]
+            q_idx = torch.arange(s - e, s, device=table.device)
+            mask = torch.arange(s, device=table.device)[None, :] <= q_idx[:, None]  # [e, s]
+            pieces.append((q0, e, slots, mask))
+            q0 += e
+        self.meta = _ExtendMeta(pieces)
+
+    # ---------------------------------------------------------------- graphs
+    def alloc_graph_buffers(self, max_bs: int, width: int, max_seq_len: int) -> None:
+        dev = self.req_to_token.table.device
+        self.graph_buffers = {
+            "kv_slots": torch.zeros((max_bs, max_seq_len), dtype=torch.int64, device=dev),
+            "mask": torch.zeros((max_bs, 1, width, max_seq_len), dtype=torch.bool, device=dev),
+        }
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        bs, kv = fb.batch_size, fb.max_seq_len
+        gb = self.graph_buffers
+        self.meta = _fixed_meta(self.req_to_token.table, fb.req_pool_indices, fb.seq_lens, fb.width, kv,
+                                gb["kv_slots"][:bs, :kv], gb["mask"][:bs, :, :fb.width, :kv])
+
+    # ---------------------------------------------------------------- attention
+    def forward(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        pool = fb.kv_pool
+        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
+        ops.store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
+        meta = self.meta
+        if isinstance(meta, _FixedMeta):
+            bs, w = meta.mask.shape[0], meta.mask.shape[2]
+            kk = k_cache[meta.kv_slots].to(q.dtype)  # [bs, kv, Hkv, D]
+            vv = v_cache[meta.kv_slots].to(q.dtype)
+            qq = q.view(bs, w, layer.num_heads, layer.head_dim).transpose(1, 2)  # [bs, Hq, w, D]
+            o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=meta.mask,
+                                               scale=layer.scaling, enable_gqa=True)
+            return o.transpose(1, 2).reshape(bs * w, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        for q0, e, slots, mask in meta.pieces:
+            kk = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, s, D]
+            vv = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+            qq = q[q0:q0 + e].transpose(0, 1)[None]  # [1, Hq, e, D]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=layer.scaling,
+                                               enable_gqa=True)
+            out[q0:q0 + e] = o[0].transpose(0, 1)
+        return out

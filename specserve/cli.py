@@ -1,0 +1,95 @@
+"""`specserve` command line: generate, serve, bench, eval, train-mtp, bench-phases."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="[%(asctime)s %(levelname)s] %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def cmd_generate(argv: list[str]) -> int:
+    from specserve.server_args import ServerArgs
+
+    p = argparse.ArgumentParser(prog="specserve generate", description="Generate text offline with the engine.")
+    ServerArgs.add_cli_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print the full results as JSON")
+    args = p.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        sa = ServerArgs.from_cli_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    from specserve.engine.engine import Engine
+
+    eng = Engine(**{k: v for k, v in vars(sa).items() if k != "extra"})
+    prompts = args.prompt
+    if args.chat:
+        prompts = [eng.apply_chat_template([{"role": "user", "content": q}]) for q in prompts]
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+          "top_k": args.top_k, "seed": args.seed}
+    outs = eng.generate(prompts, sp)
+    for q, o in zip(args.prompt, outs):
+        if args.json:
+            print(json.dumps({"prompt": q, **o}))
+        else:
+            m = o["meta_info"]
+            extra = f", accept length {m['spec_accept_length']:.2f}" if "spec_accept_length" in m else ""
+            print(f"### {q}\n{o['text']}\n[{m['completion_tokens']} tokens, {m['finish_reason']['type']}{extra}]")
+    eng.shutdown()
+    return 0
+
+
+COMMANDS = {
+    "generate": ("specserve.cli", "cmd_generate"),
+    "serve": ("specserve.server.launch", "main"),
+    "bench": ("specserve.bench.serving", "main"),
+    "eval": ("specserve.bench.eval_cli", "main"),
+    "train-mtp": ("specserve.train.cli", "main"),
+    "bench-phases": ("specserve.bench.phases", "main"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: specserve {" + ",".join(COMMANDS) + "} [args]\n\n"
+              "  generate      offline generation with the engine\n"
+              "  serve         OpenAI-compatible HTTP server (SGLang-style flags)\n"
+              "  bench         serving benchmark client\n"
+              "  eval          accuracy evals (gsm8k)\n"
+              "  train-mtp     train an MTP draft head by self-distillation\n"
+              "  bench-phases  per-phase GPU timings, eager vs CUDA graph")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"specserve: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    import importlib
+
+    mod, fn = COMMANDS[cmd]
+    try:
+        module = importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if e.name == mod:
+            print(f"specserve: {cmd!r} is not available in this build", file=sys.stderr)
+            return 2
+        raise
+    rc = getattr(module, fn)(rest)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

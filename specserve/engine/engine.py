@@ -1,0 +1,205 @@
+"""Engine: the offline API. `Engine(model_path=..., **server_args).generate(...)`.
+
+The engine core (`EngineCore`) is also what the HTTP server's model process drives: add_request / step / abort.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from specserve.defaults import embedded_draft_path, embedded_model_path
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.request import Req
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.stop import StopChecker, output_text
+from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
+from specserve.server_args import ServerArgs
+from specserve.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+class EngineCore:
+    """Model, tokenizer, memory and scheduler in one process."""
+
+    def __init__(self, args: ServerArgs):
+        t_start = time.perf_counter()
+        self.args = args
+        model_path = args.model_path or embedded_model_path()
+        draft_path = args.speculative_draft_model_path
+        if args.spec_enabled and draft_path is None and args.model_path is None:
+            draft_path = embedded_draft_path()
+        self.model_path = model_path
+        self.device = resolve_device(args.device)
+        src = ModelSource.resolve(model_path)
+        hf_config = load_hf_config(src)
+        self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
+        cfg_ctx = getattr(getattr(hf_config, "text_config", None) or hf_config, "max_position_embeddings", 4096)
+        self.context_len = args.context_length or cfg_ctx
+        max_positions = max(self.context_len, cfg_ctx) + args.num_draft_steps + 2
+        torch.manual_seed(args.random_seed)
+        target = load_target(src, self.dtype, self.device, max_positions, hf_config)
+        self.model_config = target.config
+        draft = None
+        if args.spec_enabled:
+            draft = load_mtp_draft(target, draft_path, self.dtype, self.device, max_positions)
+        self.tokenizer = load_tokenizer(src, args.tokenizer_path, args.chat_template)
+        self.generation_config = _generation_config(src)
+        eos = eos_token_ids(self.tokenizer, target.config.eos_token_ids, self.generation_config)
+        self.model_runner = ModelRunner(args, target.model, target.config, draft, self.device, self.dtype,
+                                        self.context_len)
+        self.model_runner.capture_graphs()
+        self.scheduler = Scheduler(self.model_runner, StopChecker(self.tokenizer, eos), args.chunked_prefill_size)
+        self.default_sampling = self._default_sampling()
+        self._rng = random.Random(args.random_seed)
+        self.load_time = time.perf_counter() - t_start
+        logger.info(
+            "engine ready: %s on %s (%s), context %d, KV %d tokens, max running %d, %s, graphs %s (%.1f s)",
+            target.config.architecture, self.device, str(self.dtype).replace("torch.", ""), self.context_len,
+            self.model_runner.max_total_tokens, self.model_runner.max_running,
+            f"{args.speculative_algorithm} N={args.speculative_num_steps}" if args.spec_enabled else "no speculation",
+            "off" if args.disable_cuda_graph else f"bs<={self.model_runner.capture_bs[-1]}", self.load_time,
+        )
+
+    def _default_sampling(self) -> dict:
+        if self.args.sampling_defaults != "model":
+            return {}
+        keys = ("temperature", "top_p", "top_k", "min_p")
+        return {k: self.generation_config[k] for k in keys if k in self.generation_config}
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, input_ids: list[int], sampling: dict | SamplingParams | None,
+                     rid: str | None = None) -> Req:
+        """Validate and build a request (raises ValueError; nothing is queued on error)."""
+        if isinstance(sampling, SamplingParams):
+            sp = sampling
+            sp.validate()
+        else:
+            sp = SamplingParams.from_dict(sampling, self.default_sampling)
+        if not input_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in input_ids):
+            raise ValueError(f"input_ids must be integers in [0, {vocab})")
+        if len(input_ids) >= self.context_len:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the context length is {self.context_len} "
+                "(the prompt must leave room for at least one new token)"
+            )
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=list(input_ids), sampling=sp, seed=seed)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return self.tokenizer.encode(prompt)
+
+    def result(self, req: Req) -> dict:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "finish_reason": req.finished_reason,
+            "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival_time,
+        }
+        if self.args.spec_enabled:
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = req.spec_accept_length
+        return {"text": output_text(self.tokenizer, req) if self.tokenizer else "",
+                "output_ids": list(req.output_ids), "meta_info": meta}
+
+    def run_until_done(self, reqs: list[Req]) -> None:
+        for r in reqs:
+            self.scheduler.add_request(r)
+        pending = {r.rid for r in reqs if not r.finished}
+        while pending:
+            for r in self.scheduler.step():
+                if r.finished:
+                    pending.discard(r.rid)
+            if pending and not self.scheduler.has_work:
+                raise RuntimeError("scheduler went idle with unfinished requests")
+
+
+def _generation_config(src: ModelSource) -> dict:
+    if src.is_gguf:
+        return {}
+    path = os.path.join(src.folder, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+class Engine:
+    """Offline engine. `generate` accepts a prompt, a list of prompts, or input ids (one list or a batch)."""
+
+    def __init__(self, model_path: str | None = None, **kwargs):
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        self.core = EngineCore(self.server_args)
+        self.tokenizer = self.core.tokenizer
+
+    def generate(self, prompt: str | Sequence[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None) -> dict | list[dict]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            if not prompts:
+                raise ValueError("the prompt list is empty")
+            ids = [self.core.tokenize(p) for p in prompts]
+        else:
+            single = len(input_ids) == 0 or not isinstance(input_ids[0], list | tuple)
+            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids):
+                raise ValueError("sampling_params list must match the number of prompts")
+            sps = sampling_params
+        else:
+            sps = [sampling_params] * len(ids)
+        reqs = [self.core.make_request(i, sp) for i, sp in zip(ids, sps)]  # validates all before queueing any
+        self.core.run_until_done(reqs)
+        out = [self.core.result(r) for r in reqs]
+        return out[0] if single else out
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    def shutdown(self) -> None:
+        sched = self.core.scheduler
+        for rid in list(sched.reqs):
+            sched.abort(rid)
+        self.core = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,65 @@
+"""ForwardBatch: everything one forward of one model needs (DESIGN §4)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.attention.backend import AttentionBackend
+    from specserve.kvcache.kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill chunk(s): variable new tokens per request
+    DECODE = "decode"  # one token per request
+    TARGET_VERIFY = "target_verify"  # N + 1 tokens per request
+    DRAFT_EXTEND = "draft_extend"  # draft over N + 1 verified positions (fixed width)
+    DRAFT_DECODE = "draft_decode"  # one draft token per request, inside the multi-step loop
+    IDLE = "idle"
+
+    @property
+    def is_fixed_width(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                        ForwardMode.DRAFT_DECODE)
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] or mRoPE [3, T] rope positions
+    out_cache_loc: torch.Tensor  # [T] KV slot written by each token
+    req_pool_indices: torch.Tensor  # [bs] page-table rows
+    seq_lens: torch.Tensor  # [bs] KV length after this forward (prefix + new tokens)
+    max_seq_len: int  # host bound on seq_lens (static for graph replays)
+    width: int | None = None  # tokens per request in fixed-width modes
+    extend_lens_cpu: list[int] | None = None  # EXTEND only: new tokens per request
+    seq_lens_cpu: list[int] | None = None  # EXTEND only
+    hidden_in: torch.Tensor | None = None  # [T, H] drafts: the hidden state fed next to each token
+    attn_backend: AttentionBackend | None = None
+    kv_pool: KVPool | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def fixed_width_kv_index(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """Sequence index of every token of a fixed-width batch: [bs] -> [bs * width].
+
+    Request b's new tokens sit at seq_lens[b] - width .. seq_lens[b] - 1.
+    """
+    offs = torch.arange(width, device=seq_lens.device, dtype=seq_lens.dtype)
+    return (seq_lens[:, None] - width + offs[None, :]).reshape(-1)
+
+
+def fixed_width_out_cache_loc(table: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                              width: int) -> torch.Tensor:
+    """KV slots written by a fixed-width batch, gathered from the page table on the device: [bs * width]."""
+    idx = fixed_width_kv_index(seq_lens, width).view(-1, width)  # [bs, w]
+    return table[req_pool_indices[:, None], idx].reshape(-1)

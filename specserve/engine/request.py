@@ -1,0 +1,62 @@
+"""A generation request and its life in the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specserve.engine.sampling_params import SamplingParams
+from specserve.kvcache.manager import KVHandle
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV
+    PREFILLING = "prefilling"  # part of its prompt has KV (chunked prefill)
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    kv: KVHandle = field(default_factory=KVHandle)
+    seq_len: int = 0  # tokens whose K/V (target and draft) are written
+    prefill_len: int = 0  # tokens to prefill: the prompt, plus outputs after a retraction
+    mrope_delta: int = 0  # rope position = sequence index + delta for generated text (mRoPE models)
+    finished_reason: dict | None = None
+    # speculative statistics
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
+    # timing
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    retractions: int = 0
+    # streaming cursor for incremental outputs
+    sent_output_len: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """The token sequence whose KV the request needs (prompt + outputs so far)."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens produced per verify: accepted drafts + the target's own token."""
+        if self.spec_verify_ct == 0:
+            return 0.0
+        return (self.spec_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct

@@ -1,0 +1,120 @@
+"""Batched sampling on the device: temperature, top-k, top-p, min-p, per-request seeds; no host sync.
+
+Randomness is counter-based: the uniform noise for (seed, position, salt) is a hash, so a request's sample does
+not depend on which other requests share its batch, on retraction/re-prefill, or on the device. Sampling uses
+the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SALT_SAMPLE = 0  # the token drawn at a position (plain sampling, verify's residual or bonus draw)
+SALT_ACCEPT = 1  # verify's accept test at a position
+
+_M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
+_M2 = -7723592293110705685  # 0x94d049bb133111eb
+_GOLD = -7046029254386353131  # 0x9e3779b97f4a7c15
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (multiplication wraps modulo 2^64)."""
+    x = x ^ _srl(x, 30)
+    x = x * _M1
+    x = x ^ _srl(x, 27)
+    x = x * _M2
+    return x ^ _srl(x, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, salt: int, width: int | None) -> torch.Tensor:
+    """Uniform (0, 1) noise. seeds, positions [...] int64 -> [..., width] (or [...] when width is None)."""
+    key = _mix64(seeds * _GOLD + positions * 0x632BE5AB + salt * 0x2545F491)
+    if width is not None:
+        cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
+        key = key[..., None] + cols * _GOLD
+    bits = _srl(_mix64(key), 40)  # top 24 bits
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors. Rows are requests (or request x verify position)."""
+
+    temperature: torch.Tensor  # [bs] float32; 0 for greedy rows
+    top_p: torch.Tensor  # [bs]
+    top_k: torch.Tensor  # [bs] int64; vocab size where disabled
+    min_p: torch.Tensor  # [bs]
+    seeds: torch.Tensor  # [bs] int64
+    greedy: torch.Tensor  # [bs] bool
+    all_greedy: bool
+    need_filter: bool  # any top-k / top-p / min-p active
+
+    @staticmethod
+    def build(params: list, seeds: list[int], vocab_size: int, device: torch.device) -> SamplingBatch:
+        greedy = [p.is_greedy for p in params]
+        temps = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        need_filter = any(p.top_p < 1.0 or 0 < p.top_k < vocab_size or p.min_p > 0 for p, g in
+                          zip(params, greedy) if not g)
+
+        def t(x, dt):
+            return torch.tensor(x, dtype=dt).to(device, non_blocking=True)
+
+        return SamplingBatch(
+            temperature=t(temps, torch.float32),
+            top_p=t([p.top_p for p in params], torch.float32),
+            top_k=t(top_k, torch.int64),
+            min_p=t([p.min_p for p in params], torch.float32),
+            seeds=t(seeds, torch.int64),
+            greedy=t(greedy, torch.bool),
+            all_greedy=all(greedy),
+            need_filter=need_filter,
+        )
+
+    def repeat(self, n: int) -> SamplingBatch:
+        """Each row repeated n times (verify: one row per request x position)."""
+        r = lambda x: x.repeat_interleave(n, dim=0)
+        return SamplingBatch(r(self.temperature), r(self.top_p), r(self.top_k), r(self.min_p), r(self.seeds),
+                             r(self.greedy), self.all_greedy, self.need_filter)
+
+
+def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [R, V] float32 -> the distribution each row samples from [R, V] (greedy rows: one-hot argmax)."""
+    temp = torch.where(sb.greedy, torch.ones_like(sb.temperature), sb.temperature)
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    if sb.need_filter:
+        probs = _filter(probs, sb)
+    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(sb.greedy[:, None], onehot, probs)
+
+
+def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = ranks >= sb.top_k[:, None]
+    drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > sb.top_p[:, None]  # keep the smallest prefix reaching top_p
+    drop |= sorted_p < sb.min_p[:, None] * sorted_p[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / E). probs [R, V]; seeds, positions [R] -> [R] int64."""
+    u = uniform_noise(seeds, positions, SALT_SAMPLE, probs.shape[-1])
+    return (probs / -torch.log(u)).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
+    """logits [bs, V] -> token ids [bs]; positions: the sequence index each new token will take."""
+    if sb.all_greedy:
+        return logits.argmax(dim=-1)
+    return sample_from_probs(probs_from_logits(logits, sb), sb.seeds, positions)

@@ -1,0 +1,242 @@
+"""Continuous-batching scheduler: admission by KV budget, chunked prefill, decode or spec steps, retraction.
+
+Policy, per step: if a prompt is waiting (or half prefilled) and fits, run one prefill batch of at most
+`--chunked-prefill-size` tokens; otherwise run one decode (or speculative) step for every running request.
+When the pool cannot hold the next step, the newest running requests are retracted (KV freed, re-queued at the
+front with their outputs kept, re-prefilled later). Nothing is dropped and the engine never crashes on memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.request import Req, ReqState
+from specserve.engine.steps import Chunk, run_decode, run_prefill
+from specserve.engine.stop import StopChecker
+from specserve.spec.mtp_worker import run_spec_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_retractions: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
+    finished: int = 0
+    recent_accept: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    @property
+    def spec_accept_length(self) -> float:
+        if not self.spec_verify_ct:
+            return 0.0
+        return (self.spec_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct
+
+
+class Scheduler:
+    def __init__(self, mr: ModelRunner, stop_checker: StopChecker, chunked_prefill_size: int):
+        self.mr = mr
+        self.stop = stop_checker
+        self.n = mr.num_steps
+        self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else mr.context_len
+        self.waiting: deque[Req] = deque()
+        self.prefilling: Req | None = None  # at most one request is half prefilled
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.stats = SchedulerStats()
+        self.initial_free_pages = mr.allocator.num_free_pages
+        self._touched: dict[str, Req] = {}  # requests changed since the last step() returned
+
+    # ------------------------------------------------------------------ queue
+    def add_request(self, req: Req) -> None:
+        if req.rid in self.reqs:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        req.prefill_len = len(req.origin_input_ids)
+        self.reqs[req.rid] = req
+        if req.sampling.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return None
+        self._finish(req, {"type": "abort", "message": "aborted"})
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (1 if self.prefilling else 0)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[Req]:
+        """Run one forward step; returns the requests that changed (new tokens or finished)."""
+        chunks = self._schedule_prefill()
+        if chunks:
+            self._run_prefill(chunks)
+        elif self.running:
+            self._run_decode()
+        out = list(self._touched.values())
+        self._touched = {}
+        for r in out:
+            if r.finished:
+                self.reqs.pop(r.rid, None)
+        return out
+
+    # ------------------------------------------------------------------ prefill
+    def _schedule_prefill(self) -> list[Chunk]:
+        mr = self.mr
+        budget = self.chunk_budget
+        chunks: list[Chunk] = []
+        # Keep pages back so admitted prompts do not immediately force running requests out.
+        reserve = len(self.running) * -(-(self.n + 2) // mr.page_size)
+        candidates: list[Req] = []
+        if self.prefilling is not None:
+            candidates.append(self.prefilling)
+        candidates.extend(self.waiting)
+        for req in candidates:
+            if budget <= 0:
+                break
+            new = req.state == ReqState.WAITING
+            if new and len(self.running) + len(chunks) + (1 if self.prefilling else 0) >= mr.max_running:
+                break
+            start = req.seq_len
+            end = min(req.prefill_len, start + budget)
+            final = end == req.prefill_len
+            need_positions = end + (self.n + 1 if final else 0)
+            extra = mr.kv.pages_needed(req.kv, need_positions)
+            if extra + reserve > mr.allocator.num_free_pages:
+                if new:
+                    break  # FIFO: later requests wait behind this one
+                # The half-prefilled request cannot grow: let decodes run (they may finish and free pages).
+                break
+            if new:
+                if not mr.kv.assign_row(req.kv):
+                    break
+                self.waiting.remove(req)
+                req.state = ReqState.PREFILLING
+            ok = mr.kv.ensure([req.kv], [need_positions])
+            assert ok
+            chunks.append(Chunk(req, start, end))
+            budget -= end - start
+            if not final:
+                self.prefilling = req
+                break
+            if self.prefilling is req:
+                self.prefilling = None
+        return chunks
+
+    def _run_prefill(self, chunks: list[Chunk]) -> None:
+        self.stats.num_prefill_steps += 1
+        t0s = run_prefill(self.mr, chunks)
+        now = time.perf_counter()
+        for c, tok in zip(chunks, t0s):
+            req = c.req
+            req.seq_len = c.end
+            self.stats.num_prompt_tokens += c.end - c.start
+            if tok is None:
+                continue
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._append(req, [tok])
+
+    # ------------------------------------------------------------------ decode
+    def _run_decode(self) -> None:
+        self._ensure_decode_capacity()
+        if not self.running:
+            return
+        self.stats.num_decode_steps += 1
+        reqs = list(self.running)
+        if self.n == 0:
+            toks = run_decode(self.mr, reqs)
+            for req, t in zip(reqs, toks):
+                req.seq_len += 1
+                self._append(req, [t])
+            return
+        res = run_spec_step(self.mr, reqs)
+        for req, k, toks in zip(reqs, res.accept_len, res.tokens):
+            req.seq_len += k + 1
+            req.spec_verify_ct += 1
+            req.spec_accepted_drafts += k
+            self.stats.spec_verify_ct += 1
+            self.stats.spec_accepted_drafts += k
+            self.stats.recent_accept.append(k + 1)
+            self._append(req, toks)
+
+    def _ensure_decode_capacity(self) -> None:
+        mr = self.mr
+        while self.running:
+            need = [r.seq_len + self.n + 1 for r in self.running]
+            if mr.kv.ensure([r.kv for r in self.running], need):
+                return
+            # Out of pages: retract a half-prefilled request first, then the newest running ones.
+            if self.prefilling is not None:
+                self._retract(self.prefilling)
+                continue
+            if len(self.running) == 1:
+                raise RuntimeError("KV pool cannot hold a single request; the pool was sized wrongly")
+            self._retract(max(self.running, key=lambda r: r.arrival_time))
+
+    def _retract(self, req: Req) -> None:
+        self.mr.kv.release(req.kv)
+        if req in self.running:
+            self.running.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+        req.seq_len = 0
+        req.prefill_len = len(req.fill_ids)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        self.stats.num_retractions += 1
+        self.waiting.appendleft(req)
+        logger.debug("retracted %s (%d tokens)", req.rid, req.prefill_len)
+
+    # ------------------------------------------------------------------ outputs
+    def _append(self, req: Req, tokens: list[int]) -> None:
+        for t in tokens:
+            req.output_ids.append(t)
+            self.stats.num_generated_tokens += 1
+            reason = self.stop.check(req, self.mr.context_len)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        self._touched[req.rid] = req
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.finished_reason = reason
+        req.finish_time = time.perf_counter()
+        req.state = ReqState.FINISHED
+        self.mr.kv.release(req.kv)
+        if req in self.running:
+            self.running.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.stats.finished += 1
+        self._touched[req.rid] = req
+
+    def check_idle_invariants(self) -> None:
+        """When idle, every page and row is back (tests call this)."""
+        if self.has_work:
+            raise AssertionError("scheduler is not idle")
+        free = self.mr.allocator.num_free_pages
+        if free != self.initial_free_pages:
+            raise AssertionError(f"KV leak: {self.initial_free_pages - free} pages still held")
+        if self.mr.req_to_token.num_free_rows != self.mr.req_to_token.max_reqs:
+            raise AssertionError("page-table row leak")

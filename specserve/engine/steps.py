@@ -1,0 +1,115 @@
+"""The forward steps the scheduler runs: prefill (target extend, + draft extend when speculating) and plain decode.
+
+Each step takes requests whose KV capacity the scheduler has already ensured, runs on the device, and returns the
+new tokens as host lists (the one host sync of a step). Request bookkeeping stays in the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.forward_batch import ForwardMode
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.padding import LiveInputs
+from specserve.engine.request import Req
+from specserve.engine.sampler import SamplingBatch, sample
+
+
+@dataclass
+class Chunk:
+    req: Req
+    start: int  # first sequence index prefilled now
+    end: int  # one past the last
+
+    @property
+    def is_final(self) -> bool:
+        return self.end == self.req.prefill_len
+
+
+def sampling_batch(mr: ModelRunner, reqs: list[Req]) -> SamplingBatch:
+    return SamplingBatch.build([r.sampling for r in reqs], [r.seed for r in reqs], mr.cfg.vocab_size, mr.device)
+
+
+@torch.inference_mode()
+def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
+    """Target extend over the chunks; for final chunks sample t0; with a drafter, draft extend over the same
+    positions (prompt shifted left by one, t0 appended) to fill the draft KV and produce d1 and its hidden state.
+    Returns t0 per chunk (None for non-final chunks)."""
+    dev = mr.device
+    table = mr.req_to_token.table
+    ids_host, pos_host, rows, seq_lens, ext = [], [], [], [], []
+    loc_rows, loc_cols = [], []
+    for c in chunks:
+        fill = c.req.fill_ids
+        ids_host.extend(fill[c.start:c.end])
+        pos_host.extend(range(c.start, c.end))  # text prompt: rope position = sequence index
+        rows.append(c.req.kv.row)
+        seq_lens.append(c.end)
+        ext.append(c.end - c.start)
+        loc_rows.extend([c.req.kv.row] * (c.end - c.start))
+        loc_cols.extend(range(c.start, c.end))
+    input_ids = torch.tensor(ids_host, dtype=torch.int64).to(dev, non_blocking=True)
+    positions = torch.tensor(pos_host, dtype=torch.int64).to(dev, non_blocking=True)
+    out_loc = table[torch.tensor(loc_rows, device=dev), torch.tensor(loc_cols, device=dev)]
+    hidden = mr.forward_extend(mr.target, mr.target_kv, mr.target_eager_backend, input_ids, positions, out_loc, rows,
+                               seq_lens, ext, None, ForwardMode.EXTEND)  # [T, H]
+
+    ends = torch.tensor(ext, device=dev).cumsum(0) - 1  # last token of each chunk
+    final = [i for i, c in enumerate(chunks) if c.is_final]
+    t0 = None
+    if final:
+        fidx = ends[torch.tensor(final, device=dev)]
+        logits = mr.target.compute_logits(hidden[fidx])  # [F, V]
+        freqs = [chunks[i].req for i in final]
+        new_pos = torch.tensor([chunks[i].end for i in final], dtype=torch.int64, device=dev)
+        t0 = sample(logits, sampling_batch(mr, freqs), new_pos)  # [F]
+        frows = torch.tensor([chunks[i].req.kv.row for i in final], device=dev)
+        mr.rows.last_token[frows] = t0
+
+    if mr.draft is not None:
+        # Draft input at position p is (hidden_p, token_{p+1}): shift each chunk left by one and append the next
+        # prompt token, or t0 for a final chunk.
+        shifted = []
+        for c in chunks:
+            fill = c.req.fill_ids
+            shifted.extend(fill[c.start + 1:c.end])
+            shifted.append(fill[c.end] if not c.is_final else 0)
+        draft_ids = torch.tensor(shifted, dtype=torch.int64).to(dev, non_blocking=True)
+        if final:
+            draft_ids[fidx] = t0
+        dh = mr.forward_extend(mr.draft, mr.draft_kv, mr.draft_eager_backend, draft_ids, positions, out_loc, rows,
+                               seq_lens, ext, hidden, ForwardMode.DRAFT_EXTEND)  # [T, H]
+        if final:
+            last = dh[fidx]
+            mr.rows.draft_token[frows] = mr.draft.draft_tokens(last)
+            mr.rows.draft_hidden[frows] = last.to(mr.rows.draft_hidden.dtype)
+
+    out: list[int | None] = [None] * len(chunks)
+    if final:
+        for i, tok in zip(final, t0.tolist()):
+            out[i] = tok
+    return out
+
+
+@torch.inference_mode()
+def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
+    """Plain decode: one token per request through the decode runner (graph), then sampling."""
+    dev = mr.device
+    rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+    s_host = [r.seq_len for r in reqs]
+    s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)
+    live = LiveInputs(batch_size=len(reqs), input_ids=mr.rows.last_token[rows], positions=s + _deltas(reqs, dev),
+                      req_pool_indices=rows, seq_lens=s + 1, max_seq_len=max(s_host) + 1)
+    logits = mr.runners["decode"].run(live)["logits"]
+    tokens = sample(logits, sampling_batch(mr, reqs), s + 1)
+    mr.rows.last_token[rows] = tokens
+    return tokens.tolist()
+
+
+def _deltas(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:
+    """mRoPE position offsets of generated text (0 for text-only requests: no tensor needed)."""
+    if all(r.mrope_delta == 0 for r in reqs):
+        return 0
+    return torch.tensor([r.mrope_delta for r in reqs], dtype=torch.int64, device=dev)

@@ -1,0 +1,52 @@
+"""Stop conditions: max_new_tokens, EOS (unless ignore_eos), stop token ids, stop strings, context length."""
+
+from __future__ import annotations
+
+from specserve.engine.request import Req
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.eos = set(eos_token_ids)
+
+    def check(self, req: Req, context_len: int) -> dict | None:
+        """Called after each appended token; returns a finish reason or None."""
+        sp = req.sampling
+        n = len(req.output_ids)
+        tok = req.output_ids[-1]
+        if not sp.ignore_eos and tok in self.eos:
+            return {"type": "stop", "matched": tok}
+        if tok in sp.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if sp.stop:
+            matched = self.match_stop_string(req)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if n >= sp.max_new_tokens:
+            return {"type": "length", "length": n}
+        if len(req.origin_input_ids) + n >= context_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def match_stop_string(self, req: Req) -> str | None:
+        if self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        longest = max(len(s) for s in req.sampling.stop)
+        tail = self.tokenizer.decode(req.output_ids[-(longest + 2):], skip_special_tokens=False)
+        for s in req.sampling.stop:
+            if s in tail:
+                return s
+        return None
+
+
+def output_text(tokenizer, req: Req) -> str:
+    """Final text of a request: special tokens skipped, cut before a matched stop string."""
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    reason = req.finished_reason or {}
+    matched = reason.get("matched")
+    if reason.get("type") == "stop" and isinstance(matched, str):
+        cut = text.find(matched)
+        if cut >= 0:
+            text = text[:cut]
+    return text

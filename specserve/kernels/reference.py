@@ -1,0 +1,61 @@
+"""Torch reference implementations. They run on CPU and GPU, and every Triton kernel is tested against them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H], w [H] -> [T, H] in x's dtype (statistics in float32)."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps)).to(x.dtype) * w
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual)."""
+    s = x + residual
+    return rms_norm(s, w, eps), s
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rope_cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                 mrope_section: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_sin_cache [P, D] (cos | sin halves); positions [T] or [3, T] -> cos, sin [T, D/2] float32.
+
+    mRoPE: frequency band i of the half-dim takes its position from row i (sections s0, s1, s2; sum = D/2).
+    """
+    half = cos_sin_cache.shape[1] // 2
+    if positions.dim() == 1:
+        cs = cos_sin_cache[positions]  # [T, D]
+        return cs[:, :half], cs[:, half:]
+    assert mrope_section is not None and sum(mrope_section) == half, "mRoPE sections must cover head_dim / 2"
+    rows = [cos_sin_cache[positions[i]] for i in range(3)]  # 3 x [T, D]
+    cos_parts, sin_parts, off = [], [], 0
+    for i, s in enumerate(mrope_section):
+        cos_parts.append(rows[i][:, off:off + s])
+        sin_parts.append(rows[i][:, half + off:half + off + s])
+        off += s
+    return torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style (rotate-half) rotary. x [T, heads, D]; cos, sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write k, v [T, kv_heads, D] at slots loc [T]."""
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)

@@ -1,0 +1,89 @@
+"""Per-request KV ownership: which pages a request holds and the page-table rows that point at them.
+
+A running request always owns slots for positions [0, seq_len + N + 1) (DESIGN §2): draft and verify write into
+them and rejected positions are overwritten by the next step, so nothing is freed on rejection. Everything is
+returned when the request finishes, is aborted or is retracted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.kvcache.allocator import PageAllocator
+from specserve.kvcache.req_to_token import ReqToTokenPool
+
+
+@dataclass
+class KVHandle:
+    row: int = 0  # page-table row; 0 = none (row 0 is the dummy)
+    pages: list[int] = field(default_factory=list)
+
+    def num_positions(self, page_size: int) -> int:
+        return len(self.pages) * page_size
+
+
+class KVManager:
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool):
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.page_size = allocator.page_size
+
+    def pages_needed(self, handle: KVHandle, num_positions: int) -> int:
+        have = len(handle.pages)
+        want = -(-num_positions // self.page_size)
+        return max(0, want - have)
+
+    def can_fit(self, extra_pages: int) -> bool:
+        return extra_pages <= self.allocator.num_free_pages
+
+    def ensure(self, handles: list[KVHandle], num_positions: list[int]) -> bool:
+        """Grow each handle to cover positions [0, n). All or nothing: on failure nothing is taken."""
+        need = [self.pages_needed(h, n) for h, n in zip(handles, num_positions)]
+        total = sum(need)
+        if total == 0:
+            return True
+        if total > self.allocator.num_free_pages:
+            return False
+        if any(h.row == 0 for h, k in zip(handles, need) if k):
+            raise RuntimeError("ensure() on a request that holds no page-table row")
+        pages = self.allocator.alloc(total)
+        assert pages is not None
+        rows, cols, slots = [], [], []
+        ps = self.page_size
+        i = 0
+        for h, k in zip(handles, need):
+            for p in pages[i:i + k]:
+                start = len(h.pages) * ps
+                h.pages.append(p)
+                rows.extend([h.row] * ps)
+                cols.extend(range(start, start + ps))
+                slots.extend(range(p * ps, p * ps + ps))
+            i += k
+        table = self.req_to_token.table
+        width = table.shape[1]
+        keep = [j for j, c in enumerate(cols) if c < width]  # the last page may run past the row's width
+        dev = table.device
+        idx_r = torch.tensor([rows[j] for j in keep], dtype=torch.int64).to(dev, non_blocking=True)
+        idx_c = torch.tensor([cols[j] for j in keep], dtype=torch.int64).to(dev, non_blocking=True)
+        val = torch.tensor([slots[j] for j in keep], dtype=torch.int64).to(dev, non_blocking=True)
+        table[idx_r, idx_c] = val
+        return True
+
+    def assign_row(self, handle: KVHandle) -> bool:
+        if handle.row:
+            return True
+        row = self.req_to_token.alloc_row()
+        if row is None:
+            return False
+        handle.row = row
+        return True
+
+    def release(self, handle: KVHandle) -> None:
+        if handle.pages:
+            self.allocator.free(handle.pages)
+            handle.pages = []
+        if handle.row:
+            self.req_to_token.free_row(handle.row)
+            handle.row = 0

@@ -1,0 +1,27 @@
+"""RMSNorm with an optional fused residual add (torch reference; the Triton kernel plugs in through `ops`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.kernels import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
+        super().__init__()
+        self.eps = eps
+        # Qwen3-Next style norms store (weight - 1); the loader keeps the checkpoint's convention.
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
+
+    def effective_weight(self) -> torch.Tensor:
+        return self.weight + 1.0 if self.zero_centered else self.weight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [T, H]. Without residual: returns normed x. With residual: returns (normed(x + r), x + r)."""
+        w = self.effective_weight()
+        if residual is None:
+            return ops.rms_norm(x, w, self.eps)
+        return ops.add_rms_norm(x, residual, w, self.eps)

@@ -1,0 +1,1 @@
+"""Model families and the registry by HF `architectures`."""

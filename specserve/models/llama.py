@@ -1,0 +1,172 @@
+"""Dense decoder family: Llama (and SmolLM), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
+
+One implementation with three switches from the config; the HF `transformers` implementations are the oracle in
+tests. Parameter layout: fused qkv_proj and gate_up_proj (fewer, larger GEMMs on the GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.layers.activation import silu_and_mul
+from specserve.layers.attention import PagedAttention
+from specserve.layers.embedding import LMHead, VocabEmbedding
+from specserve.layers.linear import Linear, MergedLinear
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
+from specserve.models.config import ModelConfig
+
+
+def make_rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+    inv_freq, scale = inv_freq_from_config(getattr(cfg.hf_config, "text_config", None) or cfg.hf_config,
+                                           cfg.head_dim)
+    return RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scale, cfg.mrope_section)
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary  # shared module (not a parameter owner)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                   layer_id)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t = h.shape[0]
+        qkv = self.qkv_proj(h)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
+                                                           "up": cfg.intermediate_size})
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+
+
+class DenseDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DenseAttention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DenseMLP(cfg)
+
+    def forward(self, positions, h, residual, fb: ForwardBatch):
+        """Pre-norm block with the residual carried separately so add + norm fuse: returns (h, residual)."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DenseModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = make_rotary(cfg, max_positions)
+        self.layers = nn.ModuleList([DenseDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(fb.input_ids)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(fb.positions, h, residual, fb)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class DenseForCausalLM(nn.Module):
+    """Target model. forward() returns the final-norm hidden state [T, H]: the lm-head input, which is also the
+    hidden state handed to the MTP drafter."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DenseModel(cfg, max_positions)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def embed_tokens(self) -> VocabEmbedding:
+        return self.model.embed_tokens
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of our parameters that were written."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = load_dense_tensor(self, params, name, tensor)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}")
+            loaded.add(target)
+        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        return loaded
+
+
+_SHARDS = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def load_dense_tensor(root: nn.Module, params: dict[str, nn.Parameter], name: str,
+                      tensor: torch.Tensor) -> str | None:
+    """Copy one HF-named tensor into `root`'s parameters (fused shards included); returns our param name."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _SHARDS:
+        fused, shard = _SHARDS[parts[-2]]
+        mod_name = ".".join(parts[:-2] + [fused])
+        module = root.get_submodule(mod_name)
+        module.load_shard(shard, tensor, is_bias=parts[-1] == "bias")
+        return f"{mod_name}.{parts[-1]}"
+    if name not in params:
+        return None
+    p = params[name]
+    if p.shape != tensor.shape:
+        raise ValueError(f"{name}: parameter shape {tuple(p.shape)} != checkpoint shape {tuple(tensor.shape)}")
+    with torch.no_grad():
+        p.copy_(tensor)
+    return name

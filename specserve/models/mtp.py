@@ -1,0 +1,139 @@
+"""NextN / MTP draft layer for the dense family (DESIGN §5).
+
+    e = enorm(embed(token_{p+1}))         h = hnorm(hidden_p)        (hidden_p: target's final-norm hidden,
+    x = eh_proj([e ; h])                                              or the draft's own output when chaining)
+    x = decoder_layer(x)                   (the target architecture's block, with its own KV)
+    out = final_norm(x)  -> lm_head -> logits for token_{p+2}; `out` is also the next chained hidden state.
+
+Embedding and lm-head are the target's unless the draft checkpoint ships its own. A draft checkpoint may also
+carry a reduced draft vocabulary (`draft_vocab` [Vd] of target ids), which shrinks the per-step lm-head cost.
+
+Checkpoint layouts read by `load_weights`:
+  * DeepSeek-V3 / GLM: `model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens}`
+    and the block's own `model.layers.{L}.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*`
+    (L = num_hidden_layers in a target checkpoint; the single layer index in a separate draft folder).
+  * Qwen3-Next / Qwen3.5: `mtp.{fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm}` and `mtp.layers.0.*`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.layers.embedding import LMHead, VocabEmbedding
+from specserve.layers.linear import Linear
+from specserve.layers.norm import RMSNorm
+from specserve.models.config import ModelConfig
+from specserve.models.llama import DenseDecoderLayer, load_dense_tensor, make_rotary
+
+_DEEPSEEK_HEAD = {
+    "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "final_norm",
+    "shared_head.head": "lm_head", "embed_tokens": "embed_tokens",
+}
+_QWEN_NEXT_HEAD = {
+    "fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "final_norm",
+}
+
+
+class MTPDraftModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, own_embed: bool = False, own_head: bool = False,
+                 draft_vocab_size: int | None = None):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * h, h)
+        self.rotary = make_rotary(cfg, max_positions)
+        self.decoder = DenseDecoderLayer(cfg, 0, self.rotary)
+        self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, h) if own_embed else None
+        vd = draft_vocab_size or cfg.vocab_size
+        self.lm_head = LMHead(vd, h) if (own_head or draft_vocab_size) else None
+        if draft_vocab_size:
+            # draft index -> target token id; a buffer so it moves with .to(device)
+            self.register_buffer("draft_vocab", torch.arange(vd, dtype=torch.int64))
+        else:
+            self.draft_vocab = None
+        self._shared: tuple[VocabEmbedding, LMHead] | None = None
+
+    def share_target(self, embed: VocabEmbedding, lm_head: LMHead) -> None:
+        # Kept outside the module tree so the target's weights are not registered (or saved) twice.
+        self._shared = (embed, lm_head)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed_tokens or self._shared[0])(ids)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """fb.input_ids [T] (token at p+1), fb.hidden_in [T, H] (hidden at p) -> draft hidden [T, H]."""
+        e = self.enorm(self.embed(fb.input_ids))
+        h = self.hnorm(fb.hidden_in.to(e.dtype))
+        x = self.eh_proj(torch.cat((e, h), dim=-1))
+        x, residual = self.decoder(fb.positions, x, None, fb)
+        x, _ = self.final_norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, Vd] float32 (Vd = the draft vocabulary, the target's unless reduced)."""
+        return (self.lm_head or self._shared[1])(hidden)
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy draft token ids (target vocabulary) for hidden [T, H] -> [T]. Drafts are deterministic: the
+        verifier treats the draft distribution as one-hot (DESIGN §1)."""
+        idx = self.compute_logits(hidden).argmax(dim=-1)
+        return self.draft_vocab[idx] if self.draft_vocab is not None else idx
+
+    # ------------------------------------------------------------------ loading
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layer_index: int | None) -> set[str]:
+        """Load the MTP tensors among `weights` (other names are skipped). `layer_index`: L for the DeepSeek
+        layout inside a target checkpoint; None in a draft folder (the one layer index present is used)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            ours = self._map_name(name, layer_index)
+            if ours is None:
+                continue
+            if ours == "draft_vocab":
+                self.draft_vocab.copy_(tensor.to(torch.int64))
+                loaded.add(ours)
+                continue
+            target = load_dense_tensor(self, params, ours, tensor)
+            if target is None:
+                raise ValueError(f"MTP tensor {name!r} (as {ours!r}) matches no draft parameter")
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"MTP checkpoint lacks: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        return loaded
+
+    def _map_name(self, name: str, layer_index: int | None) -> str | None:
+        if name in ("draft_vocab", "d2t_ids"):
+            return "draft_vocab"
+        m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+        if m:
+            idx, rest = int(m.group(1)), m.group(2)
+            if layer_index is not None and idx != layer_index:
+                return None
+            return self._map_rest(rest, _DEEPSEEK_HEAD)
+        m = re.match(r"mtp\.layers\.0\.(.+)$", name)
+        if m:
+            return self._map_rest(m.group(1), {})
+        m = re.match(r"mtp\.(.+)$", name)
+        if m:
+            return self._map_rest(m.group(1), _QWEN_NEXT_HEAD)
+        if layer_index is None and name == "model.embed_tokens.weight":
+            return "embed_tokens.weight"
+        if layer_index is None and name == "lm_head.weight":
+            return "lm_head.weight"
+        return None
+
+    @staticmethod
+    def _map_rest(rest: str, head_map: dict[str, str]) -> str:
+        for src, dst in head_map.items():
+            if rest.startswith(src + "."):
+                return dst + rest[len(src):]
+        return "decoder." + rest

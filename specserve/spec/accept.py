@@ -1,0 +1,52 @@
+"""Verification: which drafts the target accepts, and the token that follows them (torch reference).
+
+Drafts are deterministic, so the draft distribution is one-hot (DESIGN §1): accept draft d at a position with
+probability p(d); on the first rejection draw from p with d removed and renormalised; if all N are accepted draw a
+bonus token from the last position's p. The output tokens are then distributed exactly as plain sampling from p.
+Greedy rows use one-hot p, which reduces to "accept while draft == argmax".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.sampler import SALT_ACCEPT, sample_from_probs, uniform_noise
+
+
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [bs, N]; target_logits [bs, N+1, V] -> (accept_len [bs] in 0..N, verified [bs, N+1]).
+
+    verified[:, j] is the token at sequence index S + j + 1 for j <= accept_len (the accepted drafts, then the
+    target's own token)."""
+    pred = target_logits.argmax(dim=-1)  # [bs, N+1]
+    n = drafts.shape[1]
+    match = (drafts == pred[:, :n]).to(torch.int64)
+    accept_len = match.cumprod(dim=1).sum(dim=1)
+    return accept_len, pred
+
+
+def accept_sampling(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tensor,
+                    base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling. drafts [bs, N]; probs [bs, N+1, V] (already temperature/top-k/top-p/min-p filtered);
+    seeds [bs]; base_index [bs] = S, the sequence index of the first verified input token.
+
+    Returns (accept_len [bs], verified [bs, N+1]) as accept_greedy does."""
+    bs, n = drafts.shape
+    ar = torch.arange(bs, device=drafts.device)
+    j = torch.arange(n, device=drafts.device)
+    p_draft = probs[:, :n].gather(-1, drafts[..., None]).squeeze(-1)  # [bs, N]
+    u = uniform_noise(seeds[:, None].expand(bs, n), base_index[:, None] + j[None, :] + 1, SALT_ACCEPT, None)
+    accepted = (u < p_draft).to(torch.int64)
+    accept_len = accepted.cumprod(dim=1).sum(dim=1)  # [bs]
+    pk = probs[ar, accept_len]  # [bs, V] distribution at the first rejected (or bonus) position
+    rejected = accept_len < n
+    d_rej = drafts[ar, accept_len.clamp(max=n - 1)]
+    residual = pk.clone()
+    residual[ar, d_rej] = torch.where(rejected, torch.zeros_like(p_draft[:, 0]), residual[ar, d_rej])
+    total = residual.sum(dim=-1, keepdim=True)
+    # A rejection implies p(d) < 1, so the residual has mass; the guard only absorbs rounding.
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), pk)
+    new_tok = sample_from_probs(residual, seeds, base_index + accept_len + 1)
+    verified = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)  # [bs, N+1]
+    verified[ar, accept_len] = new_tok
+    return accept_len, verified

@@ -1,0 +1,1 @@
+"""Checkpoint readers: HF safetensors folders (single or sharded) and GGUF files."""

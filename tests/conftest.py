@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch = pytest.importorskip("torch")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Random tiny checkpoints of each dense family, plus MTP layers in both layouts."""
+    from helpers import build_draft_folder, build_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        out[arch] = build_tiny_model(str(root / arch), arch, seed=hash(arch) % 1000)
+    out["llama_mtp"] = build_tiny_model(str(root / "llama_mtp"), "llama", seed=11, mtp_layout="deepseek")
+    out["qwen3_mtp"] = build_tiny_model(str(root / "qwen3_mtp"), "qwen3", seed=12, mtp_layout="deepseek")
+    out["llama_draft"] = build_draft_folder(str(root / "llama_draft"), out["llama"], seed=21)
+    return out

@@ -1,0 +1,150 @@
+"""Small random checkpoints built with transformers, and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, vocab_size=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def _tiny_tokenizer_files(folder: str, vocab_size: int) -> None:
+    """A byte-level-ish word tokenizer over a fixed vocabulary, saved through tokenizers (no hub access)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    pieces = letters + list("0123456789 .,!?'\":;-()") + ["Ġ" + c for c in letters]
+    for p in pieces:
+        if len(vocab) >= vocab_size:
+            break
+        vocab.setdefault(p, len(vocab))
+    while len(vocab) < vocab_size:
+        vocab[f"<extra_{len(vocab)}>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(folder)
+
+
+def build_tiny_model(folder: str, arch: str = "llama", seed: int = 0, mtp_layout: str | None = None,
+                     **overrides) -> str:
+    """Save a random HF checkpoint of `arch` (llama | qwen2 | qwen3) to folder and return it.
+
+    mtp_layout: None, or "deepseek" to append a random MTP layer at model.layers.{L}.* (num_nextn_predict_layers=1).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    kw = dict(TINY)
+    kw.update(overrides)
+    if arch == "qwen3":
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    cfg = cls(**kw)
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                          "qwen3": "Qwen3ForCausalLM"}[arch]]
+    cfg.eos_token_id = 2
+    cfg.bos_token_id = 1
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _spread_weights(model, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    _tiny_tokenizer_files(folder, cfg.vocab_size)
+    if mtp_layout == "deepseek":
+        tensors = random_mtp_tensors(cfg, prefix=f"model.layers.{cfg.num_hidden_layers}.", seed=seed + 1)
+        save_file(tensors, os.path.join(folder, "mtp.safetensors"))
+        with open(os.path.join(folder, "config.json")) as f:
+            c = json.load(f)
+        c["num_nextn_predict_layers"] = 1
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(c, f, indent=2)
+        _index_all_shards(folder)
+    return folder
+
+
+def _index_all_shards(folder: str) -> None:
+    """If the checkpoint is a single file plus our mtp file, write an index so loaders see both."""
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    weight_map = {}
+    for fn in files:
+        with safe_open(os.path.join(folder, fn), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                weight_map[k] = fn
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def _spread_weights(model, seed: int) -> None:
+    """HF's init (std 0.02) gives near-uniform logits on a tiny model; larger weights make argmax decisive so
+    greedy comparisons test something (ties would be decided by rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[1] ** 0.5))
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def random_mtp_tensors(cfg, prefix: str, seed: int, own_head: bool = False) -> dict[str, torch.Tensor]:
+    """Random MTP layer tensors in the DeepSeek-V3 naming under `prefix`."""
+    g = torch.Generator().manual_seed(seed)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or h // nh
+    r = lambda *s: torch.randn(*s, generator=g) * (1.0 / s[-1] ** 0.5)
+    n = lambda: 1.0 + 0.1 * torch.randn(h, generator=g)
+    t = {
+        "enorm.weight": n(), "hnorm.weight": n(), "eh_proj.weight": r(h, 2 * h),
+        "shared_head.norm.weight": n(),
+        "input_layernorm.weight": n(), "post_attention_layernorm.weight": n(),
+        "self_attn.q_proj.weight": r(nh * d, h), "self_attn.k_proj.weight": r(nkv * d, h),
+        "self_attn.v_proj.weight": r(nkv * d, h), "self_attn.o_proj.weight": r(h, nh * d),
+        "mlp.gate_proj.weight": r(i, h), "mlp.up_proj.weight": r(i, h), "mlp.down_proj.weight": r(h, i),
+    }
+    arch = cfg.architectures[0]
+    if arch.startswith("Qwen2"):
+        for k, s in (("q", nh * d), ("k", nkv * d), ("v", nkv * d)):
+            t[f"self_attn.{k}_proj.bias"] = 0.1 * torch.randn(s, generator=g)
+    if arch.startswith("Qwen3"):
+        t["self_attn.q_norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+        t["self_attn.k_norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+    if own_head:
+        t["shared_head.head.weight"] = r(cfg.vocab_size, h)
+    return {prefix + k: v.contiguous() for k, v in t.items()}
+
+
+def build_draft_folder(folder: str, target_folder: str, seed: int = 7, own_head: bool = False) -> str:
+    """A separate draft checkpoint (--speculative-draft-model-path): config.json with num_hidden_layers = 1 and the
+    MTP layer at model.layers.0.*."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(target_folder)
+    os.makedirs(folder, exist_ok=True)
+    save_file(random_mtp_tensors(cfg, "model.layers.0.", seed, own_head), os.path.join(folder,
+                                                                                       "model.safetensors"))
+    c = cfg.to_dict()
+    c["num_hidden_layers"] = 1
+    c["num_nextn_predict_layers"] = 1
+    c["architectures"] = [cfg.architectures[0] + "NextN"]
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    return folder
+
+
+def shared_data_dir() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.normpath(os.path.join(here, "..", "..", "shared", "data"))
+    return path if os.path.isdir(path) else None
