@@ -36,10 +36,11 @@ def _tiny_tokenizer_files(folder: str, vocab_size: int) -> None:
 
 
 def build_tiny_model(folder: str, arch: str = "llama", seed: int = 0, mtp_layout: str | None = None,
-                     **overrides) -> str:
+                     logit_scale: float = 1.0, **overrides) -> str:
     """Save a random HF checkpoint of `arch` (llama | qwen2 | qwen3) to folder and return it.
 
     mtp_layout: None, or "deepseek" to append a random MTP layer at model.layers.{L}.* (num_nextn_predict_layers=1).
+    logit_scale: multiplies the lm-head weights (> 1: lower-entropy next-token distributions).
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -56,6 +57,8 @@ def build_tiny_model(folder: str, arch: str = "llama", seed: int = 0, mtp_layout
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _spread_weights(model, seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(folder, safe_serialization=True)
     _tiny_tokenizer_files(folder, cfg.vocab_size)
     if mtp_layout == "deepseek":
@@ -126,12 +129,15 @@ def random_mtp_tensors(cfg, prefix: str, seed: int, own_head: bool = False) -> d
     return {prefix + k: v.contiguous() for k, v in t.items()}
 
 
-def build_draft_folder(folder: str, target_folder: str, seed: int = 7, own_head: bool = False) -> str:
+def build_draft_folder(folder: str, target_folder: str | None, seed: int = 7, own_head: bool = False,
+                       hf_config=None) -> str:
     """A separate draft checkpoint (--speculative-draft-model-path): config.json with num_hidden_layers = 1 and the
-    MTP layer at model.layers.0.*."""
+    MTP layer at model.layers.0.*. The target's config comes from its folder, or is given (e.g. read from GGUF)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(target_folder)
+    cfg = hf_config if hf_config is not None else AutoConfig.from_pretrained(target_folder)
+    if not getattr(cfg, "architectures", None):
+        cfg.architectures = ["LlamaForCausalLM"]
     os.makedirs(folder, exist_ok=True)
     save_file(random_mtp_tensors(cfg, "model.layers.0.", seed, own_head), os.path.join(folder,
                                                                                        "model.safetensors"))

@@ -9,7 +9,10 @@ from types import ModuleType
 
 @functools.cache
 def triton_kernels() -> ModuleType | None:
-    """The module of Triton kernel entry points, or None when Triton or CUDA is missing."""
+    """The module of Triton kernel entry points, or None when Triton or CUDA is missing.
+
+    With Triton and CUDA present, a broken specserve.kernels.triton_ops raises instead of silently falling back
+    to the torch references."""
     import torch
 
     if not torch.cuda.is_available():
@@ -18,8 +21,4 @@ def triton_kernels() -> ModuleType | None:
         importlib.import_module("triton")
     except ImportError:
         return None
-    try:
-        return importlib.import_module("specserve.kernels.triton_ops")
-    except ImportError:
-        # The Triton implementations arrive with the GPU work; until then every op takes its reference.
-        return None
+    return importlib.import_module("specserve.kernels.triton_ops")

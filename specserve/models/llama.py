@@ -115,7 +115,12 @@ class DenseForCausalLM(nn.Module):
         self.config = cfg
         self.model = DenseModel(cfg, max_positions)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the lm-head (tied checkpoints). Call again after to_empty(): moving a meta
+        model to a device makes new Parameter objects per module and so unties them."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
@@ -141,8 +146,6 @@ class DenseForCausalLM(nn.Module):
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}")
             loaded.add(target)
-        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
-            loaded.add("lm_head.weight")
         return loaded
 
 

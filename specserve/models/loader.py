@@ -103,6 +103,7 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
     with torch.device("meta"):
         model = cls(cfg, max_positions)
     model = model.to_empty(device="cpu")
+    model.tie_weights()
     _reset_buffers(model, cfg, max_positions)
     mtp: dict[str, torch.Tensor] = {}
 
@@ -120,6 +121,7 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
     if missing:
         raise ValueError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
     model = model.to(device=device, dtype=dtype)
+    model.tie_weights()
     _keep_float32_buffers(model)
     model.eval().requires_grad_(False)
     return LoadedTarget(model, cfg, src, mtp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.sampler import SALT_ACCEPT, sample_from_probs, uniform_noise
+from specserve.kernels.availability import triton_kernels
 
 
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,3 +51,18 @@ def accept_sampling(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tens
     verified = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)  # [bs, N+1]
     verified[ar, accept_len] = new_tok
     return accept_len, verified
+
+
+def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_greedy on the device: the Triton kernel for CUDA tensors, the reference above otherwise."""
+    if drafts.is_cuda and (tk := triton_kernels()) is not None:
+        return tk.accept_greedy_triton(drafts, target_logits)
+    return accept_greedy(drafts, target_logits)
+
+
+def verify_sampling(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tensor,
+                    base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_sampling with the same dispatch as verify_greedy."""
+    if drafts.is_cuda and (tk := triton_kernels()) is not None:
+        return tk.accept_sampling_triton(drafts, probs, seeds, base_index)
+    return accept_sampling(drafts, probs, seeds, base_index)

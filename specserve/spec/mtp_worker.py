@@ -18,7 +18,7 @@ from specserve.engine.padding import LiveInputs
 from specserve.engine.request import Req
 from specserve.engine.sampler import probs_from_logits
 from specserve.engine.steps import _deltas, sampling_batch
-from specserve.spec.accept import accept_greedy, accept_sampling
+from specserve.spec.accept import verify_greedy, verify_sampling
 
 
 @dataclass
@@ -60,10 +60,10 @@ def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     # 3. accept
     sb = sampling_batch(mr, reqs)
     if sb.all_greedy:
-        accept_len, verified = accept_greedy(drafts, logits)
+        accept_len, verified = verify_greedy(drafts, logits)
     else:
         probs = probs_from_logits(logits.reshape(bs * w, -1), sb.repeat(w)).view(bs, w, -1)
-        accept_len, verified = accept_sampling(drafts, probs, sb.seeds, s)
+        accept_len, verified = verify_sampling(drafts, probs, sb.seeds, s)
 
     # 4. draft extend over the same N+1 positions with the verified tokens, row accept_len -> next d1, g
     live = LiveInputs(bs, verified.reshape(-1), verify_pos, rows, s + w, max_s + w, accept_len=accept_len,

@@ -1,0 +1,118 @@
+"""Triton attention backend over the paged KV cache (kernels: kernels/triton_attention.py; oracle:
+attention/torch_backend.py).
+
+Metadata is built once per forward (`init_forward_metadata*`) and read by every layer:
+  * fixed-width batches (DECODE, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_DECODE): page-table rows, KV lengths, and the
+    number of KV splits of the split-KV kernel. The split count is a host int chosen from the batch size and the
+    host bound fb.max_seq_len, both static per captured graph;
+  * variable-length batches (EXTEND, prefill draft extend): rows, KV lengths, each request's first token and
+    number of new tokens, and the longest extend (grid size) - read from the host lists of the batch.
+
+The graph path copies the rows and KV lengths into this instance's own buffers with device ops only, so it is
+capturable and a draft runner's backend never shares metadata with a target runner's (DESIGN §3). Padded rows
+(row 0, seq_len == width, slot 0) attend over dummy slot 0 only and stay finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.backend import AttentionBackend
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.kernels.triton_attention import fixed_width_attention, varlen_attention
+from specserve.kernels.triton_kv import store_kv
+from specserve.kvcache.kv_pool import KVPool
+from specserve.kvcache.req_to_token import ReqToTokenPool
+
+_CPU_NUM_SMS = 4  # stands in for the SM count on CPU (Triton interpreter) so the split heuristic is exercised
+
+
+@dataclass
+class _FixedMeta:
+    rows: torch.Tensor  # [bs] int64 page-table rows
+    seq_lens: torch.Tensor  # [bs] int64 KV length after this forward
+    width: int  # new tokens per request
+    num_splits: int  # KV splits of the split-KV kernel (host int: static under graphs)
+
+
+@dataclass
+class _VarlenMeta:
+    rows: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64 KV length after this forward (prefix + new)
+    q_starts: torch.Tensor  # [bs] int64 first token of each request in q
+    ext_lens: torch.Tensor  # [bs] int64 new tokens per request
+    max_ext: int  # host max of ext_lens
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool, max_kv_splits: int = 32,
+                 min_split_keys: int = 256, num_sms: int | None = None, block_n: int = 64, block_m: int = 64):
+        """max_kv_splits caps the split-KV fan-out; min_split_keys is the fewest keys worth a split of their own;
+        block_n / block_m: key / query tile sizes."""
+        super().__init__(req_to_token, kv_pool)
+        dev = req_to_token.table.device
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda"
+                       else _CPU_NUM_SMS)
+        self.num_sms = num_sms
+        self.max_kv_splits = max_kv_splits
+        self.min_split_keys = min_split_keys
+        self.block_n = block_n
+        self.block_m = block_m
+        self.meta: _FixedMeta | _VarlenMeta | None = None
+
+    def num_kv_splits(self, batch_size: int, max_seq_len: int) -> int:
+        """Enough (request, KV head, split) programs to cover every SM about twice, without splits shorter than
+        min_split_keys. Depends on host ints only."""
+        groups = max(1, batch_size * self.kv_pool.num_kv_heads)
+        want = -(-2 * self.num_sms // groups)
+        by_len = -(-max_seq_len // self.min_split_keys)
+        return max(1, min(self.max_kv_splits, want, by_len))
+
+    # ---------------------------------------------------------------- eager
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.width is not None:
+            self.meta = _FixedMeta(fb.req_pool_indices, fb.seq_lens, fb.width,
+                                   self.num_kv_splits(fb.batch_size, fb.max_seq_len))
+            return
+        ext = fb.extend_lens_cpu
+        starts, q0 = [], 0
+        for e in ext:
+            starts.append(q0)
+            q0 += e
+        host = torch.tensor([fb.seq_lens_cpu, starts, ext], dtype=torch.int64)  # [3, bs]
+        dev = host.to(fb.req_pool_indices.device, non_blocking=True)
+        self.meta = _VarlenMeta(fb.req_pool_indices, dev[0], dev[1], dev[2], max(ext, default=0))
+
+    # ---------------------------------------------------------------- graphs
+    def alloc_graph_buffers(self, max_bs: int, width: int, max_seq_len: int) -> None:
+        dev = self.req_to_token.table.device
+        self.graph_buffers = {
+            "rows": torch.zeros(max_bs, dtype=torch.int64, device=dev),  # [max_bs]
+            "seq_lens": torch.full((max_bs,), width, dtype=torch.int64, device=dev),  # [max_bs]
+        }
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        bs = fb.batch_size
+        rows = self.graph_buffers["rows"][:bs]
+        seq_lens = self.graph_buffers["seq_lens"][:bs]
+        rows.copy_(fb.req_pool_indices)
+        seq_lens.copy_(fb.seq_lens)
+        self.meta = _FixedMeta(rows, seq_lens, fb.width, self.num_kv_splits(bs, fb.max_seq_len))
+
+    # ---------------------------------------------------------------- attention
+    def forward(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        pool = fb.kv_pool
+        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]  # [S, Hkv, D]
+        store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        table = self.req_to_token.table
+        meta = self.meta
+        if isinstance(meta, _FixedMeta):
+            return fixed_width_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.width,
+                                         meta.num_splits, layer.scaling, block_n=self.block_n)
+        return varlen_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.q_starts, meta.ext_lens,
+                                meta.max_ext, layer.scaling, block_m=self.block_m, block_n=self.block_n)

@@ -1,0 +1,138 @@
+"""Set-up for the phase benchmark: models (a checkpoint, or random weights of a named HF config built directly on
+the device), paired plain and speculative model runners, and fake running requests with a KV prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.request import Req
+from specserve.engine.sampling_params import SamplingParams
+from specserve.kvcache.manager import KVHandle
+from specserve.models.config import ModelConfig
+from specserve.models.llama import DenseForCausalLM
+from specserve.models.mtp import MTPDraftModel
+from specserve.server_args import ServerArgs
+
+# Shapes of public checkpoints (random weights: only shapes matter for timing).
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+}
+
+
+def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0):
+    """Target and MTP draft with random weights, made on the device (nothing to carry)."""
+    from transformers import AutoConfig
+
+    spec = dict(PRESETS[preset])
+    hf = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    cfg = ModelConfig.from_hf(hf)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        target = DenseForCausalLM(cfg, max_positions).to(dtype)
+        draft = MTPDraftModel(cfg, max_positions).to(dtype)
+    for m in (target, draft):
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+        m.requires_grad_(False).eval()
+    target.tie_weights()
+    for m in (target, draft):  # rotary tables stay float32
+        for mod in m.modules():
+            if hasattr(mod, "cos_sin_cache"):
+                mod.cos_sin_cache = mod.cos_sin_cache.float()
+    draft.share_target(target.embed_tokens, target.lm_head)
+    return target, draft, cfg
+
+
+@dataclass
+class Pair:
+    plain: ModelRunner
+    spec: ModelRunner
+
+
+def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int, max_bs: int, context_len: int,
+                 disable_graphs: bool, attention_backend: str = "auto") -> Pair:
+    tokens = max_bs * (context_len + num_steps + 2) + 1024
+    common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
+                  disable_cuda_graph=disable_graphs, attention_backend=attention_backend, context_length=context_len)
+    plain = ModelRunner(ServerArgs(**common), target, cfg, None, device, dtype, context_len)
+    spec = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=num_steps, **common), target,
+                       cfg, draft, device, dtype, context_len)
+    plain.capture_graphs()
+    spec.capture_graphs()
+    return Pair(plain, spec)
+
+
+def fake_requests(mr: ModelRunner, bs: int, prefix: int, seed: int = 0) -> list[Req]:
+    """bs running greedy requests with `prefix` tokens of (random) KV, owning slots for the next step."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(bs):
+        r = Req(f"bench{i}", torch.randint(10, 1000, (prefix,), generator=g).tolist(),
+                SamplingParams(max_new_tokens=1 << 30, temperature=0.0, ignore_eos=True), seed=i)
+        r.kv = KVHandle()
+        assert mr.kv.assign_row(r.kv) and mr.kv.ensure([r.kv], [prefix + mr.num_steps + 2])
+        r.seq_len = prefix
+        r.prefill_len = prefix
+        reqs.append(r)
+    for pool in (mr.target_kv, mr.draft_kv):
+        if pool is None:
+            continue
+        for k, v in zip(pool.k, pool.v):
+            k.normal_()
+            v.normal_()
+    rows = torch.tensor([r.kv.row for r in reqs], device=mr.device)
+    mr.rows.last_token[rows] = torch.randint(10, 1000, (bs,), device=mr.device)
+    mr.rows.draft_token[rows] = torch.randint(10, 1000, (bs,), device=mr.device)
+    if mr.rows.draft_hidden is not None:
+        mr.rows.draft_hidden[rows] = torch.randn(bs, mr.cfg.hidden_size, device=mr.device).to(
+            mr.rows.draft_hidden.dtype)
+    return reqs
+
+
+def release(mr: ModelRunner, reqs: list[Req]) -> None:
+    for r in reqs:
+        mr.kv.release(r.kv)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every parameter once, except the embedding table when it is not also the
+    lm-head (a step reads only its rows)."""
+    seen, total = set(), 0
+    embed = model.embed_tokens.weight
+    tied = model.lm_head.weight is embed
+    for p in model.parameters():
+        if id(p) in seen or (p is embed and not tied):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(mr: ModelRunner) -> int:
+    pool = mr.target_kv
+    return 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * torch.empty((), dtype=pool.dtype).element_size()

@@ -1,0 +1,177 @@
+"""Triton verification kernels: same inputs, outputs and noise as spec/accept.py (the reference), no host sync.
+
+* `accept_greedy_triton`: one program per (request, position) takes the argmax of the target logits (first index
+  on ties, like torch), then one program per request counts the leading draft == argmax matches.
+* `accept_sampling_triton`: one program per request runs the accept tests in order, then makes two passes over
+  the vocabulary row of the first rejected (or bonus) position: the residual's total, then the exponential race
+  argmax((residual / total) / -log u). The counter-based noise of engine/sampler.py (splitmix64 of seed, position,
+  salt, column) is reproduced bit for bit in uint64 arithmetic, so the accept tests and the race see exactly the
+  reference's uniforms; the floating-point ops are done in the reference's order (the total's summation order and
+  log's last bit may differ, which only matters for exact ties of the race).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.engine.sampler import SALT_ACCEPT, SALT_SAMPLE
+
+_BLOCK_V = 2048
+
+
+@triton.jit
+def _mix64(x):
+    """splitmix64 finaliser on uint64 (wrapping multiply, logical shifts) == engine/sampler._mix64."""
+    x = x ^ (x >> 30)
+    x = x * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _key(seed, position, SALT: tl.constexpr):
+    """The per-(seed, position, salt) key of sampler.uniform_noise (already mixed once). seed, position int64."""
+    s = seed.to(tl.uint64, bitcast=True)
+    p = position.to(tl.uint64, bitcast=True)
+    return _mix64(s * 0x9E3779B97F4A7C15 + p * 0x632BE5AB + SALT * 0x2545F491)
+
+
+@triton.jit
+def _uniform(key):
+    """Top 24 bits of mix64(key) -> (bits + 0.5) / 2^24, exactly as the reference."""
+    bits = _mix64(key) >> 40
+    return (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _row_argmax_kernel(x_ptr, out_ptr, vocab, stride_row, BLOCK_V: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(x_ptr + r * stride_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        blk_max = tl.max(x, axis=0)
+        blk_idx = v0 + tl.argmax(x, axis=0, tie_break_left=True)
+        take = blk_max > best_val  # strict: an equal value in a later block keeps the earlier index
+        best_idx = tl.where(take, blk_idx, best_idx)
+        best_val = tl.where(take, blk_max, best_val)
+    tl.store(out_ptr + r, best_idx.to(tl.int64))
+
+
+@triton.jit
+def _greedy_accept_kernel(drafts_ptr, pred_ptr, accept_ptr, n, stride_d, stride_p, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_N)
+    ok = j < n
+    d = tl.load(drafts_ptr + b * stride_d + j, mask=ok, other=0)
+    p = tl.load(pred_ptr + b * stride_p + j, mask=ok, other=0)
+    first_miss = tl.min(tl.where(ok & (d != p), j, n), axis=0)
+    tl.store(accept_ptr + b, first_miss.to(tl.int64))
+
+
+@triton.jit
+def _sampling_accept_kernel(drafts_ptr, probs_ptr, seeds_ptr, base_ptr, accept_ptr, verified_ptr, n, vocab,
+                            stride_d, stride_pb, stride_pn, stride_v,
+                            BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                            SALT_ACC: tl.constexpr, SALT_SMP: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seeds_ptr + b)
+    base = tl.load(base_ptr + b)
+    j = tl.arange(0, BLOCK_N)  # [BLOCK_N] draft positions (and the bonus slot j == n)
+    ok = j < n
+    d = tl.load(drafts_ptr + b * stride_d + j, mask=ok, other=0)
+    row = probs_ptr + b * stride_pb
+    p_draft = tl.load(row + j * stride_pn + d, mask=ok, other=0.0)  # p(d_j) at position j
+    u = _uniform(_key(seed, base + j + 1, SALT_ACC))  # [BLOCK_N]
+    accept_len = tl.min(tl.where(ok & (u >= p_draft), j, n), axis=0)  # leading accepts
+    rejected = accept_len < n
+    d_rej = tl.sum(tl.where(j == tl.minimum(accept_len, n - 1), d, 0), axis=0)
+
+    pk = row + accept_len * stride_pn  # distribution at the first rejected (or bonus) position
+    total = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, vocab, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(pk + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        total += tl.where(rejected & (cols == d_rej), 0.0, x)
+    tot = tl.sum(total, axis=0)
+    denom = tl.maximum(tot, 1e-30)
+
+    key = _key(seed, base + accept_len + 1, SALT_SMP)
+    best_val = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.full([], 0, tl.int32)
+    for v0 in range(0, vocab, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        c_ok = cols < vocab
+        x = tl.load(pk + cols, mask=c_ok, other=0.0).to(tl.float32)
+        resid = tl.where(rejected & (cols == d_rej), 0.0, x)
+        resid = tl.where(tot > 0.0, resid / denom, x)
+        u_col = _uniform(key + cols.to(tl.uint64) * 0x9E3779B97F4A7C15)
+        score = tl.where(c_ok, resid / -tl.log(u_col), float("-inf"))
+        blk_max = tl.max(score, axis=0)
+        blk_idx = v0 + tl.argmax(score, axis=0, tie_break_left=True)
+        take = blk_max > best_val
+        best_idx = tl.where(take, blk_idx, best_idx)
+        best_val = tl.where(take, blk_max, best_val)
+
+    tl.store(accept_ptr + b, accept_len.to(tl.int64))
+    jv = tl.arange(0, BLOCK_N * 2)  # verified [n + 1]: the drafts, a 0 bonus slot, then the new token
+    dv = tl.load(drafts_ptr + b * stride_d + jv, mask=jv < n, other=0)
+    out = tl.where(jv == accept_len, best_idx.to(tl.int64), dv)
+    tl.store(verified_ptr + b * stride_v + jv, out, mask=jv <= n)
+
+
+def _rows_last_unit(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _outputs(out: tuple[torch.Tensor, torch.Tensor] | None, bs: int, n: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accept_len [bs], verified [bs, N+1]) int64: the caller's buffers when given (e.g. a runner's static ones)."""
+    if out is None:
+        return (torch.empty(bs, dtype=torch.int64, device=device),
+                torch.empty((bs, n + 1), dtype=torch.int64, device=device))
+    accept_len, verified = out
+    assert accept_len.shape == (bs,) and verified.shape == (bs, n + 1) and verified.stride(-1) == 1
+    assert accept_len.dtype == verified.dtype == torch.int64
+    return accept_len, verified
+
+
+def accept_greedy_triton(drafts: torch.Tensor, target_logits: torch.Tensor,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [bs, N]; target_logits [bs, N+1, V] -> (accept_len [bs], verified [bs, N+1]) as spec/accept.py."""
+    bs, n = drafts.shape
+    vocab = target_logits.shape[-1]
+    logits = _rows_last_unit(target_logits).reshape(bs * (n + 1), vocab)  # [bs * (N+1), V]
+    accept_len, pred = _outputs(out, bs, n, drafts.device)  # pred [bs, N+1]: the argmax at every position
+    if bs == 0:
+        return accept_len, pred
+    _row_argmax_kernel[(bs * (n + 1),)](logits, pred, vocab, logits.stride(0),
+                                        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)), num_warps=8)
+    drafts = _rows_last_unit(drafts)
+    _greedy_accept_kernel[(bs,)](drafts, pred, accept_len, n, drafts.stride(0), pred.stride(0),
+                                 BLOCK_N=max(2, triton.next_power_of_2(n)), num_warps=1)
+    return accept_len, pred
+
+
+def accept_sampling_triton(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tensor, base_index: torch.Tensor,
+                           out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [bs, N]; probs [bs, N+1, V] float32; seeds, base_index [bs] int64 -> (accept_len [bs],
+    verified [bs, N+1]) as spec/accept.py accept_sampling."""
+    bs, n = drafts.shape
+    vocab = probs.shape[-1]
+    accept_len, verified = _outputs(out, bs, n, drafts.device)  # [bs], [bs, N+1]
+    if bs == 0:
+        return accept_len, verified
+    drafts, probs = _rows_last_unit(drafts), _rows_last_unit(probs)
+    seeds, base_index = seeds.to(torch.int64).contiguous(), base_index.to(torch.int64).contiguous()
+    _sampling_accept_kernel[(bs,)](
+        drafts, probs, seeds, base_index, accept_len, verified, n, vocab,
+        drafts.stride(0), probs.stride(0), probs.stride(1), verified.stride(0),
+        BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)),
+        SALT_ACC=SALT_ACCEPT, SALT_SMP=SALT_SAMPLE, num_warps=8,
+    )
+    return accept_len, verified

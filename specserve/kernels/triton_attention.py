@@ -1,0 +1,270 @@
+"""Triton paged attention (oracle: attention/torch_backend.py).
+
+The KV cache of one layer is k_cache / v_cache [num_slots, Hkv, D]; the page table `table` [rows, width] int64
+maps (request row, sequence index) -> slot. A query at sequence index i of request b sees keys 0..i of b.
+
+Two kernels:
+  * `fixed_width_attention` (DECODE, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_DECODE): every request has W new tokens at
+    sequence indices seq_len - W .. seq_len - 1. One program per (request, KV head, KV split): the W new tokens
+    times the G query heads of that KV head form the rows of one tile (GQA grouping), so each K/V block is read
+    once for all of them. The key range is split over NUM_SPLITS programs ("flash decoding") so that a small batch
+    with a long context still fills the GPU; a second kernel merges the splits by their log-sum-exp. The number of
+    splits is a launch constant (static under CUDA graphs); each split's key range is derived from the live
+    seq_len inside the kernel, so short sequences do little work in any split.
+  * `varlen_attention` (EXTEND and prefill draft extend): flash-attention over a paged prefix plus causal new
+    tokens. One program per (block of BLOCK_M new tokens, query head, request). Keys below the block's first query
+    are visible to every row and are processed without a mask; only the diagonal band is masked.
+
+Softmax runs in base 2 (exp2, scores pre-multiplied by scale * log2 e), statistics and accumulators in float32.
+`F32_DOT` computes the products in float32: set for CPU tensors only, where the Triton interpreter's bfloat16
+tl.dot is wrong (triton 3.9); probabilities are still rounded to the value dtype first, as on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  d, d_ok, key_ok, visible, m_i, l_i, acc, qk_scale,
+                  MASKED: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step over a block of BLOCK_N keys.
+
+    q [M, BLOCK_D]; slot [BLOCK_N] int64 KV slots; key_ok [BLOCK_N] keys that exist; visible [M, BLOCK_N] the
+    causal mask (used when MASKED); m_i, l_i [M] running max / sum (base 2); acc [M, BLOCK_D] float32."""
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :], mask=kv_mask,
+                other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    s = _dot(q, tl.trans(k), F32_DOT, PRECISION) * qk_scale  # [M, BLOCK_N]
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])  # [M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :], mask=kv_mask,
+                other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, F32_DOT, PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, seq_lens_ptr,
+                        out_ptr, part_o_ptr, part_lse_ptr, qk_scale, num_q_heads, head_dim,
+                        stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_table,
+                        stride_ot, stride_oh,
+                        W: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+
+    # tile rows: m = j * GROUP + g  ->  new token j of request b, query head kv_head * GROUP + g
+    m = tl.arange(0, BLOCK_M)  # [M]
+    j = m // GROUP
+    m_ok = m < W * GROUP
+    tok = (b * W + j).to(tl.int64)  # [M]
+    head = kv_head * GROUP + m % GROUP  # [M]
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
+    q_idx = seq_len - W + j  # [M] sequence index of each row's query
+
+    # this split's keys: [start, end), a multiple of BLOCK_N long, from the live seq_len
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = table_ptr + row * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        key_ok = n < end
+        slot = tl.load(table_row + n, mask=key_ok, other=0).to(tl.int64)
+        visible = key_ok[None, :] & (n[None, :] <= q_idx[:, None])
+        m_i, l_i, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch,
+                                      stride_vcs, stride_vch, d, d_ok, key_ok, visible, m_i, l_i, acc, qk_scale,
+                                      True, F32_DOT, PRECISION)
+
+    has_mass = l_i > 0.0  # False for rows that see no key of this split
+    o = acc / tl.where(has_mass, l_i, 1.0)[:, None]  # [M, BLOCK_D]
+    store_mask = m_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # partials laid out [T, Hq, NUM_SPLITS, (D)], contiguous
+        part = (tok * num_q_heads + head) * NUM_SPLITS + split  # [M]
+        lse = tl.where(has_mass, m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=m_ok)
+        tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], o, mask=store_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, head_dim, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    s_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    base = (t * num_q_heads + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + sp, mask=s_ok, other=float("-inf"))  # [BLOCK_S] base-2 log-sum-exp
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wgt = tl.math.exp2(lse - mx)  # [BLOCK_S]; 0 for empty splits
+    o = tl.load(part_o_ptr + (base + sp)[:, None] * head_dim + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                other=0.0)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(wgt, axis=0)
+    res = tl.sum(o * wgt[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, seq_lens_ptr, q_starts_ptr, ext_lens_ptr,
+                   out_ptr, qk_scale, head_dim,
+                   stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_table,
+                   stride_ot, stride_oh,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
+    ext = tl.load(ext_lens_ptr + b).to(tl.int32)
+    m0 = m_block * BLOCK_M
+    if m0 < ext:  # the grid covers the longest request; shorter ones have idle tail programs
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+        q_start = tl.load(q_starts_ptr + b).to(tl.int64)
+        prefix = seq_len - ext
+        kv_head = head // GROUP
+
+        m = m0 + tl.arange(0, BLOCK_M)  # [M] new-token index within the request
+        m_ok = m < ext
+        tok = q_start + m  # [M]
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < head_dim
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
+        q_idx = prefix + m  # [M]
+
+        m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table_row = table_ptr + row * stride_table
+        # keys [0, full_end) lie below every query of this block: no mask
+        full_end = ((prefix + m0) // BLOCK_N) * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            slot = tl.load(table_row + n).to(tl.int64)
+            m_i, l_i, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch,
+                                          stride_vcs, stride_vch, d, d_ok, n >= 0, n >= 0, m_i, l_i, acc,
+                                          qk_scale, False, F32_DOT, PRECISION)
+        # the diagonal band: keys up to the block's last query, causal mask
+        hi = prefix + tl.minimum(m0 + BLOCK_M, ext)
+        for n0 in range(full_end, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            key_ok = n < hi
+            slot = tl.load(table_row + n, mask=key_ok, other=0).to(tl.int64)
+            visible = key_ok[None, :] & (n[None, :] <= q_idx[:, None])
+            m_i, l_i, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch,
+                                          stride_vcs, stride_vch, d, d_ok, key_ok, visible, m_i, l_i, acc,
+                                          qk_scale, True, F32_DOT, PRECISION)
+
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _dot_flags(q: torch.Tensor) -> tuple[bool, str]:
+    # float32 inputs: full-precision products (the torch oracle does not use TF32 either)
+    return (not q.is_cuda), ("ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    return out
+
+
+def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                          rows: torch.Tensor, seq_lens: torch.Tensor, width: int, num_splits: int, scaling: float,
+                          block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [bs * width, Hq, D]; rows, seq_lens [bs] (device); -> out [bs * width, Hq, D] in q's dtype.
+
+    Every argument that shapes the launch (bs, width, num_splits) is a host int, so this is capturable."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    bs = rows.shape[0]
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = _output(out, q)  # [T, Hq, D]
+    if num_tokens == 0:
+        return out
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    block_m = max(16, triton.next_power_of_2(width * group))
+    block_d = triton.next_power_of_2(head_dim)
+    f32_dot, precision = _dot_flags(q)
+    if num_splits > 1:
+        part_o = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _fixed_width_kernel[(bs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, table, rows, seq_lens, out, part_o, part_lse, scaling * _LOG2E, num_q_heads, head_dim,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), out.stride(0), out.stride(1),
+        W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        F32_DOT=f32_dot, PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_o, part_lse, out, num_q_heads, head_dim, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, q_starts: torch.Tensor, ext_lens: torch.Tensor,
+                     max_ext: int, scaling: float, block_m: int = 64, block_n: int = 64,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] (requests' new tokens back to back); rows, seq_lens, q_starts, ext_lens [bs] (device);
+    max_ext: host bound on ext_lens (sizes the grid) -> out [T, Hq, D]."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    bs = rows.shape[0]
+    group = num_q_heads // k_cache.shape[1]
+    out = _output(out, q)  # [T, Hq, D]
+    if num_tokens == 0 or max_ext == 0:
+        return out
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    block_d = triton.next_power_of_2(head_dim)
+    f32_dot, precision = _dot_flags(q)
+    _varlen_kernel[(triton.cdiv(max_ext, block_m), num_q_heads, bs)](
+        q, k_cache, v_cache, table, rows, seq_lens, q_starts, ext_lens, out, scaling * _LOG2E, head_dim,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, F32_DOT=f32_dot, PRECISION=precision,
+        num_warps=4 if block_m * block_d <= 64 * 128 else 8, num_stages=2,
+    )
+    return out

@@ -1,0 +1,79 @@
+"""Triton rotary embedding, neox rotate-half, 1-D or 3-row mRoPE (reference: kernels/reference.py rope_cos_sin +
+apply_rope).
+
+One program per token rotates all q heads and all k heads of that token in place, so cos/sin are gathered once per
+token. cos_sin_cache [P, D] float32 holds cos in the first half of each row and sin in the second. With mRoPE
+(positions [3, T]) frequency band i of the half-dim takes its position from row 0, 1 or 2 by the sections
+(s0, s1, s2), which sum to D/2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, t, num_heads, stride_t, stride_h, cos, sin, half,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """x[t, :, :half], x[t, :, half:] <- (x1 cos - x2 sin, x2 cos + x1 sin), in place."""
+    h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    i = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
+    mask = (h < num_heads)[:, None] & (i < half)[None, :]
+    base = x_ptr + t * stride_t + h[:, None] * stride_h + i[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+    c, s = cos[None, :], sin[None, :]
+    tl.store(base, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + half, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cache_ptr, pos_ptr, num_q_heads, num_k_heads, half, sec0, sec01,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, stride_pos_row, stride_pos_t,
+                 MROPE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF] frequency band
+    i_ok = i < half
+    if MROPE:
+        # band i reads its position from row 0 (i < s0), row 1 (i < s0 + s1) or row 2
+        pos_row = tl.where(i < sec0, 0, tl.where(i < sec01, 1, 2))
+        pos = tl.load(pos_ptr + pos_row * stride_pos_row + t * stride_pos_t, mask=i_ok, other=0)  # [BLOCK_HALF]
+        pos = pos.to(tl.int64)
+    else:
+        pos = tl.load(pos_ptr + t * stride_pos_t).to(tl.int64)
+    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i_ok, other=0.0)
+    sin = tl.load(cache_ptr + pos * stride_cache + half + i, mask=i_ok, other=0.0)
+    _rotate_heads(q_ptr, t, num_q_heads, stride_qt, stride_qh, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, t, num_k_heads, stride_kt, stride_kh, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+         mrope_section: list[int] | None):
+    """q [T, Hq, D], k [T, Hkv, D] rotated in place at positions [T] or [3, T]; returns (q, k)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    half = head_dim // 2
+    if num_tokens == 0:
+        return q, k
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "rope works in place and needs a unit stride along head_dim"
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
+    mrope = positions.dim() == 2
+    if mrope:
+        assert mrope_section is not None and sum(mrope_section) == half, "mRoPE sections must cover head_dim / 2"
+        sec0, sec01 = mrope_section[0], mrope_section[0] + mrope_section[1]
+        stride_pos_row = positions.stride(0)
+    else:
+        sec0 = sec01 = half
+        stride_pos_row = 0
+    num_k_heads = k.shape[1]
+    block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
+    block_half = triton.next_power_of_2(half)
+    _rope_kernel[(num_tokens,)](
+        q, k, cos_sin_cache, positions, num_q_heads, num_k_heads, half, sec0, sec01,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), stride_pos_row,
+        positions.stride(-1),
+        MROPE=mrope, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+        num_warps=4 if block_hq * block_half <= 4096 else 8,
+    )
+    return q, k

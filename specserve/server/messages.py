@@ -1,0 +1,108 @@
+"""Messages between the HTTP process and the model process (pickled over two one-way pipes).
+
+HTTP -> model:  AddRequest, AbortRequest, Shutdown.
+model -> HTTP:  EngineReady (once, after loading), EngineFailed (load or loop crash, then the process exits),
+                StepOutput (after every loop turn that changed something: per-request token deltas, rejected
+                requests, and a snapshot of the engine's counters).
+
+Only plain data crosses the pipe (no tensors, no torch import): the HTTP side stays light and the messages stay
+small. Token ids are sent as deltas (ids since the last message for that request); the HTTP process keeps the
+full sequence and detokenises it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AddRequest:
+    rid: str
+    input_ids: list[int]
+    sampling: dict  # SGLang sampling names, already validated by the HTTP process
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class EngineInfo:
+    """Static facts about the loaded engine the HTTP process needs (validation, /get_model_info, metrics)."""
+
+    model_path: str
+    architecture: str
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int
+    max_running: int
+    page_size: int
+    capacity_pages: int
+    initial_free_pages: int
+    default_sampling: dict
+    spec_enabled: bool
+    load_time: float
+    pid: int
+
+
+@dataclass
+class EngineReady:
+    info: EngineInfo
+
+
+@dataclass
+class EngineFailed:
+    message: str  # the traceback or error text
+
+
+@dataclass
+class EngineStats:
+    """Counters of the scheduler, snapshotted after each loop turn."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    free_pages: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_finished: int = 0
+    num_retractions: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
+    recent_accept_length: float = 0.0  # mean over the last few hundred verifies (0 without speculation)
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens per verify since start: accepted drafts + the target's own token."""
+        if not self.spec_verify_ct:
+            return 0.0
+        return (self.spec_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct
+
+
+@dataclass
+class RequestDelta:
+    rid: str
+    new_ids: list[int]
+    finished_reason: dict | None = None  # {"type": "stop"|"length"|"abort", ...} once finished
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
+
+
+@dataclass
+class RequestRejected:
+    rid: str
+    message: str  # a ValueError from make_request: the request was never queued
+
+
+@dataclass
+class StepOutput:
+    deltas: list[RequestDelta] = field(default_factory=list)
+    rejected: list[RequestRejected] = field(default_factory=list)
+    stats: EngineStats = field(default_factory=EngineStats)

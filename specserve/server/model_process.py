@@ -1,0 +1,152 @@
+"""The model process: one EngineCore and its loop, fed by the HTTP process over a pipe.
+
+Loop turn: take the inbox (block on it when there is no work, so an idle engine sleeps in `recv`, never spins),
+queue new requests and apply aborts, run one scheduler step when there is work, then send one StepOutput with the
+token deltas of every request that changed and a snapshot of the counters. A closed inbox means the HTTP process
+is gone: the loop ends. Any crash is reported as EngineFailed before the process exits non-zero, so the HTTP side
+can answer 503 instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+from specserve.server.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineReady,
+    EngineStats,
+    RequestDelta,
+    RequestRejected,
+    Shutdown,
+    StepOutput,
+)
+from specserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def run_model_process(args: ServerArgs, inbox: Connection, outbox: Connection) -> None:
+    """Entry point of the spawned process."""
+    # Ctrl+C reaches the whole process group; the HTTP process decides how to shut down and tells us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="[%(asctime)s engine %(levelname)s] %(message)s", datefmt="%H:%M:%S")
+    try:
+        from specserve.engine.engine import EngineCore
+
+        core = EngineCore(args)
+        outbox.send(EngineReady(_engine_info(core)))
+        EngineLoop(core, inbox, outbox).run()
+    except (EOFError, BrokenPipeError):
+        logger.info("HTTP process went away; engine exits")
+    except BaseException as e:  # report every crash (incl. KeyboardInterrupt, MemoryError) before dying
+        text = "".join(traceback.format_exception(e))
+        logger.error("engine failed:\n%s", text)
+        try:
+            outbox.send(EngineFailed(text))
+        except (OSError, EOFError):
+            logger.error("could not report the failure: the HTTP process is gone")
+        sys.exit(1)
+
+
+def _engine_info(core) -> EngineInfo:
+    mr = core.model_runner
+    return EngineInfo(
+        model_path=core.model_path,
+        architecture=core.model_config.architecture,
+        context_len=core.context_len,
+        vocab_size=core.model_config.vocab_size,
+        max_total_tokens=mr.max_total_tokens,
+        max_running=mr.max_running,
+        page_size=mr.allocator.page_size,
+        capacity_pages=mr.allocator.capacity_pages,
+        initial_free_pages=core.scheduler.initial_free_pages,
+        default_sampling=dict(core.default_sampling),
+        spec_enabled=core.args.spec_enabled,
+        load_time=core.load_time,
+        pid=os.getpid(),
+    )
+
+
+class EngineLoop:
+    def __init__(self, core, inbox: Connection, outbox: Connection):
+        self.core = core
+        self.sched = core.scheduler
+        self.inbox = inbox
+        self.outbox = outbox
+
+    def run(self) -> None:
+        while True:
+            msgs = self._take_inbox(block=not self.sched.has_work)
+            out = StepOutput()
+            stop = False
+            for m in msgs:
+                if isinstance(m, AddRequest):
+                    self._add(m, out)
+                elif isinstance(m, AbortRequest):
+                    self.sched.abort(m.rid)
+                elif isinstance(m, Shutdown):
+                    stop = True
+                else:
+                    raise TypeError(f"unknown message {type(m).__name__}")
+            if stop:
+                self._abort_all()
+                logger.info("engine shutting down")
+                return
+            # step() also collects requests that finished without a forward (aborted, or max_new_tokens 0), so it
+            # runs after any message even when no work is left (it is cheap when idle).
+            if msgs or self.sched.has_work:
+                for req in self.sched.step():
+                    out.deltas.append(self._delta(req))
+            out.stats = self._stats()
+            self.outbox.send(out)
+
+    def _take_inbox(self, block: bool) -> list:
+        msgs = [self.inbox.recv()] if block else []
+        while self.inbox.poll():
+            msgs.append(self.inbox.recv())
+        return msgs
+
+    def _add(self, m: AddRequest, out: StepOutput) -> None:
+        try:
+            req = self.core.make_request(m.input_ids, m.sampling, rid=m.rid)
+            self.sched.add_request(req)
+        except ValueError as e:
+            out.rejected.append(RequestRejected(m.rid, str(e)))
+
+    @staticmethod
+    def _delta(req) -> RequestDelta:
+        new = req.output_ids[req.sent_output_len:]
+        req.sent_output_len = len(req.output_ids)
+        return RequestDelta(req.rid, list(new), req.finished_reason, req.spec_verify_ct, req.spec_accepted_drafts)
+
+    def _abort_all(self) -> None:
+        for rid in list(self.sched.reqs):
+            self.sched.abort(rid)
+        self.sched.step()  # collect the aborted requests so their bookkeeping is released
+
+    def _stats(self) -> EngineStats:
+        s = self.sched.stats
+        recent = list(s.recent_accept)
+        return EngineStats(
+            num_running=self.sched.num_running,
+            num_waiting=len(self.sched.waiting),
+            free_pages=self.core.model_runner.allocator.num_free_pages,
+            num_generated_tokens=s.num_generated_tokens,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_finished=s.finished,
+            num_retractions=s.num_retractions,
+            num_prefill_steps=s.num_prefill_steps,
+            num_decode_steps=s.num_decode_steps,
+            spec_verify_ct=s.spec_verify_ct,
+            spec_accepted_drafts=s.spec_accepted_drafts,
+            recent_accept_length=sum(recent) / len(recent) if recent else 0.0,
+        )

@@ -1,0 +1,156 @@
+"""SGLang's native routes: /generate, /health, /health_generate, /get_model_info, /get_server_info, /metrics,
+/abort_request.
+
+/generate takes "text" (a string or a list) or "input_ids" (a list of ids or a list of lists), "sampling_params"
+(SGLang names; one dict or one per prompt), "stream", "rid". It answers {"text", "output_ids", "meta_info",
+"usage"} (a list for a batch); streamed, every event carries the cumulative text and output ids, then [DONE].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+import specserve
+from specserve.server.errors import APIError, bad_request
+from specserve.server.protocol import AbortRequestBody, GenerateRequest, parse_body
+from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
+from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+# SGLang sampling keys we accept at their neutral value only (clients often send them explicitly).
+_NEUTRAL = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True, "logprob_start_len": -1}
+
+
+def normalize_sgl_sampling(sp: dict) -> dict:
+    """SGLang sampling_params -> our SamplingParams keys; unsupported options with non-neutral values -> 400."""
+    out = {}
+    for k, v in sp.items():
+        if k in _NEUTRAL:
+            if v is not None and v != _NEUTRAL[k]:
+                raise bad_request(f"sampling_params.{k}={v!r} is not supported (only {_NEUTRAL[k]!r})",
+                                  param=f"sampling_params.{k}")
+            continue
+        if k == "sampling_seed":  # SGLang's name for the per-request seed
+            k = "seed"
+        out[k] = v
+    return out
+
+
+def _result(c: GenChunk) -> dict:
+    prompt, completion = c.meta["prompt_tokens"], c.meta["completion_tokens"]
+    return {"text": c.text, "output_ids": c.output_ids, "meta_info": c.meta,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+
+def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequest], bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of 'text' or 'input_ids'", param="text")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        texts = [body.text] if single else list(body.text)
+        if not texts:
+            raise bad_request("the 'text' list is empty", param="text")
+        prompts = [tm.encode(t) for t in texts]
+    else:
+        ids = body.input_ids
+        single = not ids or isinstance(ids[0], int)
+        prompts = [list(ids)] if single else [list(x) for x in ids]
+    n = len(prompts)
+    sps = body.sampling_params
+    if isinstance(sps, list):
+        if len(sps) != n:
+            raise bad_request(f"sampling_params has {len(sps)} entries for {n} prompts", param="sampling_params")
+    else:
+        sps = [sps or {}] * n
+    rids = body.rid
+    if isinstance(rids, str):
+        if n != 1:
+            raise bad_request("give one rid per prompt (a list) for a batch", param="rid")
+        rids = [rids]
+    elif isinstance(rids, list):
+        if len(rids) != n or len(set(rids)) != n:
+            raise bad_request(f"rid must be a list of {n} distinct ids", param="rid")
+    else:
+        rids = [None] * n
+    logprob = body.return_logprob
+    if any(logprob) if isinstance(logprob, list) else logprob:
+        raise bad_request("return_logprob is not supported by specserve", param="return_logprob")
+    reqs = [GenRequest(p, normalize_sgl_sampling(sp), rid=r) for p, sp, r in zip(prompts, sps, rids, strict=True)]
+    return reqs, single
+
+
+def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(request: Request) -> Response:
+        body: GenerateRequest = parse_body(await request.body(), GenerateRequest)
+        tm.check_model(body.model)
+        reqs, single = _requests(tm, body)
+        for r in reqs:  # all prompts are checked before any is queued
+            tm.precheck(r)
+        if body.stream:
+            return sse_response(_generate_events(tm, reqs))
+        try:
+            lasts = await until_disconnect(request, run_all([tm.generate_one(r) for r in reqs]))
+        except ClientGone:
+            return Response(status_code=499)
+        results = [_result(c) for c in lasts]
+        return JSONResponse(results[0] if single else results)
+
+    @router.get("/health")
+    async def health() -> Response:
+        tm.check_available()
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
+    async def health_generate() -> Response:
+        tm.check_available()
+        await tm.health_generate(probe_ids, HEALTH_GENERATE_TIMEOUT_S)
+        return Response(status_code=200)
+
+    @router.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return {"model_path": tm.info.model_path, "tokenizer_path": tm.args.tokenizer_path or tm.info.model_path,
+                "is_generation": True, "served_model_name": tm.served_model_name,
+                "architecture": tm.info.architecture, "context_length": tm.info.context_len}
+
+    @router.get("/get_server_info")
+    async def get_server_info() -> dict:
+        args = dataclasses.asdict(tm.args)
+        args.pop("extra", None)
+        runtime = tm.runtime_info()
+        return {**args, "version": specserve.__version__, "served_model_name": tm.served_model_name, **runtime,
+                "internal_states": [runtime]}
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(tm.metrics.render(), media_type=tm.metrics.content_type)
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request) -> dict:
+        body = parse_body(await request.body(), AbortRequestBody)
+        return {"aborted": tm.abort(body.rid, "aborted by /abort_request")}
+
+    return router
+
+
+async def _generate_events(tm: TokenizerManager, reqs: list[GenRequest]) -> AsyncIterator[str]:
+    try:
+        async with contextlib.aclosing(merge_streams([tm.generate(r) for r in reqs])) as events:
+            async for i, c in events:
+                event = _result(c) if c.finished else {"text": c.text, "output_ids": c.output_ids,
+                                                       "meta_info": c.meta}
+                if len(reqs) > 1:
+                    event["index"] = i
+                yield sse(event)
+    except APIError as e:
+        yield sse(e.body())
+    yield SSE_DONE

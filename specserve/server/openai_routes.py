@@ -1,0 +1,221 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (streaming SSE and not).
+
+Usage is on every answer (`usage` of the response, or the last stream chunk with stream_options.include_usage);
+with speculation it also has `spec: {accept_length, verify_ct}`. finish_reason is "stop", "length" or "abort".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from specserve.server.errors import APIError, bad_request
+from specserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
+from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
+from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
+
+
+def finish_reason(reason: dict | None) -> str | None:
+    return None if reason is None else _FINISH.get(reason.get("type"), "abort")
+
+
+def usage(chunks: list[GenChunk], spec_enabled: bool) -> dict:
+    prompt = sum(c.meta["prompt_tokens"] for c in chunks)
+    completion = sum(c.meta["completion_tokens"] for c in chunks)
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if spec_enabled:
+        verify = sum(c.meta["spec_verify_ct"] for c in chunks)
+        tokens = sum(c.meta["spec_accept_length"] * c.meta["spec_verify_ct"] for c in chunks)
+        out["spec"] = {"accept_length": tokens / verify if verify else 0.0, "verify_ct": verify}
+    return out
+
+
+def _refuse_unsupported(body, *, chat: bool) -> None:
+    if body.n not in (None, 1):
+        raise bad_request("n must be 1: specserve returns one choice per prompt", param="n")
+    if body.presence_penalty or body.frequency_penalty:
+        raise bad_request("presence_penalty and frequency_penalty are not supported (use 0)",
+                          param="presence_penalty" if body.presence_penalty else "frequency_penalty")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if chat:
+        if body.logprobs or body.top_logprobs is not None:
+            raise bad_request("logprobs are not supported by specserve", param="logprobs")
+        if body.tools:
+            raise bad_request("tools (function calling) are not supported by specserve", param="tools")
+        fmt = (body.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(f"response_format {fmt!r} is not supported (only 'text')", param="response_format")
+    else:
+        if body.logprobs is not None:
+            raise bad_request("logprobs are not supported by specserve", param="logprobs")
+        if body.echo:
+            raise bad_request("echo is not supported", param="echo")
+        if body.best_of not in (None, 1):
+            raise bad_request("best_of must be 1", param="best_of")
+        if body.suffix:
+            raise bad_request("suffix (insertion) is not supported", param="suffix")
+
+
+def _sampling(body, max_new_tokens: int | None) -> dict:
+    if max_new_tokens is not None and max_new_tokens < 0:
+        raise bad_request(f"max_tokens must be a non-negative integer, got {max_new_tokens}", param="max_tokens")
+    sp = {"max_new_tokens": max_new_tokens, "temperature": body.temperature, "top_p": body.top_p,
+          "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed, "stop": body.stop,
+          "stop_token_ids": body.stop_token_ids, "ignore_eos": bool(body.ignore_eos),
+          "skip_special_tokens": body.skip_special_tokens is not False}
+    return {k: v for k, v in sp.items() if v is not None}
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    if m.content is None or isinstance(m.content, str):
+        return {"role": m.role, "content": m.content or ""}
+    texts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content part of type {part.type!r} is not supported (text only)", param="messages")
+        texts.append(part.text)
+    return {"role": m.role, "content": "\n".join(texts)}
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def openai_router(tm: TokenizerManager) -> APIRouter:
+    router = APIRouter()
+    spec = tm.info.spec_enabled
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
+                "root": tm.info.model_path, "max_model_len": tm.info.context_len}
+        return {"object": "list", "data": [card]}
+
+    # ------------------------------------------------------------------ chat
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+        tm.check_model(body.model)
+        _refuse_unsupported(body, chat=True)
+        prompt = tm.chat_prompt([_message_dict(m) for m in body.messages], body.chat_template_kwargs)
+        ids = tm.encode(prompt, add_special_tokens=False)  # the template already has any BOS it wants
+        max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_new is None:
+            max_new = max(tm.info.context_len - len(ids), 0)  # no limit: all the room the context leaves
+        req = GenRequest(ids, _sampling(body, max_new), rid=body.rid)
+        tm.precheck(req)
+        cid = f"chatcmpl-{req.rid or uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            return sse_response(_chat_events(tm, req, cid, created, _include_usage(body), spec))
+        try:
+            last = await until_disconnect(request, tm.generate_one(req))
+        except ClientGone:
+            return Response(status_code=499)
+        choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
+                  "logprobs": None, "finish_reason": finish_reason(last.finish_reason),
+                  "matched_stop": (last.finish_reason or {}).get("matched")}
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
+                             "model": tm.served_model_name, "choices": [choice], "usage": usage([last], spec)})
+
+    # ------------------------------------------------------------------ completions
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+        tm.check_model(body.model)
+        _refuse_unsupported(body, chat=False)
+        max_new = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        prompts = _prompt_ids(tm, body.prompt)
+        if body.rid is not None and len(prompts) > 1:
+            raise bad_request("rid can only be given for a single prompt", param="rid")
+        reqs = [GenRequest(ids, _sampling(body, max_new), rid=body.rid) for ids in prompts]
+        for r in reqs:  # all prompts are checked before any is queued
+            tm.precheck(r)
+        cid = f"cmpl-{body.rid or uuid.uuid4().hex}"
+        created = int(time.time())
+        if body.stream:
+            return sse_response(_completion_events(tm, reqs, cid, created, _include_usage(body), spec))
+        try:
+            lasts = await until_disconnect(request, run_all([tm.generate_one(r) for r in reqs]))
+        except ClientGone:
+            return Response(status_code=499)
+        choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c.finish_reason),
+                    "matched_stop": (c.finish_reason or {}).get("matched")} for i, c in enumerate(lasts)]
+        return JSONResponse({"id": cid, "object": "text_completion", "created": created,
+                             "model": tm.served_model_name, "choices": choices, "usage": usage(lasts, spec)})
+
+    return router
+
+
+def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [tm.encode(prompt)]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    if isinstance(prompt[0], str):
+        return [tm.encode(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+async def _chat_events(tm: TokenizerManager, req: GenRequest, cid: str, created: int, include_usage: bool,
+                       spec: bool) -> AsyncIterator[str]:
+    def chunk(delta: dict, reason: str | None = None) -> dict:
+        out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": tm.served_model_name,
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    try:
+        yield sse(chunk({"role": "assistant", "content": ""}))
+        last = None
+        async with contextlib.aclosing(tm.generate(req)) as gen:
+            async for c in gen:
+                if c.text_delta:
+                    yield sse(chunk({"content": c.text_delta}))
+                last = c
+        yield sse(chunk({}, finish_reason(last.finish_reason)))
+        if include_usage:
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                       "model": tm.served_model_name, "choices": [], "usage": usage([last], spec)})
+    except APIError as e:
+        yield sse(e.body())
+    yield SSE_DONE
+
+
+async def _completion_events(tm: TokenizerManager, reqs: list[GenRequest], cid: str, created: int,
+                             include_usage: bool, spec: bool) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, reason: str | None = None) -> dict:
+        out = {"id": cid, "object": "text_completion", "created": created, "model": tm.served_model_name,
+               "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    lasts: dict[int, GenChunk] = {}
+    try:
+        async with contextlib.aclosing(merge_streams([tm.generate(r) for r in reqs])) as events:
+            async for i, c in events:
+                if c.finished:
+                    lasts[i] = c
+                    yield sse(chunk(i, c.text_delta, finish_reason(c.finish_reason)))
+                elif c.text_delta:
+                    yield sse(chunk(i, c.text_delta))
+        if include_usage:
+            yield sse({"id": cid, "object": "text_completion", "created": created, "model": tm.served_model_name,
+                       "choices": [], "usage": usage([lasts[i] for i in sorted(lasts)], spec)})
+    except APIError as e:
+        yield sse(e.body())
+    yield SSE_DONE

@@ -1,0 +1,333 @@
+"""The HTTP process's side of generation: tokenise, validate, track requests, fan engine output out to them.
+
+Every request is validated here before it is sent to the engine (same SamplingParams and prompt checks as
+EngineCore.make_request), so a bad request costs no engine work and can never hold KV. The engine's step outputs
+arrive on the event loop (see EngineClient) and are routed to per-request queues; a request's consumer turns
+them into `GenChunk`s with incremental text. A consumer that goes away (client disconnect, cancellation) aborts
+its request in the engine, which frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+
+from specserve.engine.sampling_params import SamplingParams
+from specserve.server.detokenizer import IncrementalDetokenizer
+from specserve.server.engine_client import EngineClient
+from specserve.server.errors import APIError, bad_request, unavailable
+from specserve.server.messages import EngineInfo, EngineStats, RequestDelta, RequestRejected, StepOutput
+from specserve.server.metrics import ServerMetrics
+from specserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_tensors", "return_dict",
+                             "add_generation_prompt"}
+
+
+@dataclass
+class GenRequest:
+    input_ids: list[int]
+    sampling: dict  # SGLang sampling names
+    rid: str | None = None
+    internal: bool = False  # warm-up and health checks: kept out of the metrics
+
+
+@dataclass
+class GenChunk:
+    """What a consumer sees after each engine update of its request."""
+
+    rid: str
+    text_delta: str  # new text safe to show (may be "" while a character or stop string is incomplete)
+    text: str  # all text shown so far
+    new_ids: list[int]
+    output_ids: list[int]  # all output ids so far (a copy)
+    finished: bool
+    finish_reason: dict | None  # SGLang form: {"type": "stop"|"length"|"abort", ...}
+    meta: dict  # prompt_tokens, completion_tokens, finish_reason, spec_* (speculation), e2e_latency (finished)
+
+
+@dataclass
+class _EngineGone:
+    reason: str
+
+
+@dataclass
+class _Tracked:
+    rid: str
+    prompt_tokens: int
+    detok: IncrementalDetokenizer
+    internal: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
+    done: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, tokenizer, engine: EngineClient, info: EngineInfo, served_model_name: str,
+                 metrics: ServerMetrics):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.info = info
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self.stats = EngineStats(free_pages=info.initial_free_pages)
+        self.reqs: dict[str, _Tracked] = {}
+        self.accepting = True
+        self.engine_exit_reason: str | None = None
+        metrics.set_engine(info, self.stats, healthy=True)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine.start_io(loop, self._on_output, self._on_engine_exit)
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine_exit_reason is None and self.accepting
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not text:
+            raise bad_request("the prompt is empty", param="prompt")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def chat_prompt(self, messages: list[dict], template_kwargs: dict | None) -> str:
+        if not messages:
+            raise bad_request("messages must contain at least one message", param="messages")
+        if self.tokenizer.chat_template is None:
+            raise bad_request("this model has no chat template; start the server with --chat-template, or use "
+                              "/v1/completions", param="messages")
+        kwargs = dict(template_kwargs or {})
+        clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, input_ids: list[int], sampling: dict) -> None:
+        """The checks of EngineCore.make_request, done before anything reaches the engine (raises 400)."""
+        try:
+            SamplingParams.from_dict(sampling, self.info.default_sampling)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        if not input_ids:
+            raise bad_request("the prompt is empty", param="prompt")
+        vocab = self.info.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
+            raise bad_request(f"input_ids must be integers in [0, {vocab})", param="input_ids")
+        if len(input_ids) >= self.info.context_len:
+            raise bad_request(
+                f"the prompt has {len(input_ids)} tokens; the context length is {self.info.context_len} "
+                "(the prompt must leave room for at least one new token)", param="prompt")
+
+    def check_model(self, name: str | None) -> None:
+        if name is None:
+            return
+        if name not in (self.served_model_name, self.info.model_path, self.args.model_path):
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_available(self) -> None:
+        if self.engine_exit_reason is not None:
+            raise unavailable(f"the engine is not running: {self.engine_exit_reason.splitlines()[0]}")
+        if not self.accepting:
+            raise unavailable("the server is shutting down")
+
+    def precheck(self, req: GenRequest) -> None:
+        """Everything that can refuse a request before it is queued (raises APIError)."""
+        self.check_available()
+        self.validate(req.input_ids, req.sampling)
+        if req.rid is not None and req.rid in self.reqs:
+            raise bad_request(f"request id {req.rid!r} is already in use", param="rid")
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
+        """Yields a chunk per engine update of the request; the last one has finished=True.
+
+        Raises APIError (400 invalid or rejected by the engine, 503 engine gone). Closing the iterator early (or
+        cancelling its consumer) aborts the request in the engine."""
+        self.precheck(req)
+        rid = req.rid or uuid.uuid4().hex
+        skip = req.sampling.get("skip_special_tokens", True) is not False
+        stop = req.sampling.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        t = _Tracked(rid, len(req.input_ids), IncrementalDetokenizer(self.tokenizer, skip, stop), req.internal)
+        self.reqs[rid] = t
+        self.engine.add(rid, list(req.input_ids), dict(req.sampling))
+        try:
+            while True:
+                items = [await t.queue.get()]
+                while not t.queue.empty():
+                    items.append(t.queue.get_nowait())
+                chunk = self._apply(t, items)
+                if chunk is not None:
+                    yield chunk
+                    if chunk.finished:
+                        return
+        finally:
+            if not t.done:
+                t.done = True
+                if self.engine_exit_reason is None:
+                    self.engine.abort(rid)
+                self._record(t, {"type": "abort"})
+            self.reqs.pop(rid, None)
+
+    def _apply(self, t: _Tracked, items: list) -> GenChunk | None:
+        new_ids: list[int] = []
+        reason = None
+        for it in items:
+            if isinstance(it, RequestRejected):
+                t.done = True
+                raise bad_request(it.message)
+            if isinstance(it, _EngineGone):
+                t.done = True
+                raise unavailable(f"the engine stopped: {it.reason.splitlines()[0]}")
+            new_ids.extend(it.new_ids)
+            t.spec_verify_ct = max(t.spec_verify_ct, it.spec_verify_ct)
+            t.spec_accepted_drafts = max(t.spec_accepted_drafts, it.spec_accepted_drafts)
+            if it.finished_reason is not None:
+                reason = it.finished_reason
+                break  # nothing after a finish belongs to this request
+        if not new_ids and reason is None:
+            return None
+        now = time.perf_counter()
+        if new_ids and t.first_token_time is None:
+            t.first_token_time = now
+        if reason is not None:
+            t.done = True
+            delta = t.detok.finish(new_ids, reason)
+        else:
+            delta = t.detok.feed(new_ids)
+        meta = {"id": t.rid, "prompt_tokens": t.prompt_tokens, "completion_tokens": len(t.detok.ids),
+                "finish_reason": reason}
+        if self.info.spec_enabled:
+            meta["spec_verify_ct"] = t.spec_verify_ct
+            meta["spec_accept_length"] = self._accept_len(t)
+        if reason is not None:
+            meta["e2e_latency"] = now - t.arrival
+            self._record(t, reason)
+        return GenChunk(t.rid, delta, t.detok.text[:t.detok.sent], new_ids, list(t.detok.ids), reason is not None,
+                        reason, meta)
+
+    @staticmethod
+    def _accept_len(t: _Tracked) -> float:
+        if not t.spec_verify_ct:
+            return 0.0
+        return (t.spec_accepted_drafts + t.spec_verify_ct) / t.spec_verify_ct
+
+    def _record(self, t: _Tracked, reason: dict) -> None:
+        if t.internal:
+            return
+        ttft = None if t.first_token_time is None else t.first_token_time - t.arrival
+        self.metrics.observe_finished(reason.get("type", "abort"), t.prompt_tokens, len(t.detok.ids), ttft,
+                                      time.perf_counter() - t.arrival)
+
+    async def generate_one(self, req: GenRequest) -> GenChunk:
+        """Run a request to the end; returns the last chunk, with the whole text in `text`."""
+        last = None
+        gen = self.generate(req)
+        try:
+            async for chunk in gen:
+                last = chunk
+        finally:
+            await gen.aclose()
+        if last is None or not last.finished:
+            raise RuntimeError(f"request {req.rid} ended without finishing")
+        return last
+
+    # ------------------------------------------------------------------ engine events (on the event loop)
+    def _on_output(self, out: StepOutput) -> None:
+        self.stats = out.stats
+        self.metrics.set_engine(self.info, out.stats, healthy=self.engine_exit_reason is None)
+        for d in out.deltas:
+            t = self.reqs.get(d.rid)
+            if t is not None and not t.done:
+                t.queue.put_nowait(d)
+        for r in out.rejected:
+            t = self.reqs.get(r.rid)
+            if t is not None and not t.done:
+                t.queue.put_nowait(r)
+
+    def _on_engine_exit(self, reason: str) -> None:
+        if self.engine_exit_reason is not None:
+            return
+        self.engine_exit_reason = reason
+        if self.accepting:
+            logger.error("engine stopped: %s", reason)
+        self.metrics.set_engine(self.info, self.stats, healthy=False)
+        for t in self.reqs.values():
+            if not t.done:
+                t.queue.put_nowait(_EngineGone(reason))
+
+    def abort(self, rid: str, message: str) -> bool:
+        """Finish a request as aborted (its consumer sees finish_reason abort); False if it is not in flight."""
+        t = self.reqs.get(rid)
+        if t is None or t.done:
+            return False
+        if self.engine_exit_reason is None:
+            self.engine.abort(rid)
+        t.queue.put_nowait(RequestDelta(rid, [], {"type": "abort", "message": message}, t.spec_verify_ct,
+                                        t.spec_accepted_drafts))
+        return True
+
+    def abort_all(self, message: str) -> None:
+        """Stop taking requests and finish every in-flight one as aborted (graceful shutdown)."""
+        self.accepting = False
+        for rid in list(self.reqs):
+            self.abort(rid, message)
+
+    # ------------------------------------------------------------------ health and status
+    async def health_generate(self, ids: list[int], timeout: float) -> None:
+        """One 1-token generation through the whole path; raises APIError(503) when it does not complete."""
+        req = GenRequest(ids, {"max_new_tokens": 1, "temperature": 0.0}, internal=True)
+        try:
+            await asyncio.wait_for(self.generate_one(req), timeout)
+        except asyncio.TimeoutError:
+            raise unavailable(f"the engine did not produce a token within {timeout:.0f} s") from None
+
+    def runtime_info(self) -> dict:
+        s, i = self.stats, self.info
+        used = (i.initial_free_pages - s.free_pages) * i.page_size
+        total = i.initial_free_pages * i.page_size
+        return {
+            "engine_alive": self.engine_exit_reason is None,
+            "engine_pid": i.pid,
+            "num_running_reqs": s.num_running,
+            "num_queue_reqs": s.num_waiting,
+            "num_http_requests": len(self.reqs),
+            "kv_used_tokens": used,
+            "kv_total_tokens": total,
+            "token_usage": used / total if total else 0.0,
+            "kv_free_pages": s.free_pages,
+            "kv_initial_free_pages": i.initial_free_pages,
+            "kv_capacity_pages": i.capacity_pages,
+            "page_size": i.page_size,
+            "max_total_num_tokens": i.max_total_tokens,
+            "max_running_requests": i.max_running,
+            "context_length": i.context_len,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_finished_reqs": s.num_finished,
+            "num_retractions": s.num_retractions,
+            "num_prefill_steps": s.num_prefill_steps,
+            "num_decode_steps": s.num_decode_steps,
+            "spec_enabled": i.spec_enabled,
+            "spec_verify_ct": s.spec_verify_ct,
+            "spec_accept_length": s.spec_accept_length,
+            "avg_spec_accept_length": s.spec_accept_length,  # SGLang's name
+            "spec_accept_length_recent": s.recent_accept_length,
+            "load_time": i.load_time,
+        }

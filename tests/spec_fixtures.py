@@ -1,0 +1,71 @@
+"""Test doubles and builders for speculative-decoding tests.
+
+`OracleDraft` stands in for an MTP head that knows the target's greedy continuation (with deliberate mistakes),
+so the spec step's accept paths (0..N accepted, bonus tokens) are all exercised with high acceptance; a random MTP
+head accepts almost nothing. It keys its answers by (page-table row, sequence index), which is deterministic
+when one batch of prompts is admitted together (rows 1..B in submission order).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.stop import StopChecker
+from specserve.models.loader import ModelSource, load_mtp_draft, load_target
+from specserve.server_args import ServerArgs
+
+
+class OracleDraft(nn.Module):
+    def __init__(self, hidden_size: int, sequences: dict[int, list[int]], wrong_every: int | None, vocab: int):
+        super().__init__()
+        width = max(len(s) for s in sequences.values()) + 64
+        table = torch.zeros((max(sequences) + 1, width), dtype=torch.int64)
+        for row, seq in sequences.items():
+            table[row, :len(seq)] = torch.tensor(seq)
+            # Deliberate mistakes at a fixed pattern of indices (differs per row), so acceptance is partial.
+            if wrong_every:
+                for i in range(row % wrong_every, width, wrong_every):
+                    table[row, i] = (table[row, i] + 1) % vocab
+        self.register_buffer("table", table)
+        self.hidden_size = hidden_size
+        self.calls = 0
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        self.calls += 1
+        t = fb.input_ids.shape[0]
+        if fb.width is not None:
+            rows = fb.req_pool_indices.repeat_interleave(fb.width)
+        else:
+            lens = torch.tensor(fb.extend_lens_cpu, device=fb.input_ids.device)
+            rows = fb.req_pool_indices.repeat_interleave(lens)
+        pos = fb.positions if fb.positions.dim() == 1 else fb.positions[0]
+        h = torch.zeros((t, self.hidden_size), dtype=torch.float32, device=fb.input_ids.device)
+        h[:, 0] = rows.float()
+        h[:, 1] = pos.float()
+        return h
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden[:, 0].long().clamp(0, self.table.shape[0] - 1)
+        idx = (hidden[:, 1].long() + 2).clamp(0, self.table.shape[1] - 1)  # draft at p predicts index p + 2
+        return self.table[rows, idx]
+
+
+def build_scheduler(path: str, draft: nn.Module | None = None, draft_path: str | None = None,
+                    device: str = "cpu", dtype: torch.dtype = torch.float32, **kw):
+    """ModelRunner + Scheduler for a checkpoint, with an explicit draft module (or one loaded from draft_path /
+    the target's own MTP layer when kw has speculative_algorithm). Graphs are captured on CUDA."""
+    args = ServerArgs(model_path=path, **kw)
+    dev = torch.device(device)
+    t = load_target(ModelSource.resolve(path), dtype, dev, 600)
+    if draft is None and args.spec_enabled:
+        draft = load_mtp_draft(t, draft_path, dtype, dev, 600)
+    elif draft is not None:
+        draft = draft.to(dev)
+    ctx = args.context_length or t.config.max_position_embeddings
+    mr = ModelRunner(args, t.model, t.config, draft, dev, dtype, ctx)
+    mr.capture_graphs()
+    return Scheduler(mr, StopChecker(None, {2}), args.chunked_prefill_size), t

