@@ -59,6 +59,7 @@ COMMANDS = {
     "eval": ("specserve.bench.eval_cli", "main"),
     "train-mtp": ("specserve.train.cli", "main"),
     "bench-phases": ("specserve.bench.phases", "main"),
+    "bench-spec": ("specserve.bench.spec_speed", "main"),
 }
 
 
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
               "  bench         serving benchmark client\n"
               "  eval          accuracy evals (gsm8k)\n"
               "  train-mtp     train an MTP draft head by self-distillation\n"
-              "  bench-phases  per-phase GPU timings, eager vs CUDA graph")
+              "  bench-phases  per-phase GPU timings, eager vs CUDA graph\n"
+              "  bench-spec    a draft head end to end: acceptance per N, tokens/s spec vs plain")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:

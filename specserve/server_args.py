@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SPEC_ALGORITHMS = ("MTP", "EAGLE", "NEXTN")
+SPEC_OFF = "NONE"  # explicit "no speculation" (the embedded default model speculates unless told not to)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -63,7 +64,7 @@ class ServerArgs:
     # ------------------------------------------------------------------ derived values
     @property
     def spec_enabled(self) -> bool:
-        return self.speculative_algorithm is not None
+        return self.speculative_algorithm not in (None, SPEC_OFF)
 
     @property
     def num_draft_steps(self) -> int:
@@ -73,13 +74,14 @@ class ServerArgs:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         if self.speculative_algorithm is not None:
-            algo = str(self.speculative_algorithm).upper()
+            self.speculative_algorithm = str(self.speculative_algorithm).upper()
+        if self.spec_enabled:
+            algo = self.speculative_algorithm
             if algo not in SPEC_ALGORITHMS:
                 raise ValueError(
                     f"unknown --speculative-algorithm {self.speculative_algorithm!r}; supported: "
-                    f"{', '.join(SPEC_ALGORITHMS)} (all run the same chain drafter)"
+                    f"{', '.join(SPEC_ALGORITHMS)} (all run the same chain drafter), or {SPEC_OFF}"
                 )
-            self.speculative_algorithm = algo
             if self.speculative_num_steps is None:
                 self.speculative_num_steps = 3
             if self.speculative_eagle_topk is None:
@@ -100,7 +102,7 @@ class ServerArgs:
                 )
         else:
             for name in ("speculative_num_steps", "speculative_draft_model_path", "speculative_num_draft_tokens"):
-                if getattr(self, name) is not None:
+                if vars(self)[name] is not None:
                     raise ValueError(f"--{name.replace('_', '-')} needs --speculative-algorithm")
         if self.tp_size != 1:
             raise ValueError(f"--tp-size {self.tp_size} is not supported yet: specserve runs on one device (tp 1)")
@@ -153,7 +155,9 @@ class ServerArgs:
         a("--max-running-requests", type=int, default=None)
         a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
         a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
-        a("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGORITHMS)
+        a("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGORITHMS + (SPEC_OFF,),
+          help="MTP/EAGLE/NEXTN: chain drafting with an MTP head; NONE: plain decoding (the embedded default "
+               "model speculates with its shipped head unless NONE is given)")
         a("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
           default=None)
         a("--speculative-num-steps", type=int, default=None)
@@ -174,6 +178,13 @@ class ServerArgs:
     def from_cli_args(args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(ServerArgs)} - {"extra"}
         return ServerArgs(**{k: v for k, v in vars(args).items() if k in names})
+
+    def with_embedded_defaults(self, draft_path: str | None) -> ServerArgs:
+        """The embedded SmolLM2 target speculates by default with the shipped MTP head (N = 3)."""
+        if self.model_path is not None or self.speculative_algorithm is not None or draft_path is None:
+            return self
+        return dataclasses.replace(self, speculative_algorithm="MTP", speculative_num_steps=3,
+                                   speculative_draft_model_path=draft_path)
 
     @staticmethod
     def from_kwargs(**kwargs) -> ServerArgs:

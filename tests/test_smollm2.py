@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(GGUF is None, reason="llm-smo
 def plain():
     from specserve import Engine
 
-    eng = Engine(max_total_tokens=8192, context_length=2048, max_running_requests=4)
+    eng = Engine(max_total_tokens=8192, context_length=2048, max_running_requests=4, speculative_algorithm="NONE")
     yield eng
     eng.shutdown()
 

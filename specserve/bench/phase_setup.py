@@ -40,6 +40,30 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def random_init(module: torch.nn.Module, seed: int) -> None:
+    """Normal(0, 0.02) weights, unit norms; rotary tables back to float32. For timing: only shapes matter."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    module.requires_grad_(False).eval()
+    for mod in module.modules():
+        if hasattr(mod, "cos_sin_cache"):
+            mod.cos_sin_cache = mod.cos_sin_cache.float()
+
+
+def random_draft(cfg: ModelConfig, target, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 seed: int = 1) -> MTPDraftModel:
+    with torch.device(device):
+        draft = MTPDraftModel(cfg, max_positions).to(dtype)
+    random_init(draft, seed)
+    draft.share_target(target.embed_tokens, target.lm_head)
+    return draft
+
+
 def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0):
     """Target and MTP draft with random weights, made on the device (nothing to carry)."""
     from transformers import AutoConfig
@@ -47,25 +71,11 @@ def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_pos
     spec = dict(PRESETS[preset])
     hf = AutoConfig.for_model(spec.pop("model_type"), **spec)
     cfg = ModelConfig.from_hf(hf)
-    torch.manual_seed(seed)
     with torch.device(device):
         target = DenseForCausalLM(cfg, max_positions).to(dtype)
-        draft = MTPDraftModel(cfg, max_positions).to(dtype)
-    for m in (target, draft):
-        with torch.no_grad():
-            for name, p in m.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02)
-        m.requires_grad_(False).eval()
+    random_init(target, seed)
     target.tie_weights()
-    for m in (target, draft):  # rotary tables stay float32
-        for mod in m.modules():
-            if hasattr(mod, "cos_sin_cache"):
-                mod.cos_sin_cache = mod.cos_sin_cache.float()
-    draft.share_target(target.embed_tokens, target.lm_head)
-    return target, draft, cfg
+    return target, random_draft(cfg, target, dtype, device, max_positions, seed + 1), cfg
 
 
 @dataclass

@@ -20,6 +20,7 @@ from specserve.bench.phase_setup import (
     fake_requests,
     kv_bytes_per_token,
     make_runners,
+    random_draft,
     random_models,
     release,
     weight_bytes,
@@ -113,7 +114,9 @@ def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
 
 
 def idle_fraction(mr, prefix: int, steps: int, spec: bool) -> dict:
-    """GPU idle share of wall time over `steps` real steps at batch 1, from the profiler's kernel intervals."""
+    """GPU idle share of wall time over `steps` real steps at batch 1 (each step: stage, replay, sample/accept,
+    read the tokens back), from the kernel intervals CUPTI records (CUDA activity only, so the profiler adds no
+    per-op host overhead)."""
     from torch.profiler import ProfilerActivity, profile
 
     reqs = fake_requests(mr, 1, prefix, seed=7)
@@ -121,7 +124,7 @@ def idle_fraction(mr, prefix: int, steps: int, spec: bool) -> dict:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
@@ -172,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 
         t = load_target(ModelSource.resolve(args.model_path or embedded_model_path()), dtype, dev, max_pos)
-        draft = load_mtp_draft(t, args.speculative_draft_model_path, dtype, dev, max_pos)
         target, cfg = t.model, t.config
+        if args.speculative_draft_model_path or t.mtp_tensors:
+            draft = load_mtp_draft(t, args.speculative_draft_model_path, dtype, dev, max_pos)
+        else:
+            draft = random_draft(cfg, target, dtype, dev, max_pos)  # timing only: weights do not matter
         label = args.model_path or "embedded SmolLM2-135M-Instruct"
     pair = make_runners(target, draft, cfg, dtype, dev, args.speculative_num_steps, max(bss), args.context_length,
                         disable_graphs=False)
@@ -193,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         result["idle_plain"] = idle_fraction(pair.plain, args.prefix_len, args.idle_steps, spec=False)
         result["idle_spec"] = idle_fraction(pair.spec, args.prefix_len, args.idle_steps, spec=True)
+    if b1 is not None and b1["decode"]["graph_ms"]:
+        # Without a profiler: the graph replay alone (events, back to back) against the whole step.
+        result["host_share_plain"] = 1.0 - b1["decode"]["graph_ms"] / b1["plain_step_ms"]
     print_table(result)
     if args.output_file:
         with open(args.output_file, "a") as f:
@@ -224,6 +233,8 @@ def print_table(r: dict) -> None:
         d = r["decode_bs1"]
         frac = f" = {100 * d['fraction_of_copy_bw']:.1f}% of copy bandwidth" if "fraction_of_copy_bw" in d else ""
         print(f"plain decode bs1: {d['bytes'] / 1e9:.2f} GB in {d['ms']:.3f} ms -> {d['GBps']:.0f} GB/s{frac}")
+    if "host_share_plain" in r:
+        print(f"plain step bs1 beyond its graph replay (host work + sampling): {100 * r['host_share_plain']:.1f}%")
     for k in ("idle_plain", "idle_spec"):
         if k in r:
             i = r[k]

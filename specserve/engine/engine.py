@@ -41,11 +41,15 @@ class EngineCore:
 
     def __init__(self, args: ServerArgs):
         t_start = time.perf_counter()
+        args = args.with_embedded_defaults(embedded_draft_path())
         self.args = args
         model_path = args.model_path or embedded_model_path()
         draft_path = args.speculative_draft_model_path
         if args.spec_enabled and draft_path is None and args.model_path is None:
             draft_path = embedded_draft_path()
+            if draft_path is None:
+                raise ValueError("this build ships no MTP head for the embedded model; pass "
+                                 "--speculative-draft-model-path")
         self.model_path = model_path
         self.device = resolve_device(args.device)
         src = ModelSource.resolve(model_path)

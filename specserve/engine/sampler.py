@@ -47,18 +47,21 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, salt: int, width
 class SamplingBatch:
     """Per-row sampling parameters as device tensors. Rows are requests (or request x verify position)."""
 
-    temperature: torch.Tensor  # [bs] float32; 0 for greedy rows
-    top_p: torch.Tensor  # [bs]
-    top_k: torch.Tensor  # [bs] int64; vocab size where disabled
-    min_p: torch.Tensor  # [bs]
-    seeds: torch.Tensor  # [bs] int64
-    greedy: torch.Tensor  # [bs] bool
+    temperature: torch.Tensor | None  # [bs] float32; 0 for greedy rows (tensors are None when all_greedy)
+    top_p: torch.Tensor | None  # [bs]
+    top_k: torch.Tensor | None  # [bs] int64; vocab size where disabled
+    min_p: torch.Tensor | None  # [bs]
+    seeds: torch.Tensor | None  # [bs] int64
+    greedy: torch.Tensor | None  # [bs] bool
     all_greedy: bool
     need_filter: bool  # any top-k / top-p / min-p active
 
     @staticmethod
     def build(params: list, seeds: list[int], vocab_size: int, device: torch.device) -> SamplingBatch:
         greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            # Greedy batches only take an argmax: no per-row tensors, no host-to-device copies on the hot path.
+            return SamplingBatch(None, None, None, None, None, None, all_greedy=True, need_filter=False)
         temps = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         need_filter = any(p.top_p < 1.0 or 0 < p.top_k < vocab_size or p.min_p > 0 for p, g in
@@ -74,7 +77,7 @@ class SamplingBatch:
             min_p=t([p.min_p for p in params], torch.float32),
             seeds=t(seeds, torch.int64),
             greedy=t(greedy, torch.bool),
-            all_greedy=all(greedy),
+            all_greedy=False,
             need_filter=need_filter,
         )
 

@@ -1,7 +1,8 @@
 """Op dispatch: the Triton kernel for CUDA tensors when Triton is importable, the torch reference otherwise.
 
-Dispatch is by the tensor's device, so there is no global switch: CPU runs and CPU tests always take the
-reference, and GPU runs always take the kernels.
+Dispatch is by the tensors themselves, so there is no global switch: CPU runs and CPU tests always take the
+reference, and GPU runs take the kernels — except where autograd must record through the op (training an MTP head,
+specserve.train): the kernels have no backward, so those calls take the differentiable reference.
 """
 
 from __future__ import annotations
@@ -12,20 +13,29 @@ from specserve.kernels import reference as ref
 from specserve.kernels.availability import triton_kernels
 
 
+def _kernels(*tensors: torch.Tensor):
+    """The Triton module for CUDA tensors that autograd does not need to differentiate through, else None."""
+    if not tensors[0].is_cuda:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return triton_kernels()
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.is_cuda and (tk := triton_kernels()) is not None:
+    if (tk := _kernels(x, w)) is not None:
         return tk.rms_norm(x, w, eps)
     return ref.rms_norm(x, w, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
-    if x.is_cuda and (tk := triton_kernels()) is not None:
+    if (tk := _kernels(x, residual, w)) is not None:
         return tk.add_rms_norm(x, residual, w, eps)
     return ref.add_rms_norm(x, residual, w, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda and (tk := triton_kernels()) is not None:
+    if (tk := _kernels(x)) is not None:
         return tk.silu_and_mul(x)
     return ref.silu_and_mul(x)
 
@@ -33,7 +43,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rope(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
          mrope_section: list[int] | None):
     """Rotary on q [T, Hq, D] and k [T, Hkv, D] at positions [T] or [3, T]; returns (q, k)."""
-    if q.is_cuda and (tk := triton_kernels()) is not None:
+    if (tk := _kernels(q, k)) is not None:
         return tk.rope(q, k, cos_sin_cache, positions, mrope_section)
     cos, sin = ref.rope_cos_sin(cos_sin_cache, positions, mrope_section)
     return ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)

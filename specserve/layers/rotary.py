@@ -43,7 +43,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.mrope_section = list(mrope_section) if mrope_section else None
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, D] float32

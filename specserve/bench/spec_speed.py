@@ -1,0 +1,164 @@
+"""`specserve bench-spec`: a draft head measured end to end, side by side in one run, with the target and the head
+loaded once:
+
+  * acceptance: greedy mean accept length (accepted drafts + 1 per verify) per prompt file for N in a list;
+  * speed: output tokens/s of plain decoding and of speculative decoding (N in a list) at each concurrency,
+    on the same chat-templated prompts, greedy, with the speculative/plain ratio.
+
+    specserve bench-spec --model-path M --speculative-draft-model-path D --prompts qa.jsonl sum.jsonl \
+        --accept-steps 1,2,3,4,5 --speed-steps 3,4 --concurrency 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from specserve.engine.engine import resolve_device
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.request import Req
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.stop import StopChecker
+from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
+from specserve.server_args import ServerArgs
+from specserve.tokenizer import eos_token_ids, load_tokenizer
+
+
+class Bench:
+    def __init__(self, args):
+        from specserve.defaults import embedded_draft_path, embedded_model_path
+
+        self.model_path = args.model_path or embedded_model_path()
+        self.draft_path = args.speculative_draft_model_path or (
+            embedded_draft_path() if args.model_path is None else None)
+        self.device = resolve_device(args.device)
+        src = ModelSource.resolve(self.model_path)
+        hf = load_hf_config(src)
+        self.dtype = resolve_dtype(args.dtype, hf, self.device)
+        self.context_len = args.context_length
+        self.max_pos = self.context_len + 32
+        self.target = load_target(src, self.dtype, self.device, self.max_pos, hf)
+        self.draft = load_mtp_draft(self.target, self.draft_path, self.dtype, self.device, self.max_pos)
+        self.tokenizer = load_tokenizer(src)
+        self.stop = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, self.target.config.eos_token_ids, {}))
+        self.args = args
+
+    def scheduler(self, n: int, concurrency: int) -> Scheduler:
+        a = self.args
+        sa = ServerArgs(model_path=self.model_path, context_length=self.context_len,
+                        max_running_requests=concurrency, max_total_tokens=a.max_total_tokens,
+                        cuda_graph_max_bs=concurrency, disable_cuda_graph=a.disable_cuda_graph,
+                        speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None)
+        mr = ModelRunner(sa, self.target.model, self.target.config, self.draft if n else None, self.device,
+                         self.dtype, self.context_len)
+        mr.capture_graphs()
+        return Scheduler(mr, self.stop, sa.chunked_prefill_size)
+
+    def run(self, sched: Scheduler, prompts: list[list[int]], max_new: int) -> tuple[list[Req], float]:
+        reqs = [Req(f"b{i}", p, SamplingParams(max_new_tokens=max_new, temperature=0.0), seed=i)
+                for i, p in enumerate(prompts)]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for r in reqs:
+            sched.add_request(r)
+        while sched.has_work:
+            sched.step()
+        wall = time.perf_counter() - t0
+        sched.check_idle_invariants()
+        return reqs, wall
+
+
+def accept_length(reqs: list[Req]) -> float:
+    v = sum(r.spec_verify_ct for r in reqs)
+    return (sum(r.spec_accepted_drafts for r in reqs) + v) / v if v else 0.0
+
+
+def load_prompt_sets(b: Bench, files: list[str], per_file: int, max_new: int) -> dict[str, list[list[int]]]:
+    from specserve.train.data import load_prompts
+
+    out = {}
+    room = b.context_len - max_new - 8
+    for f in files:
+        ps = load_prompts([f])[:per_file]
+        # as the server and `specserve generate --chat` tokenise a chat: the template's text, then encode
+        ids = [b.tokenizer.encode(b.tokenizer.apply_chat_template(p.messages, tokenize=False,
+                                                                  add_generation_prompt=True)) for p in ps]
+        out[os.path.basename(f)] = [x for x in ids if len(x) < room]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specserve bench-spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--speculative-draft-model-path", default=None, help="default: the shipped head")
+    p.add_argument("--prompts", nargs="+", required=True, help="prompt files (JSON/JSONL)")
+    p.add_argument("--prompts-per-file", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--accept-steps", default="1,2,3,4,5", help="N values for the acceptance table ('' to skip)")
+    p.add_argument("--speed-steps", default="3", help="N values for the speed table ('' to skip)")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--speed-prompts", type=int, default=16, help="prompts per speed run (from all files)")
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--output-file", default=None, help="append the results as one JSON line")
+    args = p.parse_args(argv)
+    steps = [int(x) for x in args.accept_steps.split(",") if x]
+    speed_steps = [int(x) for x in args.speed_steps.split(",") if x]
+    conc = [int(x) for x in args.concurrency.split(",") if x]
+    b = Bench(args)
+    sets = load_prompt_sets(b, args.prompts, args.prompts_per_file, args.max_new_tokens)
+    result: dict = {"model": b.model_path, "draft": b.draft_path, "device": str(b.device),
+                    "dtype": str(b.dtype).replace("torch.", ""), "max_new_tokens": args.max_new_tokens,
+                    "acceptance": {}, "speed": []}
+    if steps:
+        print(f"\n=== acceptance (greedy, {args.max_new_tokens} new tokens) ===")
+        print(f"{'file':<28} " + " ".join(f"N={n:<5}" for n in steps))
+        big = max(len(v) for v in sets.values())
+        for name, prompts in sets.items():
+            row = {}
+            for n in steps:
+                sched = b.scheduler(n, min(big, 64))
+                reqs, _ = b.run(sched, prompts, args.max_new_tokens)
+                row[str(n)] = round(accept_length(reqs), 3)
+                del sched
+            result["acceptance"][name] = row
+            print(f"{name:<28} " + " ".join(f"{row[str(n)]:<7.3f}" for n in steps))
+        mean = {str(n): round(sum(r[str(n)] for r in result["acceptance"].values()) / len(sets), 3) for n in steps}
+        result["acceptance"]["mean"] = mean
+        print(f"{'mean':<28} " + " ".join(f"{mean[str(n)]:<7.3f}" for n in steps))
+    if speed_steps and conc:
+        pool = [x for v in sets.values() for x in v]
+        prompts = [pool[i * len(pool) // args.speed_prompts] for i in range(min(args.speed_prompts, len(pool)))]
+        print(f"\n=== speed: output tokens/s, {len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens ===")
+        for c in conc:
+            base = None
+            for n in [0] + speed_steps:
+                sched = b.scheduler(n, c)
+                b.run(sched, prompts[:min(2, len(prompts))], 16)  # warm-up
+                reqs, wall = b.run(sched, prompts, args.max_new_tokens)
+                toks = sum(len(r.output_ids) for r in reqs)
+                row = {"concurrency": c, "N": n, "output_tokens": toks, "seconds": round(wall, 3),
+                       "tok_per_s": round(toks / wall, 2), "accept_length": round(accept_length(reqs), 3)}
+                if n == 0:
+                    base = row["tok_per_s"]
+                row["speedup_vs_plain"] = round(row["tok_per_s"] / base, 3)
+                result["speed"].append(row)
+                label = "plain" if n == 0 else f"MTP N={n}"
+                acc = f", accept {row['accept_length']:.2f}" if n else ""
+                print(f"concurrency {c:>3} | {label:<9} | {row['tok_per_s']:9.1f} tok/s | "
+                      f"x{row['speedup_vs_plain']:.2f}{acc}")
+                del sched
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return 0
