@@ -230,6 +230,16 @@ def test_export_round_trip(tiny_target, tmp_path, vocab_size):
     back16 = dict(load_mtp_draft(target, str(tmp_path / "bf16"), torch.float32, CPU, 600).named_parameters())
     for name, p in ours.items():
         assert torch.equal(p.detach().bfloat16().float(), back16[name]), name
+    if vocab_size:
+        # a head whose rows stay the target's: not stored, rebuilt from the target's lm-head at load
+        write_draft_checkpoint(draft, target.config, str(tmp_path / "nohead"), torch.float32, include_head=False)
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "nohead" / "model.safetensors"), framework="pt") as f:
+            assert not any("shared_head.head" in k for k in f.keys())  # noqa: SIM118
+        nohead = load_mtp_draft(target, str(tmp_path / "nohead"), torch.float32, CPU, 600)
+        assert torch.equal(nohead.lm_head.weight, target.model.lm_head.weight[vocab.ids])
+        assert torch.equal(nohead.eh_proj.weight, draft.eh_proj.weight.detach())
 
 
 def test_draft_vocab_and_prompt_fields(tmp_path):

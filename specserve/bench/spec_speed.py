@@ -89,7 +89,11 @@ def load_prompt_sets(b: Bench, files: list[str], per_file: int, max_new: int) ->
         # as the server and `specserve generate --chat` tokenise a chat: the template's text, then encode
         ids = [b.tokenizer.encode(b.tokenizer.apply_chat_template(p.messages, tokenize=False,
                                                                   add_generation_prompt=True)) for p in ps]
-        out[os.path.basename(f)] = [x for x in ids if len(x) < room]
+        kept = [x for x in ids if len(x) < room]
+        if not kept:
+            print(f"note: {os.path.basename(f)}: no prompt fits the context with {max_new} new tokens; skipped")
+            continue
+        out[os.path.basename(f)] = kept
     return out
 
 

@@ -175,7 +175,13 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
                               draft_vocab_size=None if vocab is None else int(vocab.shape[0]))
     draft = draft.to_empty(device="cpu")
     _reset_buffers(draft, dcfg, max_positions)
-    draft.load_weights(tensors.items(), layer_index)
+    head_from_target = vocab is not None and not own_head
+    if head_from_target:
+        # A reduced vocabulary without its own head rows: the target's lm-head rows of those tokens.
+        with torch.no_grad():
+            rows = target.model.lm_head.weight.detach().to("cpu", torch.float32)[vocab.to(torch.int64)]
+            draft.lm_head.weight.copy_(rows)
+    draft.load_weights(tensors.items(), layer_index, preset={"lm_head.weight"} if head_from_target else set())
     draft = draft.to(device=device, dtype=dtype)  # integer buffers (draft_vocab) keep their dtype
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
     _keep_float32_buffers(draft)

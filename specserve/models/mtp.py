@@ -88,11 +88,13 @@ class MTPDraftModel(nn.Module):
         return self.draft_vocab[idx] if self.draft_vocab is not None else idx
 
     # ------------------------------------------------------------------ loading
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layer_index: int | None) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layer_index: int | None,
+                     preset: set[str] = frozenset()) -> set[str]:
         """Load the MTP tensors among `weights` (other names are skipped). `layer_index`: L for the DeepSeek
-        layout inside a target checkpoint; None in a draft folder (the one layer index present is used)."""
+        layout inside a target checkpoint; None in a draft folder (the one layer index present is used).
+        `preset`: parameters the caller has already filled (not expected in the checkpoint)."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: set[str] = set(preset)
         for name, tensor in weights:
             ours = self._map_name(name, layer_index)
             if ours is None:

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--val-fraction", type=float, default=0.02,
       help="share of generated sequences held back to report validation loss / top-1 per depth")
     a("--draft-vocab-size", type=int, default=0, help="reduced draft vocabulary size (0: the target's)")
+    a("--train-draft-head", action="store_true",
+      help="with a reduced vocabulary, train (and ship) the head's lm-head rows; by default they stay the "
+           "target's rows, which the checkpoint then does not store (only the token ids)")
     a("--init-noise", type=float, default=0.01, help="std of the embedding half of eh_proj at initialisation")
     a("--init-residual-scale", type=float, default=0.0,
       help="scale of the copied last block's o_proj/down_proj at initialisation (0: the block starts as identity)")
@@ -196,6 +199,9 @@ def train_head(args: argparse.Namespace, target, samples: list, seqs: list[list[
 
     draft = build_draft(cfg, args.max_seq_len + 8, vocab, device)
     init_draft_from_target(draft, target.model, vocab, args.init_noise, args.seed, args.init_residual_scale)
+    frozen_head = vocab.ids is not None and not args.train_draft_head
+    if frozen_head:
+        draft.lm_head.weight.requires_grad_(False)  # the target's rows, rebuilt from the target at load time
     head_w = target.model.lm_head.weight
     target_head = head_w if vocab.ids is None else head_w[vocab.ids.to(device)]  # [Vd, H] labels for "kl"
     to_draft = vocab.to_draft_index(cfg.vocab_size, device)
@@ -212,7 +218,7 @@ def train_head(args: argparse.Namespace, target, samples: list, seqs: list[list[
                                             target_head, obj, args.batch_size, device)
         logger.info("validation (%d sequences): loss %s top1 %s", len(val_idx), [round(x, 4) for x in val_loss],
                     [round(x, 3) for x in val_top1])
-    write_draft_checkpoint(draft, cfg, args.output, getattr(torch, args.save_dtype))
+    write_draft_checkpoint(draft, cfg, args.output, getattr(torch, args.save_dtype), include_head=not frozen_head)
     logger.info("draft checkpoint written to %s", args.output)
     return {
         "train": {"steps": result.steps, "batch_size": args.batch_size, "lr": args.lr,

@@ -5,7 +5,8 @@ Layout (what specserve.models.loader.load_mtp_draft reads, DESIGN §5):
                      architectures = [<target architecture> + "NextN"]
   model.safetensors  model.layers.0.{enorm,hnorm,eh_proj,shared_head.norm}.weight and the block under its HF names
                      (fused qkv_proj / gate_up_proj split back into q/k/v_proj and gate/up_proj); with a reduced
-                     vocabulary also model.layers.0.shared_head.head.weight [Vd, H] and draft_vocab [Vd] int64.
+                     vocabulary also draft_vocab [Vd] int64 and, when the head rows were trained,
+                     model.layers.0.shared_head.head.weight [Vd, H] (else the target's rows are used).
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ _HEAD_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_
                "lm_head": "shared_head.head", "embed_tokens": "embed_tokens"}
 
 
-def draft_tensors(draft: MTPDraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF-named tensors of the draft's own parameters (the target's shared embedding/lm-head are not included)."""
+def draft_tensors(draft: MTPDraftModel, dtype: torch.dtype, include_head: bool = True) -> dict[str, torch.Tensor]:
+    """HF-named tensors of the draft's own parameters (the target's shared embedding/lm-head are not included).
+    include_head=False leaves out a reduced head that is just the target's lm-head rows of `draft_vocab`: the loader
+    rebuilds it from the target."""
     modules = dict(draft.named_modules())
     out: dict[str, torch.Tensor] = {}
     for name, p in draft.named_parameters():
+        if name == "lm_head.weight" and not include_head:
+            continue
         mod_name, leaf = name.rsplit(".", 1)
         t = p.detach().to(device="cpu", dtype=dtype)
         head, _, rest = mod_name.partition(".")
@@ -65,10 +70,11 @@ def draft_config(target_cfg: ModelConfig, dtype: torch.dtype, draft_vocab_size: 
 
 
 def write_draft_checkpoint(draft: MTPDraftModel, target_cfg: ModelConfig, out_dir: str,
-                           dtype: torch.dtype = torch.bfloat16) -> str:
+                           dtype: torch.dtype = torch.bfloat16, include_head: bool = True) -> str:
     os.makedirs(out_dir, exist_ok=True)
     vd = None if draft.draft_vocab is None else int(draft.draft_vocab.shape[0])
-    save_file(draft_tensors(draft, dtype), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(draft_tensors(draft, dtype, include_head), os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(draft_config(target_cfg, dtype, vd), f, indent=2)
     return out_dir
