@@ -50,8 +50,11 @@ class Bench:
 
     def scheduler(self, n: int, concurrency: int) -> Scheduler:
         a = self.args
+        # An explicit KV budget per run: several runners live in this process one after another, so none may take
+        # the memory-fraction default (most of the GPU).
+        kv = a.max_total_tokens or concurrency * (self.context_len + 64)
         sa = ServerArgs(model_path=self.model_path, context_length=self.context_len,
-                        max_running_requests=concurrency, max_total_tokens=a.max_total_tokens,
+                        max_running_requests=concurrency, max_total_tokens=kv,
                         cuda_graph_max_bs=concurrency, disable_cuda_graph=a.disable_cuda_graph,
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None)
         mr = ModelRunner(sa, self.target.model, self.target.config, self.draft if n else None, self.device,

@@ -106,8 +106,14 @@ class PhaseRunner:
                                self.buffers.req_pool_indices[:0], self.buffers.seq_lens[:0], 0)
             stage(self.buffers, empty, pbs, self.width)  # every row padded: dummy row, slot 0
             inputs = self._static_inputs(pbs, self.ctx.graph_max_seq_len)
-            for _ in range(2):  # warm up (Triton autotune / lazy init) outside the graph
-                self.forward_phase(inputs, self.backend, graph_mode=True)
+            # Warm up on a side stream, as capture runs on one: per-stream library state (cuBLAS workspaces) and
+            # Triton compilation happen here, not inside the capture.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.forward_phase(inputs, self.backend, graph_mode=True)
+            torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.ctx.graph_pool):

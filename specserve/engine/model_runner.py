@@ -6,6 +6,7 @@ captures the graphs. It knows nothing of requests: the scheduler and the spec wo
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -150,11 +151,18 @@ class ModelRunner:
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
         items = list(self.runners.values())
-        for r in tqdm(items, desc=f"Capturing CUDA graphs (bs {self.capture_bs[0]}..{self.capture_bs[-1]})",
-                      unit="runner", disable=None):
-            r.ctx.graph_pool = pool
-            r.capture()
-            pool = r.ctx.graph_pool
+        # No garbage collection during capture: a collected cycle that frees CUDA tensors of an earlier runner
+        # makes the allocator query events, which invalidates the capture.
+        gc.collect()
+        gc.disable()
+        try:
+            for r in tqdm(items, desc=f"Capturing CUDA graphs (bs {self.capture_bs[0]}..{self.capture_bs[-1]})",
+                          unit="runner", disable=None):
+                r.ctx.graph_pool = pool
+                r.capture()
+                pool = r.ctx.graph_pool
+        finally:
+            gc.enable()
         torch.cuda.synchronize()
         used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 30)
         logger.info("captured %d graphs for %s in %.1f s, %.2f GiB", sum(len(r.graphs) for r in items),

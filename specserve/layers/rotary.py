@@ -17,12 +17,13 @@ def inv_freq_from_config(hf_config, head_dim: int) -> tuple[torch.Tensor, float]
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type in ("default", "mrope"):
         base = float(params.get("rope_theta", 10000.0))
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float(), 1.0
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)).float(), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    with torch.device("cpu"):  # even while the model is being built under a meta/cuda device context
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 
 
@@ -43,9 +44,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.mrope_section = list(mrope_section) if mrope_section else None
-        t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        # Built on the CPU (transformers' rope init functions return CPU tensors), then placed on the device the
+        # module is being built on (a `with torch.device(...)` context, or meta for checkpoint loading).
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq.to("cpu", torch.float32))  # [P, D/2]
         cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+        cache = cache.to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, D] float32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
