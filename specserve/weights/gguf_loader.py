@@ -62,4 +62,7 @@ def iter_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[st
             w = _unpermute(w, num_heads)
         elif arch == "llama" and hf.endswith("k_proj.weight"):
             w = _unpermute(w, num_kv_heads)
-        yield hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if not w.flags.writeable:  # float32 tensors come back as read-only views of the memory-mapped file
+            w = w.copy()
+        yield hf, torch.from_numpy(w)
