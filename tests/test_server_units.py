@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from specserve.server.detokenizer import IncrementalDetokenizer, final_text
+from specserve.engine.stop import final_text
+from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.errors import APIError
 from specserve.server.launch import parse_args, served_model_name
 from specserve.server.messages import EngineInfo, EngineStats, RequestDelta, StepOutput

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from specserve.engine.request import Req
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # keep this module torch-free: the HTTP process uses final_text
+    from specserve.engine.request import Req
 
 
 class StopChecker:
@@ -40,13 +43,17 @@ class StopChecker:
         return None
 
 
-def output_text(tokenizer, req: Req) -> str:
-    """Final text of a request: special tokens skipped, cut before a matched stop string."""
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
-    reason = req.finished_reason or {}
+def final_text(tokenizer, output_ids: list[int], finished_reason: dict | None, skip_special_tokens: bool) -> str:
+    """The complete text of a request: special tokens skipped (if asked), cut before a matched stop string."""
+    text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
+    reason = finished_reason or {}
     matched = reason.get("matched")
     if reason.get("type") == "stop" and isinstance(matched, str):
         cut = text.find(matched)
         if cut >= 0:
             text = text[:cut]
     return text
+
+
+def output_text(tokenizer, req: Req) -> str:
+    return final_text(tokenizer, req.output_ids, req.finished_reason, req.sampling.skip_special_tokens)

@@ -12,19 +12,9 @@ show it. The tail of the decoded text that could still grow into a stop string i
 
 from __future__ import annotations
 
+from specserve.engine.stop import final_text
+
 _REPLACEMENT = "\ufffd"
-
-
-def final_text(tokenizer, output_ids: list[int], finished_reason: dict | None, skip_special_tokens: bool) -> str:
-    """The complete text of a finished request: cut before a matched stop string (like the engine's output_text)."""
-    text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
-    reason = finished_reason or {}
-    matched = reason.get("matched")
-    if reason.get("type") == "stop" and isinstance(matched, str):
-        cut = text.find(matched)
-        if cut >= 0:
-            text = text[:cut]
-    return text
 
 
 class IncrementalDetokenizer:
