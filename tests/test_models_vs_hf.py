@@ -70,3 +70,31 @@ def test_prefill_and_decode_logits_match_hf(tiny_models, arch, page_size):
         with torch.no_grad():
             refs = torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in seqs])
         torch.testing.assert_close(logits, refs, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_engine_tracks_float32(tiny_models):
+    """bfloat16 weights/KV on CPU: prefill logits close to float32 (bf16 tolerance) and greedy generation runs."""
+    from specserve import Engine
+
+    path = tiny_models["qwen3"]
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs = {}
+    for dt in ("float32", "bfloat16"):
+        eng = Engine(model_path=path, dtype=dt, max_total_tokens=2048)
+        assert eng.core.model_runner.target_kv.dtype == getattr(torch, dt)
+        outs[dt] = eng.generate(input_ids=prompts, sampling_params=sp)
+        mr = eng.core.model_runner
+        from specserve.kvcache.manager import KVHandle
+
+        h = KVHandle()
+        assert mr.kv.assign_row(h) and mr.kv.ensure([h], [7])
+        loc = mr.req_to_token.table[h.row, :6]
+        hid = mr.forward_extend(mr.target, mr.target_kv, mr.target_eager_backend, torch.tensor(prompts[0]),
+                                torch.arange(6), loc, [h.row], [6], [6], None, ForwardMode.EXTEND)
+        outs[dt + "_logits"] = mr.target.compute_logits(hid)
+        mr.kv.release(h)
+    a, b = outs["float32_logits"], outs["bfloat16_logits"]
+    assert b.dtype == torch.float32  # logits are always float32
+    assert (a - b).abs().max() / a.abs().max() < 0.05
+    assert all(o["meta_info"]["completion_tokens"] == 6 for o in outs["bfloat16"])

@@ -74,7 +74,6 @@ def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     ar = torch.arange(bs, device=dev)
     row_state.last_token[rows] = verified[ar, accept_len]
 
-    # 5. the one host sync of the step
-    k_host = accept_len.tolist()
-    v_host = verified.tolist()
-    return SpecStepResult(k_host, [v[:k + 1] for v, k in zip(v_host, k_host)])
+    # 5. the one host sync of the step: accept lengths and verified tokens in one copy
+    rows_host = torch.cat((accept_len[:, None], verified), dim=1).tolist()  # [bs, 1 + N + 1]
+    return SpecStepResult([r[0] for r in rows_host], [r[1:r[0] + 2] for r in rows_host])
