@@ -57,6 +57,7 @@ def test_usage_reports_accept_length(spec_server):
     assert m["spec_verify_ct"] == r.usage.spec["verify_ct"]
     info = spec_server.server_info()
     assert info["spec_enabled"] and info["spec_verify_ct"] > 0 and info["avg_spec_accept_length"] >= 1.0
+    assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == 2
     metrics = httpx.get(spec_server.url + "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("specserve:spec_accept_length{"))
     assert float(line.split()[-1]) >= 1.0

@@ -49,6 +49,10 @@ class EngineInfo:
     spec_enabled: bool
     load_time: float
     pid: int
+    # what the engine resolved (the embedded default speculates without being asked)
+    spec_algorithm: str | None = None
+    spec_num_steps: int = 0
+    draft_model_path: str | None = None
 
 
 @dataclass

@@ -71,6 +71,9 @@ def _engine_info(core) -> EngineInfo:
         initial_free_pages=core.scheduler.initial_free_pages,
         default_sampling=dict(core.default_sampling),
         spec_enabled=core.args.spec_enabled,
+        spec_algorithm=core.args.speculative_algorithm if core.args.spec_enabled else None,
+        spec_num_steps=core.args.num_draft_steps,
+        draft_model_path=core.args.speculative_draft_model_path if core.args.spec_enabled else None,
         load_time=core.load_time,
         pid=os.getpid(),
     )

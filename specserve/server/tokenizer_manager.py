@@ -325,6 +325,9 @@ class TokenizerManager:
             "num_prefill_steps": s.num_prefill_steps,
             "num_decode_steps": s.num_decode_steps,
             "spec_enabled": i.spec_enabled,
+            "speculative_algorithm": i.spec_algorithm,
+            "speculative_num_steps": i.spec_num_steps,
+            "speculative_draft_model_path": i.draft_model_path,
             "spec_verify_ct": s.spec_verify_ct,
             "spec_accept_length": s.spec_accept_length,
             "avg_spec_accept_length": s.spec_accept_length,  # SGLang's name
