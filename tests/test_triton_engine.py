@@ -6,10 +6,9 @@ DRAFT_EXTEND (graph metadata path through the runners' static replay, padded bat
 import pytest
 import torch
 from spec_fixtures import build_scheduler
+from test_spec_greedy import _run
 
 from specserve.attention.triton_backend import TritonAttentionBackend
-from specserve.engine.request import Req
-from specserve.engine.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
 # spec_fixtures builds CPU engines: the Triton backend can run them only under the interpreter (CPU sessions).
@@ -24,13 +23,7 @@ def _generate(path: str, backend: str, **kw) -> list[list[int]]:
                                chunked_prefill_size=16, **kw)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True), seed=i)
-            for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add_request(r)
-    while sched.has_work:
-        sched.step()
-    sched.check_idle_invariants()
+    reqs = _run(sched, prompts, new=NEW)  # greedy, ignore_eos; checks the pool is back to its start
     runners = sched.mr.runners.values()
     assert all(r.replays > 0 for r in runners)  # the graph-metadata path ran (static replay on CPU)
     if backend == "triton":

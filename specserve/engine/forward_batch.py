@@ -21,11 +21,6 @@ class ForwardMode(enum.Enum):
     DRAFT_DECODE = "draft_decode"  # one draft token per request, inside the multi-step loop
     IDLE = "idle"
 
-    @property
-    def is_fixed_width(self) -> bool:
-        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
-                        ForwardMode.DRAFT_DECODE)
-
 
 @dataclass
 class ForwardBatch:

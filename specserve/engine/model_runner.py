@@ -120,7 +120,6 @@ class ModelRunner:
             if n > 1:
                 self.runners["draft_decode"] = DraftDecodeRunner(dctx, n - 1, capture, self.use_graphs)
             self.runners["draft_extend"] = DraftExtendRunner(dctx, n + 1, capture, self.use_graphs)
-            dctx.graph_pool = None  # filled on first capture; shared below
 
     # ------------------------------------------------------------------ setup
     def make_backend(self, pool: KVPool):

@@ -44,8 +44,7 @@ class StaticBuffers:
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return out
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
 
 @dataclass

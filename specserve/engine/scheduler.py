@@ -111,7 +111,7 @@ class Scheduler:
             if budget <= 0:
                 break
             new = req.state == ReqState.WAITING
-            if new and len(self.running) + len(chunks) + (1 if self.prefilling else 0) >= mr.max_running:
+            if new and self.num_running + len(chunks) >= mr.max_running:
                 break
             start = req.seq_len
             end = min(req.prefill_len, start + budget)
@@ -119,9 +119,8 @@ class Scheduler:
             need_positions = end + (self.n + 1 if final else 0)
             extra = mr.kv.pages_needed(req.kv, need_positions)
             if extra + reserve > mr.allocator.num_free_pages:
-                if new:
-                    break  # FIFO: later requests wait behind this one
-                # The half-prefilled request cannot grow: let decodes run (they may finish and free pages).
+                # A new request: FIFO, later ones wait behind it. The half-prefilled one: decodes run meanwhile
+                # (they may finish and free pages).
                 break
             if new:
                 if not mr.kv.assign_row(req.kv):

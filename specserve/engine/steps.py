@@ -100,7 +100,7 @@ def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
     rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
     s_host = [r.seq_len for r in reqs]
     s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)
-    live = LiveInputs(batch_size=len(reqs), input_ids=mr.rows.last_token[rows], positions=s + _deltas(reqs, dev),
+    live = LiveInputs(batch_size=len(reqs), input_ids=mr.rows.last_token[rows], positions=s + rope_offsets(reqs, dev),
                       req_pool_indices=rows, seq_lens=s + 1, max_seq_len=max(s_host) + 1)
     logits = mr.runners["decode"].run(live)["logits"]
     tokens = sample(logits, sampling_batch(mr, reqs), s + 1)
@@ -108,7 +108,7 @@ def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
     return tokens.tolist()
 
 
-def _deltas(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:
+def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:
     """mRoPE position offsets of generated text (0 for text-only requests: no tensor needed)."""
     if all(r.mrope_delta == 0 for r in reqs):
         return 0

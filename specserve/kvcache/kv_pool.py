@@ -22,8 +22,3 @@ class KVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """loc [T] slots; k, v [T, kv_heads, head_dim]."""
-        self.k[layer][loc] = k.to(self.dtype)
-        self.v[layer][loc] = v.to(self.dtype)

@@ -17,7 +17,7 @@ from specserve.engine.model_runner import ModelRunner
 from specserve.engine.padding import LiveInputs
 from specserve.engine.request import Req
 from specserve.engine.sampler import probs_from_logits
-from specserve.engine.steps import _deltas, sampling_batch
+from specserve.engine.steps import rope_offsets, sampling_batch
 from specserve.spec.accept import verify_greedy, verify_sampling
 
 
@@ -35,7 +35,7 @@ def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
     s_host = [r.seq_len for r in reqs]
     s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)  # [bs] = S
-    pos0 = s + _deltas(reqs, dev)  # rope position of sequence index S
+    pos0 = s + rope_offsets(reqs, dev)  # rope position of sequence index S
     max_s = max(s_host)
     row_state = mr.rows
 
