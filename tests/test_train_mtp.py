@@ -338,8 +338,10 @@ def test_rerun_reuses_generated_data(trained):
     argv[argv.index("--train-steps") + 1] = "2"
     argv[argv.index("--held-out") + 1:argv.index("--output")] = []
     argv.remove("--held-out")
+    argv.append("--greedy-only")  # training settings only: the cache still matches
     assert main(argv) == 0
     with open(os.path.join(out2, "report.json")) as f:
         rep = json.load(f)
     assert rep["data"]["from_cache"] is True and rep["data"]["num_sequences"] == 64
+    assert rep["data"]["trained_sequences"] == 48  # the 25% sampled responses left out
     assert rep["held_out"] == {}

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# GPU: self-distil SmolLM2-135M-Instruct and train its MTP head (the shipped one). Data files are carried in
-# .gpu-data/ (copies of ../shared/data: prompts and GSM8K train/test). Output: /tmp/head (+ copies in $OUT).
+# GPU call 2 of the shipped head: train it from the self-distilled data of call 1 (selfdistill_smollm2.sh), found
+# in /tmp/head/selfdistill on the same warm machine, or rebuilt from parts carried in .gpu-sd/ (call 1's $OUT).
+# INIT=folder continues from a head trained before (same data and vocabulary). Output: /tmp/head (+ copies in $OUT).
 . scripts/gpu/env.sh
-D=.gpu-data
-timeout 590 python3 -m specserve.cli train-mtp --model-path /tmp/smollm2.gguf \
-  --prompts $D/codegen-instruct.json $D/roleplay-instruct.json $D/gsm8k_train.jsonl $D/alpaca_question.jsonl \
-  --output /tmp/head --num-prompts "${NUM_PROMPTS:-6000}" --max-new-tokens 256 --sampled-fraction 0.3 \
-  --chain-steps 4 --train-steps 6000 --train-time-budget "${TRAIN_BUDGET:-1000}" --batch-size 32 \
-  --max-seq-len 768 --lr 5e-4 --warmup-steps 40 --draft-vocab-size "${VOCAB:-16384}" --eval-num-steps "" \
-  --max-running-requests 256 --cuda-graph-max-bs 256 --context-length 1024 2>&1 \
+. scripts/gpu/smollm2_head_args.sh
+if [ ! -f /tmp/head/selfdistill/selfdistill.meta.json ] && [ -d .gpu-sd ]; then
+  mkdir -p /tmp/head/selfdistill
+  cat .gpu-sd/sd.part-* > /tmp/head/selfdistill/selfdistill.jsonl.gz
+  cp .gpu-sd/sd.meta.json /tmp/head/selfdistill/selfdistill.meta.json
+fi
+timeout 590 python3 -m specserve.cli train-mtp "${GEN_ARGS[@]}" "${ENGINE_ARGS[@]}" \
+  --chain-steps 4 --train-steps 100000 --train-time-budget "${TRAIN_BUDGET:-420}" --batch-tokens 16384 \
+  --lr "${LR:-5e-4}" --warmup-steps "${WARMUP:-100}" --draft-vocab-size "${VOCAB:-0}" --eval-num-steps "" \
+  ${INIT:+--init-draft "$INIT"} ${GREEDY_ONLY:+--greedy-only} 2>&1 \
   | grep -v -i "warn" | tee "$OUT/train.log" | tail -25
 cp /tmp/head/config.json /tmp/head/model.safetensors /tmp/head/report.json "$OUT/" 2>/dev/null
 ls -la /tmp/head

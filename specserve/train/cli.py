@@ -37,13 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-new-tokens", type=int, default=256)
     a("--sampled-fraction", type=float, default=0.5, help="share of prompts answered by sampling (rest greedy)")
     a("--temperature", type=float, default=0.7, help="temperature of the sampled responses")
+    a("--extra-sampled-responses", type=int, default=0,
+      help="further sampled responses per prompt, generated after every prompt has its first one")
+    a("--reading-prompts", type=int, default=0,
+      help="add this many reading prompts: an instruction (summarise, list the points, ...) over a document "
+           "joined from the long texts in the prompt files' answer fields (teaches drafting from a long context)")
+    a("--reading-chars", default="1200,6000", help="min,max characters of a reading prompt's document")
+    a("--generation-time-budget", type=float, default=None,
+      help="seconds: generation stops here; finished and long enough partial responses are kept")
+    a("--generate-only", action="store_true",
+      help="stop after self-distillation (the data cache is written; a later run with the same generation "
+           "settings trains from it, also on another machine when <output>/selfdistill is copied there)")
     # training
     a("--chain-steps", type=int, default=4, help="training depth: draft steps chained through the head's hidden")
     a("--train-steps", type=int, default=1000)
     a("--train-time-budget", type=float, default=None,
       help="seconds: after 10 timed steps, fewer steps are run (with the schedule fitted to them) when the "
            "requested ones would take longer")
-    a("--batch-size", type=int, default=16, help="sequences per training step")
+    a("--batch-size", type=int, default=16, help="sequences per training step (when --batch-tokens is 0)")
+    a("--batch-tokens", type=int, default=0,
+      help="padded tokens per training step instead of a fixed sequence count (length-grouped batches)")
     a("--lr", type=float, default=3e-4)
     a("--warmup-steps", type=int, default=None, help="default: 5%% of the steps, at most 200")
     a("--weight-decay", type=float, default=0.0)
@@ -57,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--train-draft-head", action="store_true",
       help="with a reduced vocabulary, train (and ship) the head's lm-head rows; by default they stay the "
            "target's rows, which the checkpoint then does not store (only the token ids)")
+    a("--greedy-only", action="store_true",
+      help="train on the greedy responses only (the sampled ones stay in the cache): a head for greedy serving")
+    a("--init-draft", default=None,
+      help="start from this draft checkpoint folder (a head trained before, same target and draft vocabulary) "
+           "instead of the target's last block: continues a training run")
     a("--init-noise", type=float, default=0.01, help="std of the embedding half of eh_proj at initialisation")
     a("--init-residual-scale", type=float, default=0.0,
       help="scale of the copied last block's o_proj/down_proj at initialisation (0: the block starts as identity)")
@@ -76,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--context-length", type=int, default=None)
     a("--disable-cuda-graph", action="store_true")
     a("--max-total-tokens", type=int, default=None)
+    a("--chunked-prefill-size", type=int, default=None, help="prefill tokens per step while generating")
     a("--mem-fraction-static", type=float, default=None)
     a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     return p
@@ -85,7 +104,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = {"device": args.device, "dtype": args.dtype, "random_seed": args.seed,
           "disable_cuda_graph": args.disable_cuda_graph, "log_level": args.log_level}
     for name in ("max_running_requests", "cuda_graph_max_bs", "context_length", "max_total_tokens",
-                 "mem_fraction_static"):
+                 "mem_fraction_static", "chunked_prefill_size"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return kw
@@ -100,13 +119,22 @@ def _release_cuda() -> None:
 def self_distill(args: argparse.Namespace, model_path: str) -> tuple[list, dict]:
     """Generated samples (from the cache when it matches) and the report's data section."""
     from specserve.train import data
+    from specserve.train.reading import reading_prompts
 
     gs = data.GenerationSettings(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                                  sampled_fraction=args.sampled_fraction, temperature=args.temperature,
-                                 seed=args.seed, max_prompt_len=args.max_seq_len - _MIN_RESPONSE_ROOM)
+                                 seed=args.seed, max_prompt_len=args.max_seq_len - _MIN_RESPONSE_ROOM,
+                                 extra_sampled=args.extra_sampled_responses,
+                                 time_budget_s=args.generation_time_budget)
     files = [os.path.abspath(f) for f in args.prompts]
-    fields = {"model": os.path.abspath(model_path), "files": [[f, os.path.getsize(f)] for f in files],
-              **vars(gs)}
+    chars = [int(x) for x in args.reading_chars.split(",")]
+    if len(chars) != 2:
+        raise SystemExit("--reading-chars takes min,max")
+    # base names and sizes (not absolute paths): a cache carried to another machine still matches
+    fields = {"model": [os.path.basename(model_path), os.path.getsize(model_path) if os.path.isfile(model_path)
+                        else 0],
+              "files": [[os.path.basename(f), os.path.getsize(f)] for f in files],
+              "reading": [args.reading_prompts, *chars], **vars(gs)}
     key = data.cache_key(fields)
     cache_dir = os.path.join(args.output, "selfdistill")
     t0 = time.perf_counter()
@@ -115,7 +143,8 @@ def self_distill(args: argparse.Namespace, model_path: str) -> tuple[list, dict]
     if samples is None:
         from specserve.engine.engine import Engine
 
-        prompts = data.select_prompts(data.load_prompts(files), args.num_prompts, args.seed)
+        prompts = data.load_prompts(files) + reading_prompts(files, args.reading_prompts, args.seed, *chars)
+        prompts = data.select_prompts(prompts, args.num_prompts, args.seed)
         # the resolved path, never None: the embedded default target would otherwise speculate with a shipped head
         eng = Engine(model_path=model_path, **engine_kwargs(args))
         try:
@@ -124,16 +153,18 @@ def self_distill(args: argparse.Namespace, model_path: str) -> tuple[list, dict]
             eng.shutdown()
             del eng
             _release_cuda()
+        if not samples:
+            raise ValueError("no training sequences: every prompt was too long for --max-seq-len, or the "
+                             "generation time budget ended before any response was long enough")
         data.save_cache(cache_dir, key, fields, samples)
     else:
         logger.info("reusing %d cached self-distilled sequences from %s", len(samples), cache_dir)
-    if not samples:
-        raise ValueError("no training sequences: every prompt was too long for --max-seq-len")
     info = {
         "num_sequences": len(samples),
         "num_tokens": sum(min(len(s.ids), args.max_seq_len) for s in samples),
         "num_response_tokens": sum(len(s.response_ids) for s in samples),
         "sampled_sequences": sum(s.sampled for s in samples),
+        "reading_sequences": sum(s.source == "reading" for s in samples),
         "prompt_files": [os.path.basename(f) for f in files],
         "from_cache": from_cache,
         "generation_time_s": round(time.perf_counter() - t0, 2),
@@ -185,7 +216,12 @@ def train_head(args: argparse.Namespace, target, samples: list, seqs: list[list[
     train and draft_vocab sections."""
     from specserve.tokenizer import load_tokenizer
     from specserve.train.export import write_draft_checkpoint
-    from specserve.train.objective import ObjectiveConfig, build_draft, init_draft_from_target
+    from specserve.train.objective import (
+        ObjectiveConfig,
+        build_draft,
+        init_draft_from_checkpoint,
+        init_draft_from_target,
+    )
     from specserve.train.trainer import TrainSettings, evaluate_draft, train_draft
     from specserve.train.vocab import build_draft_vocab
 
@@ -199,6 +235,9 @@ def train_head(args: argparse.Namespace, target, samples: list, seqs: list[list[
 
     draft = build_draft(cfg, args.max_seq_len + 8, vocab, device)
     init_draft_from_target(draft, target.model, vocab, args.init_noise, args.seed, args.init_residual_scale)
+    if args.init_draft:
+        init_draft_from_checkpoint(draft, target, args.init_draft, args.max_seq_len + 8)
+        logger.info("draft initialised from %s", args.init_draft)
     frozen_head = vocab.ids is not None and not args.train_draft_head
     if frozen_head:
         draft.lm_head.weight.requires_grad_(False)  # the target's rows, rebuilt from the target at load time
@@ -207,21 +246,23 @@ def train_head(args: argparse.Namespace, target, samples: list, seqs: list[list[
     to_draft = vocab.to_draft_index(cfg.vocab_size, device)
     obj = ObjectiveConfig(chain_steps=args.chain_steps, depth_decay=args.depth_decay, loss=args.loss)
     ts = TrainSettings(train_steps=args.train_steps, batch_size=args.batch_size, lr=args.lr,
-                       warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                       seed=args.seed, log_every=args.log_every, time_budget_s=args.train_time_budget)
+                       batch_tokens=args.batch_tokens, warmup_steps=args.warmup_steps,
+                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, seed=args.seed,
+                       log_every=args.log_every, time_budget_s=args.train_time_budget)
     train_idx, val_idx = split_validation(len(seqs), args.val_fraction, args.seed)
     result = train_draft(draft, *_subset(train_idx, seqs, prompt_lens, store), to_draft, target_head, obj, ts,
                          device)
     val_loss, val_top1 = [], []
     if val_idx:
         val_loss, val_top1 = evaluate_draft(draft, *_subset(val_idx, seqs, prompt_lens, store), to_draft,
-                                            target_head, obj, args.batch_size, device)
+                                            target_head, obj, args.batch_size, device, args.batch_tokens)
         logger.info("validation (%d sequences): loss %s top1 %s", len(val_idx), [round(x, 4) for x in val_loss],
                     [round(x, 3) for x in val_top1])
     write_draft_checkpoint(draft, cfg, args.output, getattr(torch, args.save_dtype), include_head=not frozen_head)
     logger.info("draft checkpoint written to %s", args.output)
     return {
-        "train": {"steps": result.steps, "batch_size": args.batch_size, "lr": args.lr,
+        "train": {"steps": result.steps, "batch_size": args.batch_size, "batch_tokens": args.batch_tokens,
+                  "lr": args.lr,
                   "max_seq_len": args.max_seq_len,
                   "initial_loss": [round(x, 5) for x in result.initial_loss],
                   "final_loss": [round(x, 5) for x in result.final_loss],
@@ -254,6 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     model_path = args.model_path or embedded_model_path()
 
     samples, data_info = self_distill(args, model_path)  # 1. the target's own responses (engine)
+    if args.generate_only:
+        write_report(args.output, {"target": model_path, "data": data_info})
+        logger.info("self-distilled data: %s", os.path.join(args.output, "selfdistill"))
+        return 0
+    if args.greedy_only:
+        samples = [s for s in samples if not s.sampled]
+        if not samples:
+            raise SystemExit("--greedy-only: the data has no greedy responses")
+        data_info["trained_sequences"] = len(samples)
+        data_info["trained_response_tokens"] = sum(len(s.response_ids) for s in samples)
     target, seqs, prompt_lens, store, hidden_s = target_states(args, model_path, samples, device)  # 2.
     sections = train_head(args, target, samples, seqs, prompt_lens, store, device)  # 3. vocab, train, checkpoint
     sections["train"]["hidden_time_s"] = round(hidden_s, 2)

@@ -3,25 +3,28 @@
 Prompt files are JSON (a list of records) or JSONL (one record a line). A record's prompt is the first field present
 of: `messages` (a chat list), `turns` (the first turn), `instruction` (+ "\\n\\n" + `input` when non-empty),
 `question`, `prompt`, `text`. Answers stored in the files are ignored: the head learns the *target's* own responses,
-generated with the engine (greedy, and sampled for a fraction), so the training data is what the head will see.
-Generated data is cached in the output folder under a key of everything that shaped it; a rerun reuses it.
+generated with the engine (greedy, and sampled for a fraction and for extra passes), so the training data is what the
+head will see. Generated data is cached (gzipped JSONL) in the output folder under a key of everything that shaped
+it, with files named by base name and size, so a cache carried to another machine is reused there too.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
 import os
 import random
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-CACHE_FILE = "selfdistill.jsonl"
+CACHE_FILE = "selfdistill.jsonl.gz"
 CACHE_META = "selfdistill.meta.json"
 
 
@@ -57,6 +60,11 @@ class GenerationSettings:
     temperature: float
     seed: int
     max_prompt_len: int  # longer (templated) prompts are skipped: they would leave no room for a response
+    extra_sampled: int = 0  # further sampled responses per prompt, queued after every prompt's first response
+    time_budget_s: float | None = None  # at this many seconds, unfinished requests stop (partial ones are kept)
+
+
+MIN_PARTIAL_TOKENS = 16  # a response cut by the time budget is kept when it has at least this many tokens
 
 
 # ---------------------------------------------------------------------------------------------------- prompt files
@@ -127,43 +135,72 @@ def prompt_token_ids(engine, messages: list[dict]) -> list[int]:
 # ---------------------------------------------------------------------------------------------------- generation
 def generate_samples(engine, prompts: list[Prompt], gs: GenerationSettings) -> list[Sample]:
     """The target's responses for `prompts`, all queued at once so the engine batches them (continuous batching up
-    to --max-running-requests); a progress bar counts finished requests."""
+    to --max-running-requests): first one response per prompt (a `sampled_fraction` of them sampled, the rest
+    greedy), then `extra_sampled` more sampled ones per prompt. Under a time budget, the requests still unfinished
+    at the deadline are aborted; partial responses of at least MIN_PARTIAL_TOKENS tokens are kept. A progress bar
+    counts finished requests."""
     core = engine.core
     rng = random.Random(gs.seed)
     n_sampled = round(gs.sampled_fraction * len(prompts))
     sampled_idx = set(rng.sample(range(len(prompts)), n_sampled)) if n_sampled else set()
     reqs, metas = [], []
     skipped = 0
+    prompt_ids = []
     for i, p in enumerate(prompts):
         ids = prompt_token_ids(engine, p.messages)
         if len(ids) > gs.max_prompt_len:
             skipped += 1
             continue
-        sampled = i in sampled_idx
-        sp = {"max_new_tokens": gs.max_new_tokens, "temperature": gs.temperature if sampled else 0.0,
-              "seed": gs.seed * 1_000_003 + i}
-        reqs.append(core.make_request(ids, sp))
-        metas.append((sampled, p.source))
+        prompt_ids.append((i, p, ids))
+    for rep in range(1 + gs.extra_sampled):
+        for i, p, ids in prompt_ids:
+            sampled = rep > 0 or i in sampled_idx
+            sp = {"max_new_tokens": gs.max_new_tokens, "temperature": gs.temperature if sampled else 0.0,
+                  "seed": (gs.seed * 1_000_003 + i) * 7919 + rep}
+            reqs.append(core.make_request(ids, sp))
+            metas.append((sampled, p.source))
     if skipped:
         logger.info("skipped %d prompts longer than %d tokens", skipped, gs.max_prompt_len)
-    for r in reqs:
-        core.scheduler.add_request(r)
-    pending = {r.rid for r in reqs}
-    t0, new_tokens = time.perf_counter(), 0
+    sched = core.scheduler
+    # Feed the engine in waves: a request enters only when a quarter of the running slots is free, so each
+    # prefill step batches many prompts (with one prompt per freed slot, nearly every graphed decode step of a long
+    # generation run is followed by a small eager prefill step, which costs several decode steps).
+    cap = sched.mr.max_running
+    wave = max(1, cap // 4)
+    queue = deque(reqs)
+    pending: set[str] = set()
+    t0, new_tokens, stopped = time.perf_counter(), 0, False
     with tqdm(total=len(reqs), desc="Generating responses", unit="seq", disable=None) as bar:
-        while pending:
-            for r in core.scheduler.step():
+        while queue or pending:
+            if queue and len(pending) <= cap - wave:
+                for _ in range(min(len(queue), cap - len(pending))):
+                    r = queue.popleft()
+                    sched.add_request(r)
+                    pending.add(r.rid)
+            for r in sched.step():
                 if r.finished and r.rid in pending:
                     pending.discard(r.rid)
                     new_tokens += len(r.output_ids)
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-6):.0f}")
-            if pending and not core.scheduler.has_work:
+            if pending and not sched.has_work:
                 raise RuntimeError("the engine went idle with unfinished generation requests")
+            if gs.time_budget_s is not None and time.perf_counter() - t0 > gs.time_budget_s and not stopped:
+                logger.info("generation time budget reached: stopping %d requests, %d never started", len(pending),
+                            len(queue))
+                for rid in list(pending):
+                    sched.abort(rid)
+                sched.step()  # hands back the aborted requests (their KV is already freed)
+                pending.clear()
+                queue.clear()
+                stopped = True
     dt = time.perf_counter() - t0
-    logger.info("generated %d responses, %d tokens in %.1f s (%.0f tokens/s)", len(reqs), new_tokens, dt,
-                new_tokens / max(dt, 1e-6))
-    return [Sample(list(r.origin_input_ids), list(r.output_ids), s, src) for r, (s, src) in zip(reqs, metas)]
+    out = [Sample(list(r.origin_input_ids), list(r.output_ids), s, src) for r, (s, src) in zip(reqs, metas)
+           if r.finished and (r.finished_reason["type"] != "abort" or len(r.output_ids) >= MIN_PARTIAL_TOKENS)]
+    tokens = sum(len(s.response_ids) for s in out)
+    logger.info("generated %d responses (%d requested), %d tokens in %.1f s (%.0f tokens/s)", len(out), len(reqs),
+                tokens, dt, tokens / max(dt, 1e-6))
+    return out
 
 
 def cache_key(fields: dict) -> str:
@@ -177,14 +214,14 @@ def load_cached(out_dir: str, key: str) -> list[Sample] | None:
     with open(meta_path) as f:
         if json.load(f).get("key") != key:
             return None
-    with open(data_path) as f:
+    with gzip.open(data_path, "rt", encoding="utf-8") as f:
         return [Sample(**json.loads(line)) for line in f if line.strip()]
 
 
 def save_cache(out_dir: str, key: str, fields: dict, samples: list[Sample]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     data_path = os.path.join(out_dir, CACHE_FILE)
-    with open(data_path + ".tmp", "w") as f:
+    with gzip.open(data_path + ".tmp", "wt", encoding="utf-8") as f:
         for s in samples:
             f.write(json.dumps(asdict(s)) + "\n")
     os.replace(data_path + ".tmp", data_path)  # the meta file is written last: a torn run is never reused

@@ -89,6 +89,24 @@ def init_draft_from_target(draft: MTPDraftModel, target: torch.nn.Module, vocab:
     draft.share_target(target.embed_tokens, target.lm_head)
 
 
+@torch.no_grad()
+def init_draft_from_checkpoint(draft: MTPDraftModel, target, path: str, max_positions: int) -> None:
+    """Overwrite the head's weights with a draft checkpoint's (loaded as the engine loads it, float32), to continue
+    a training run. The checkpoint must have the same shapes and draft vocabulary."""
+    from specserve.models.loader import load_mtp_draft
+
+    src = load_mtp_draft(target, path, torch.float32, draft.eh_proj.weight.device, max_positions)
+    theirs = dict(src.named_parameters()) | dict(src.named_buffers())
+    for name, t in list(draft.named_parameters()) + list(draft.named_buffers()):
+        other = theirs.get(name)
+        if other is None or other.shape != t.shape:
+            raise ValueError(f"{path}: {name} {None if other is None else tuple(other.shape)} does not fit the "
+                             f"head being trained ({tuple(t.shape)}): another target or draft vocabulary?")
+        if name == "draft_vocab" and not torch.equal(other.to(t.device), t):
+            raise ValueError(f"{path}: its draft vocabulary differs from the one built from this data")
+        t.copy_(other.to(dtype=t.dtype))
+
+
 # ---------------------------------------------------------------------------------------------------- forward
 def chained_forward(draft: MTPDraftModel, ids: torch.Tensor, hidden: torch.Tensor, depth: int) -> list[torch.Tensor]:
     """ids [B, L] (x), hidden [B, L, H] (h) -> [g_1, .., g_depth], each [B, L, H] (draft final-norm outputs)."""

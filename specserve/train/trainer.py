@@ -15,16 +15,19 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from specserve.models.mtp import MTPDraftModel
-from specserve.train.hidden import HiddenStore
+from specserve.train.hidden import HiddenStore, length_batches
 from specserve.train.objective import ObjectiveConfig, TrainBatch, chained_loss
 
 logger = logging.getLogger(__name__)
+
+_CALIBRATE_FIRST, _REFIT_EVERY = 10, 50  # a time budget fits the number of steps at step 10, then every 50
 
 
 @dataclass
 class TrainSettings:
     train_steps: int = 1000
-    batch_size: int = 16  # sequences per step
+    batch_size: int = 16  # sequences per step (when batch_tokens is 0)
+    batch_tokens: int = 0  # > 0: padded tokens per step (B * max length) instead of a fixed sequence count
     lr: float = 3e-4
     warmup_steps: int | None = None  # default: 5% of the steps (at most 200)
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
@@ -32,7 +35,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 20
-    time_budget_s: float | None = None  # cap: after a few timed steps, train_steps shrinks to fit (schedule too)
+    time_budget_s: float | None = None  # cap: timed steps shrink train_steps to fit (schedule too)
 
 
 @dataclass
@@ -52,20 +55,30 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def batch_indices(lengths: list[int], batch_size: int, seed: int) -> Iterator[list[int]]:
-    """Endless batches: each epoch shuffles, sorts windows of 32 batches by length (less padding), and shuffles the
-    batches again."""
+def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: int = 0) -> Iterator[list[int]]:
+    """Endless batches: each epoch shuffles, sorts windows of sequences by length (less padding), cuts them into
+    batches of `batch_size` sequences, or of at most `batch_tokens` padded tokens when that is > 0 (a sequence
+    longer than that is a batch of its own), and shuffles the batches again."""
     rng = random.Random(seed)
     n = len(lengths)
     bs = min(batch_size, n)
+    window = max(bs * 32, 1024) if batch_tokens > 0 else bs * 32
     while True:
         order = list(range(n))
         rng.shuffle(order)
-        window = bs * 32
         batches = []
         for w in range(0, n, window):
             chunk = sorted(order[w:w + window], key=lambda i: lengths[i])
-            batches.extend(chunk[j:j + bs] for j in range(0, len(chunk), bs))
+            if batch_tokens > 0:
+                cur: list[int] = []
+                for i in chunk:  # ascending lengths: the newest sequence sets the padded length
+                    if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+                        batches.append(cur)
+                        cur = []
+                    cur.append(i)
+                batches.append(cur)
+            else:
+                batches.extend(chunk[j:j + bs] for j in range(0, len(chunk), bs))
         rng.shuffle(batches)
         yield from batches
 
@@ -87,15 +100,19 @@ def make_batch(idx: list[int], ids: list[list[int]], prompt_lens: list[int], sto
 @torch.no_grad()
 def evaluate_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[int], store: HiddenStore,
                    to_draft: torch.Tensor, target_head: torch.Tensor, obj: ObjectiveConfig, batch_size: int,
-                   device: torch.device) -> tuple[list[float], list[float]]:
-    """Per-depth loss and top-1 accuracy over held-back sequences (position-weighted), with the training objective."""
+                   device: torch.device, batch_tokens: int = 0) -> tuple[list[float], list[float]]:
+    """Per-depth loss and top-1 accuracy over held-back sequences (position-weighted), with the training objective;
+    batches as in training (`batch_size` sequences, or `batch_tokens` padded tokens when > 0)."""
     was_training = draft.training
     draft.eval()
     amp = device.type == "cuda"
     k = obj.chain_steps
     loss_sum, top1_sum, count = (torch.zeros(k, device=device) for _ in range(3))
-    for start in range(0, len(ids), batch_size):
-        idx = list(range(start, min(start + batch_size, len(ids))))
+    if batch_tokens > 0:
+        groups = length_batches([len(s) for s in ids], batch_tokens)
+    else:
+        groups = [list(range(s, min(s + batch_size, len(ids)))) for s in range(0, len(ids), batch_size)]
+    for idx in groups:
         batch = make_batch(idx, ids, prompt_lens, store, device, torch.bfloat16 if amp else torch.float32)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = chained_loss(draft, batch, to_draft, target_head, obj)
@@ -130,26 +147,37 @@ def train_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[in
         opt, lambda s: lr_factor(s, total[0], warmup, ts.min_lr_ratio))
     amp = device.type == "cuda"
     hidden_dtype = torch.bfloat16 if amp else torch.float32
-    batches = batch_indices([len(s) for s in ids], ts.batch_size, ts.seed)
+    batches = batch_indices([len(s) for s in ids], ts.batch_size, ts.seed, ts.batch_tokens)
     k = obj.chain_steps
     win_loss, win_top1, win_n = torch.zeros(k, device=device), torch.zeros(k, device=device), 0
     depth_hist: list[tuple[torch.Tensor, torch.Tensor]] = []
     initial: list[float] | None = None
     history: list[float] = []
     draft.train()
-    t0 = time.perf_counter()
+    t0 = t_cal = time.perf_counter()
     bar = tqdm(total=ts.train_steps, desc="Training MTP head", unit="step", disable=None)
     step = -1
     while step + 1 < total[0]:
         step += 1
         bar.update(1)
-        if ts.time_budget_s and step == 10:
+        refit = step == _CALIBRATE_FIRST or (step > _CALIBRATE_FIRST and step % _REFIT_EVERY == 0)
+        if ts.time_budget_s and refit:
+            # Fit the steps to the budget after a few steps, then again and again from the steps since the first
+            # fit (the first steps run slower: allocator warm-up, autotuning; batch shapes vary), so the schedule
+            # ends at the budget.
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            per_step = (time.perf_counter() - t0) / 10
-            total[0] = max(20, min(ts.train_steps, int(ts.time_budget_s / per_step)))
-            bar.total = total[0]
-            logger.info("%.3f s/step: %d steps fit the %.0f s budget", per_step, total[0], ts.time_budget_s)
+            now = time.perf_counter()
+            if step == _CALIBRATE_FIRST:
+                per_step, t_cal = (now - t0) / step, now
+            else:
+                per_step = (now - t_cal) / (step - _CALIBRATE_FIRST)
+            fit = step + int((ts.time_budget_s - (now - t0)) / per_step)
+            new_total = max(20, step + 1, min(ts.train_steps, fit))
+            if new_total != total[0] and (step == _CALIBRATE_FIRST or abs(new_total - total[0]) > 0.02 * total[0]):
+                total[0] = new_total
+                bar.total = total[0]
+                logger.info("%.3f s/step: %d steps fit the %.0f s budget", per_step, total[0], ts.time_budget_s)
         batch = make_batch(next(batches), ids, prompt_lens, store, device, hidden_dtype)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = chained_loss(draft, batch, to_draft, target_head, obj)
