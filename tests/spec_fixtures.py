@@ -53,6 +53,11 @@ class OracleDraft(nn.Module):
         idx = (hidden[:, 1].long() + 2).clamp(0, self.table.shape[1] - 1)  # draft at p predicts index p + 2
         return self.table[rows, idx]
 
+    def draft_tokens_and_confidence(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An unsure oracle: with context lookup on, every n-gram continuation found overrides it."""
+        tokens = self.draft_tokens(hidden)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+
 
 def build_scheduler(path: str, draft: nn.Module | None = None, draft_path: str | None = None,
                     device: str = "cpu", dtype: torch.dtype = torch.float32, **kw):

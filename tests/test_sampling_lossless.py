@@ -122,7 +122,10 @@ def small_vocab_model(tmp_path_factory):
 def test_spec_sampling_matches_exact_distribution(small_vocab_model, params):
     joint = _exact_joint(small_vocab_model, params)
     cases = {"plain": {}, "spec2": {"speculative_algorithm": "MTP", "speculative_num_steps": 2},
-             "spec3": {"speculative_algorithm": "MTP", "speculative_num_steps": 3}}
+             "spec3": {"speculative_algorithm": "MTP", "speculative_num_steps": 3},
+             # context lookup: other (still deterministic) drafts, the same exact distribution
+             "spec3_lookup": {"speculative_algorithm": "MTP", "speculative_num_steps": 3,
+                              "speculative_ngram_lookup": True}}
     for name, spec in cases.items():
         s = _samples(small_vocab_model, params, **spec)
         for pos in range(3):

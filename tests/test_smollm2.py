@@ -94,6 +94,7 @@ def test_shipped_head_is_the_default_lossless_and_accepts(plain):
     spec = Engine(max_total_tokens=8192, context_length=2048, max_running_requests=4)  # embedded default
     assert spec.server_args.speculative_algorithm is None  # not asked for ...
     assert spec.core.args.spec_enabled and spec.core.args.speculative_num_steps == 3  # ... but on by default
+    assert spec.core.args.speculative_ngram_lookup  # with context lookup
     out = spec.generate(prompts, sp)
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref]
     verify = sum(o["meta_info"]["spec_verify_ct"] for o in out)

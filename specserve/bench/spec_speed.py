@@ -56,7 +56,9 @@ class Bench:
         sa = ServerArgs(model_path=self.model_path, context_length=self.context_len,
                         max_running_requests=concurrency, max_total_tokens=kv,
                         cuda_graph_max_bs=concurrency, disable_cuda_graph=a.disable_cuda_graph,
-                        speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None)
+                        speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
+                        speculative_ngram_lookup=a.speculative_ngram_lookup,
+                        speculative_ngram_confidence=a.speculative_ngram_confidence)
         mr = ModelRunner(sa, self.target.model, self.target.config, self.draft if n else None, self.device,
                          self.dtype, self.context_len)
         mr.capture_graphs()
@@ -117,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--speculative-ngram-lookup", action="store_true",
+                   help="drafts may come from n-gram continuations in the context (see `specserve serve --help`)")
+    p.add_argument("--speculative-ngram-confidence", type=float, default=0.5)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     args = p.parse_args(argv)
     steps = [int(x) for x in args.accept_steps.split(",") if x]
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [pool[i * len(pool) // args.speed_prompts] for i in range(min(args.speed_prompts, len(pool)))]
         print(f"\n=== speed: output tokens/s, {len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens ===")
         for c in conc:
-            base = None
+            base, plain_out = None, None
             for n in [0] + speed_steps:
                 sched = b.scheduler(n, c)
                 b.run(sched, prompts[:min(2, len(prompts))], 16)  # warm-up
@@ -157,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"concurrency": c, "N": n, "output_tokens": toks, "seconds": round(wall, 3),
                        "tok_per_s": round(toks / wall, 2), "accept_length": round(accept_length(reqs), 3)}
                 if n == 0:
-                    base = row["tok_per_s"]
+                    base, plain_out = row["tok_per_s"], [r.output_ids for r in reqs]
+                else:  # lossless check: greedy speculative text == greedy plain text (bf16 ties may flip a few)
+                    row["same_as_plain"] = sum(r.output_ids == o for r, o in zip(reqs, plain_out))
                 row["speedup_vs_plain"] = round(row["tok_per_s"] / base, 3)
                 result["speed"].append(row)
                 label = "plain" if n == 0 else f"MTP N={n}"
-                acc = f", accept {row['accept_length']:.2f}" if n else ""
+                acc = (f", accept {row['accept_length']:.2f}, {row['same_as_plain']}/{len(reqs)} outputs = plain"
+                       if n else "")
                 print(f"concurrency {c:>3} | {label:<9} | {row['tok_per_s']:9.1f} tok/s | "
                       f"x{row['speedup_vs_plain']:.2f}{acc}")
                 del sched

@@ -78,7 +78,9 @@ class EngineCore:
             "engine ready: %s on %s (%s), context %d, KV %d tokens, max running %d, %s, graphs %s (%.1f s)",
             target.config.architecture, self.device, str(self.dtype).replace("torch.", ""), self.context_len,
             self.model_runner.max_total_tokens, self.model_runner.max_running,
-            f"{args.speculative_algorithm} N={args.speculative_num_steps}" if args.spec_enabled else "no speculation",
+            (f"{args.speculative_algorithm} N={args.speculative_num_steps}"
+             f"{' + context lookup' if args.speculative_ngram_lookup else ''}") if args.spec_enabled
+            else "no speculation",
             "off" if args.disable_cuda_graph else f"bs<={self.model_runner.capture_bs[-1]}", self.load_time,
         )
 

@@ -22,6 +22,7 @@ from specserve.engine.forward_batch import ForwardBatch, ForwardMode, fixed_widt
 from specserve.engine.padding import LiveInputs, StaticBuffers, stage
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.req_to_token import ReqToTokenPool
+from specserve.spec.ngram import choose_drafts, history_tail, ngram_continuation
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,20 @@ class RunnerContext:
     mrope: bool
     graph_max_seq_len: int  # static key-length bound used when capturing
     graph_pool: object | None = None  # shared CUDA graph memory pool
+    token_history: torch.Tensor | None = None  # [rows, W] draft phases with context lookup (spec/ngram.py)
+    lookup_confidence: float = 0.5
+
+    def draft_tokens(self, hidden: torch.Tensor, rows: torch.Tensor, last: torch.Tensor,
+                     pattern: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The draft model's tokens for hidden [B, H]; with a token history, the context lookup's choice for rows
+        [B] whose committed tokens end at index last [B], continuing `pattern` (p2, p1, p0; default: the last
+        three committed tokens)."""
+        if self.token_history is None:
+            return self.model.draft_tokens(hidden)
+        head, conf = self.model.draft_tokens_and_confidence(hidden)
+        hist = self.token_history[rows]  # [B, W]
+        pattern = pattern if pattern is not None else history_tail(hist, last)
+        return choose_drafts(head, conf, ngram_continuation(hist, last, *pattern), self.lookup_confidence)
 
 
 class PhaseRunner:
@@ -185,12 +200,19 @@ class DraftDecodeRunner(PhaseRunner):
 
     def forward_phase(self, t, backend, graph_mode):
         ids, hidden = t.input_ids, t.hidden
+        rows, last = t.req_pool_indices, t.seq_lens - 1  # committed tokens end at S (the input is d1 at S+1)
+        pattern = None
+        if self.ctx.token_history is not None:
+            p2, p1, _ = history_tail(self.ctx.token_history[rows], last)
+            pattern = (p2, p1, ids)  # (x_{S-1}, x_S, d1): the next draft continues it
         tokens = []
         for i in range(self.num_steps):
             fb = self.make_batch(self.mode, t, ids, t.positions + i, t.seq_lens + i, hidden, backend, graph_mode,
                                  t.max_seq_len)
             hidden = self.ctx.model(fb)
-            ids = self.ctx.model.draft_tokens(hidden)
+            ids = self.ctx.draft_tokens(hidden, rows, last, pattern)
+            if pattern is not None:
+                pattern = (pattern[1], pattern[2], ids)
             tokens.append(ids)
         return {"tokens": torch.stack(tokens, dim=1)}
 
@@ -208,4 +230,6 @@ class DraftExtendRunner(PhaseRunner):
                              t.max_seq_len)
         hidden = self.ctx.model(fb).view(t.batch_size, self.width, -1)
         sel = hidden[torch.arange(t.batch_size, device=hidden.device), t.accept_len]  # [bs, H]
-        return {"tokens": self.ctx.model.draft_tokens(sel), "hidden": sel}
+        # committed tokens now end at S + accept_len + 1 (seq_lens = S + width here; the history holds them)
+        last = t.seq_lens - self.width + t.accept_len + 1
+        return {"tokens": self.ctx.draft_tokens(sel, t.req_pool_indices, last), "hidden": sel}

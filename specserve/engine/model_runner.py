@@ -49,6 +49,7 @@ class RowState:
     last_token: torch.Tensor  # [rows] the newest token (no KV yet)
     draft_token: torch.Tensor  # [rows] d1 for the next spec step
     draft_hidden: torch.Tensor | None  # [rows, H] the draft hidden state that chains into d2
+    tokens: torch.Tensor | None = None  # [rows, row width + 1] token history (context lookup drafting only)
 
 
 class ModelRunner:
@@ -96,7 +97,11 @@ class ModelRunner:
             draft_token=torch.zeros(rows, dtype=torch.int64, device=device),
             draft_hidden=(torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
                           if draft is not None else None),
+            # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
+            tokens=(torch.full((rows, self.row_width + 1), -1, dtype=torch.int64, device=device)
+                    if draft is not None and args.speculative_ngram_lookup else None),
         )
+        self.lookup_confidence = args.speculative_ngram_confidence
         self.target_eager_backend = self.make_backend(self.target_kv)
         self.draft_eager_backend = self.make_backend(self.draft_kv) if draft is not None else None
 
@@ -110,12 +115,15 @@ class ModelRunner:
         tctx = RunnerContext(target, self.target_kv, self.req_to_token, self.make_backend, device,
                              cfg.hidden_size, dtype, mrope, self.row_width)
         self.runners: dict[str, PhaseRunner] = {}
+        self.draft_context: RunnerContext | None = None
         if draft is None:
             self.runners["decode"] = DecodeRunner(tctx, 1, capture, self.use_graphs)
         else:
             n = self.num_steps
             dctx = RunnerContext(draft, self.draft_kv, self.req_to_token, self.make_backend, device,
-                                 cfg.hidden_size, dtype, mrope, self.row_width)
+                                 cfg.hidden_size, dtype, mrope, self.row_width, token_history=self.rows.tokens,
+                                 lookup_confidence=self.lookup_confidence)
+            self.draft_context = dctx  # eager draft token choice (prefill) goes through it too
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
             if n > 1:
                 self.runners["draft_decode"] = DraftDecodeRunner(dctx, n - 1, capture, self.use_graphs)

@@ -52,7 +52,11 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
         loc_cols.extend(range(c.start, c.end))
     input_ids = torch.tensor(ids_host, dtype=torch.int64).to(dev, non_blocking=True)
     positions = torch.tensor(pos_host, dtype=torch.int64).to(dev, non_blocking=True)
-    out_loc = table[torch.tensor(loc_rows, device=dev), torch.tensor(loc_cols, device=dev)]
+    loc_r, loc_c = torch.tensor(loc_rows, device=dev), torch.tensor(loc_cols, device=dev)
+    out_loc = table[loc_r, loc_c]
+    hist = mr.rows.tokens
+    if hist is not None:
+        hist[loc_r, loc_c] = input_ids  # the token history of context lookup drafting
     hidden = mr.forward_extend(mr.target, mr.target_kv, mr.target_eager_backend, input_ids, positions, out_loc, rows,
                                seq_lens, ext, None, ForwardMode.EXTEND)  # [T, H]
 
@@ -67,6 +71,8 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
         t0 = sample(logits, sampling_batch(mr, freqs), new_pos)  # [F]
         frows = torch.tensor([chunks[i].req.kv.row for i in final], device=dev)
         mr.rows.last_token[frows] = t0
+        if hist is not None:
+            hist[frows, new_pos] = t0
 
     if mr.draft is not None:
         # Draft input at position p is (hidden_p, token_{p+1}): shift each chunk left by one and append the next
@@ -83,7 +89,7 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
                                seq_lens, ext, hidden, ForwardMode.DRAFT_EXTEND)  # [T, H]
         if final:
             last = dh[fidx]
-            mr.rows.draft_token[frows] = mr.draft.draft_tokens(last)
+            mr.rows.draft_token[frows] = mr.draft_context.draft_tokens(last, frows, new_pos)
             mr.rows.draft_hidden[frows] = last.to(mr.rows.draft_hidden.dtype)
 
     out: list[int | None] = [None] * len(chunks)

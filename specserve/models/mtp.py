@@ -87,6 +87,13 @@ class MTPDraftModel(nn.Module):
         idx = self.compute_logits(hidden).argmax(dim=-1)
         return self.draft_vocab[idx] if self.draft_vocab is not None else idx
 
+    def draft_tokens_and_confidence(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_tokens, plus the head's probability of each: hidden [T, H] -> ids [T], top probability [T]."""
+        logits = self.compute_logits(hidden)  # [T, Vd] float32
+        top, idx = logits.max(dim=-1)
+        conf = 1.0 / torch.exp(logits - top[:, None]).sum(dim=-1)  # softmax at the argmax
+        return (self.draft_vocab[idx] if self.draft_vocab is not None else idx), conf
+
     # ------------------------------------------------------------------ loading
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layer_index: int | None,
                      preset: set[str] = frozenset()) -> set[str]:

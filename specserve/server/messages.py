@@ -53,6 +53,7 @@ class EngineInfo:
     spec_algorithm: str | None = None
     spec_num_steps: int = 0
     draft_model_path: str | None = None
+    spec_ngram_lookup: bool = False
 
 
 @dataclass

@@ -65,6 +65,9 @@ def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
         probs = probs_from_logits(logits.reshape(bs * w, -1), sb.repeat(w)).view(bs, w, -1)
         accept_len, verified = verify_sampling(drafts, probs, sb.seeds, s)
 
+    if row_state.tokens is not None:  # token history for context lookup: verified tokens at S+1..S+N+1
+        row_state.tokens[rows[:, None], s[:, None] + 1 + offs[None, :]] = verified
+
     # 4. draft extend over the same N+1 positions with the verified tokens, row accept_len -> next d1, g
     live = LiveInputs(bs, verified.reshape(-1), verify_pos, rows, s + w, max_s + w, accept_len=accept_len,
                       hidden=hidden.reshape(bs * w, -1))
