@@ -13,6 +13,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy CI machine OpenMP workers spinning for a core
+    slow small ops down by orders of magnitude. Modules opt in with pytest.mark.usefixtures("one_thread")."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -13,6 +13,8 @@ from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.model_runner import ModelRunner
+from specserve.engine.request import Req
+from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
@@ -57,6 +59,18 @@ class OracleDraft(nn.Module):
         """An unsure oracle: with context lookup on, every n-gram continuation found overrides it."""
         tokens = self.draft_tokens(hidden)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+
+
+def run_greedy(sched: Scheduler, prompts: list[list[int]], new: int) -> list[Req]:
+    """Greedy requests (ignore_eos) for `prompts` run to the end; the KV pool must be back where it started."""
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True), seed=i)
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_work:
+        sched.step()
+    sched.check_idle_invariants()
+    return reqs
 
 
 def build_scheduler(path: str, draft: nn.Module | None = None, draft_path: str | None = None,

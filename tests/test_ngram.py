@@ -7,10 +7,8 @@ import random
 
 import pytest
 import torch
-from spec_fixtures import build_scheduler
+from spec_fixtures import build_scheduler, run_greedy
 
-from specserve.engine.request import Req
-from specserve.engine.sampling_params import SamplingParams
 from specserve.spec.ngram import choose_drafts, history_tail, ngram_continuation
 
 
@@ -60,14 +58,7 @@ def _loop_prompts(n, seed):
 
 
 def _run(sched, prompts, new=40):
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True), seed=i)
-            for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add_request(r)
-    while sched.has_work:
-        sched.step()
-    sched.check_idle_invariants()
-    return reqs
+    return run_greedy(sched, prompts, new)
 
 
 @pytest.fixture(scope="module")

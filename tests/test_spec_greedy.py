@@ -4,11 +4,9 @@ oracle drafter that makes every accept path (0..N accepted + bonus) happen."""
 
 import pytest
 import torch
-from spec_fixtures import OracleDraft, build_scheduler
+from spec_fixtures import OracleDraft, build_scheduler, run_greedy
 
 from specserve import Engine
-from specserve.engine.request import Req
-from specserve.engine.sampling_params import SamplingParams
 
 PROMPT_LENS = (5, 17, 2, 33, 9)
 NEW = 24
@@ -33,14 +31,7 @@ def _hf_greedy(path, prompts, new=NEW):
 
 
 def _run(sched, prompts, new=NEW):
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True), seed=i)
-            for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add_request(r)
-    while sched.has_work:
-        sched.step()
-    sched.check_idle_invariants()
-    return reqs
+    return run_greedy(sched, prompts, new)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,7 @@ import torch
 from specserve.train.reading import TEMPLATES, reading_prompts
 from specserve.train.trainer import batch_indices
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _texts_file(path, n):

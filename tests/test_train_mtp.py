@@ -21,14 +21,7 @@ CPU = torch.device("cpu")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on a busy CI machine OpenMP workers spinning for a core
-    # slow small ops down by orders of magnitude.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
