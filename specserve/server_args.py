@@ -106,6 +106,9 @@ class ServerArgs:
             for name in ("speculative_num_steps", "speculative_draft_model_path", "speculative_num_draft_tokens"):
                 if vars(self)[name] is not None:
                     raise ValueError(f"--{name.replace('_', '-')} needs --speculative-algorithm")
+        if self.speculative_ngram_lookup and not self.spec_enabled:
+            raise ValueError("--speculative-ngram-lookup needs --speculative-algorithm MTP/EAGLE/NEXTN (it picks "
+                             "draft tokens)")
         if not 0.0 <= self.speculative_ngram_confidence <= 1.0:
             raise ValueError("--speculative-ngram-confidence must be in [0, 1], got "
                              f"{self.speculative_ngram_confidence}")

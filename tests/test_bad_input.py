@@ -61,6 +61,9 @@ def test_bad_batch_is_rejected_whole(engine):
     (dict(page_size=0), "page-size"),
     (dict(dtype="int4"), "dtype"),
     (dict(mem_fraction_static=1.5), "mem-fraction-static"),
+    (dict(speculative_ngram_lookup=True), "ngram-lookup needs"),
+    (dict(speculative_algorithm="NONE", speculative_ngram_lookup=True), "ngram-lookup needs"),
+    (dict(speculative_algorithm="MTP", speculative_ngram_confidence=1.5), "ngram-confidence"),
 ])
 def test_bad_server_args(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

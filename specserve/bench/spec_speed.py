@@ -57,7 +57,7 @@ class Bench:
                         max_running_requests=concurrency, max_total_tokens=kv,
                         cuda_graph_max_bs=concurrency, disable_cuda_graph=a.disable_cuda_graph,
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
-                        speculative_ngram_lookup=a.speculative_ngram_lookup,
+                        speculative_ngram_lookup=a.speculative_ngram_lookup and bool(n),
                         speculative_ngram_confidence=a.speculative_ngram_confidence)
         mr = ModelRunner(sa, self.target.model, self.target.config, self.draft if n else None, self.device,
                          self.dtype, self.context_len)

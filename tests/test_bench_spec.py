@@ -1,0 +1,35 @@
+"""`specserve bench-spec` on a tiny target with a random draft folder: the acceptance table per file and N, the
+speed rows side by side with plain, and the lossless check it prints (spec outputs == plain outputs), with and
+without context lookup."""
+
+import json
+
+import pytest
+
+from specserve.bench.spec_speed import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_bench_spec_tables_and_lossless_check(tiny_models, tmp_path, lookup, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in ("abc abc abc", "hello there", "x y z")))
+    out = tmp_path / "res.jsonl"
+    argv = ["--model-path", tiny_models["llama"], "--speculative-draft-model-path", tiny_models["llama_draft"],
+            "--prompts", str(prompts), "--prompts-per-file", "3", "--max-new-tokens", "12", "--accept-steps", "1,2",
+            "--speed-steps", "2", "--concurrency", "1,2", "--speed-prompts", "3", "--context-length", "256",
+            "--device", "cpu", "--output-file", str(out)] + (["--speculative-ngram-lookup"] if lookup else [])
+    assert main(argv) == 0
+    res = json.loads(out.read_text().splitlines()[-1])
+    acc = res["acceptance"]["p.jsonl"]
+    assert set(acc) == {"1", "2"} and all(1.0 <= v <= 1 + int(n) for n, v in acc.items())
+    speed = res["speed"]
+    assert [(r["concurrency"], r["N"]) for r in speed] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    for r in speed:
+        # at most 3 x 12 tokens (the random target may emit EOS early), the same count for spec as for plain
+        assert 0 < r["output_tokens"] <= 36 and r["tok_per_s"] > 0
+        assert r["output_tokens"] == speed[0]["output_tokens"]
+        if r["N"]:
+            assert r["same_as_plain"] == 3  # float32 CPU: speculative greedy text is plain greedy text
+    assert "3/3 outputs = plain" in capsys.readouterr().out
