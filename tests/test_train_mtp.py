@@ -147,15 +147,20 @@ def test_training_forward_matches_engine(tiny_target):
 
 
 # ---------------------------------------------------------------------------------------------------- loss
-def test_loss_goes_down_on_a_repeated_corpus(tiny_target):
-    from specserve.train.trainer import TrainSettings, train_draft
-
-    target = load_target(ModelSource.resolve(tiny_target), torch.float32, CPU, 600)
+def _toy_corpus(path, dev, dtype):
+    """The tiny target, four random 6-token prompts with 40-token "responses", and their hidden states on dev."""
+    target = load_target(ModelSource.resolve(path), dtype, dev, 600)
     g = torch.Generator().manual_seed(1)
     samples = [Sample(torch.randint(3, 60, (6,), generator=g).tolist(),
                       torch.randint(3, 60, (40,), generator=g).tolist(), False, "toy") for _ in range(4)]
     seqs = [s.ids for s in samples]
-    store = collect_hidden(target.model, seqs, CPU, torch.float32, CPU)
+    return target, samples, seqs, collect_hidden(target.model, seqs, dev, dtype, dev)
+
+
+def test_loss_goes_down_on_a_repeated_corpus(tiny_target):
+    from specserve.train.trainer import TrainSettings, train_draft
+
+    target, samples, seqs, store = _toy_corpus(tiny_target, CPU, torch.float32)
     for loss in ("kl", "ce"):
         vocab = DraftVocab(None, target.config.vocab_size, 1.0)
         draft = build_draft(target.config, 600, vocab, CPU)
@@ -182,12 +187,7 @@ def test_training_on_cuda_reaches_every_parameter(tiny_target):
     from specserve.train.trainer import TrainSettings, train_draft
 
     dev = torch.device("cuda")
-    target = load_target(ModelSource.resolve(tiny_target), torch.bfloat16, dev, 600)
-    g = torch.Generator().manual_seed(1)
-    samples = [Sample(torch.randint(3, 60, (6,), generator=g).tolist(),
-                      torch.randint(3, 60, (40,), generator=g).tolist(), False, "toy") for _ in range(4)]
-    seqs = [s.ids for s in samples]
-    store = collect_hidden(target.model, seqs, dev, torch.bfloat16, dev)
+    target, samples, seqs, store = _toy_corpus(tiny_target, dev, torch.bfloat16)
     vocab = build_draft_vocab([s.response_ids for s in samples], [], 64, 48, forced=[2])
     draft = build_draft(target.config, 600, vocab, dev)
     init_draft_from_target(draft, target.model, vocab, 0.01, 0)

@@ -42,15 +42,18 @@ class RunnerContext:
     token_history: torch.Tensor | None = None  # [rows, W] draft phases with context lookup (spec/ngram.py)
     lookup_confidence: float = 0.5
 
-    def draft_tokens(self, hidden: torch.Tensor, rows: torch.Tensor, last: torch.Tensor,
+    def history_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The token history of page-table rows [B] -> [B, W] (None when context lookup is off)."""
+        return None if self.token_history is None else self.token_history[rows]
+
+    def draft_tokens(self, hidden: torch.Tensor, hist: torch.Tensor | None, last: torch.Tensor,
                      pattern: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The draft model's tokens for hidden [B, H]; with a token history, the context lookup's choice for rows
-        [B] whose committed tokens end at index last [B], continuing `pattern` (p2, p1, p0; default: the last
-        three committed tokens)."""
-        if self.token_history is None:
+        """The draft model's tokens for hidden [B, H]; with a token history hist [B, W] (history_rows), the
+        context lookup's choice for rows whose committed tokens end at index last [B], continuing `pattern`
+        (p2, p1, p0; default: the last three committed tokens)."""
+        if hist is None:
             return self.model.draft_tokens(hidden)
         head, conf = self.model.draft_tokens_and_confidence(hidden)
-        hist = self.token_history[rows]  # [B, W]
         pattern = pattern if pattern is not None else history_tail(hist, last)
         return choose_drafts(head, conf, ngram_continuation(hist, last, *pattern), self.lookup_confidence)
 
@@ -200,17 +203,18 @@ class DraftDecodeRunner(PhaseRunner):
 
     def forward_phase(self, t, backend, graph_mode):
         ids, hidden = t.input_ids, t.hidden
-        rows, last = t.req_pool_indices, t.seq_lens - 1  # committed tokens end at S (the input is d1 at S+1)
+        last = t.seq_lens - 1  # committed tokens end at S (the input is d1 at S+1)
+        hist = self.ctx.history_rows(t.req_pool_indices)  # gathered once for all N - 1 steps
         pattern = None
-        if self.ctx.token_history is not None:
-            p2, p1, _ = history_tail(self.ctx.token_history[rows], last)
+        if hist is not None:
+            p2, p1, _ = history_tail(hist, last)
             pattern = (p2, p1, ids)  # (x_{S-1}, x_S, d1): the next draft continues it
         tokens = []
         for i in range(self.num_steps):
             fb = self.make_batch(self.mode, t, ids, t.positions + i, t.seq_lens + i, hidden, backend, graph_mode,
                                  t.max_seq_len)
             hidden = self.ctx.model(fb)
-            ids = self.ctx.draft_tokens(hidden, rows, last, pattern)
+            ids = self.ctx.draft_tokens(hidden, hist, last, pattern)
             if pattern is not None:
                 pattern = (pattern[1], pattern[2], ids)
             tokens.append(ids)
@@ -232,4 +236,5 @@ class DraftExtendRunner(PhaseRunner):
         sel = hidden[torch.arange(t.batch_size, device=hidden.device), t.accept_len]  # [bs, H]
         # committed tokens now end at S + accept_len + 1 (seq_lens = S + width here; the history holds them)
         last = t.seq_lens - self.width + t.accept_len + 1
-        return {"tokens": self.ctx.draft_tokens(sel, t.req_pool_indices, last), "hidden": sel}
+        hist = self.ctx.history_rows(t.req_pool_indices)
+        return {"tokens": self.ctx.draft_tokens(sel, hist, last), "hidden": sel}

@@ -17,7 +17,7 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list membership tests must not compare every field
 class Req:
     rid: str
     origin_input_ids: list[int]

@@ -89,7 +89,8 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
                                seq_lens, ext, hidden, ForwardMode.DRAFT_EXTEND)  # [T, H]
         if final:
             last = dh[fidx]
-            mr.rows.draft_token[frows] = mr.draft_context.draft_tokens(last, frows, new_pos)
+            dc = mr.draft_context
+            mr.rows.draft_token[frows] = dc.draft_tokens(last, dc.history_rows(frows), new_pos)
             mr.rows.draft_hidden[frows] = last.to(mr.rows.draft_hidden.dtype)
 
     out: list[int | None] = [None] * len(chunks)

@@ -40,8 +40,7 @@ def ngram_continuation(hist: torch.Tensor, last: torch.Tensor, p2: torch.Tensor,
     jt = torch.where(tri, idx[:-3], -1).amax(dim=1)
     cont_b = hist.gather(1, (jb + 2).clamp(min=0, max=n - 1)[:, None]).squeeze(1)
     cont_t = hist.gather(1, (jt + 3).clamp(min=0, max=n - 1)[:, None]).squeeze(1)
-    none = torch.full_like(cont_b, -1)
-    return torch.where(jt >= 0, cont_t, torch.where(jb >= 0, cont_b, none))
+    return torch.where(jt >= 0, cont_t, torch.where(jb >= 0, cont_b, -1))
 
 
 def history_tail(hist: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,7 +49,7 @@ def history_tail(hist: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, 
     for k in (2, 1, 0):
         i = last - k
         tok = hist.gather(1, i.clamp(min=0)[:, None]).squeeze(1)
-        out.append(torch.where(i >= 0, tok, torch.full_like(tok, -1)))
+        out.append(torch.where(i >= 0, tok, -1))
     return out[0], out[1], out[2]
 
 

@@ -134,8 +134,8 @@ def prompt_token_ids(engine, messages: list[dict]) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------- generation
 def generate_samples(engine, prompts: list[Prompt], gs: GenerationSettings) -> list[Sample]:
-    """The target's responses for `prompts`, all queued at once so the engine batches them (continuous batching up
-    to --max-running-requests): first one response per prompt (a `sampled_fraction` of them sampled, the rest
+    """The target's responses for `prompts`, fed to the engine in waves (continuous batching up to
+    --max-running-requests, see below): first one response per prompt (a `sampled_fraction` of them sampled, the rest
     greedy), then `extra_sampled` more sampled ones per prompt. Under a time budget, the requests still unfinished
     at the deadline are aborted; partial responses of at least MIN_PARTIAL_TOKENS tokens are kept. A progress bar
     counts finished requests."""
@@ -144,14 +144,9 @@ def generate_samples(engine, prompts: list[Prompt], gs: GenerationSettings) -> l
     n_sampled = round(gs.sampled_fraction * len(prompts))
     sampled_idx = set(rng.sample(range(len(prompts)), n_sampled)) if n_sampled else set()
     reqs, metas = [], []
-    skipped = 0
-    prompt_ids = []
-    for i, p in enumerate(prompts):
-        ids = prompt_token_ids(engine, p.messages)
-        if len(ids) > gs.max_prompt_len:
-            skipped += 1
-            continue
-        prompt_ids.append((i, p, ids))
+    prompt_ids = [(i, p, ids) for i, p in enumerate(prompts)
+                  if len(ids := prompt_token_ids(engine, p.messages)) <= gs.max_prompt_len]
+    skipped = len(prompts) - len(prompt_ids)
     for rep in range(1 + gs.extra_sampled):
         for i, p, ids in prompt_ids:
             sampled = rep > 0 or i in sampled_idx
