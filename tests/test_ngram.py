@@ -9,7 +9,7 @@ import pytest
 import torch
 from spec_fixtures import build_scheduler, run_greedy
 
-from specserve.spec.ngram import choose_drafts, history_tail, ngram_continuation
+from specserve.spec.ngram import choose_drafts, history_tail, lookup_drafts, ngram_continuation
 
 
 def _ref_continuation(hist, last, p2, p1, p0):
@@ -45,6 +45,18 @@ def test_ngram_continuation_matches_reference():
     assert ngram_continuation(h, torch.tensor([9]), *(torch.tensor([x]) for x in (5, 1, 2))).item() == 4
     heads, conf, cont = torch.tensor([5, 5, 5]), torch.tensor([0.2, 0.9, 0.2]), torch.tensor([6, 6, -1])
     assert choose_drafts(heads, conf, cont, 0.5).tolist() == [6, 5, 5]
+
+
+def test_lookup_drafts_on_cpu_is_the_reference():
+    """lookup_drafts (the engine's entry; Triton on CUDA) is choose_drafts(ngram_continuation(...)) on CPU."""
+    g = torch.Generator().manual_seed(3)
+    hist = torch.randint(0, 4, (6, 30), generator=g)
+    last = torch.tensor([-1, 0, 2, 10, 28, 29])
+    p2, p1, p0 = history_tail(hist, last)
+    head, conf = torch.arange(100, 106), torch.tensor([0.1, 0.9, 0.1, 0.5, 0.2, 0.4])
+    want = choose_drafts(head, conf, ngram_continuation(hist, last, p2, p1, p0), 0.5)
+    assert torch.equal(lookup_drafts(hist, last, p2, p1, p0, head, conf, 0.5), want)
+    assert (want < 100).any()  # some rows take the continuation
 
 
 def _loop_prompts(n, seed):

@@ -1,12 +1,13 @@
 """Triton kernel entry points that kernels/ops.py dispatches to for CUDA tensors (same signatures and semantics
-as kernels/reference.py), plus the accept kernels for spec/accept.py's dispatch. Each kernel lives in a small file
-by job; this module only re-exports them."""
+as kernels/reference.py), plus the accept and context-lookup kernels for spec/accept.py's and spec/ngram.py's
+dispatch. Each kernel lives in a small file by job; this module only re-exports them."""
 
 from specserve.kernels.triton_accept import accept_greedy_triton, accept_sampling_triton
 from specserve.kernels.triton_act import silu_and_mul
 from specserve.kernels.triton_kv import store_kv
+from specserve.kernels.triton_ngram import lookup_drafts_triton
 from specserve.kernels.triton_norm import add_rms_norm, rms_norm
 from specserve.kernels.triton_rope import rope
 
-__all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "rms_norm", "rope", "silu_and_mul",
-           "store_kv"]
+__all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "lookup_drafts_triton", "rms_norm",
+           "rope", "silu_and_mul", "store_kv"]

@@ -12,12 +12,15 @@ teacher-forced on held-out prompts; BENCHMARKS.md). So each draft token is chose
 
 Drafts stay deterministic, so verification (greedy or rejection sampling with a one-hot draft) stays exact: the
 output is unchanged, only the accept length moves. Everything is fixed-shape tensor work over a per-row token
-history, so it runs inside the draft phases' CUDA graphs.
+history, so it runs inside the draft phases' CUDA graphs; on CUDA, lookup_drafts does the search and the choice
+in one Triton kernel (kernels/triton_ngram.py), the functions below being its reference.
 """
 
 from __future__ import annotations
 
 import torch
+
+from specserve.kernels.availability import triton_kernels
 
 
 def ngram_continuation(hist: torch.Tensor, last: torch.Tensor, p2: torch.Tensor, p1: torch.Tensor,
@@ -57,3 +60,12 @@ def choose_drafts(head_tokens: torch.Tensor, head_conf: torch.Tensor, cont: torc
                   confidence: float) -> torch.Tensor:
     """The continuation where one exists and the head is less sure than `confidence`, else the head's token."""
     return torch.where((cont >= 0) & (head_conf < confidence), cont, head_tokens)
+
+
+def lookup_drafts(hist: torch.Tensor, last: torch.Tensor, p2: torch.Tensor, p1: torch.Tensor, p0: torch.Tensor,
+                  head_tokens: torch.Tensor, head_conf: torch.Tensor, confidence: float) -> torch.Tensor:
+    """choose_drafts(head_tokens, head_conf, ngram_continuation(hist, last, p2, p1, p0), confidence): one Triton
+    kernel for CUDA tensors (kernels/triton_ngram.py), these references otherwise. Shapes as there -> [B] int64."""
+    if hist.is_cuda and (tk := triton_kernels()) is not None:
+        return tk.lookup_drafts_triton(hist, last, p2, p1, p0, head_tokens, head_conf, confidence)
+    return choose_drafts(head_tokens, head_conf, ngram_continuation(hist, last, p2, p1, p0), confidence)
