@@ -19,7 +19,8 @@ def test_bench_spec_tables_and_lossless_check(tiny_models, tmp_path, lookup, cap
     argv = ["--model-path", tiny_models["llama"], "--speculative-draft-model-path", tiny_models["llama_draft"],
             "--prompts", str(prompts), "--prompts-per-file", "3", "--max-new-tokens", "12", "--accept-steps", "1,2",
             "--speed-steps", "2", "--concurrency", "1,2", "--speed-prompts", "3", "--context-length", "256",
-            "--device", "cpu", "--output-file", str(out)] + (["--speculative-ngram-lookup"] if lookup else [])
+            "--device", "cpu", "--output-file", str(out), "--repeats", "2"] + (
+                ["--speculative-ngram-lookup"] if lookup else [])
     assert main(argv) == 0
     res = json.loads(out.read_text().splitlines()[-1])
     acc = res["acceptance"]["p.jsonl"]
@@ -29,6 +30,7 @@ def test_bench_spec_tables_and_lossless_check(tiny_models, tmp_path, lookup, cap
     for r in speed:
         # at most 3 x 12 tokens (the random target may emit EOS early), the same count for spec as for plain
         assert 0 < r["output_tokens"] <= 36 and r["tok_per_s"] > 0
+        assert len(r["tok_per_s_runs"]) == 2 and min(r["tok_per_s_runs"]) <= r["tok_per_s"] <= max(r["tok_per_s_runs"])
         assert r["output_tokens"] == speed[0]["output_tokens"]
         if r["N"]:
             assert r["same_as_plain"] == 3  # float32 CPU: speculative greedy text is plain greedy text
