@@ -44,4 +44,6 @@ def tiny_models(tmp_path_factory):
     out["llama_mtp"] = build_tiny_model(str(root / "llama_mtp"), "llama", seed=11, mtp_layout="deepseek")
     out["qwen3_mtp"] = build_tiny_model(str(root / "qwen3_mtp"), "qwen3", seed=12, mtp_layout="deepseek")
     out["llama_draft"] = build_draft_folder(str(root / "llama_draft"), out["llama"], seed=21)
+    out["llama_draft_aux"] = build_draft_folder(str(root / "llama_draft_aux"), out["llama"], seed=22,
+                                                aux_layers=[0, 1])
     return out

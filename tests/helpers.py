@@ -101,8 +101,9 @@ def _spread_weights(model, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def random_mtp_tensors(cfg, prefix: str, seed: int, own_head: bool = False) -> dict[str, torch.Tensor]:
-    """Random MTP layer tensors in the DeepSeek-V3 naming under `prefix`."""
+def random_mtp_tensors(cfg, prefix: str, seed: int, own_head: bool = False,
+                       num_aux: int = 0) -> dict[str, torch.Tensor]:
+    """Random MTP layer tensors in the DeepSeek-V3 naming under `prefix` (+ aux_fc for num_aux aux layers)."""
     g = torch.Generator().manual_seed(seed)
     h, i = cfg.hidden_size, cfg.intermediate_size
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -126,22 +127,27 @@ def random_mtp_tensors(cfg, prefix: str, seed: int, own_head: bool = False) -> d
         t["self_attn.k_norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
     if own_head:
         t["shared_head.head.weight"] = r(cfg.vocab_size, h)
+    if num_aux:
+        t["aux_fc.weight"] = r(h, (1 + num_aux) * h)
     return {prefix + k: v.contiguous() for k, v in t.items()}
 
 
 def build_draft_folder(folder: str, target_folder: str | None, seed: int = 7, own_head: bool = False,
-                       hf_config=None) -> str:
+                       hf_config=None, aux_layers: list[int] | None = None) -> str:
     """A separate draft checkpoint (--speculative-draft-model-path): config.json with num_hidden_layers = 1 and the
-    MTP layer at model.layers.0.*. The target's config comes from its folder, or is given (e.g. read from GGUF)."""
+    MTP layer at model.layers.0.*. The target's config comes from its folder, or is given (e.g. read from GGUF).
+    aux_layers: an EAGLE-3 style head reading those target layers' outputs too."""
     from transformers import AutoConfig
 
     cfg = hf_config if hf_config is not None else AutoConfig.from_pretrained(target_folder)
     if not getattr(cfg, "architectures", None):
         cfg.architectures = ["LlamaForCausalLM"]
     os.makedirs(folder, exist_ok=True)
-    save_file(random_mtp_tensors(cfg, "model.layers.0.", seed, own_head), os.path.join(folder,
-                                                                                       "model.safetensors"))
+    save_file(random_mtp_tensors(cfg, "model.layers.0.", seed, own_head, len(aux_layers or [])),
+              os.path.join(folder, "model.safetensors"))
     c = cfg.to_dict()
+    if aux_layers:
+        c["aux_hidden_state_layer_ids"] = list(aux_layers)
     c["num_hidden_layers"] = 1
     c["num_nextn_predict_layers"] = 1
     c["architectures"] = [cfg.architectures[0] + "NextN"]

@@ -29,9 +29,9 @@ from specserve.server_args import ServerArgs
 CAPTURE = [1, 2, 4, 8]
 
 
-def _spec_runner(path, n=3, page_size=1):
+def _spec_runner(path, n=3, page_size=1, draft_path=None):
     t = load_target(ModelSource.resolve(path), torch.float32, torch.device("cpu"), 600)
-    draft = load_mtp_draft(t, None, torch.float32, torch.device("cpu"), 600)
+    draft = load_mtp_draft(t, draft_path, torch.float32, torch.device("cpu"), 600)
     args = ServerArgs(model_path=path, page_size=page_size, max_total_tokens=8192, max_running_requests=16,
                       speculative_algorithm="MTP", speculative_num_steps=n, cuda_graph_bs=CAPTURE)
     mr = ModelRunner(args, t.model, t.config, draft, torch.device("cpu"), torch.float32, 512)
@@ -74,13 +74,17 @@ def _inputs(mr, name, bs, seed):
         pos = (s[:, None] + torch.arange(w)).reshape(-1)
         live = LiveInputs(bs, torch.randint(0, 256, (bs * w,), generator=g), pos, rows, s + w, int(s.max()) + w,
                           accept_len=torch.randint(0, w, (bs,), generator=g),
-                          hidden=torch.randn(bs * w, h, generator=g))
+                          hidden=torch.randn(bs * w, mr.draft.feature_size, generator=g))  # target features
     return handles, live
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_replay_equals_eager_shrinking_and_growing(tiny_models, page_size):
-    mr = _spec_runner(tiny_models["llama_mtp"], n=3, page_size=page_size)
+@pytest.mark.parametrize("models", [("llama_mtp", None), ("llama", "llama_draft_aux")])
+def test_replay_equals_eager_shrinking_and_growing(tiny_models, page_size, models):
+    """Also with an aux-layer draft: the verify output and the draft extend input are then wider than H."""
+    target, draft = models
+    mr = _spec_runner(tiny_models[target], n=3, page_size=page_size,
+                      draft_path=draft and tiny_models[draft])
     for name, runner in mr.runners.items():
         for i, bs in enumerate([7, 5, 3, 1, 2, 8, 6]):  # shrinking, then growing
             handles, live = _inputs(mr, name, bs, seed=100 * i + len(name))

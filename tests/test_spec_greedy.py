@@ -62,11 +62,17 @@ def test_spec_greedy_with_mtp_layer_in_target(tiny_models, reference, n, page_si
 
 @pytest.mark.parametrize("n", [1, 3, 5])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_spec_greedy_with_separate_draft_folder(tiny_models, reference, n, page_size):
+@pytest.mark.parametrize("draft", ["llama_draft", "llama_draft_aux"])
+def test_spec_greedy_with_separate_draft_folder(tiny_models, reference, n, page_size, draft):
+    """llama_draft_aux reads the target's layers 0 and 1 beside its final hidden state (EAGLE-3 style)."""
     prompts, ref = reference
-    sched, _ = build_scheduler(tiny_models["llama"], draft_path=tiny_models["llama_draft"], page_size=page_size,
+    sched, t = build_scheduler(tiny_models["llama"], draft_path=tiny_models[draft], page_size=page_size,
                                max_total_tokens=4096, speculative_algorithm="EAGLE", speculative_num_steps=n)
     assert [r.output_ids for r in _run(sched, prompts)] == ref["llama"]
+    if draft == "llama_draft_aux":
+        h = t.config.hidden_size
+        assert t.model.feature_size == 3 * h
+        assert sched.mr.runners["draft_extend"].buffers.hidden.shape[-1] == 3 * h
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])

@@ -125,7 +125,7 @@ def test_init_from_checkpoint_continues_a_head(tmp_path):
     from specserve.models.loader import ModelSource, load_target
     from specserve.train.export import write_draft_checkpoint
     from specserve.train.objective import build_draft, init_draft_from_checkpoint, init_draft_from_target
-    from specserve.train.vocab import build_draft_vocab
+    from specserve.train.vocab import build_draft_vocab, vocab_of_checkpoint
 
     cpu = torch.device("cpu")
     path = build_tiny_model(str(tmp_path / "llama"), "llama", seed=5, vocab_size=64)
@@ -144,6 +144,9 @@ def test_init_from_checkpoint_continues_a_head(tmp_path):
     ours = dict(fresh.named_parameters())
     for name, p in trained.named_parameters():
         assert torch.equal(ours[name].detach(), p.detach()), name
+    # --init-draft keeps the checkpoint's vocabulary, with its coverage of the new data
+    kept = vocab_of_checkpoint(str(tmp_path / "head"), [[3, 4, 50], [5]], 64)
+    assert torch.equal(kept.ids, vocab.ids) and kept.size == 24 and kept.coverage == 0.75
     other = build_draft_vocab([list(range(20, 60))], [], 64, 24, forced=[2])
     wrong = build_draft(target.config, 600, other, cpu)
     init_draft_from_target(wrong, target.model, other, 0.01, seed=0)

@@ -47,9 +47,9 @@ def _word_prompts(path, n, seed):
     return str(path)
 
 
-def _random_draft(target, vocab, seed):
+def _random_draft(target, vocab, seed, aux_layers=None):
     """A head with every parameter random (not just the init), so equalities do not lean on the init's structure."""
-    draft = build_draft(target.config, 600, vocab, CPU)
+    draft = build_draft(target.config, 600, vocab, CPU, aux_layers)
     init_draft_from_target(draft, target.model, vocab, 0.1, seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -86,17 +86,20 @@ def test_chain_mask_is_the_inference_kv(depth):
 
 
 # ------------------------------------------------------------------------------------------- training == inference
-def test_training_forward_matches_engine(tiny_target):
+@pytest.mark.parametrize("aux_layers", [None, [0, 1]])
+def test_training_forward_matches_engine(tiny_target, aux_layers):
     """Target hidden states and the chained draft at depths 1..3 from the training code equal the engine's target
-    extend, draft extend and draft decode over the paged KV cache on the same inputs."""
+    extend, draft extend and draft decode over the paged KV cache on the same inputs; also for a head reading
+    aux layers (the target's features are then [final | layer 0 | layer 1])."""
     from specserve.attention.torch_backend import TorchAttentionBackend
     from specserve.engine.model_runner import ModelRunner
     from specserve.kvcache.manager import KVHandle
     from specserve.server_args import ServerArgs
 
     target = load_target(ModelSource.resolve(tiny_target), torch.float32, CPU, 600)
+    target.model.set_aux_layers(aux_layers or [])
     vocab = DraftVocab(None, target.config.vocab_size, 1.0)
-    draft = _random_draft(target, vocab, seed=3)
+    draft = _random_draft(target, vocab, seed=3, aux_layers=aux_layers)
     args = ServerArgs(model_path=tiny_target, speculative_algorithm="MTP", speculative_num_steps=3,
                       max_total_tokens=1024, max_running_requests=4, device="cpu")
     mr = ModelRunner(args, target.model, target.config, draft, CPU, torch.float32, 256)
@@ -104,8 +107,9 @@ def test_training_forward_matches_engine(tiny_target):
     seqs = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (14, 9)]
     ids, _ = pad_ids(seqs, CPU)
     with torch.no_grad():
-        h_train = target_hidden(target.model, ids)  # [2, 14, H]
+        h_train = target_hidden(target.model, ids)  # [2, 14, F]
         g_train = chained_forward(draft, ids, h_train, 3)
+    assert h_train.shape[-1] == target.config.hidden_size * (1 + len(aux_layers or []))
 
     handles = [KVHandle() for _ in seqs]
     for hd, s in zip(handles, seqs):
@@ -257,7 +261,8 @@ def test_draft_vocab_and_prompt_fields(tmp_path):
 # ---------------------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def trained(tiny_target, tmp_path_factory):
-    """One `specserve train-mtp` run on the tiny target (75% greedy / 25% sampled self-distillation, 200 steps)."""
+    """One `specserve train-mtp` run on the tiny target (75% greedy / 25% sampled self-distillation, 200 steps),
+    of a head that reads aux layers ('auto': 0 and 1 of the 2), with the target run per training batch."""
     from specserve.train.cli import main
 
     root = tmp_path_factory.mktemp("trained")
@@ -268,7 +273,8 @@ def trained(tiny_target, tmp_path_factory):
             "--max-new-tokens", "64", "--sampled-fraction", "0.25", "--train-steps", "200", "--batch-size", "8",
             "--chain-steps", "3", "--max-seq-len", "128", "--lr", "1e-3", "--loss", "ce", "--val-fraction", "0.03",
             "--eval-num-steps", "1,3", "--eval-max-new-tokens", "64", "--device", "cpu",
-            "--max-total-tokens", "16384", "--log-level", "warning"]
+            "--max-total-tokens", "16384", "--log-level", "warning", "--aux-hidden-layers", "auto",
+            "--live-target-states"]
     assert main(argv) == 0
     return {"out": str(out), "held": held_file, "argv": argv, "root": root}
 
@@ -279,6 +285,7 @@ def test_cli_writes_checkpoint_and_report(trained):
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLMNextN"]
+    assert cfg["aux_hidden_state_layer_ids"] == [0, 1]
     with open(os.path.join(out, "report.json")) as f:
         rep = json.load(f)
     assert rep["data"]["num_sequences"] == 64 and rep["data"]["sampled_sequences"] == 16
@@ -338,3 +345,72 @@ def test_rerun_reuses_generated_data(trained):
     assert rep["data"]["from_cache"] is True and rep["data"]["num_sequences"] == 64
     assert rep["data"]["trained_sequences"] == 48  # the 25% sampled responses left out
     assert rep["held_out"] == {}
+
+
+def test_aux_features_are_the_hf_layer_outputs(tiny_target):
+    """The target's features with aux layers: [final-norm hidden | output of layer 0 | output of layer 1], checked
+    against transformers' hidden_states (hidden_states[i + 1] is layer i's output; the last one is final-normed)."""
+    from transformers import AutoModelForCausalLM
+
+    target = load_target(ModelSource.resolve(tiny_target), torch.float32, CPU, 600)
+    target.model.set_aux_layers([0])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    ids = torch.randint(3, 60, (1, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        feats = target_hidden(target.model, ids)  # [1, 11, 2H]
+        ref = hf(ids, output_hidden_states=True).hidden_states
+    h = target.config.hidden_size
+    assert feats.shape == (1, 11, 2 * h)
+    torch.testing.assert_close(feats[..., :h], ref[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(feats[..., h:], ref[1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="outside"):
+        target.model.set_aux_layers([target.config.num_layers])
+
+
+def test_live_target_states_equal_the_store(tiny_target):
+    """Per-batch target states (LiveTargetStates) equal the precomputed ones on every real position, with aux
+    layers, including through subsets (train/validation split)."""
+    from specserve.train.hidden import LiveTargetStates
+
+    target, samples, seqs, _ = _toy_corpus(tiny_target, CPU, torch.float32)
+    seqs = [s[:n] for s, n in zip(seqs, (46, 30, 41, 12))]  # unequal lengths: padding in every batch
+    target.model.set_aux_layers([0])
+    store = collect_hidden(target.model, seqs, CPU, torch.float32, CPU)
+    live = LiveTargetStates(target.model)
+    for idx in ([0, 1, 2, 3], [3, 1]):
+        ids, lens = pad_ids([seqs[i] for i in idx], CPU)
+        (hs, ts), (hl, tl) = store.batch(idx, ids), live.batch(idx, ids)
+        assert hs.shape == hl.shape and hs.shape[-1] == 2 * target.config.hidden_size
+        for b, n in enumerate(lens.tolist()):
+            torch.testing.assert_close(hl[b, :n], hs[b, :n], rtol=1e-5, atol=1e-5)
+            assert torch.equal(tl[b, :n], ts[b, :n])
+    sub = store.subset([2, 0])
+    ids, _ = pad_ids([seqs[2], seqs[0]], CPU)
+    assert torch.equal(sub.batch([0, 1], ids)[0], store.batch([2, 0], ids)[0])
+
+
+def test_aux_head_initialised_from_a_plain_head_is_the_same_function(tiny_target, tmp_path):
+    """--init-draft from a head without aux layers into one with them: aux_fc starts as [I | 0] (noise 0), so the
+    chained outputs are the plain head's; a checkpoint with other aux layers is refused."""
+    from specserve.train.export import write_draft_checkpoint
+    from specserve.train.objective import init_draft_from_checkpoint
+
+    target, samples, seqs, _ = _toy_corpus(tiny_target, CPU, torch.float32)
+    vocab = DraftVocab(None, target.config.vocab_size, 1.0)
+    plain = _random_draft(target, vocab, seed=5)
+    write_draft_checkpoint(plain, target.config, str(tmp_path / "plain"), torch.float32)
+    aux = build_draft(target.config, 600, vocab, CPU, [0, 1])
+    init_draft_from_target(aux, target.model, vocab, 0.0, seed=0)
+    init_draft_from_checkpoint(aux, target, str(tmp_path / "plain"), 600)
+    assert target.model.model.aux_layers == ()  # loading the checkpoint left the target's features alone
+    ids, _ = pad_ids(seqs, CPU)
+    with torch.no_grad():
+        want = chained_forward(plain, ids, target_hidden(target.model, ids), 3)
+        target.model.set_aux_layers([0, 1])
+        got = chained_forward(aux, ids, target_hidden(target.model, ids), 3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    write_draft_checkpoint(aux, target.config, str(tmp_path / "aux"), torch.float32)
+    other = build_draft(target.config, 600, vocab, CPU, [1])
+    with pytest.raises(ValueError, match="aux hidden layers"):
+        init_draft_from_checkpoint(other, target, str(tmp_path / "aux"), 600)

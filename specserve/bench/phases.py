@@ -78,7 +78,7 @@ def phase_inputs(mr, reqs, name: str) -> LiveInputs:
     ids = torch.randint(10, 1000, (bs * w,), device=dev)
     if name == "target_verify":
         return LiveInputs(bs, ids, pos, rows, s + w, m + w)
-    hidden = torch.randn(bs * w, mr.cfg.hidden_size, device=dev).to(mr.dtype)
+    hidden = torch.randn(bs * w, mr.draft.feature_size, device=dev).to(mr.dtype)  # target features
     return LiveInputs(bs, ids, pos, rows, s + w, m + w, accept_len=torch.randint(0, w, (bs,), device=dev),
                       hidden=hidden)
 

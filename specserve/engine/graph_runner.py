@@ -22,7 +22,7 @@ from specserve.engine.forward_batch import ForwardBatch, ForwardMode, fixed_widt
 from specserve.engine.padding import LiveInputs, StaticBuffers, stage
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.req_to_token import ReqToTokenPool
-from specserve.spec.ngram import choose_drafts, history_tail, ngram_continuation
+from specserve.spec.ngram import history_tail, lookup_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class RunnerContext:
     graph_pool: object | None = None  # shared CUDA graph memory pool
     token_history: torch.Tensor | None = None  # [rows, W] draft phases with context lookup (spec/ngram.py)
     lookup_confidence: float = 0.5
+    feature_size: int = 0  # width of the target features a draft extend reads (0: hidden_size)
 
     def history_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
         """The token history of page-table rows [B] -> [B, W] (None when context lookup is off)."""
@@ -55,13 +56,14 @@ class RunnerContext:
             return self.model.draft_tokens(hidden)
         head, conf = self.model.draft_tokens_and_confidence(hidden)
         pattern = pattern if pattern is not None else history_tail(hist, last)
-        return choose_drafts(head, conf, ngram_continuation(hist, last, *pattern), self.lookup_confidence)
+        return lookup_drafts(hist, last, *pattern, head, conf, self.lookup_confidence)
 
 
 class PhaseRunner:
     name = "phase"
     mode = ForwardMode.IDLE
     needs_hidden = False
+    hidden_from_target = False  # its hidden input is the target's features (feature_size wide), not the draft's
 
     def __init__(self, ctx: RunnerContext, width: int, capture_bs: list[int], use_graphs: bool):
         self.ctx = ctx
@@ -70,8 +72,9 @@ class PhaseRunner:
         self.max_bs = self.capture_bs[-1] if self.capture_bs else 0
         self.use_graphs = use_graphs and self.max_bs > 0
         self.on_cuda = ctx.device.type == "cuda"
+        hidden_width = (ctx.feature_size or ctx.hidden_size) if self.hidden_from_target else ctx.hidden_size
         self.buffers = StaticBuffers.allocate(max(self.max_bs, 1), width,
-                                              ctx.hidden_size if self.needs_hidden else None, ctx.dtype,
+                                              hidden_width if self.needs_hidden else None, ctx.dtype,
                                               ctx.mrope, ctx.device)
         self.backend = ctx.make_backend(ctx.kv_pool)  # graph/static-replay metadata lives here
         self.backend.alloc_graph_buffers(max(self.max_bs, 1), width, ctx.graph_max_seq_len)
@@ -175,7 +178,8 @@ class DecodeRunner(PhaseRunner):
 
 
 class TargetVerifyRunner(PhaseRunner):
-    """Target verify: N + 1 tokens per request -> logits [bs, N+1, V] and hidden [bs, N+1, H]."""
+    """Target verify: N + 1 tokens per request -> logits [bs, N+1, V] and the target's features for the draft
+    [bs, N+1, F] (F = H, or wider with aux hidden layers)."""
 
     name = "target_verify"
     mode = ForwardMode.TARGET_VERIFY
@@ -228,6 +232,7 @@ class DraftExtendRunner(PhaseRunner):
     name = "draft_extend"
     mode = ForwardMode.DRAFT_EXTEND
     needs_hidden = True
+    hidden_from_target = True
 
     def forward_phase(self, t, backend, graph_mode):
         fb = self.make_batch(self.mode, t, t.input_ids, t.positions, t.seq_lens, t.hidden, backend, graph_mode,

@@ -27,6 +27,9 @@ class ModelConfig:
     mrope_section: list[int] | None
     num_nextn_predict_layers: int
     eos_token_ids: list[int]
+    # draft checkpoints only: target layers whose outputs the draft reads beside the final hidden state (EAGLE-3
+    # style low/mid/high features; models/mtp.py)
+    aux_hidden_layers: list[int] = field(default_factory=list)
 
     @staticmethod
     def from_hf(hf_config) -> ModelConfig:
@@ -75,4 +78,5 @@ class ModelConfig:
             mrope_section=list(mrope) if mrope else None,
             num_nextn_predict_layers=int(getattr(text, "num_nextn_predict_layers", 0) or 0),
             eos_token_ids=eos_ids,
+            aux_hidden_layers=[int(i) for i in getattr(hf_config, "aux_hidden_state_layer_ids", None) or []],
         )

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.forward_batch import ForwardBatch, ForwardMode
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.attention import PagedAttention
 from specserve.layers.embedding import LMHead, VocabEmbedding
@@ -19,6 +19,8 @@ from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
 from specserve.models.config import ModelConfig
+
+_FEATURE_MODES = (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 
 
 def make_rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
@@ -96,19 +98,27 @@ class DenseModel(nn.Module):
         self.rotary = make_rotary(cfg, max_positions)
         self.layers = nn.ModuleList([DenseDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.aux_layers: tuple[int, ...] = ()  # layers whose outputs are appended to the output (set_aux_layers)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """-> [T, H] final-norm hidden, or [T, (1 + k) H] = [final-norm | output of each of the k aux layers] in the
+        modes whose output feeds a drafter (extend, verify; plain decode only needs logits)."""
         h = self.embed_tokens(fb.input_ids)
         residual = None
-        for layer in self.layers:
+        aux = []
+        aux_layers = self.aux_layers if fb.mode in _FEATURE_MODES else ()
+        for i, layer in enumerate(self.layers):
             h, residual = layer(fb.positions, h, residual, fb)
+            if i in aux_layers:
+                aux.append(h + residual)  # the residual stream after layer i (the block's output)
         h, _ = self.norm(h, residual)
-        return h
+        return torch.cat([h, *aux], dim=-1) if aux else h
 
 
 class DenseForCausalLM(nn.Module):
-    """Target model. forward() returns the final-norm hidden state [T, H]: the lm-head input, which is also the
-    hidden state handed to the MTP drafter."""
+    """Target model. forward() returns the features handed to the MTP drafter: the final-norm hidden state [T, H]
+    (the lm-head input), followed by the outputs of the aux layers a drafter asked for (set_aux_layers), so
+    [T, feature_size]. compute_logits reads the first H columns."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -127,11 +137,25 @@ class DenseForCausalLM(nn.Module):
     def embed_tokens(self) -> VocabEmbedding:
         return self.model.embed_tokens
 
+    def set_aux_layers(self, layers: list[int]) -> None:
+        """Append the outputs of these decoder layers to forward()'s result (an EAGLE-3 style drafter reads them)."""
+        bad = [i for i in layers if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(f"aux hidden layers {bad} outside the target's {self.config.num_layers} layers")
+        self.model.aux_layers = tuple(sorted(set(layers)))
+
+    @property
+    def feature_size(self) -> int:
+        """Width of forward()'s output in extend and verify batches: H per aux layer beyond the final hidden."""
+        return self.config.hidden_size * (1 + len(self.model.aux_layers))
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features [T, H] or [T, feature_size] (forward's output) -> logits [T, V]."""
+        h = self.config.hidden_size
+        return self.lm_head(features if features.shape[-1] == h else features[..., :h].contiguous())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of our parameters that were written."""

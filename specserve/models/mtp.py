@@ -5,6 +5,14 @@
     x = decoder_layer(x)                   (the target architecture's block, with its own KV)
     out = final_norm(x)  -> lm_head -> logits for token_{p+2}; `out` is also the next chained hidden state.
 
+With aux hidden layers (config `aux_hidden_state_layer_ids`, EAGLE-3 style) the target hands over more than its
+final hidden state: features [final | output of layer a_1 | ... | a_k], each block RMS-normalised and projected
+back to H by `aux_fc` before hnorm. Only the first draft step of a chain (DRAFT_EXTEND: prefill and the draft
+extend after verify) sees target features; the chained steps (DRAFT_DECODE) get the draft's own H-wide output.
+Why: the final hidden state is shaped to predict one token and carries little of the current one, so a one-layer
+head cannot copy from the context; an early layer's output still encodes the token at each position (what an
+induction-style copy needs), a middle one the phrase.
+
 Embedding and lm-head are the target's unless the draft checkpoint ships its own. A draft checkpoint may also
 carry a reduced draft vocabulary (`draft_vocab` [Vd] of target ids), which shrinks the per-step lm-head cost.
 
@@ -21,9 +29,10 @@ import re
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.forward_batch import ForwardBatch, ForwardMode
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
@@ -31,7 +40,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.llama import DenseDecoderLayer, load_dense_tensor, make_rotary
 
 _DEEPSEEK_HEAD = {
-    "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "final_norm",
+    "aux_fc": "aux_fc", "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "final_norm",
     "shared_head.head": "lm_head", "embed_tokens": "embed_tokens",
 }
 _QWEN_NEXT_HEAD = {
@@ -51,6 +60,11 @@ class MTPDraftModel(nn.Module):
         self.rotary = make_rotary(cfg, max_positions)
         self.decoder = DenseDecoderLayer(cfg, 0, self.rotary)
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.aux_layers = list(cfg.aux_hidden_layers)
+        if self.aux_layers != sorted(set(self.aux_layers)) or any(i < 0 for i in self.aux_layers):
+            raise ValueError(f"aux_hidden_state_layer_ids must be increasing layer indices, got {self.aux_layers}")
+        # [(1 + k) H] target features -> [H]; None: the draft reads the final hidden state only
+        self.aux_fc = Linear((1 + len(self.aux_layers)) * h, h) if self.aux_layers else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, h) if own_embed else None
         vd = draft_vocab_size or cfg.vocab_size
         self.lm_head = LMHead(vd, h) if (own_head or draft_vocab_size) else None
@@ -68,10 +82,21 @@ class MTPDraftModel(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self._shared[0])(ids)
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features this draft reads (hidden_in of a DRAFT_EXTEND batch)."""
+        return self.config.hidden_size * (1 + len(self.aux_layers))
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """fb.input_ids [T] (token at p+1), fb.hidden_in [T, H] (hidden at p) -> draft hidden [T, H]."""
+        """fb.input_ids [T] (token at p+1), fb.hidden_in (at p): target features [T, feature_size] in DRAFT_EXTEND,
+        the draft's own output [T, H] in DRAFT_DECODE -> draft hidden [T, H]."""
         e = self.enorm(self.embed(fb.input_ids))
-        h = self.hnorm(fb.hidden_in.to(e.dtype))
+        hidden = fb.hidden_in.to(e.dtype)
+        if self.aux_fc is not None and fb.mode is ForwardMode.DRAFT_EXTEND:
+            t, hs = hidden.shape[0], self.config.hidden_size
+            blocks = F.rms_norm(hidden.view(t, -1, hs), (hs,), eps=self.config.rms_norm_eps)  # [T, 1 + k, H]
+            hidden = self.aux_fc(blocks.reshape(t, -1))  # [T, H]
+        h = self.hnorm(hidden)
         x = self.eh_proj(torch.cat((e, h), dim=-1))
         x, residual = self.decoder(fb.positions, x, None, fb)
         x, _ = self.final_norm(x, residual)

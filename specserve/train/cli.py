@@ -73,12 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     a("--greedy-only", action="store_true",
       help="train on the greedy responses only (the sampled ones stay in the cache): a head for greedy serving")
     a("--init-draft", default=None,
-      help="start from this draft checkpoint folder (a head trained before, same target and draft vocabulary) "
-           "instead of the target's last block: continues a training run")
+      help="start from this draft checkpoint folder (a head trained before on the same target) instead of the "
+           "target's last block: continues a training run, with that head's draft vocabulary (which overrides "
+           "--draft-vocab-size); a head without aux layers may start one with --aux-hidden-layers")
     a("--init-noise", type=float, default=0.01, help="std of the embedding half of eh_proj at initialisation")
     a("--init-residual-scale", type=float, default=0.0,
       help="scale of the copied last block's o_proj/down_proj at initialisation (0: the block starts as identity)")
     a("--hidden-batch-tokens", type=int, default=16384, help="padded tokens per target forward for hidden states")
+    a("--aux-hidden-layers", default="",
+      help="EAGLE-3 style features: comma-separated target layers whose outputs the head reads beside the final "
+           "hidden state (first draft step of a chain), or 'auto' for low/mid/high = 1, L/2-1, L-4; empty: none")
+    a("--live-target-states", action="store_true",
+      help="run the target per training batch instead of storing its states for all sequences (the default when "
+           "they would not fit on the GPU)")
     a("--save-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     a("--log-every", type=int, default=20)
     # evaluation
@@ -173,10 +180,7 @@ def self_distill(args: argparse.Namespace, model_path: str) -> tuple[list, dict]
 
 
 def _subset(idx: list[int], seqs: list[list[int]], prompt_lens: list[int], store):
-    from specserve.train.hidden import HiddenStore
-
-    return ([seqs[i] for i in idx], [prompt_lens[i] for i in idx],
-            HiddenStore([store.hidden[i] for i in idx], [store.top1[i] for i in idx]))
+    return [seqs[i] for i in idx], [prompt_lens[i] for i in idx], store.subset(idx)
 
 
 def split_validation(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -192,22 +196,43 @@ def target_states(args: argparse.Namespace, model_path: str, samples: list, devi
     """Load the target with our model code and collect its hidden states and greedy tokens for every sequence.
     Returns (loaded target, sequences cut to --max-seq-len, their prompt lengths, HiddenStore, seconds)."""
     from specserve.models.loader import ModelSource, load_hf_config, load_target, resolve_dtype
-    from specserve.train.hidden import collect_hidden
+    from specserve.train.hidden import LiveTargetStates, collect_hidden
 
     src = ModelSource.resolve(model_path)
     hf_config = load_hf_config(src)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     target = load_target(src, dtype, device, args.max_seq_len + 8, hf_config)
+    target.model.set_aux_layers(aux_hidden_layers(args.aux_hidden_layers, target.config.num_layers))
     seqs = [s.ids[:args.max_seq_len] for s in samples]
     prompt_lens = [min(s.prompt_len, len(q)) for s, q in zip(samples, seqs)]
-    store_device = device
-    if device.type == "cuda":
-        # keep the states on the GPU when they take well under the free memory (no per-step host copies)
-        need = sum(len(s) for s in seqs) * target.config.hidden_size * torch.tensor([], dtype=dtype).element_size()
-        store_device = device if need < 0.3 * torch.cuda.mem_get_info(device)[0] else torch.device("cpu")
+    live = args.live_target_states
+    if device.type == "cuda" and not live:
+        # keep the states on the GPU when they take well under the free memory (no per-step host copies), else
+        # run the target per batch
+        need = sum(len(s) for s in seqs) * target.model.feature_size * torch.tensor([], dtype=dtype).element_size()
+        live = need >= 0.3 * torch.cuda.mem_get_info(device)[0]
+    if live:
+        logger.info("target states: computed per training batch")
+        return target, seqs, prompt_lens, LiveTargetStates(target.model), 0.0
     t0 = time.perf_counter()
-    store = collect_hidden(target.model, seqs, device, dtype, store_device, args.hidden_batch_tokens)
+    store = collect_hidden(target.model, seqs, device, dtype, device, args.hidden_batch_tokens)
     return target, seqs, prompt_lens, store, time.perf_counter() - t0
+
+
+def aux_hidden_layers(spec: str, num_layers: int) -> list[int]:
+    """--aux-hidden-layers: '' -> [], 'auto' -> [1, L/2 - 1, L - 4] (EAGLE-3's low/mid/high), else the listed ones."""
+    if not spec.strip():
+        return []
+    if spec.strip() == "auto":
+        return sorted({min(1, num_layers - 1), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)})
+    try:
+        layers = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--aux-hidden-layers: expected 'auto' or comma-separated integers, got {spec!r}") from None
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise SystemExit(f"--aux-hidden-layers: {bad} outside the target's layers 0..{num_layers - 1}")
+    return layers
 
 
 def train_head(args: argparse.Namespace, target, samples: list, seqs: list[list[int]], prompt_lens: list[int],
@@ -223,17 +248,20 @@ def train_head(args: argparse.Namespace, target, samples: list, seqs: list[list[
         init_draft_from_target,
     )
     from specserve.train.trainer import TrainSettings, evaluate_draft, train_draft
-    from specserve.train.vocab import build_draft_vocab
+    from specserve.train.vocab import build_draft_vocab, vocab_of_checkpoint
 
     cfg = target.config
     tok = load_tokenizer(target.source)
     forced = set(cfg.eos_token_ids) | set(tok.all_special_ids) | ({tok.eos_token_id} - {None})
-    vocab = build_draft_vocab([s.response_ids for s in samples], [s.prompt_ids for s in samples], cfg.vocab_size,
-                              args.draft_vocab_size, forced)
+    vocab = vocab_of_checkpoint(args.init_draft, [s.response_ids for s in samples], cfg.vocab_size) \
+        if args.init_draft else None
+    if vocab is None:
+        vocab = build_draft_vocab([s.response_ids for s in samples], [s.prompt_ids for s in samples],
+                                  cfg.vocab_size, args.draft_vocab_size, forced)
     if vocab.ids is not None:
         logger.info("draft vocabulary: %d tokens, coverage %.4f of generated tokens", vocab.size, vocab.coverage)
 
-    draft = build_draft(cfg, args.max_seq_len + 8, vocab, device)
+    draft = build_draft(cfg, args.max_seq_len + 8, vocab, device, list(target.model.model.aux_layers))
     init_draft_from_target(draft, target.model, vocab, args.init_noise, args.seed, args.init_residual_scale)
     if args.init_draft:
         init_draft_from_checkpoint(draft, target, args.init_draft, args.max_seq_len + 8)

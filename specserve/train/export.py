@@ -3,7 +3,9 @@
 Layout (what specserve.models.loader.load_mtp_draft reads, DESIGN §5):
   config.json        the target's HF config with num_hidden_layers = 1, num_nextn_predict_layers = 1,
                      architectures = [<target architecture> + "NextN"]
-  model.safetensors  model.layers.0.{enorm,hnorm,eh_proj,shared_head.norm}.weight and the block under its HF names
+                     (+ aux_hidden_state_layer_ids: the target layers an EAGLE-3 style head reads, models/mtp.py)
+  model.safetensors  model.layers.0.{enorm,hnorm,eh_proj,shared_head.norm}.weight (+ aux_fc.weight with aux
+                     layers) and the block under its HF names
                      (fused qkv_proj / gate_up_proj split back into q/k/v_proj and gate/up_proj); with a reduced
                      vocabulary also draft_vocab [Vd] int64 and, when the head rows were trained,
                      model.layers.0.shared_head.head.weight [Vd, H] (else the target's rows are used).
@@ -23,8 +25,8 @@ from specserve.models.mtp import MTPDraftModel
 
 PREFIX = "model.layers.0."
 # our head-level module names -> DeepSeek-V3 NextN names (the inverse of the loader's mapping)
-_HEAD_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "shared_head.norm",
-               "lm_head": "shared_head.head", "embed_tokens": "embed_tokens"}
+_HEAD_NAMES = {"aux_fc": "aux_fc", "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+               "final_norm": "shared_head.norm", "lm_head": "shared_head.head", "embed_tokens": "embed_tokens"}
 
 
 def draft_tensors(draft: MTPDraftModel, dtype: torch.dtype, include_head: bool = True) -> dict[str, torch.Tensor]:
@@ -57,7 +59,8 @@ def draft_tensors(draft: MTPDraftModel, dtype: torch.dtype, include_head: bool =
     return out
 
 
-def draft_config(target_cfg: ModelConfig, dtype: torch.dtype, draft_vocab_size: int | None) -> dict:
+def draft_config(target_cfg: ModelConfig, dtype: torch.dtype, draft_vocab_size: int | None,
+                 aux_layers: list[int] | None = None) -> dict:
     c = target_cfg.hf_config.to_dict()
     c["num_hidden_layers"] = 1
     c["num_nextn_predict_layers"] = 1
@@ -66,6 +69,8 @@ def draft_config(target_cfg: ModelConfig, dtype: torch.dtype, draft_vocab_size: 
     c.pop("torch_dtype", None)
     if draft_vocab_size:
         c["draft_vocab_size"] = draft_vocab_size
+    if aux_layers:
+        c["aux_hidden_state_layer_ids"] = list(aux_layers)
     return c
 
 
@@ -76,7 +81,7 @@ def write_draft_checkpoint(draft: MTPDraftModel, target_cfg: ModelConfig, out_di
     save_file(draft_tensors(draft, dtype, include_head), os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(draft_config(target_cfg, dtype, vd), f, indent=2)
+        json.dump(draft_config(target_cfg, dtype, vd, draft.aux_layers), f, indent=2)
     return out_dir
 
 

@@ -1,8 +1,13 @@
-"""Target hidden states for training: the final-norm hidden state h_p at every position (what the engine hands the
-drafter) and the target's greedy next token argmax(lm_head(h_p)) (what greedy verification compares drafts with).
+"""Target states for training: the target's features at every position (its final-norm hidden state h_p, what
+the engine hands the drafter, followed by the outputs of the aux layers an EAGLE-3 style head reads) and the
+target's greedy next token argmax(lm_head(h_p)) (what greedy verification compares drafts with).
 
-Computed once with our own target model under no_grad over padded batches (training attention backend, causal
-mask) and kept per sequence, so training steps do not pay for the target's forward.
+Two sources with one interface, `batch(idx, ids) -> (features [B, L, F], top1 [B, L])`:
+  * HiddenStore: computed once with our own target under no_grad over padded batches (training attention backend,
+    causal mask) and kept per sequence, so training steps do not pay for the target's forward;
+  * LiveTargetStates: the target's forward per training batch, for data whose features do not fit in memory
+    (17 M tokens x 4 x 576 bf16 features are 78 GB; one forward of a 16k-token batch of a 135M target costs a few
+    per cent of a training step on the GPU).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from specserve.engine.forward_batch import ForwardMode
@@ -20,12 +26,37 @@ _LOGIT_ROWS = 4096  # lm-head rows per chunk when taking the greedy tokens (boun
 
 @dataclass
 class HiddenStore:
-    hidden: list[torch.Tensor]  # per sequence [len, H] target final-norm hidden states
+    hidden: list[torch.Tensor]  # per sequence [len, F] target features
     top1: list[torch.Tensor]  # per sequence [len] int64: target greedy token following each position
 
     @property
     def num_tokens(self) -> int:
         return sum(t.shape[0] for t in self.top1)
+
+    def subset(self, idx: list[int]) -> HiddenStore:
+        return HiddenStore([self.hidden[i] for i in idx], [self.top1[i] for i in idx])
+
+    def batch(self, idx: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences idx (ids [B, L] right-padded, on the training device) -> features [B, L, F], top1 [B, L]
+        (zero-padded, on the store's device)."""
+        return (pad_sequence([self.hidden[i] for i in idx], batch_first=True),
+                pad_sequence([self.top1[i] for i in idx], batch_first=True))
+
+
+@dataclass
+class LiveTargetStates:
+    """The same as HiddenStore.batch, computed by the target for each batch (padding positions hold whatever the
+    target makes of token 0: they are never labels)."""
+
+    target: torch.nn.Module
+
+    def subset(self, idx: list[int]) -> LiveTargetStates:
+        return self
+
+    @torch.no_grad()
+    def batch(self, idx: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = target_hidden(self.target, ids)  # [B, L, F]
+        return h, greedy_tokens(self.target, h.reshape(-1, h.shape[-1])).view(ids.shape)
 
 
 def length_batches(lengths: list[int], max_tokens: int, max_batch: int | None = None) -> list[list[int]]:
@@ -54,9 +85,16 @@ def pad_ids(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, 
     return ids.to(device), lens.to(device)
 
 
+def greedy_tokens(target: torch.nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """The target's greedy token after each row of features [T, F] -> [T] (lm-head in chunks of rows)."""
+    return torch.cat([target.compute_logits(features[r:r + _LOGIT_ROWS]).argmax(dim=-1)
+                      for r in range(0, features.shape[0], _LOGIT_ROWS)])
+
+
 @torch.no_grad()
 def target_hidden(target: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Our target model over a right-padded batch ids [B, L] -> final-norm hidden [B, L, H]."""
+    """Our target model over a right-padded batch ids [B, L] -> features [B, L, F] (final-norm hidden, then the aux
+    layers' outputs when the target has any: DenseForCausalLM.set_aux_layers)."""
     b, n = ids.shape
     backend = TrainAttentionBackend(b, n, causal_mask(n, ids.device))
     pos = torch.arange(n, device=ids.device).repeat(b)  # [B*L] rope position = index
@@ -74,10 +112,8 @@ def collect_hidden(target: torch.nn.Module, seqs: list[list[int]], device: torch
     batches = length_batches([len(s) for s in seqs], max_tokens)
     for idx in tqdm(batches, desc="Target hidden states", unit="batch", disable=None):
         ids, lens = pad_ids([seqs[i] for i in idx], device)
-        h = target_hidden(target, ids)  # [B, L, H]
-        flat = h.reshape(-1, h.shape[-1])
-        greedy = torch.cat([target.compute_logits(flat[r:r + _LOGIT_ROWS]).argmax(dim=-1)
-                            for r in range(0, flat.shape[0], _LOGIT_ROWS)]).view(ids.shape)  # [B, L]
+        h = target_hidden(target, ids)  # [B, L, F]
+        greedy = greedy_tokens(target, h.reshape(-1, h.shape[-1])).view(ids.shape)  # [B, L]
         for b, i in enumerate(idx):
             n = int(lens[b])
             # clone: a slice would keep the whole padded batch alive

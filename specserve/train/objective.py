@@ -16,6 +16,7 @@ is measured against the target's greedy token: the draft token greedy verificati
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ class TrainBatch:
     ids: torch.Tensor  # [B, L] int64, right-padded with 0
     lens: torch.Tensor  # [B]
     prompt_lens: torch.Tensor  # [B]
-    hidden: torch.Tensor  # [B, L, H] target final-norm hidden states
+    hidden: torch.Tensor  # [B, L, F] target features: final-norm hidden states [.., :H], then aux layers
     top1: torch.Tensor  # [B, L] target greedy token following each position
 
 
@@ -55,10 +56,13 @@ class LossOutput:
 
 
 # ---------------------------------------------------------------------------------------------------- the head
-def build_draft(cfg: ModelConfig, max_positions: int, vocab: DraftVocab, device: torch.device) -> MTPDraftModel:
-    """An uninitialised draft head in float32 (master weights) on `device`: call init_draft_from_target next."""
+def build_draft(cfg: ModelConfig, max_positions: int, vocab: DraftVocab, device: torch.device,
+                aux_layers: list[int] | None = None) -> MTPDraftModel:
+    """An uninitialised draft head in float32 (master weights) on `device`: call init_draft_from_target next.
+    aux_layers: target layers whose outputs the head reads beside the final hidden state (models/mtp.py)."""
+    dcfg = dataclasses.replace(cfg, aux_hidden_layers=list(aux_layers or []))
     with torch.device(device):
-        return MTPDraftModel(cfg, max_positions, draft_vocab_size=None if vocab.ids is None else vocab.size)
+        return MTPDraftModel(dcfg, max_positions, draft_vocab_size=None if vocab.ids is None else vocab.size)
 
 
 @torch.no_grad()
@@ -71,7 +75,9 @@ def init_draft_from_target(draft: MTPDraftModel, target: torch.nn.Module, vocab:
     With scale 0 the head outputs h_p / rms(h_p), i.e. the target's distribution for x_{p+1} at a mild temperature:
     a sensible first guess for x_{p+2} (measured on SmolLM2: initial KL ~7.6 against ~39 for an exact copy of the
     last block, and better top-1 after the same steps). The copied q/k/v/gate/up projections give the block useful
-    features from the first step; a reduced head starts from the target's lm-head rows of its tokens."""
+    features from the first step; a reduced head starts from the target's lm-head rows of its tokens. With aux
+    hidden layers, aux_fc starts as [I | noise]: it passes the final hidden state through, so the head starts as
+    the same function, and learns what to take from the other layers."""
     draft.decoder.load_state_dict(target.model.layers[-1].state_dict())
     draft.decoder.self_attn.o_proj.weight.mul_(residual_scale)
     draft.decoder.mlp.down_proj.weight.mul_(residual_scale)
@@ -83,6 +89,10 @@ def init_draft_from_target(draft: MTPDraftModel, target: torch.nn.Module, vocab:
     w = torch.randn((h, 2 * h), generator=g) * noise_std  # [H, 2H]: columns [embedding | hidden]
     w[:, h:] += torch.eye(h)
     draft.eh_proj.weight.copy_(w)
+    if draft.aux_fc is not None:
+        fc = torch.randn(draft.aux_fc.weight.shape, generator=g) * noise_std  # [H, (1 + k) H]: [final | aux ..]
+        fc[:, :h] = torch.eye(h)
+        draft.aux_fc.weight.copy_(fc)
     if vocab.ids is not None:
         draft.lm_head.weight.copy_(target.lm_head.weight[vocab.ids.to(target.lm_head.weight.device)])
         draft.draft_vocab.copy_(vocab.ids)
@@ -92,13 +102,20 @@ def init_draft_from_target(draft: MTPDraftModel, target: torch.nn.Module, vocab:
 @torch.no_grad()
 def init_draft_from_checkpoint(draft: MTPDraftModel, target, path: str, max_positions: int) -> None:
     """Overwrite the head's weights with a draft checkpoint's (loaded as the engine loads it, float32), to continue
-    a training run. The checkpoint must have the same shapes and draft vocabulary."""
+    a training run. The checkpoint must have the same shapes and draft vocabulary; one without aux hidden layers
+    may start a head with them (aux_fc keeps its initialisation: the head starts as the checkpoint's function)."""
     from specserve.models.loader import load_mtp_draft
 
+    aux_before = target.model.model.aux_layers  # loading a draft sets the target's aux layers to its own
     src = load_mtp_draft(target, path, torch.float32, draft.eh_proj.weight.device, max_positions)
+    target.model.model.aux_layers = aux_before
+    if src.aux_layers and src.aux_layers != draft.aux_layers:
+        raise ValueError(f"{path}: aux hidden layers {src.aux_layers} differ from the head's {draft.aux_layers}")
     theirs = dict(src.named_parameters()) | dict(src.named_buffers())
     for name, t in list(draft.named_parameters()) + list(draft.named_buffers()):
         other = theirs.get(name)
+        if other is None and name.startswith("aux_fc.") and not src.aux_layers:
+            continue
         if other is None or other.shape != t.shape:
             raise ValueError(f"{path}: {name} {None if other is None else tuple(other.shape)} does not fit the "
                              f"head being trained ({tuple(t.shape)}): another target or draft vocabulary?")
@@ -109,8 +126,10 @@ def init_draft_from_checkpoint(draft: MTPDraftModel, target, path: str, max_posi
 
 # ---------------------------------------------------------------------------------------------------- forward
 def chained_forward(draft: MTPDraftModel, ids: torch.Tensor, hidden: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """ids [B, L] (x), hidden [B, L, H] (h) -> [g_1, .., g_depth], each [B, L, H] (draft final-norm outputs)."""
-    b, n, h = hidden.shape
+    """ids [B, L] (x), hidden [B, L, F] (the target's features h) -> [g_1, .., g_depth], each [B, L, H] (draft
+    final-norm outputs)."""
+    b, n, _ = hidden.shape
+    h = draft.config.hidden_size
     dev = ids.device
     ids_next = torch.cat((ids[:, 1:], torch.zeros_like(ids[:, :1])), dim=1).reshape(-1)  # [B*L] x_{i+1}
     pos = torch.arange(n, device=dev).repeat(b)  # [B*L] rope position = index, at every depth
@@ -120,7 +139,7 @@ def chained_forward(draft: MTPDraftModel, ids: torch.Tensor, hidden: torch.Tenso
     for k in range(1, depth + 1):
         backend.set_mask(chain_mask(n, k, dev))
         mode = ForwardMode.DRAFT_EXTEND if k == 1 else ForwardMode.DRAFT_DECODE
-        g = draft(train_forward_batch(mode, ids_next, pos, backend, h_in.reshape(b * n, h))).view(b, n, h)
+        g = draft(train_forward_batch(mode, ids_next, pos, backend, h_in.reshape(b * n, -1))).view(b, n, h)
         outs.append(g)
         # g_{k,i-1} feeds index i at depth k+1; index 0 has no predecessor (never a valid depth>1 query)
         h_in = torch.cat((torch.zeros_like(g[:, :1]), g[:, :-1]), dim=1)
@@ -151,7 +170,8 @@ def chained_loss(draft: MTPDraftModel, batch: TrainBatch, to_draft: torch.Tensor
     greedy_rows = greedy_next.reshape(-1)[rows]  # [Nb]
     if cfg.loss == "kl":
         with torch.no_grad():
-            h_next = _shift_left(batch.hidden, 1).reshape(b * n, -1)[rows]  # [Nb, H] h_{i+1}
+            hs = draft.config.hidden_size  # the final hidden state: the first H features
+            h_next = _shift_left(batch.hidden[..., :hs], 1).reshape(b * n, -1)[rows]  # [Nb, H] h_{i+1}
             t_logp = F.log_softmax(F.linear(h_next.to(target_head.dtype), target_head).float(), dim=-1)  # [Nb, Vd]
             t_p = t_logp.exp()  # shared by all depths (saved once for backward)
             t_neg_entropy = (t_p * t_logp).sum(-1)  # [Nb]: turns the cross-entropy into the KL

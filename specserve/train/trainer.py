@@ -15,10 +15,12 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from specserve.models.mtp import MTPDraftModel
-from specserve.train.hidden import HiddenStore, length_batches
+from specserve.train.hidden import HiddenStore, LiveTargetStates, length_batches
 from specserve.train.objective import ObjectiveConfig, TrainBatch, chained_loss
 
 logger = logging.getLogger(__name__)
+
+TargetStates = HiddenStore | LiveTargetStates
 
 _CALIBRATE_FIRST, _REFIT_EVERY = 10, 50  # a time budget fits the number of steps at step 10, then every 50
 
@@ -83,13 +85,12 @@ def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: 
         yield from batches
 
 
-def make_batch(idx: list[int], ids: list[list[int]], prompt_lens: list[int], store: HiddenStore,
+def make_batch(idx: list[int], ids: list[list[int]], prompt_lens: list[int], store: TargetStates,
                device: torch.device, hidden_dtype: torch.dtype) -> TrainBatch:
-    tok = pad_sequence([torch.tensor(ids[i], dtype=torch.int64) for i in idx], batch_first=True)
-    hidden = pad_sequence([store.hidden[i] for i in idx], batch_first=True)  # [B, L, H]
-    top1 = pad_sequence([store.top1[i] for i in idx], batch_first=True)
+    tok = pad_sequence([torch.tensor(ids[i], dtype=torch.int64) for i in idx], batch_first=True).to(device)
+    hidden, top1 = store.batch(idx, tok)  # [B, L, F], [B, L]
     return TrainBatch(
-        ids=tok.to(device, non_blocking=True),
+        ids=tok,
         lens=torch.tensor([len(ids[i]) for i in idx], dtype=torch.int64).to(device),
         prompt_lens=torch.tensor([prompt_lens[i] for i in idx], dtype=torch.int64).to(device),
         hidden=hidden.to(device=device, dtype=hidden_dtype, non_blocking=True),
@@ -98,7 +99,7 @@ def make_batch(idx: list[int], ids: list[list[int]], prompt_lens: list[int], sto
 
 
 @torch.no_grad()
-def evaluate_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[int], store: HiddenStore,
+def evaluate_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[int], store: TargetStates,
                    to_draft: torch.Tensor, target_head: torch.Tensor, obj: ObjectiveConfig, batch_size: int,
                    device: torch.device, batch_tokens: int = 0) -> tuple[list[float], list[float]]:
     """Per-depth loss and top-1 accuracy over held-back sequences (position-weighted), with the training objective;
@@ -133,7 +134,7 @@ def _check_gradients(draft: MTPDraftModel) -> None:
                            "autograd")
 
 
-def train_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[int], store: HiddenStore,
+def train_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[int], store: TargetStates,
                 to_draft: torch.Tensor, target_head: torch.Tensor, obj: ObjectiveConfig, ts: TrainSettings,
                 device: torch.device) -> TrainResult:
     """Train `draft` in place on sequences `ids` (prompt + response, already cut to the max length)."""

@@ -52,3 +52,25 @@ def build_draft_vocab(responses: Iterable[list[int]], prompts: Iterable[list[int
     ids = torch.sort(order[:size]).values
     coverage = float(resp[ids].sum()) / total if total else 0.0
     return DraftVocab(ids, size, coverage)
+
+
+def vocab_of_checkpoint(folder: str, responses: Iterable[list[int]], vocab_size: int) -> DraftVocab | None:
+    """The draft vocabulary stored in a draft checkpoint folder (None when it uses the full vocabulary), with its
+    coverage of `responses`: a head continued with --init-draft keeps the vocabulary it was trained with."""
+    import os
+
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        if "draft_vocab" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+            return None
+        ids = f.get_tensor("draft_vocab").to(torch.int64)
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[ids] = True
+    total = hits = 0
+    for r in responses:
+        if r:
+            t = torch.tensor(r, dtype=torch.int64)
+            total += t.numel()
+            hits += int(inside[t].sum())
+    return DraftVocab(ids, int(ids.numel()), hits / total if total else 0.0)
