@@ -192,12 +192,14 @@ class ServerArgs:
         names = {f.name for f in dataclasses.fields(ServerArgs)} - {"extra"}
         return ServerArgs(**{k: v for k, v in vars(args).items() if k in names})
 
-    def with_embedded_defaults(self, draft_path: str | None) -> ServerArgs:
-        """The embedded SmolLM2 target speculates by default with the shipped MTP head (N = 3) and context lookup
-        (measured: held-out accept length at N = 4 1.95 -> 2.19 on the H200; BENCHMARKS.md)."""
+    def with_embedded_defaults(self, draft_path: str | None, device_type: str) -> ServerArgs:
+        """The embedded SmolLM2 target speculates by default with the shipped MTP head and context lookup, N = 4
+        draft steps on a GPU and 2 on a CPU: the fastest measured with this head at concurrency 1 and 8 on each
+        (H200: 1.45x / 1.43x plain; 2-core CPU: 1.39x / 1.23x; BENCHMARKS.md section 6)."""
         if self.model_path is not None or self.speculative_algorithm is not None or draft_path is None:
             return self
-        return dataclasses.replace(self, speculative_algorithm="MTP", speculative_num_steps=3,
+        return dataclasses.replace(self, speculative_algorithm="MTP",
+                                   speculative_num_steps=4 if device_type == "cuda" else 2,
                                    speculative_draft_model_path=draft_path, speculative_ngram_lookup=True)
 
     @staticmethod

@@ -37,6 +37,13 @@ def _fixed_meta(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
     return _FixedMeta(slots, mask)
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for cache [S, Hkv, D] and slots [..] -> [.., Hkv, D], as whole-row copies: index_select copies
+    each slot's contiguous Hkv x D block at once, where advanced indexing goes element by element (on the CPU
+    6-10x slower: ~10 ms of a SmolLM2 verify step at a few hundred cached tokens)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, req_to_token, kv_pool):
         super().__init__(req_to_token, kv_pool)
@@ -81,16 +88,15 @@ class TorchAttentionBackend(AttentionBackend):
         meta = self.meta
         if isinstance(meta, _FixedMeta):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]
-            kk = k_cache[meta.kv_slots].to(q.dtype)  # [bs, kv, Hkv, D]
-            vv = v_cache[meta.kv_slots].to(q.dtype)
+            kk, vv = (_gather(c, meta.kv_slots).to(q.dtype) for c in (k_cache, v_cache))  # [bs, kv, Hkv, D]
             qq = q.view(bs, w, layer.num_heads, layer.head_dim).transpose(1, 2)  # [bs, Hq, w, D]
             o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=meta.mask,
                                                scale=layer.scaling, enable_gqa=True)
             return o.transpose(1, 2).reshape(bs * w, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         for q0, e, slots, mask in meta.pieces:
-            kk = k_cache[slots].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, s, D]
-            vv = v_cache[slots].to(q.dtype).transpose(0, 1)[None]
+            kk = _gather(k_cache, slots).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, s, D]
+            vv = _gather(v_cache, slots).to(q.dtype).transpose(0, 1)[None]
             qq = q[q0:q0 + e].transpose(0, 1)[None]  # [1, Hq, e, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=layer.scaling,
                                                enable_gqa=True)

@@ -41,7 +41,8 @@ class EngineCore:
 
     def __init__(self, args: ServerArgs):
         t_start = time.perf_counter()
-        args = args.with_embedded_defaults(embedded_draft_path())
+        self.device = resolve_device(args.device)
+        args = args.with_embedded_defaults(embedded_draft_path(), self.device.type)
         self.args = args
         model_path = args.model_path or embedded_model_path()
         draft_path = args.speculative_draft_model_path
@@ -51,7 +52,6 @@ class EngineCore:
                 raise ValueError("this build ships no MTP head for the embedded model; pass "
                                  "--speculative-draft-model-path")
         self.model_path = model_path
-        self.device = resolve_device(args.device)
         src = ModelSource.resolve(model_path)
         hf_config = load_hf_config(src)
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
