@@ -339,12 +339,15 @@ def test_rerun_reuses_generated_data(trained):
     argv[argv.index("--held-out") + 1:argv.index("--output")] = []
     argv.remove("--held-out")
     argv.append("--greedy-only")  # training settings only: the cache still matches
+    argv[argv.index("--aux-hidden-layers") + 1] = "none"
     assert main(argv) == 0
     with open(os.path.join(out2, "report.json")) as f:
         rep = json.load(f)
     assert rep["data"]["from_cache"] is True and rep["data"]["num_sequences"] == 64
     assert rep["data"]["trained_sequences"] == 48  # the 25% sampled responses left out
     assert rep["held_out"] == {}
+    with open(os.path.join(out2, "config.json")) as f:
+        assert "aux_hidden_state_layer_ids" not in json.load(f)  # --aux-hidden-layers none
 
 
 def test_aux_features_are_the_hf_layer_outputs(tiny_target):
@@ -414,3 +417,15 @@ def test_aux_head_initialised_from_a_plain_head_is_the_same_function(tiny_target
     other = build_draft(target.config, 600, vocab, CPU, [1])
     with pytest.raises(ValueError, match="aux hidden layers"):
         init_draft_from_checkpoint(other, target, str(tmp_path / "aux"), 600)
+
+
+def test_aux_hidden_layers_flag():
+    from specserve.train.cli import aux_hidden_layers
+
+    assert aux_hidden_layers("auto", 30) == [1, 14, 26]  # SmolLM2: EAGLE-3's low / mid / high
+    assert aux_hidden_layers("auto", 2) == [0, 1]
+    assert aux_hidden_layers("none", 30) == [] and aux_hidden_layers("", 30) == []
+    assert aux_hidden_layers("7, 3,7", 30) == [3, 7]
+    for bad in ("30", "-1", "a,b"):
+        with pytest.raises(SystemExit):
+            aux_hidden_layers(bad, 30)

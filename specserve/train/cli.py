@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--init-residual-scale", type=float, default=0.0,
       help="scale of the copied last block's o_proj/down_proj at initialisation (0: the block starts as identity)")
     a("--hidden-batch-tokens", type=int, default=16384, help="padded tokens per target forward for hidden states")
-    a("--aux-hidden-layers", default="",
-      help="EAGLE-3 style features: comma-separated target layers whose outputs the head reads beside the final "
-           "hidden state (first draft step of a chain), or 'auto' for low/mid/high = 1, L/2-1, L-4; empty: none")
+    a("--aux-hidden-layers", default="auto",
+      help="EAGLE-3 style features: target layers whose outputs the head reads beside the final hidden state "
+           "(first draft step of a chain): 'auto' (low/mid/high = 1, L/2-1, L-4), comma-separated layer indices, "
+           "or 'none' (on SmolLM2, auto took the held-out accept length at N = 4 from 1.95 to 2.30)")
     a("--live-target-states", action="store_true",
       help="run the target per training batch instead of storing its states for all sequences (the default when "
            "they would not fit on the GPU)")
@@ -220,8 +221,9 @@ def target_states(args: argparse.Namespace, model_path: str, samples: list, devi
 
 
 def aux_hidden_layers(spec: str, num_layers: int) -> list[int]:
-    """--aux-hidden-layers: '' -> [], 'auto' -> [1, L/2 - 1, L - 4] (EAGLE-3's low/mid/high), else the listed ones."""
-    if not spec.strip():
+    """--aux-hidden-layers: 'none' or '' -> [], 'auto' -> [1, L/2 - 1, L - 4] (EAGLE-3's low/mid/high), else the
+    listed ones."""
+    if spec.strip() in ("", "none"):
         return []
     if spec.strip() == "auto":
         return sorted({min(1, num_layers - 1), max(num_layers // 2 - 1, 0), max(num_layers - 4, 0)})
