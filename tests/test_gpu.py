@@ -1,6 +1,7 @@
 """GPU tests (skipped on CPU; run on the H200 and recorded in BENCHMARKS.md):
 
-- CUDA-graph replay equals the eager run for every phase runner, with shrinking then growing batch sizes;
+- CUDA-graph replay equals the eager run for every phase runner, with shrinking then growing batch sizes (also
+  with an aux-layer draft: added after the last H200 run, not yet run there);
 - greedy speculative output equals greedy plain output on the GPU in float32 (random MTP layer, and an oracle
   drafter that exercises every accept path); in bfloat16 the match rate is measured and printed;
 - no KV leak after a mixed workload with retractions;
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.gpu
 CAPTURE = [1, 2, 4, 8, 16]
 
 
-def _cuda_spec_runner(path, n, page_size, dtype=torch.float32):
+def _cuda_spec_runner(path, n, page_size, dtype=torch.float32, draft_path=None):
     dev = torch.device("cuda")
     t = load_target(ModelSource.resolve(path), dtype, dev, 600)
-    draft = load_mtp_draft(t, None, dtype, dev, 600)
+    draft = load_mtp_draft(t, draft_path, dtype, dev, 600)
     args = ServerArgs(model_path=path, page_size=page_size, max_total_tokens=16384, max_running_requests=32,
                       speculative_algorithm="MTP", speculative_num_steps=n, cuda_graph_bs=CAPTURE)
     mr = ModelRunner(args, t.model, t.config, draft, dev, dtype, 512)
@@ -44,8 +45,11 @@ def _to(live, dev):
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_graph_replay_equals_eager_every_phase(tiny_models, n, page_size):
-    mr = _cuda_spec_runner(tiny_models["llama_mtp"], n, page_size)
+@pytest.mark.parametrize("models", [("llama_mtp", None), ("llama", "llama_draft_aux")])
+def test_graph_replay_equals_eager_every_phase(tiny_models, n, page_size, models):
+    """Also with an aux-layer draft (feature-wide verify output and draft-extend input)."""
+    target, draft = models
+    mr = _cuda_spec_runner(tiny_models[target], n, page_size, draft_path=draft and tiny_models[draft])
     assert all(r.graphs for r in mr.runners.values()), "every phase must be captured"
     for name, runner in mr.runners.items():
         for i, bs in enumerate([13, 9, 5, 3, 1, 2, 7, 16]):
