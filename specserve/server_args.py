@@ -168,7 +168,8 @@ class ServerArgs:
                "model speculates with its shipped head unless NONE is given)")
         a("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
           default=None)
-        a("--speculative-num-steps", type=int, default=None)
+        a("--speculative-num-steps", type=int, default=None,
+          help="draft tokens per step N (default 3; the embedded model's default: 4 on a GPU, 2 on a CPU)")
         a("--speculative-eagle-topk", type=int, default=None)
         a("--speculative-num-draft-tokens", type=int, default=None)
         a("--speculative-ngram-lookup", action="store_true",
