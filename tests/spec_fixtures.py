@@ -34,7 +34,8 @@ class OracleDraft(nn.Module):
                     table[row, i] = (table[row, i] + 1) % vocab
         self.register_buffer("table", table)
         self.hidden_size = hidden_size
-        self.feature_size = hidden_size  # reads the target's final hidden state only (no aux layers)
+        self.aux_layers: list[int] = []  # reads the target's final hidden state only
+        self.feature_size = hidden_size
         self.calls = 0
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

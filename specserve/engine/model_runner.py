@@ -58,6 +58,8 @@ class ModelRunner:
         self.args = args
         self.target = target
         self.draft = draft
+        if draft is not None and draft.aux_layers:
+            target.set_aux_layers(draft.aux_layers)  # extend and verify now also return these layers' outputs
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
@@ -101,7 +103,6 @@ class ModelRunner:
             tokens=(torch.full((rows, self.row_width + 1), -1, dtype=torch.int64, device=device)
                     if draft is not None and args.speculative_ngram_lookup else None),
         )
-        self.lookup_confidence = args.speculative_ngram_confidence
         self.target_eager_backend = self.make_backend(self.target_kv)
         self.draft_eager_backend = self.make_backend(self.draft_kv) if draft is not None else None
 
@@ -122,7 +123,8 @@ class ModelRunner:
             n = self.num_steps
             dctx = RunnerContext(draft, self.draft_kv, self.req_to_token, self.make_backend, device,
                                  cfg.hidden_size, dtype, mrope, self.row_width, token_history=self.rows.tokens,
-                                 lookup_confidence=self.lookup_confidence, feature_size=draft.feature_size)
+                                 lookup_confidence=args.speculative_ngram_confidence,
+                                 feature_size=draft.feature_size)
             self.draft_context = dctx  # eager draft token choice (prefill) goes through it too
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
             if n > 1:

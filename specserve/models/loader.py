@@ -184,8 +184,6 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
     draft.load_weights(tensors.items(), layer_index, preset={"lm_head.weight"} if head_from_target else set())
     draft = draft.to(device=device, dtype=dtype)  # integer buffers (draft_vocab) keep their dtype
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
-    if draft.aux_layers:
-        target.model.set_aux_layers(draft.aux_layers)  # the target now also returns these layers' outputs
     _keep_float32_buffers(draft)
     draft.eval().requires_grad_(False)
     return draft

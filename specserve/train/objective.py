@@ -106,9 +106,7 @@ def init_draft_from_checkpoint(draft: MTPDraftModel, target, path: str, max_posi
     may start a head with them (aux_fc keeps its initialisation: the head starts as the checkpoint's function)."""
     from specserve.models.loader import load_mtp_draft
 
-    aux_before = target.model.model.aux_layers  # loading a draft sets the target's aux layers to its own
     src = load_mtp_draft(target, path, torch.float32, draft.eh_proj.weight.device, max_positions)
-    target.model.model.aux_layers = aux_before
     if src.aux_layers and src.aux_layers != draft.aux_layers:
         raise ValueError(f"{path}: aux hidden layers {src.aux_layers} differ from the head's {draft.aux_layers}")
     theirs = dict(src.named_parameters()) | dict(src.named_buffers())

@@ -72,13 +72,8 @@ def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: 
         for w in range(0, n, window):
             chunk = sorted(order[w:w + window], key=lambda i: lengths[i])
             if batch_tokens > 0:
-                cur: list[int] = []
-                for i in chunk:  # ascending lengths: the newest sequence sets the padded length
-                    if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
-                        batches.append(cur)
-                        cur = []
-                    cur.append(i)
-                batches.append(cur)
+                groups = length_batches([lengths[i] for i in chunk], batch_tokens)
+                batches.extend([chunk[j] for j in g] for g in groups)
             else:
                 batches.extend(chunk[j:j + bs] for j in range(0, len(chunk), bs))
         rng.shuffle(batches)

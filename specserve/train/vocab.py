@@ -31,17 +31,10 @@ def build_draft_vocab(responses: Iterable[list[int]], prompts: Iterable[list[int
                       forced: Iterable[int]) -> DraftVocab:
     """Choose `size` ids: forced ones (EOS, specials) first, then by count in the responses; prompt counts break
     ties (and fill the vocabulary when the responses use fewer distinct tokens), then the lower id."""
-    resp = torch.zeros(vocab_size, dtype=torch.int64)
-    for r in responses:
-        if r:
-            resp += torch.bincount(torch.tensor(r, dtype=torch.int64), minlength=vocab_size)
-    total = int(resp.sum())
+    resp = token_counts(responses, vocab_size)
     if size <= 0 or size >= vocab_size:
         return DraftVocab(None, vocab_size, 1.0)
-    prm = torch.zeros(vocab_size, dtype=torch.int64)
-    for p in prompts:
-        if p:
-            prm += torch.bincount(torch.tensor(p, dtype=torch.int64), minlength=vocab_size)
+    prm = token_counts(prompts, vocab_size)
     forced_ids = sorted({int(t) for t in forced if 0 <= int(t) < vocab_size})
     if len(forced_ids) > size:
         raise ValueError(f"--draft-vocab-size {size} cannot hold the {len(forced_ids)} special tokens")
@@ -50,8 +43,22 @@ def build_draft_vocab(responses: Iterable[list[int]], prompts: Iterable[list[int
     score[forced_ids] = float("inf")
     order = torch.sort(score, descending=True, stable=True).indices  # stable: ties keep the lower id first
     ids = torch.sort(order[:size]).values
-    coverage = float(resp[ids].sum()) / total if total else 0.0
-    return DraftVocab(ids, size, coverage)
+    return DraftVocab(ids, size, _coverage(resp, ids))
+
+
+def token_counts(seqs: Iterable[list[int]], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in seqs -> [V] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in seqs:
+        if s:
+            counts += torch.bincount(torch.tensor(s, dtype=torch.int64), minlength=vocab_size)
+    return counts
+
+
+def _coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """Share of the counted tokens that fall inside `ids`."""
+    total = int(counts.sum())
+    return float(counts[ids].sum()) / total if total else 0.0
 
 
 def vocab_of_checkpoint(folder: str, responses: Iterable[list[int]], vocab_size: int) -> DraftVocab | None:
@@ -65,12 +72,4 @@ def vocab_of_checkpoint(folder: str, responses: Iterable[list[int]], vocab_size:
         if "draft_vocab" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
             return None
         ids = f.get_tensor("draft_vocab").to(torch.int64)
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
-    inside[ids] = True
-    total = hits = 0
-    for r in responses:
-        if r:
-            t = torch.tensor(r, dtype=torch.int64)
-            total += t.numel()
-            hits += int(inside[t].sum())
-    return DraftVocab(ids, int(ids.numel()), hits / total if total else 0.0)
+    return DraftVocab(ids, int(ids.numel()), _coverage(token_counts(responses, vocab_size), ids))
