@@ -49,6 +49,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
     disable_cuda_graph: bool = False
+    disable_spec_step_graph: bool = False  # greedy spec steps phase by phase instead of as one graph
     attention_backend: str = "auto"
     # sampling
     random_seed: int = 0
@@ -180,6 +181,9 @@ class ServerArgs:
         a("--cuda-graph-max-bs", type=int, default=None)
         a("--cuda-graph-bs", type=int, nargs="+", default=None)
         a("--disable-cuda-graph", action="store_true")
+        a("--disable-spec-step-graph", action="store_true",
+          help="run greedy speculative steps phase by phase (each phase its own graph, host glue between) instead "
+               "of as one CUDA graph per batch size (sampled batches always run phase by phase)")
         a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
         a("--random-seed", type=int, default=0)
         a("--sampling-defaults", default="model", choices=("model", "openai"))

@@ -1,7 +1,7 @@
 """GPU tests (skipped on CPU; run on the H200 and recorded in BENCHMARKS.md):
 
 - CUDA-graph replay equals the eager run for every phase runner, with shrinking then growing batch sizes (also
-  with an aux-layer draft: added after the last H200 run, not yet run there);
+  with an aux-layer draft), and so does the greedy step captured as one graph (also with context lookup);
 - greedy speculative output equals greedy plain output on the GPU in float32 (random MTP layer, and an oracle
   drafter that exercises every accept path); in bfloat16 the match rate is measured and printed;
 - no KV leak after a mixed workload with retractions;
@@ -11,7 +11,7 @@
 import pytest
 import torch
 from spec_fixtures import OracleDraft, build_scheduler
-from test_runners import _inputs
+from test_runners import _inputs, check_one_graph_step
 from test_spec_greedy import _hf_greedy, _prompts, _run
 
 from specserve.engine.model_runner import ModelRunner
@@ -22,12 +22,13 @@ pytestmark = pytest.mark.gpu
 CAPTURE = [1, 2, 4, 8, 16]
 
 
-def _cuda_spec_runner(path, n, page_size, dtype=torch.float32, draft_path=None):
+def _cuda_spec_runner(path, n, page_size, dtype=torch.float32, draft_path=None, lookup=False):
     dev = torch.device("cuda")
     t = load_target(ModelSource.resolve(path), dtype, dev, 600)
     draft = load_mtp_draft(t, draft_path, dtype, dev, 600)
     args = ServerArgs(model_path=path, page_size=page_size, max_total_tokens=16384, max_running_requests=32,
-                      speculative_algorithm="MTP", speculative_num_steps=n, cuda_graph_bs=CAPTURE)
+                      speculative_algorithm="MTP", speculative_num_steps=n, cuda_graph_bs=CAPTURE,
+                      speculative_ngram_lookup=lookup)
     mr = ModelRunner(args, t.model, t.config, draft, dev, dtype, 512)
     mr.capture_graphs()
     g = torch.Generator(device=dev).manual_seed(0)
@@ -63,6 +64,18 @@ def test_graph_replay_equals_eager_every_phase(tiny_models, n, page_size, models
                 mr.kv.release(h)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("models,lookup", [(("llama_mtp", None), False), (("llama", "llama_draft_aux"), True)])
+def test_one_graph_spec_step_equals_eager_phases_gpu(tiny_models, n, page_size, models, lookup):
+    """The greedy step captured as one CUDA graph against its phases run eagerly, shrinking then growing."""
+    target, draft = models
+    mr = _cuda_spec_runner(tiny_models[target], n, page_size, draft_path=draft and tiny_models[draft],
+                           lookup=lookup)
+    assert mr.spec_step.graphs
+    check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_spec_greedy_equals_plain_fp32(tiny_models, n):
     prompts = _prompts()
@@ -81,7 +94,7 @@ def test_spec_greedy_equals_plain_fp32(tiny_models, n):
     assert [r.output_ids for r in reqs] == ref
     assert spec.stats.spec_accept_length > 1.0 + 0.4 * min(n, 3)
     assert all(r.graphs for r in spec.mr.runners.values())
-    assert sum(r.replays for r in spec.mr.runners.values()) > 0
+    assert spec.mr.spec_step.graphs and spec.mr.spec_step.replays > 0  # greedy steps: the one-graph step
 
 
 def test_spec_greedy_bf16_match_rate(tiny_models, capsys):

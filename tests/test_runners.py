@@ -25,15 +25,17 @@ from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.models.llama import DenseForCausalLM
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.server_args import ServerArgs
+from specserve.spec.spec_step import GREEDY, spec_step_device
 
 CAPTURE = [1, 2, 4, 8]
 
 
-def _spec_runner(path, n=3, page_size=1, draft_path=None):
+def _spec_runner(path, n=3, page_size=1, draft_path=None, lookup=False):
     t = load_target(ModelSource.resolve(path), torch.float32, torch.device("cpu"), 600)
     draft = load_mtp_draft(t, draft_path, torch.float32, torch.device("cpu"), 600)
     args = ServerArgs(model_path=path, page_size=page_size, max_total_tokens=8192, max_running_requests=16,
-                      speculative_algorithm="MTP", speculative_num_steps=n, cuda_graph_bs=CAPTURE)
+                      speculative_algorithm="MTP", speculative_num_steps=n, cuda_graph_bs=CAPTURE,
+                      speculative_ngram_lookup=lookup)
     mr = ModelRunner(args, t.model, t.config, draft, torch.device("cpu"), torch.float32, 512)
     # Non-trivial cache contents so attention over the prefix matters.
     g = torch.Generator().manual_seed(0)
@@ -231,3 +233,62 @@ def test_mrope_model_text_positions_match_1d_model(tiny_models):
         outs.append(mr.runners["decode"].run(live)["logits"].clone())
         assert mr.runners["decode"].buffers.positions.dim() == (2 if mrope else 1)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def _state(mr):
+    """Everything a speculative step writes: per-row state and both KV pools, less page-table row 0 and KV slot
+    0 (the dummy row and slot that padded rows write)."""
+    rs = mr.rows
+    out = {"last_token": rs.last_token, "draft_token": rs.draft_token, "draft_hidden": rs.draft_hidden}
+    if rs.tokens is not None:
+        out["tokens"] = rs.tokens
+    for name, pool in (("target", mr.target_kv), ("draft", mr.draft_kv)):
+        for i, (k, v) in enumerate(zip(pool.k, pool.v)):
+            out[f"{name}.k{i}"], out[f"{name}.v{i}"] = k, v
+    return {k: v[1:] for k, v in out.items()}
+
+
+def check_one_graph_step(mr, sizes, tol):
+    """The whole greedy step as one captured function (SpecStepRunner: a CUDA graph, or static replay on CPU)
+    against the same step run phase by phase eagerly: accept lengths, tokens, per-row state and both KV pools
+    (padded rows must not touch any live row)."""
+    one, runners, dev = mr.spec_step, mr.runners, mr.device
+
+    def eager_phase(name, live):
+        return runners[name].forward_phase(live, runners[name].eager_backend, graph_mode=False)
+
+    for i, bs in enumerate(sizes):
+        handles, rows, s = _requests(mr, bs, mr.num_steps, seed=50 + i)
+        rows, s = rows.to(dev), s.to(dev)
+        g = torch.Generator().manual_seed(i)
+        rs = mr.rows
+        rs.last_token[rows] = torch.randint(0, 256, (bs,), generator=g).to(dev)
+        rs.draft_token[rows] = torch.randint(0, 256, (bs,), generator=g).to(dev)
+        rs.draft_hidden[rows] = torch.randn(bs, mr.cfg.hidden_size, generator=g).to(dev, rs.draft_hidden.dtype)
+        if rs.tokens is not None:  # a history with repeats, so that the lookup finds continuations
+            rs.tokens[rows] = torch.randint(0, 6, (bs, rs.tokens.shape[1]), generator=g).to(dev)
+        before = {k: v.clone() for k, v in _state(mr).items()}
+        accept, verified = spec_step_device(mr, eager_phase, rows, s, s, int(s.max()), GREEDY)
+        want_state = {k: v.clone() for k, v in _state(mr).items()}
+        for k, v in _state(mr).items():
+            v.copy_(before[k])
+        replays = one.replays
+        got = one.run(rows.tolist(), s.tolist(), s.tolist())
+        assert one.replays == replays + 1
+        assert got.shape == (bs, mr.num_steps + 2)
+        assert torch.equal(got[:, 0], accept), f"bs={bs}"
+        assert torch.equal(got[:, 1:], verified), f"bs={bs}"
+        for k, v in _state(mr).items():
+            torch.testing.assert_close(v, want_state[k], rtol=tol, atol=tol, msg=f"bs={bs} {k}")
+        for h in handles:
+            mr.kv.release(h)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("models,lookup", [(("llama_mtp", None), False), (("llama", "llama_draft_aux"), True)])
+def test_one_graph_spec_step_equals_eager_phases(tiny_models, page_size, models, lookup):
+    """Shrinking then growing batch sizes, padded to the captured sizes; with context lookup and an aux draft."""
+    target, draft = models
+    mr = _spec_runner(tiny_models[target], n=3, page_size=page_size, draft_path=draft and tiny_models[draft],
+                      lookup=lookup)
+    check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-5)

@@ -49,7 +49,7 @@ class Bench:
         self.stop = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, self.target.config.eos_token_ids, {}))
         self.args = args
 
-    def scheduler(self, n: int, concurrency: int) -> Scheduler:
+    def scheduler(self, n: int, concurrency: int, one_graph: bool = True) -> Scheduler:
         a = self.args
         # An explicit KV budget per run: several runners live in this process one after another, so none may take
         # the memory-fraction default (most of the GPU).
@@ -57,6 +57,7 @@ class Bench:
         sa = ServerArgs(model_path=self.model_path, context_length=self.context_len,
                         max_running_requests=concurrency, max_total_tokens=kv,
                         cuda_graph_max_bs=concurrency, disable_cuda_graph=a.disable_cuda_graph,
+                        disable_spec_step_graph=not one_graph,
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
                         speculative_ngram_lookup=a.speculative_ngram_lookup and bool(n),
                         speculative_ngram_confidence=a.speculative_ngram_confidence)
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--compare-spec-step-graph", action="store_true",
+                   help="also time each N with greedy spec steps run phase by phase (--disable-spec-step-graph), "
+                        "interleaved with the rest")
     p.add_argument("--speculative-ngram-lookup", action="store_true",
                    help="drafts may come from n-gram continuations in the context (see `specserve serve --help`)")
     p.add_argument("--speculative-ngram-confidence", type=float, default=0.5)
@@ -159,34 +163,39 @@ def main(argv: list[str] | None = None) -> int:
             # Every configuration is built and warmed up first, then the runs are interleaved (plain, N=.., plain,
             # N=.., ...) `--repeats` times and each configuration reports its median: a shared or thermally drifting
             # machine then moves all of them alike, and one-off costs (a first Triton compile) do not land on one.
-            configs = [0] + speed_steps
-            scheds = {n: b.scheduler(n, c) for n in configs}
+            # a configuration: (N, greedy spec steps as one graph); N = 0 is plain decoding
+            configs = [(0, True)] + [(n, True) for n in speed_steps]
+            if args.compare_spec_step_graph:
+                configs += [(n, False) for n in speed_steps]
+            scheds = {cfg: b.scheduler(cfg[0], c, one_graph=cfg[1]) for cfg in configs}
             for sched in scheds.values():
                 b.run(sched, prompts[:min(2, len(prompts))], 16)  # warm-up
-            runs: dict[int, list[tuple[float, list[Req]]]] = {n: [] for n in configs}
+            runs: dict[tuple[int, bool], list[tuple[float, list[Req]]]] = {cfg: [] for cfg in configs}
             for _ in range(args.repeats):
-                for n in configs:
-                    reqs, wall = b.run(scheds[n], prompts, args.max_new_tokens)
-                    runs[n].append((sum(len(r.output_ids) for r in reqs) / wall, reqs))
-            plain_out = [r.output_ids for r in runs[0][0][1]]
-            base = statistics.median(t for t, _ in runs[0])
-            for n in configs:
-                rates = [t for t, _ in runs[n]]
-                reqs = runs[n][0][1]
+                for cfg in configs:
+                    reqs, wall = b.run(scheds[cfg], prompts, args.max_new_tokens)
+                    runs[cfg].append((sum(len(r.output_ids) for r in reqs) / wall, reqs))
+            plain_out = [r.output_ids for r in runs[0, True][0][1]]
+            base = statistics.median(t for t, _ in runs[0, True])
+            for cfg in configs:
+                n, one_graph = cfg
+                rates = [t for t, _ in runs[cfg]]
+                reqs = runs[cfg][0][1]
                 row = {"concurrency": c, "N": n, "output_tokens": sum(len(r.output_ids) for r in reqs),
                        "repeats": args.repeats, "tok_per_s": round(statistics.median(rates), 2),
                        "tok_per_s_runs": [round(t, 2) for t in rates],
                        "accept_length": round(accept_length(reqs), 3)}
                 if n:  # lossless check: greedy speculative text == greedy plain text (bf16 ties may flip a few)
+                    row["spec_step_graph"] = one_graph
                     row["same_as_plain"] = min(sum(r.output_ids == o for r, o in zip(rq, plain_out))
-                                               for _, rq in runs[n])
+                                               for _, rq in runs[cfg])
                 row["speedup_vs_plain"] = round(row["tok_per_s"] / base, 3)
                 result["speed"].append(row)
-                label = "plain" if n == 0 else f"MTP N={n}"
+                label = "plain" if n == 0 else f"MTP N={n}" + ("" if one_graph else " phases")
                 acc = (f", accept {row['accept_length']:.2f}, {row['same_as_plain']}/{len(reqs)} outputs = plain"
                        if n else "")
                 spread = f" (runs {min(rates):.0f}..{max(rates):.0f})" if len(rates) > 1 else ""
-                print(f"concurrency {c:>3} | {label:<9} | {row['tok_per_s']:9.1f} tok/s{spread} | "
+                print(f"concurrency {c:>3} | {label:<16} | {row['tok_per_s']:9.1f} tok/s{spread} | "
                       f"x{row['speedup_vs_plain']:.2f}{acc}")
             del scheds, runs
     if args.output_file:

@@ -59,6 +59,24 @@ class RunnerContext:
         return lookup_drafts(hist, last, *pattern, head, conf, self.lookup_confidence)
 
 
+def capture_graph(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
+    """Capture fn() (over static inputs) as a CUDA graph in memory pool `pool` (None: a new one).
+    Returns (graph, its outputs, the pool)."""
+    # Warm up on a side stream, as capture runs on one: per-stream library state (cuBLAS workspaces) and Triton
+    # compilation happen here, not inside the capture.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out, pool if pool is not None else g.pool()
+
+
 class PhaseRunner:
     name = "phase"
     mode = ForwardMode.IDLE
@@ -127,22 +145,8 @@ class PhaseRunner:
                                self.buffers.req_pool_indices[:0], self.buffers.seq_lens[:0], 0)
             stage(self.buffers, empty, pbs, self.width)  # every row padded: dummy row, slot 0
             inputs = self._static_inputs(pbs, self.ctx.graph_max_seq_len)
-            # Warm up on a side stream, as capture runs on one: per-stream library state (cuBLAS workspaces) and
-            # Triton compilation happen here, not inside the capture.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.forward_phase(inputs, self.backend, graph_mode=True)
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.ctx.graph_pool):
-                out = self.forward_phase(inputs, self.backend, graph_mode=True)
-            if self.ctx.graph_pool is None:
-                self.ctx.graph_pool = g.pool()
-            self.graphs[pbs] = g
-            self.graph_outputs[pbs] = out
+            self.graphs[pbs], self.graph_outputs[pbs], self.ctx.graph_pool = capture_graph(
+                lambda inputs=inputs: self.forward_phase(inputs, self.backend, graph_mode=True), self.ctx.graph_pool)
 
     # ------------------------------------------------------------------ run
     @torch.inference_mode()

@@ -30,6 +30,7 @@ from specserve.kvcache.manager import KVManager
 from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.models.config import ModelConfig
 from specserve.server_args import ServerArgs
+from specserve.spec.spec_step import SpecStepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class ModelRunner:
                              cfg.hidden_size, dtype, mrope, self.row_width)
         self.runners: dict[str, PhaseRunner] = {}
         self.draft_context: RunnerContext | None = None
+        self.spec_step: SpecStepRunner | None = None  # a greedy spec step as one graph, over the phase runners
         if draft is None:
             self.runners["decode"] = DecodeRunner(tctx, 1, capture, self.use_graphs)
         else:
@@ -130,6 +132,8 @@ class ModelRunner:
             if n > 1:
                 self.runners["draft_decode"] = DraftDecodeRunner(dctx, n - 1, capture, self.use_graphs)
             self.runners["draft_extend"] = DraftExtendRunner(dctx, n + 1, capture, self.use_graphs)
+            if not args.disable_spec_step_graph:
+                self.spec_step = SpecStepRunner(self, capture, self.use_graphs)
 
     # ------------------------------------------------------------------ setup
     def make_backend(self, pool: KVPool):
@@ -159,7 +163,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
-        items = list(self.runners.values())
+        items = list(self.runners.values()) + ([self.spec_step] if self.spec_step is not None else [])
         # No garbage collection during capture: a collected cycle that frees CUDA tensors of an earlier runner
         # makes the allocator query events, which invalidates the capture.
         gc.collect()
@@ -175,7 +179,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 30)
         logger.info("captured %d graphs for %s in %.1f s, %.2f GiB", sum(len(r.graphs) for r in items),
-                    ", ".join(self.runners), time.perf_counter() - t0, used)
+                    ", ".join(r.name for r in items), time.perf_counter() - t0, used)
 
     # ------------------------------------------------------------------ eager extend (prefill)
     @torch.inference_mode()
