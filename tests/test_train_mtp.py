@@ -14,7 +14,13 @@ from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.train.attention import chain_mask
 from specserve.train.data import Sample, load_prompts, record_messages
 from specserve.train.hidden import collect_hidden, pad_ids, target_hidden
-from specserve.train.objective import ObjectiveConfig, build_draft, chained_forward, init_draft_from_target
+from specserve.train.objective import (
+    ObjectiveConfig,
+    build_draft,
+    chained_forward,
+    chained_loss,
+    init_draft_from_target,
+)
 from specserve.train.vocab import DraftVocab, build_draft_vocab
 
 CPU = torch.device("cpu")
@@ -390,6 +396,31 @@ def test_live_target_states_equal_the_store(tiny_target):
     sub = store.subset([2, 0])
     ids, _ = pad_ids([seqs[2], seqs[0]], CPU)
     assert torch.equal(sub.batch([0, 1], ids)[0], store.batch([2, 0], ids)[0])
+
+
+def test_batches_padded_to_a_multiple_give_the_same_loss(tiny_target):
+    """make_batch rounds the padded length up (on CUDA: few kernel shapes). Padding is never a label: loss, top-1
+    and counts are those of the tight batch, from stored and from live target states."""
+    from specserve.train.hidden import LiveTargetStates
+    from specserve.train.trainer import make_batch
+
+    target, samples, seqs, _ = _toy_corpus(tiny_target, CPU, torch.float32)
+    seqs = [s[:n] for s, n in zip(seqs, (46, 30, 41, 12))]
+    prompt_lens = [s.prompt_len for s in samples]
+    store = collect_hidden(target.model, seqs, CPU, torch.float32, CPU)
+    vocab = DraftVocab(None, target.config.vocab_size, 1.0)
+    draft = build_draft(target.config, 600, vocab, CPU)
+    init_draft_from_target(draft, target.model, vocab, 0.01, 0)
+    obj = ObjectiveConfig(chain_steps=3)
+    for states in (store, LiveTargetStates(target.model)):
+        outs = []
+        for multiple in (1, 32):
+            batch = make_batch([0, 1, 2, 3], seqs, prompt_lens, states, CPU, torch.float32, multiple)
+            assert batch.ids.shape[1] == (46 if multiple == 1 else 64) == batch.hidden.shape[1] == batch.top1.shape[1]
+            outs.append(chained_loss(draft, batch, vocab.to_draft_index(64, CPU), target.model.lm_head.weight, obj))
+        torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
+        assert torch.equal(outs[0].depth_count, outs[1].depth_count)
+        torch.testing.assert_close(outs[0].depth_top1, outs[1].depth_top1)
 
 
 def test_aux_head_initialised_from_a_plain_head_is_the_same_function(tiny_target, tmp_path):

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
@@ -57,10 +58,12 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: int = 0) -> Iterator[list[int]]:
+def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: int = 0,
+                  multiple: int = 1) -> Iterator[list[int]]:
     """Endless batches: each epoch shuffles, sorts windows of sequences by length (less padding), cuts them into
-    batches of `batch_size` sequences, or of at most `batch_tokens` padded tokens when that is > 0 (a sequence
-    longer than that is a batch of its own), and shuffles the batches again."""
+    batches of `batch_size` sequences, or of at most `batch_tokens` padded tokens when that is > 0 (lengths
+    rounded up to `multiple`, as make_batch pads them; a sequence longer than that is a batch of its own), and
+    shuffles the batches again."""
     rng = random.Random(seed)
     n = len(lengths)
     bs = min(batch_size, n)
@@ -72,7 +75,7 @@ def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: 
         for w in range(0, n, window):
             chunk = sorted(order[w:w + window], key=lambda i: lengths[i])
             if batch_tokens > 0:
-                groups = length_batches([lengths[i] for i in chunk], batch_tokens)
+                groups = length_batches([round_up(lengths[i], multiple) for i in chunk], batch_tokens)
                 batches.extend([chunk[j] for j in g] for g in groups)
             else:
                 batches.extend(chunk[j:j + bs] for j in range(0, len(chunk), bs))
@@ -80,16 +83,29 @@ def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: 
         yield from batches
 
 
+def pad_multiple(device: torch.device) -> int:
+    """Padded batch lengths are rounded up to this. On CUDA a handful of batch shapes instead of one per length:
+    attention and GEMM kernels plan (cuDNN) or tune (Triton) per shape."""
+    return 64 if device.type == "cuda" else 1
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def make_batch(idx: list[int], ids: list[list[int]], prompt_lens: list[int], store: TargetStates,
-               device: torch.device, hidden_dtype: torch.dtype) -> TrainBatch:
-    tok = pad_sequence([torch.tensor(ids[i], dtype=torch.int64) for i in idx], batch_first=True).to(device)
-    hidden, top1 = store.batch(idx, tok)  # [B, L, F], [B, L]
+               device: torch.device, hidden_dtype: torch.dtype, multiple: int = 1) -> TrainBatch:
+    """Sequences idx, right-padded to a length that is a multiple of `multiple` (the padding is never a label)."""
+    tok = pad_sequence([torch.tensor(ids[i], dtype=torch.int64) for i in idx], batch_first=True)
+    tok = F.pad(tok, (0, round_up(tok.shape[1], multiple) - tok.shape[1])).to(device)  # [B, L]
+    hidden, top1 = store.batch(idx, tok)  # [B, <= L, F], [B, <= L]
+    extra = tok.shape[1] - top1.shape[1]  # a stored batch ends at its longest sequence
     return TrainBatch(
         ids=tok,
         lens=torch.tensor([len(ids[i]) for i in idx], dtype=torch.int64).to(device),
         prompt_lens=torch.tensor([prompt_lens[i] for i in idx], dtype=torch.int64).to(device),
-        hidden=hidden.to(device=device, dtype=hidden_dtype, non_blocking=True),
-        top1=top1.to(device, non_blocking=True),
+        hidden=F.pad(hidden, (0, 0, 0, extra)).to(device=device, dtype=hidden_dtype, non_blocking=True),
+        top1=F.pad(top1, (0, extra)).to(device, non_blocking=True),
     )
 
 
@@ -104,12 +120,13 @@ def evaluate_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list
     amp = device.type == "cuda"
     k = obj.chain_steps
     loss_sum, top1_sum, count = (torch.zeros(k, device=device) for _ in range(3))
+    multiple = pad_multiple(device)
     if batch_tokens > 0:
-        groups = length_batches([len(s) for s in ids], batch_tokens)
+        groups = length_batches([round_up(len(s), multiple) for s in ids], batch_tokens)
     else:
         groups = [list(range(s, min(s + batch_size, len(ids)))) for s in range(0, len(ids), batch_size)]
     for idx in groups:
-        batch = make_batch(idx, ids, prompt_lens, store, device, torch.bfloat16 if amp else torch.float32)
+        batch = make_batch(idx, ids, prompt_lens, store, device, torch.bfloat16 if amp else torch.float32, multiple)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = chained_loss(draft, batch, to_draft, target_head, obj)
         loss_sum += out.depth_loss * out.depth_count
@@ -143,7 +160,8 @@ def train_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[in
         opt, lambda s: lr_factor(s, total[0], warmup, ts.min_lr_ratio))
     amp = device.type == "cuda"
     hidden_dtype = torch.bfloat16 if amp else torch.float32
-    batches = batch_indices([len(s) for s in ids], ts.batch_size, ts.seed, ts.batch_tokens)
+    multiple = pad_multiple(device)
+    batches = batch_indices([len(s) for s in ids], ts.batch_size, ts.seed, ts.batch_tokens, multiple)
     k = obj.chain_steps
     win_loss, win_top1, win_n = torch.zeros(k, device=device), torch.zeros(k, device=device), 0
     depth_hist: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -174,7 +192,7 @@ def train_draft(draft: MTPDraftModel, ids: list[list[int]], prompt_lens: list[in
                 total[0] = new_total
                 bar.total = total[0]
                 logger.info("%.3f s/step: %d steps fit the %.0f s budget", per_step, total[0], ts.time_budget_s)
-        batch = make_batch(next(batches), ids, prompt_lens, store, device, hidden_dtype)
+        batch = make_batch(next(batches), ids, prompt_lens, store, device, hidden_dtype, multiple)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             out = chained_loss(draft, batch, to_draft, target_head, obj)
         opt.zero_grad(set_to_none=True)
