@@ -421,6 +421,8 @@ def test_batches_padded_to_a_multiple_give_the_same_loss(tiny_target):
         torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
         assert torch.equal(outs[0].depth_count, outs[1].depth_count)
         torch.testing.assert_close(outs[0].depth_top1, outs[1].depth_top1)
+    ids, lens = pad_ids(seqs, CPU, 32)  # the stored states' batches are padded the same way
+    assert ids.shape == (4, 64) and lens.tolist() == [46, 30, 41, 12] and not ids[:, 46:].any()
 
 
 def test_aux_head_initialised_from_a_plain_head_is_the_same_function(tiny_target, tmp_path):

@@ -59,6 +59,17 @@ class LiveTargetStates:
         return h, greedy_tokens(self.target, h.reshape(-1, h.shape[-1])).view(ids.shape)
 
 
+def pad_multiple(device: torch.device) -> int:
+    """Padded batch lengths are rounded up to this. On CUDA a handful of batch shapes instead of one per length:
+    attention and GEMM kernels plan (cuDNN) or tune (Triton) per new shape, which cost about 0.5 s each for the
+    SmolLM2 head's training step (BENCHMARKS.md section 7)."""
+    return 64 if device.type == "cuda" else 1
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def length_batches(lengths: list[int], max_tokens: int, max_batch: int | None = None) -> list[list[int]]:
     """Indices grouped by similar length so that each padded batch has at most max_tokens (B * L) tokens."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -75,9 +86,9 @@ def length_batches(lengths: list[int], max_tokens: int, max_batch: int | None = 
     return out
 
 
-def pad_ids(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids [B, L] (pad 0) and lengths [B]."""
-    n = max(len(s) for s in seqs)
+def pad_ids(seqs: list[list[int]], device: torch.device, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids [B, L] (pad 0; L a multiple of `multiple`) and lengths [B]."""
+    n = round_up(max(len(s) for s in seqs), multiple)
     ids = torch.zeros((len(seqs), n), dtype=torch.int64)
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = torch.tensor(s, dtype=torch.int64)
@@ -109,9 +120,10 @@ def collect_hidden(target: torch.nn.Module, seqs: list[list[int]], device: torch
     inputs of the draft's autograd graph later."""
     hidden: list[torch.Tensor | None] = [None] * len(seqs)
     top1: list[torch.Tensor | None] = [None] * len(seqs)
-    batches = length_batches([len(s) for s in seqs], max_tokens)
+    multiple = pad_multiple(device)
+    batches = length_batches([round_up(len(s), multiple) for s in seqs], max_tokens)
     for idx in tqdm(batches, desc="Target hidden states", unit="batch", disable=None):
-        ids, lens = pad_ids([seqs[i] for i in idx], device)
+        ids, lens = pad_ids([seqs[i] for i in idx], device, multiple)
         h = target_hidden(target, ids)  # [B, L, F]
         greedy = greedy_tokens(target, h.reshape(-1, h.shape[-1])).view(ids.shape)  # [B, L]
         for b, i in enumerate(idx):

@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from specserve.models.mtp import MTPDraftModel
-from specserve.train.hidden import HiddenStore, LiveTargetStates, length_batches
+from specserve.train.hidden import HiddenStore, LiveTargetStates, length_batches, pad_multiple, round_up
 from specserve.train.objective import ObjectiveConfig, TrainBatch, chained_loss
 
 logger = logging.getLogger(__name__)
@@ -81,16 +81,6 @@ def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: 
                 batches.extend(chunk[j:j + bs] for j in range(0, len(chunk), bs))
         rng.shuffle(batches)
         yield from batches
-
-
-def pad_multiple(device: torch.device) -> int:
-    """Padded batch lengths are rounded up to this. On CUDA a handful of batch shapes instead of one per length:
-    attention and GEMM kernels plan (cuDNN) or tune (Triton) per shape."""
-    return 64 if device.type == "cuda" else 1
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def make_batch(idx: list[int], ids: list[list[int]], prompt_lens: list[int], store: TargetStates,
