@@ -1,6 +1,6 @@
 """`specserve bench-spec` on a tiny target with a random draft folder: the acceptance table per file and N, the
 speed rows side by side with plain, and the lossless check it prints (spec outputs == plain outputs), with and
-without context lookup (then also with spec steps phase by phase beside the one-graph steps)."""
+without context lookup (then also with spec steps phase by phase beside the one-graph steps, and an int8 draft)."""
 
 import json
 
@@ -20,17 +20,20 @@ def test_bench_spec_tables_and_lossless_check(tiny_models, tmp_path, lookup, cap
             "--prompts", str(prompts), "--prompts-per-file", "3", "--max-new-tokens", "12", "--accept-steps", "1,2",
             "--speed-steps", "2", "--concurrency", "1,2", "--speed-prompts", "3", "--context-length", "256",
             "--device", "cpu", "--output-file", str(out), "--repeats", "2"] + (
-                ["--speculative-ngram-lookup", "--compare-spec-step-graph"] if lookup else [])
+                ["--speculative-ngram-lookup", "--compare-spec-step-graph", "--speculative-draft-model-quantization",
+                 "int8", "--compare-draft-quantization"] if lookup else [])
     assert main(argv) == 0
     res = json.loads(out.read_text().splitlines()[-1])
+    assert res["draft_quantization"] == ("int8" if lookup else "none")  # a given model: none unless asked
     acc = res["acceptance"]["p.jsonl"]
     assert set(acc) == {"1", "2"} and all(1.0 <= v <= 1 + int(n) for n, v in acc.items())
     speed = res["speed"]
-    rows = [(r["concurrency"], r["N"], r.get("spec_step_graph")) for r in speed]
-    if lookup:  # also each N phase by phase
-        assert rows == [(1, 0, None), (1, 2, True), (1, 2, False), (2, 0, None), (2, 2, True), (2, 2, False)]
+    rows = [(r["concurrency"], r["N"], r.get("spec_step_graph"), r.get("draft_quantization")) for r in speed]
+    if lookup:  # also each N phase by phase, and with the head in float
+        per_c = [(0, None, None), (2, True, "int8"), (2, False, "int8"), (2, True, "none")]
     else:
-        assert rows == [(1, 0, None), (1, 2, True), (2, 0, None), (2, 2, True)]
+        per_c = [(0, None, None), (2, True, "none")]
+    assert rows == [(c, *r) for c in (1, 2) for r in per_c]
     for r in speed:
         # at most 3 x 12 tokens (the random target may emit EOS early), the same count for spec as for plain
         assert 0 < r["output_tokens"] <= 36 and r["tok_per_s"] > 0

@@ -37,6 +37,7 @@ def test_default_embedded_model(tmp_path):
         # the embedded default speculates with the shipped MTP head without being asked to
         sinfo = httpx.get(srv.url + "/get_server_info").json()
         assert sinfo["speculative_ngram_lookup"] is True
+        assert sinfo["speculative_draft_model_quantization"] == "int8"  # on a CPU (this test's device)
         assert sinfo["speculative_algorithm"] == "MTP" and sinfo["speculative_draft_model_path"].endswith(
             "smollm2-135m-mtp")
         assert g["meta_info"]["spec_verify_ct"] > 0 and r.usage.model_extra["spec"]["verify_ct"] > 0

@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -25,9 +26,25 @@ from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker
+from specserve.layers.quant import quantize_weights_int8
 from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
-from specserve.server_args import ServerArgs
+from specserve.server_args import QUANTIZATIONS, ServerArgs, embedded_draft_quantization
 from specserve.tokenizer import eos_token_ids, load_tokenizer
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """One row of the speed table: plain decoding (n = 0) or speculation with N = n."""
+
+    n: int
+    one_graph: bool = True  # greedy spec steps as one CUDA graph (False: phase by phase)
+    float_draft: bool = False  # the head without its int8 weights (when the bench quantizes it)
+
+    @property
+    def label(self) -> str:
+        if self.n == 0:
+            return "plain"
+        return (f"MTP N={self.n}" + ("" if self.one_graph else " phases") + (" float" if self.float_draft else ""))
 
 
 class Bench:
@@ -45,24 +62,41 @@ class Bench:
         self.max_pos = self.context_len + 32
         self.target = load_target(src, self.dtype, self.device, self.max_pos, hf)
         self.draft = load_mtp_draft(self.target, self.draft_path, self.dtype, self.device, self.max_pos)
+        quant = args.speculative_draft_model_quantization
+        if quant is None:  # as the server: int8 for the shipped head on a CPU
+            quant = embedded_draft_quantization(self.device.type) if args.model_path is None else "none"
+        if quant == "int8":
+            if self.device.type != "cpu":
+                raise SystemExit("--speculative-draft-model-quantization int8 is implemented for CPU only")
+            quantize_weights_int8(self.draft)
+        self.draft_quantization = quant
+        self.float_draft = None  # loaded on demand: the same head without int8 (--compare-draft-quantization)
         self.tokenizer = load_tokenizer(src)
         self.stop = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, self.target.config.eos_token_ids, {}))
         self.args = args
 
-    def scheduler(self, n: int, concurrency: int, one_graph: bool = True) -> Scheduler:
+    def scheduler(self, cfg: SpeedConfig, concurrency: int) -> Scheduler:
         a = self.args
+        n = cfg.n
+        draft = None
+        if n and cfg.float_draft:
+            if self.float_draft is None:
+                self.float_draft = load_mtp_draft(self.target, self.draft_path, self.dtype, self.device, self.max_pos)
+            draft = self.float_draft
+        elif n:
+            draft = self.draft
         # An explicit KV budget per run: several runners live in this process one after another, so none may take
         # the memory-fraction default (most of the GPU).
         kv = a.max_total_tokens or concurrency * (self.context_len + 64)
         sa = ServerArgs(model_path=self.model_path, context_length=self.context_len,
                         max_running_requests=concurrency, max_total_tokens=kv,
                         cuda_graph_max_bs=concurrency, disable_cuda_graph=a.disable_cuda_graph,
-                        disable_spec_step_graph=not one_graph,
+                        disable_spec_step_graph=not cfg.one_graph,
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
                         speculative_ngram_lookup=a.speculative_ngram_lookup and bool(n),
                         speculative_ngram_confidence=a.speculative_ngram_confidence)
-        mr = ModelRunner(sa, self.target.model, self.target.config, self.draft if n else None, self.device,
-                         self.dtype, self.context_len)
+        mr = ModelRunner(sa, self.target.model, self.target.config, draft, self.device, self.dtype,
+                         self.context_len)
         mr.capture_graphs()
         return Scheduler(mr, self.stop, sa.chunked_prefill_size)
 
@@ -129,14 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative-ngram-lookup", action="store_true",
                    help="drafts may come from n-gram continuations in the context (see `specserve serve --help`)")
     p.add_argument("--speculative-ngram-confidence", type=float, default=0.5)
+    p.add_argument("--speculative-draft-model-quantization", choices=QUANTIZATIONS, default=None,
+                   help="int8: weight-only int8 draft on CPU (default: int8 for the shipped head on a CPU, else none)")
+    p.add_argument("--compare-draft-quantization", action="store_true",
+                   help="with an int8 draft, also time each N with the head in float, interleaved with the rest")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     args = p.parse_args(argv)
     steps = [int(x) for x in args.accept_steps.split(",") if x]
     speed_steps = [int(x) for x in args.speed_steps.split(",") if x]
     conc = [int(x) for x in args.concurrency.split(",") if x]
     b = Bench(args)
+    if args.compare_draft_quantization and b.draft_quantization == "none":
+        p.error("--compare-draft-quantization needs a quantized draft (--speculative-draft-model-quantization int8)")
     sets = load_prompt_sets(b, args.prompts, args.prompts_per_file, args.max_new_tokens)
-    result: dict = {"model": b.model_path, "draft": b.draft_path, "device": str(b.device),
+    result: dict = {"model": b.model_path, "draft": b.draft_path, "draft_quantization": b.draft_quantization,
+                    "device": str(b.device),
                     "dtype": str(b.dtype).replace("torch.", ""), "max_new_tokens": args.max_new_tokens,
                     "acceptance": {}, "speed": []}
     if steps:
@@ -146,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, prompts in sets.items():
             row = {}
             for n in steps:
-                sched = b.scheduler(n, min(big, 64))
+                sched = b.scheduler(SpeedConfig(n), min(big, 64))
                 reqs, _ = b.run(sched, prompts, args.max_new_tokens)
                 row[str(n)] = round(accept_length(reqs), 3)
                 del sched
@@ -163,22 +204,24 @@ def main(argv: list[str] | None = None) -> int:
             # Every configuration is built and warmed up first, then the runs are interleaved (plain, N=.., plain,
             # N=.., ...) `--repeats` times and each configuration reports its median: a shared or thermally drifting
             # machine then moves all of them alike, and one-off costs (a first Triton compile) do not land on one.
-            # a configuration: (N, greedy spec steps as one graph); N = 0 is plain decoding
-            configs = [(0, True)] + [(n, True) for n in speed_steps]
+            plain = SpeedConfig(0)
+            configs = [plain] + [SpeedConfig(n) for n in speed_steps]
             if args.compare_spec_step_graph:
-                configs += [(n, False) for n in speed_steps]
-            scheds = {cfg: b.scheduler(cfg[0], c, one_graph=cfg[1]) for cfg in configs}
+                configs += [SpeedConfig(n, one_graph=False) for n in speed_steps]
+            if args.compare_draft_quantization:
+                configs += [SpeedConfig(n, float_draft=True) for n in speed_steps]
+            scheds = {cfg: b.scheduler(cfg, c) for cfg in configs}
             for sched in scheds.values():
                 b.run(sched, prompts[:min(2, len(prompts))], 16)  # warm-up
-            runs: dict[tuple[int, bool], list[tuple[float, list[Req]]]] = {cfg: [] for cfg in configs}
+            runs: dict[SpeedConfig, list[tuple[float, list[Req]]]] = {cfg: [] for cfg in configs}
             for _ in range(args.repeats):
                 for cfg in configs:
                     reqs, wall = b.run(scheds[cfg], prompts, args.max_new_tokens)
                     runs[cfg].append((sum(len(r.output_ids) for r in reqs) / wall, reqs))
-            plain_out = [r.output_ids for r in runs[0, True][0][1]]
-            base = statistics.median(t for t, _ in runs[0, True])
+            plain_out = [r.output_ids for r in runs[plain][0][1]]
+            base = statistics.median(t for t, _ in runs[plain])
             for cfg in configs:
-                n, one_graph = cfg
+                n = cfg.n
                 rates = [t for t, _ in runs[cfg]]
                 reqs = runs[cfg][0][1]
                 row = {"concurrency": c, "N": n, "output_tokens": sum(len(r.output_ids) for r in reqs),
@@ -186,16 +229,17 @@ def main(argv: list[str] | None = None) -> int:
                        "tok_per_s_runs": [round(t, 2) for t in rates],
                        "accept_length": round(accept_length(reqs), 3)}
                 if n:  # lossless check: greedy speculative text == greedy plain text (bf16 ties may flip a few)
-                    row["spec_step_graph"] = one_graph
+                    row["spec_step_graph"] = cfg.one_graph
+                    row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization
                     row["same_as_plain"] = min(sum(r.output_ids == o for r, o in zip(rq, plain_out))
                                                for _, rq in runs[cfg])
                 row["speedup_vs_plain"] = round(row["tok_per_s"] / base, 3)
                 result["speed"].append(row)
-                label = "plain" if n == 0 else f"MTP N={n}" + ("" if one_graph else " phases")
+                label = cfg.label
                 acc = (f", accept {row['accept_length']:.2f}, {row['same_as_plain']}/{len(reqs)} outputs = plain"
                        if n else "")
                 spread = f" (runs {min(rates):.0f}..{max(rates):.0f})" if len(rates) > 1 else ""
-                print(f"concurrency {c:>3} | {label:<16} | {row['tok_per_s']:9.1f} tok/s{spread} | "
+                print(f"concurrency {c:>3} | {label:<18} | {row['tok_per_s']:9.1f} tok/s{spread} | "
                       f"x{row['speedup_vs_plain']:.2f}{acc}")
             del scheds, runs
     if args.output_file:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.layers.quant import Int8Weight, int8_cpu_linear
+
 # Row counts up to this take the prepacked oneDNN path on CPU (scripts/cpu/bench_linear.py, SmolLM2-135M shapes,
 # 2 threads, weights streamed from DRAM). MKL's sgemm with 2-6 rows costs 1.5-2.2x its 1-row call, although both
 # read the weight once; oneDNN on a prepacked weight costs 1.0-1.3x its own 1-row call, which is itself 0.5-1.0x
@@ -73,9 +75,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed = PackedWeight()  # CPU fp32 small-row path only (plain attribute, see PackedWeight)
+        self.int8: Int8Weight | None = None  # a drafter's weight-only int8 copy on CPU (layers/quant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_cpu_linear(x, self.weight, self.bias, self.packed)
+        y = int8_cpu_linear(x, self.weight, self.bias, self.int8)
+        if y is None:
+            y = packed_cpu_linear(x, self.weight, self.bias, self.packed)
         return F.linear(x, self.weight, self.bias) if y is None else y
 
 

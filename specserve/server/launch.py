@@ -190,7 +190,8 @@ async def _serve(args: ServerArgs, stop: asyncio.Event, loop: asyncio.AbstractEv
                     time.perf_counter() - t0, info.pid, info.architecture, info.context_len, info.max_total_tokens,
                     info.max_running, f", {info.spec_algorithm} N={info.spec_num_steps} (draft "
                     f"{info.draft_model_path or 'in the target checkpoint'}"
-                    f"{', context lookup' if info.spec_ngram_lookup else ''})" if info.spec_enabled else "")
+                    f"{', context lookup' if info.spec_ngram_lookup else ''}"
+                    f"{', int8 draft' if info.draft_quantization == 'int8' else ''})" if info.spec_enabled else "")
         name = served_model_name(args, model_path)
         tm = TokenizerManager(args, tokenizer, engine, info, name, ServerMetrics(name))
         tm.attach(loop)

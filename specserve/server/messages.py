@@ -54,6 +54,7 @@ class EngineInfo:
     spec_num_steps: int = 0
     draft_model_path: str | None = None
     spec_ngram_lookup: bool = False
+    draft_quantization: str | None = None  # "int8" (CPU), else None
 
 
 @dataclass

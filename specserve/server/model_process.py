@@ -75,6 +75,8 @@ def _engine_info(core) -> EngineInfo:
         spec_num_steps=core.args.num_draft_steps,
         draft_model_path=core.args.speculative_draft_model_path if core.args.spec_enabled else None,
         spec_ngram_lookup=core.args.spec_enabled and core.args.speculative_ngram_lookup,
+        draft_quantization=(core.args.speculative_draft_model_quantization
+                            if core.args.speculative_draft_model_quantization != "none" else None),
         load_time=core.load_time,
         pid=os.getpid(),
     )

@@ -329,6 +329,7 @@ class TokenizerManager:
             "speculative_num_steps": i.spec_num_steps,
             "speculative_draft_model_path": i.draft_model_path,
             "speculative_ngram_lookup": i.spec_ngram_lookup,
+            "speculative_draft_model_quantization": i.draft_quantization,
             "spec_verify_ct": s.spec_verify_ct,
             "spec_accept_length": s.spec_accept_length,
             "avg_spec_accept_length": s.spec_accept_length,  # SGLang's name
