@@ -100,9 +100,10 @@ def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int,
 def fake_requests(mr: ModelRunner, bs: int, prefix: int, seed: int = 0) -> list[Req]:
     """bs running greedy requests with `prefix` tokens of (random) KV, owning slots for the next step."""
     g = torch.Generator().manual_seed(seed)
+    hi = min(1000, mr.cfg.vocab_size)  # token ids 10..hi-1 (any real vocabulary is larger)
     reqs = []
     for i in range(bs):
-        r = Req(f"bench{i}", torch.randint(10, 1000, (prefix,), generator=g).tolist(),
+        r = Req(f"bench{i}", torch.randint(10, hi, (prefix,), generator=g).tolist(),
                 SamplingParams(max_new_tokens=1 << 30, temperature=0.0, ignore_eos=True), seed=i)
         r.kv = KVHandle()
         assert mr.kv.assign_row(r.kv) and mr.kv.ensure([r.kv], [prefix + mr.num_steps + 2])
@@ -116,8 +117,8 @@ def fake_requests(mr: ModelRunner, bs: int, prefix: int, seed: int = 0) -> list[
             k.normal_()
             v.normal_()
     rows = torch.tensor([r.kv.row for r in reqs], device=mr.device)
-    mr.rows.last_token[rows] = torch.randint(10, 1000, (bs,), device=mr.device)
-    mr.rows.draft_token[rows] = torch.randint(10, 1000, (bs,), device=mr.device)
+    mr.rows.last_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
+    mr.rows.draft_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
     if mr.rows.draft_hidden is not None:
         mr.rows.draft_hidden[rows] = torch.randn(bs, mr.cfg.hidden_size, device=mr.device).to(
             mr.rows.draft_hidden.dtype)

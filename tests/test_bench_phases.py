@@ -1,0 +1,33 @@
+"""`specserve bench-phases` pieces on CPU with a tiny target and a random draft: each batch gets every row (the
+phases, the step as one graph, phase by phase, and eager), and timing the slower paths leaves every runner, the
+one-graph step included, switched back on."""
+
+import pytest
+import torch
+
+from specserve.bench.phase_setup import make_runners, random_draft
+from specserve.bench.phases import bench_batch, print_table
+from specserve.models.loader import ModelSource, load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_bench_batch_rows_and_runner_state(tiny_models, capsys):
+    cpu = torch.device("cpu")
+    t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, cpu, 200)
+    draft = random_draft(t.config, t.model, torch.float32, cpu, 200)
+    pair = make_runners(t.model, draft, t.config, torch.float32, cpu, 2, 4, 128, disable_graphs=False)
+    batches = [bench_batch(pair, bs, 16, 2) for bs in (1, 3)]
+    for b in batches:
+        for k in ("spec_iter_ms", "spec_iter_phases_ms", "spec_iter_eager_ms", "plain_step_ms"):
+            assert b[k] > 0, k
+        for name in ("decode", "target_verify", "draft_decode", "draft_extend"):
+            assert b[name]["eager_ms"] > 0, name
+    spec = pair.spec
+    assert spec.spec_step.use_graphs and all(r.use_graphs for r in spec.runners.values())
+    replays = spec.spec_step.replays
+    bench_batch(pair, 2, 16, 2)
+    assert spec.spec_step.replays > replays  # the step as run is the one-graph step again
+    print_table({"model": "tiny", "device": "cpu", "N": 2, "prefix_len": 16, "batches": batches})
+    text = capsys.readouterr().out
+    assert "spec phases" in text and "spec iter / plain step" in text
