@@ -18,6 +18,7 @@ from specserve.engine.forward_batch import ForwardBatch
 from specserve.engine.graph_runner import DraftDecodeRunner, DraftExtendRunner, RunnerContext
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.padding import LiveInputs
+from specserve.engine.sampler import GREEDY
 from specserve.kernels import reference as ref
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.manager import KVHandle
@@ -25,7 +26,7 @@ from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.models.llama import DenseForCausalLM
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.server_args import ServerArgs
-from specserve.spec.spec_step import GREEDY, spec_step_device
+from specserve.spec.spec_step import spec_step_device
 
 CAPTURE = [1, 2, 4, 8]
 

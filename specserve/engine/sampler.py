@@ -61,7 +61,7 @@ class SamplingBatch:
         greedy = [p.is_greedy for p in params]
         if all(greedy):
             # Greedy batches only take an argmax: no per-row tensors, no host-to-device copies on the hot path.
-            return SamplingBatch(None, None, None, None, None, None, all_greedy=True, need_filter=False)
+            return GREEDY
         temps = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
         need_filter = any(p.top_p < 1.0 or 0 < p.top_k < vocab_size or p.min_p > 0 for p, g in
@@ -86,6 +86,9 @@ class SamplingBatch:
         r = lambda x: x.repeat_interleave(n, dim=0)
         return SamplingBatch(r(self.temperature), r(self.top_p), r(self.top_k), r(self.min_p), r(self.seeds),
                              r(self.greedy), self.all_greedy, self.need_filter)
+
+
+GREEDY = SamplingBatch(None, None, None, None, None, None, all_greedy=True, need_filter=False)  # an all-greedy batch
 
 
 def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -27,15 +27,13 @@ import torch
 
 from specserve.engine.graph_runner import capture_graph
 from specserve.engine.padding import LiveInputs
-from specserve.engine.sampler import SamplingBatch, probs_from_logits
+from specserve.engine.sampler import GREEDY, SamplingBatch, probs_from_logits
 from specserve.spec.accept import verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
     from specserve.engine.model_runner import ModelRunner
 
 PhaseFn = Callable[[str, LiveInputs], dict[str, torch.Tensor]]
-
-GREEDY = SamplingBatch(None, None, None, None, None, None, all_greedy=True, need_filter=False)
 
 
 def spec_step_device(mr: ModelRunner, phase: PhaseFn, rows: torch.Tensor, s: torch.Tensor, pos0: torch.Tensor,
