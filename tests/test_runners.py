@@ -293,3 +293,21 @@ def test_one_graph_spec_step_equals_eager_phases(tiny_models, page_size, models,
     mr = _spec_runner(tiny_models[target], n=3, page_size=page_size, draft_path=draft and tiny_models[draft],
                       lookup=lookup)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-5)
+
+
+def test_one_graph_spec_step_mrope_text(tiny_models):
+    """An mRoPE target (and draft): the one-graph step hands every phase three rope rows, as the phase runners'
+    staging does, and still equals the phases run eagerly with 1-D text positions."""
+    from specserve.bench.phase_setup import random_draft
+
+    t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, torch.device("cpu"), 600)
+    cfg3 = dataclasses.replace(t.config, mrope_section=[2, 3, 3])  # head_dim 16 -> half 8
+    m3 = DenseForCausalLM(cfg3, 600)
+    m3.load_state_dict(t.model.state_dict())
+    m3.requires_grad_(False)
+    draft = random_draft(cfg3, m3, torch.float32, torch.device("cpu"), 600)
+    args = ServerArgs(model_path=tiny_models["llama"], max_total_tokens=8192, max_running_requests=16,
+                      speculative_algorithm="MTP", speculative_num_steps=2, cuda_graph_bs=CAPTURE)
+    mr = ModelRunner(args, m3, cfg3, draft, torch.device("cpu"), torch.float32, 512)
+    assert mr.runners["target_verify"].ctx.mrope and mr.runners["draft_extend"].ctx.mrope
+    check_one_graph_step(mr, [3, 1, 4], 1e-5)
