@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.layers.linear import Linear
-from specserve.layers.quant import Int8Weight, int8_cpu_linear, quantize_weights_int8
+from specserve.layers.quant import Int8Weight, int8_cpu_linear, quantize_draft, quantize_weights_int8
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.server_args import ServerArgs
 
@@ -96,5 +96,12 @@ def test_quantization_flag_checks():
     embedded = ServerArgs().with_embedded_defaults("head", "cpu")
     assert embedded.speculative_draft_model_quantization == "int8"
     assert ServerArgs().with_embedded_defaults("head", "cuda").speculative_draft_model_quantization == "none"
-    asked = ServerArgs(speculative_draft_model_quantization=None).with_embedded_defaults("head", "cpu")
-    assert asked.speculative_draft_model_quantization == "int8"
+    asked = ServerArgs(speculative_draft_model_quantization="none").with_embedded_defaults("head", "cpu")
+    assert asked.speculative_draft_model_quantization == "none"  # an explicit choice stays
+    layer = Linear(4, 4)
+    quantize_draft(layer, "none", CPU)
+    assert layer.int8 is None
+    with pytest.raises(ValueError, match="CPU"):  # "auto" resolved to a GPU
+        quantize_draft(layer, "int8", torch.device("cuda"))
+    quantize_draft(layer, "int8", CPU)
+    assert layer.int8 is not None

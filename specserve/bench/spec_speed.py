@@ -26,7 +26,7 @@ from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker
-from specserve.layers.quant import quantize_weights_int8
+from specserve.layers.quant import quantize_draft
 from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
 from specserve.server_args import QUANTIZATIONS, ServerArgs, embedded_draft_quantization
 from specserve.tokenizer import eos_token_ids, load_tokenizer
@@ -65,10 +65,7 @@ class Bench:
         quant = args.speculative_draft_model_quantization
         if quant is None:  # as the server: int8 for the shipped head on a CPU
             quant = embedded_draft_quantization(self.device.type) if args.model_path is None else "none"
-        if quant == "int8":
-            if self.device.type != "cpu":
-                raise SystemExit("--speculative-draft-model-quantization int8 is implemented for CPU only")
-            quantize_weights_int8(self.draft)
+        quantize_draft(self.draft, quant, self.device)
         self.draft_quantization = quant
         self.float_draft = None  # loaded on demand: the same head without int8 (--compare-draft-quantization)
         self.tokenizer = load_tokenizer(src)

@@ -21,7 +21,7 @@ from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker, output_text
-from specserve.layers.quant import quantize_weights_int8
+from specserve.layers.quant import quantize_draft
 from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
 from specserve.server_args import ServerArgs
 from specserve.tokenizer import eos_token_ids, load_tokenizer
@@ -65,11 +65,7 @@ class EngineCore:
         draft = None
         if args.spec_enabled:
             draft = load_mtp_draft(target, draft_path, self.dtype, self.device, max_positions)
-            if args.speculative_draft_model_quantization == "int8":
-                if self.device.type != "cpu":
-                    raise ValueError("--speculative-draft-model-quantization int8 is implemented for CPU serving "
-                                     "only")
-                quantize_weights_int8(draft)
+            quantize_draft(draft, args.speculative_draft_model_quantization, self.device)
         self.tokenizer = load_tokenizer(src, args.tokenizer_path, args.chat_template)
         self.generation_config = _generation_config(src)
         eos = eos_token_ids(self.tokenizer, target.config.eos_token_ids, self.generation_config)

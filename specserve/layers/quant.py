@@ -66,3 +66,13 @@ def quantize_weights_int8(model: nn.Module) -> int:
             m.int8 = Int8Weight()
             n += 1
     return n
+
+
+def quantize_draft(draft: nn.Module, quantization: str | None, device: torch.device) -> None:
+    """Apply --speculative-draft-model-quantization to a loaded draft ("int8": CPU only; None/"none": nothing)."""
+    if quantization != "int8":
+        return
+    if device.type != "cpu":
+        raise ValueError("--speculative-draft-model-quantization int8 is implemented for CPU serving only")
+    quantize_weights_int8(draft)
+
