@@ -39,6 +39,7 @@ def test_bench_spec_tables_and_lossless_check(tiny_models, tmp_path, lookup, cap
         assert 0 < r["output_tokens"] <= 36 and r["tok_per_s"] > 0
         assert len(r["tok_per_s_runs"]) == 2 and min(r["tok_per_s_runs"]) <= r["tok_per_s"] <= max(r["tok_per_s_runs"])
         assert r["output_tokens"] == speed[0]["output_tokens"]
+        assert 0 < r["prefill_share"] < 1 and r["decode_tok_per_s"] > r["tok_per_s"]  # prefill steps were timed
         if r["N"]:
             assert r["same_as_plain"] == 3  # float32 CPU: speculative greedy text is plain greedy text
     assert "3/3 outputs = plain" in capsys.readouterr().out

@@ -3,7 +3,9 @@ loaded once:
 
   * acceptance: greedy mean accept length (accepted drafts + 1 per verify) per prompt file for N in a list;
   * speed: output tokens/s of plain decoding and of speculative decoding (N in a list) at each concurrency,
-    on the same chat-templated prompts, greedy, with the speculative/plain ratio.
+    on the same chat-templated prompts, greedy, with the speculative/plain ratio end to end (prefill included, the
+    number to quote) and over the time outside prefill steps (what the decode steps alone gain), and the share of
+    the wall time spent in prefill steps.
 
     specserve bench-spec --model-path M --speculative-draft-model-path D --prompts qa.jsonl sum.jsonl \
         --accept-steps 1,2,3,4,5 --speed-steps 3,4 --concurrency 1,8
@@ -45,6 +47,28 @@ class SpeedConfig:
         if self.n == 0:
             return "plain"
         return (f"MTP N={self.n}" + ("" if self.one_graph else " phases") + (" float" if self.float_draft else ""))
+
+
+@dataclass
+class Run:
+    """One timed pass over the prompts."""
+
+    reqs: list[Req]
+    wall: float  # seconds, everything
+    prefill: float  # seconds spent in prefill steps
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.output_ids) for r in self.reqs)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.wall
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Output tokens per second of the time outside prefill steps."""
+        return self.tokens / max(self.wall - self.prefill, 1e-9)
 
 
 class Bench:
@@ -97,19 +121,24 @@ class Bench:
         mr.capture_graphs()
         return Scheduler(mr, self.stop, sa.chunked_prefill_size)
 
-    def run(self, sched: Scheduler, prompts: list[list[int]], max_new: int) -> tuple[list[Req], float]:
+    def run(self, sched: Scheduler, prompts: list[list[int]], max_new: int) -> Run:
         reqs = [Req(f"b{i}", p, SamplingParams(max_new_tokens=max_new, temperature=0.0), seed=i)
                 for i, p in enumerate(prompts)]
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        prefill = 0.0
         t0 = time.perf_counter()
         for r in reqs:
             sched.add_request(r)
         while sched.has_work:
-            sched.step()
+            n_prefill = sched.stats.num_prefill_steps
+            t = time.perf_counter()
+            sched.step()  # ends in the step's host sync: its time is the step's
+            if sched.stats.num_prefill_steps != n_prefill:
+                prefill += time.perf_counter() - t
         wall = time.perf_counter() - t0
         sched.check_idle_invariants()
-        return reqs, wall
+        return Run(reqs, wall, prefill)
 
 
 def accept_length(reqs: list[Req]) -> float:
@@ -185,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {}
             for n in steps:
                 sched = b.scheduler(SpeedConfig(n), min(big, 64))
-                reqs, _ = b.run(sched, prompts, args.max_new_tokens)
-                row[str(n)] = round(accept_length(reqs), 3)
+                row[str(n)] = round(accept_length(b.run(sched, prompts, args.max_new_tokens).reqs), 3)
                 del sched
             result["acceptance"][name] = row
             print(f"{name:<28} " + " ".join(f"{row[str(n)]:<7.3f}" for n in steps))
@@ -210,34 +238,38 @@ def main(argv: list[str] | None = None) -> int:
             scheds = {cfg: b.scheduler(cfg, c) for cfg in configs}
             for sched in scheds.values():
                 b.run(sched, prompts[:min(2, len(prompts))], 16)  # warm-up
-            runs: dict[SpeedConfig, list[tuple[float, list[Req]]]] = {cfg: [] for cfg in configs}
+            runs: dict[SpeedConfig, list[Run]] = {cfg: [] for cfg in configs}
             for _ in range(args.repeats):
                 for cfg in configs:
-                    reqs, wall = b.run(scheds[cfg], prompts, args.max_new_tokens)
-                    runs[cfg].append((sum(len(r.output_ids) for r in reqs) / wall, reqs))
-            plain_out = [r.output_ids for r in runs[plain][0][1]]
-            base = statistics.median(t for t, _ in runs[plain])
+                    runs[cfg].append(b.run(scheds[cfg], prompts, args.max_new_tokens))
+            plain_out = [r.output_ids for r in runs[plain][0].reqs]
+            base = statistics.median(r.tok_per_s for r in runs[plain])
+            base_decode = statistics.median(r.decode_tok_per_s for r in runs[plain])
             for cfg in configs:
                 n = cfg.n
-                rates = [t for t, _ in runs[cfg]]
-                reqs = runs[cfg][0][1]
-                row = {"concurrency": c, "N": n, "output_tokens": sum(len(r.output_ids) for r in reqs),
+                rates = [r.tok_per_s for r in runs[cfg]]
+                decode = statistics.median(r.decode_tok_per_s for r in runs[cfg])
+                reqs = runs[cfg][0].reqs
+                row = {"concurrency": c, "N": n, "output_tokens": runs[cfg][0].tokens,
                        "repeats": args.repeats, "tok_per_s": round(statistics.median(rates), 2),
                        "tok_per_s_runs": [round(t, 2) for t in rates],
+                       "decode_tok_per_s": round(decode, 2),
+                       "prefill_share": round(statistics.median(r.prefill / r.wall for r in runs[cfg]), 3),
                        "accept_length": round(accept_length(reqs), 3)}
                 if n:  # lossless check: greedy speculative text == greedy plain text (bf16 ties may flip a few)
                     row["spec_step_graph"] = cfg.one_graph
                     row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization
-                    row["same_as_plain"] = min(sum(r.output_ids == o for r, o in zip(rq, plain_out))
-                                               for _, rq in runs[cfg])
+                    row["same_as_plain"] = min(sum(r.output_ids == o for r, o in zip(run.reqs, plain_out))
+                                               for run in runs[cfg])
                 row["speedup_vs_plain"] = round(row["tok_per_s"] / base, 3)
+                row["decode_speedup_vs_plain"] = round(decode / base_decode, 3)
                 result["speed"].append(row)
-                label = cfg.label
                 acc = (f", accept {row['accept_length']:.2f}, {row['same_as_plain']}/{len(reqs)} outputs = plain"
                        if n else "")
                 spread = f" (runs {min(rates):.0f}..{max(rates):.0f})" if len(rates) > 1 else ""
-                print(f"concurrency {c:>3} | {label:<18} | {row['tok_per_s']:9.1f} tok/s{spread} | "
-                      f"x{row['speedup_vs_plain']:.2f}{acc}")
+                print(f"concurrency {c:>3} | {cfg.label:<18} | {row['tok_per_s']:9.1f} tok/s{spread} | "
+                      f"x{row['speedup_vs_plain']:.2f} (outside prefill x{row['decode_speedup_vs_plain']:.2f}, "
+                      f"prefill {100 * row['prefill_share']:.0f}%){acc}")
             del scheds, runs
     if args.output_file:
         with open(args.output_file, "a") as f:
