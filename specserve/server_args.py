@@ -212,7 +212,7 @@ class ServerArgs:
     def with_embedded_defaults(self, draft_path: str | None, device_type: str) -> ServerArgs:
         """The embedded SmolLM2 target speculates by default with the shipped MTP head and context lookup, N = 4
         draft steps on a GPU and 2 on a CPU (the fastest measured on each, BENCHMARKS.md sections 6 and 7; at batch
-        1 the H200 ran 1.68-1.87x plain at N = 4, the 2-core CPU 1.45x at N = 2), and on a CPU int8 draft
+        1 the H200 ran 1.68-1.87x plain at N = 4, the 2-core CPU 1.27-1.58x at N = 2), and on a CPU int8 draft
         weights."""
         if self.model_path is not None or self.speculative_algorithm is not None or draft_path is None:
             return self
@@ -233,6 +233,7 @@ class ServerArgs:
 
 
 def embedded_draft_quantization(device_type: str) -> str:
-    """The shipped head's weights: int8 on a CPU (1.35x -> 1.45x plain at batch 1, N = 2, the same accept length;
-    BENCHMARKS.md section 7.4), as trained on a GPU."""
+    """The shipped head's weights: int8 on a CPU (1.45x plain against 1.35x for the float head at batch 1, N = 2,
+    the same accept length; ahead in two side-by-side runs of three, BENCHMARKS.md section 7.4), as trained on a
+    GPU."""
     return "int8" if device_type == "cpu" else "none"
