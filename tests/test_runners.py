@@ -150,6 +150,7 @@ class PositionProbe(nn.Module):
     def __init__(self, hidden):
         super().__init__()
         self.hidden = hidden
+        self.feature_size = hidden  # as a draft reading the final hidden state only
         self.seen = []
 
     def forward(self, fb: ForwardBatch):
@@ -296,8 +297,8 @@ def test_one_graph_spec_step_equals_eager_phases(tiny_models, page_size, models,
 
 
 def test_one_graph_spec_step_mrope_text(tiny_models):
-    """An mRoPE target (and draft): the one-graph step hands every phase three rope rows, as the phase runners'
-    staging does, and still equals the phases run eagerly with 1-D text positions."""
+    """An mRoPE target (and draft): the one-graph step hands the phases 1-D text positions, as prefill does, and
+    equals the phases run eagerly."""
     from specserve.bench.phase_setup import random_draft
 
     t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, torch.device("cpu"), 600)

@@ -41,7 +41,6 @@ class RunnerContext:
     graph_pool: object | None = None  # shared CUDA graph memory pool
     token_history: torch.Tensor | None = None  # [rows, W] draft phases with context lookup (spec/ngram.py)
     lookup_confidence: float = 0.5
-    feature_size: int = 0  # width of the target features a draft extend reads (0: hidden_size)
 
     def history_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
         """The token history of page-table rows [B] -> [B, W] (None when context lookup is off)."""
@@ -81,7 +80,7 @@ class PhaseRunner:
     name = "phase"
     mode = ForwardMode.IDLE
     needs_hidden = False
-    hidden_from_target = False  # its hidden input is the target's features (feature_size wide), not the draft's
+    hidden_from_target = False  # its hidden input is the target's features (the draft's feature_size wide)
 
     def __init__(self, ctx: RunnerContext, width: int, capture_bs: list[int], use_graphs: bool):
         self.ctx = ctx
@@ -90,7 +89,7 @@ class PhaseRunner:
         self.max_bs = self.capture_bs[-1] if self.capture_bs else 0
         self.use_graphs = use_graphs and self.max_bs > 0
         self.on_cuda = ctx.device.type == "cuda"
-        hidden_width = (ctx.feature_size or ctx.hidden_size) if self.hidden_from_target else ctx.hidden_size
+        hidden_width = ctx.model.feature_size if self.hidden_from_target else ctx.hidden_size
         self.buffers = StaticBuffers.allocate(max(self.max_bs, 1), width,
                                               hidden_width if self.needs_hidden else None, ctx.dtype,
                                               ctx.mrope, ctx.device)

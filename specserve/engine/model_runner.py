@@ -125,8 +125,7 @@ class ModelRunner:
             n = self.num_steps
             dctx = RunnerContext(draft, self.draft_kv, self.req_to_token, self.make_backend, device,
                                  cfg.hidden_size, dtype, mrope, self.row_width, token_history=self.rows.tokens,
-                                 lookup_confidence=args.speculative_ngram_confidence,
-                                 feature_size=draft.feature_size)
+                                 lookup_confidence=args.speculative_ngram_confidence)
             self.draft_context = dctx  # eager draft token choice (prefill) goes through it too
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
             if n > 1:

@@ -35,7 +35,7 @@ def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     sb = sampling_batch(mr, reqs)
     one_graph = mr.spec_step
     if sb.all_greedy and one_graph is not None and one_graph.covers(len(reqs)):
-        out = one_graph.run(rows_host, s_host, [s + r.mrope_delta for s, r in zip(s_host, reqs)])
+        out = one_graph.run(rows_host, s_host, [r.seq_len + r.mrope_delta for r in reqs])
     else:
         rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
         s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)  # [bs] = S

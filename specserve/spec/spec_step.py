@@ -19,7 +19,6 @@ rope position 0, which gives every phase the minimal sequence length of its widt
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -116,9 +115,8 @@ class SpecStepRunner:
         runners = self.mr.runners
 
         def phase(name: str, live: LiveInputs) -> dict[str, torch.Tensor]:
+            # 1-D text positions also for mRoPE models, which read them as three equal rows (as prefill does)
             r = runners[name]
-            if r.ctx.mrope:  # text positions on all three mRoPE rows, as the phase runners' staging does
-                live = dataclasses.replace(live, positions=live.positions[None, :].expand(3, -1).contiguous())
             return r.forward_phase(live, r.backend, graph_mode=True)
 
         accept_len, verified = spec_step_device(self.mr, phase, inputs[0], inputs[1], inputs[2], max_s, GREEDY)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
@@ -38,9 +39,11 @@ class HiddenStore:
 
     def batch(self, idx: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequences idx (ids [B, L] right-padded, on the training device) -> features [B, L, F], top1 [B, L]
-        (zero-padded, on the store's device)."""
-        return (pad_sequence([self.hidden[i] for i in idx], batch_first=True),
-                pad_sequence([self.top1[i] for i in idx], batch_first=True))
+        (zero-padded to ids' length, on the store's device)."""
+        n = ids.shape[1]
+        hidden = pad_sequence([self.hidden[i] for i in idx], batch_first=True)  # [B, longest, F]
+        top1 = pad_sequence([self.top1[i] for i in idx], batch_first=True)
+        return F.pad(hidden, (0, 0, 0, n - hidden.shape[1])), F.pad(top1, (0, n - top1.shape[1]))
 
 
 @dataclass
@@ -124,8 +127,7 @@ def collect_hidden(target: torch.nn.Module, seqs: list[list[int]], device: torch
     batches = length_batches([round_up(len(s), multiple) for s in seqs], max_tokens)
     for idx in tqdm(batches, desc="Target hidden states", unit="batch", disable=None):
         ids, lens = pad_ids([seqs[i] for i in idx], device, multiple)
-        h = target_hidden(target, ids)  # [B, L, F]
-        greedy = greedy_tokens(target, h.reshape(-1, h.shape[-1])).view(ids.shape)  # [B, L]
+        h, greedy = LiveTargetStates(target).batch(idx, ids)  # [B, L, F], [B, L]
         for b, i in enumerate(idx):
             n = int(lens[b])
             # clone: a slice would keep the whole padded batch alive

@@ -11,12 +11,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from specserve.models.mtp import MTPDraftModel
-from specserve.train.hidden import HiddenStore, LiveTargetStates, length_batches, pad_multiple, round_up
+from specserve.train.hidden import (
+    HiddenStore,
+    LiveTargetStates,
+    length_batches,
+    pad_ids,
+    pad_multiple,
+    round_up,
+)
 from specserve.train.objective import ObjectiveConfig, TrainBatch, chained_loss
 
 logger = logging.getLogger(__name__)
@@ -86,16 +91,14 @@ def batch_indices(lengths: list[int], batch_size: int, seed: int, batch_tokens: 
 def make_batch(idx: list[int], ids: list[list[int]], prompt_lens: list[int], store: TargetStates,
                device: torch.device, hidden_dtype: torch.dtype, multiple: int = 1) -> TrainBatch:
     """Sequences idx, right-padded to a length that is a multiple of `multiple` (the padding is never a label)."""
-    tok = pad_sequence([torch.tensor(ids[i], dtype=torch.int64) for i in idx], batch_first=True)
-    tok = F.pad(tok, (0, round_up(tok.shape[1], multiple) - tok.shape[1])).to(device)  # [B, L]
-    hidden, top1 = store.batch(idx, tok)  # [B, <= L, F], [B, <= L]
-    extra = tok.shape[1] - top1.shape[1]  # a stored batch ends at its longest sequence
+    tok, lens = pad_ids([ids[i] for i in idx], device, multiple)  # [B, L], [B]
+    hidden, top1 = store.batch(idx, tok)  # [B, L, F], [B, L]
     return TrainBatch(
         ids=tok,
-        lens=torch.tensor([len(ids[i]) for i in idx], dtype=torch.int64).to(device),
+        lens=lens,
         prompt_lens=torch.tensor([prompt_lens[i] for i in idx], dtype=torch.int64).to(device),
-        hidden=F.pad(hidden, (0, 0, 0, extra)).to(device=device, dtype=hidden_dtype, non_blocking=True),
-        top1=F.pad(top1, (0, extra)).to(device, non_blocking=True),
+        hidden=hidden.to(device=device, dtype=hidden_dtype, non_blocking=True),
+        top1=top1.to(device, non_blocking=True),
     )
 
 
