@@ -52,6 +52,7 @@ class ServerArgs:
     cuda_graph_bs: list[int] | None = None
     disable_cuda_graph: bool = False
     disable_spec_step_graph: bool = False  # greedy spec steps phase by phase instead of as one graph
+    cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (engine/prefill_graph.py)
     attention_backend: str = "auto"
     # sampling
     random_seed: int = 0
@@ -144,6 +145,8 @@ class ServerArgs:
             raise ValueError("--context-length must be >= 2")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if self.cuda_graph_max_prefill_tokens is not None and self.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError("--cuda-graph-max-prefill-tokens must be >= 0")
         if self.sampling_defaults not in ("model", "openai"):
             raise ValueError("--sampling-defaults must be 'model' or 'openai'")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
@@ -196,6 +199,10 @@ class ServerArgs:
         a("--disable-spec-step-graph", action="store_true",
           help="run greedy speculative steps phase by phase (each phase its own graph, host glue between) instead "
                "of as one CUDA graph per batch size (sampled batches always run phase by phase)")
+        a("--cuda-graph-max-prefill-tokens", type=int, default=None,
+          help="run prefill batches of up to this many tokens (and 16 requests) as CUDA graphs, padded up a ladder "
+               "of token counts; larger ones run eagerly. 0: eager prefill. Default 2048 on a GPU; on a CPU 0 (a "
+               "positive value pads and runs the captured function eagerly: for tests)")
         a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
         a("--random-seed", type=int, default=0)
         a("--sampling-defaults", default="model", choices=("model", "openai"))

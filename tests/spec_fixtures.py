@@ -43,6 +43,8 @@ class OracleDraft(nn.Module):
         t = fb.input_ids.shape[0]
         if fb.width is not None:
             rows = fb.req_pool_indices.repeat_interleave(fb.width)
+        elif fb.extend_lens is not None:  # a prefill graph: the lengths stay on the device (they cover all t)
+            rows = fb.req_pool_indices.repeat_interleave(fb.extend_lens, output_size=t)
         else:
             lens = torch.tensor(fb.extend_lens_cpu, device=fb.input_ids.device)
             rows = fb.req_pool_indices.repeat_interleave(lens)

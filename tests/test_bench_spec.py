@@ -1,6 +1,7 @@
 """`specserve bench-spec` on a tiny target with a random draft folder: the acceptance table per file and N, the
 speed rows side by side with plain, and the lossless check it prints (spec outputs == plain outputs), with and
-without context lookup (then also with spec steps phase by phase beside the one-graph steps, and an int8 draft)."""
+without context lookup (then also with spec steps phase by phase beside the one-graph steps, an int8 draft, and
+eager prefill)."""
 
 import json
 
@@ -21,18 +22,20 @@ def test_bench_spec_tables_and_lossless_check(tiny_models, tmp_path, lookup, cap
             "--speed-steps", "2", "--concurrency", "1,2", "--speed-prompts", "3", "--context-length", "256",
             "--device", "cpu", "--output-file", str(out), "--repeats", "2"] + (
                 ["--speculative-ngram-lookup", "--compare-spec-step-graph", "--speculative-draft-model-quantization",
-                 "int8", "--compare-draft-quantization"] if lookup else [])
+                 "int8", "--compare-draft-quantization", "--compare-prefill-graph"] if lookup else [])
     assert main(argv) == 0
     res = json.loads(out.read_text().splitlines()[-1])
     assert res["draft_quantization"] == ("int8" if lookup else "none")  # a given model: none unless asked
     acc = res["acceptance"]["p.jsonl"]
     assert set(acc) == {"1", "2"} and all(1.0 <= v <= 1 + int(n) for n, v in acc.items())
     speed = res["speed"]
-    rows = [(r["concurrency"], r["N"], r.get("spec_step_graph"), r.get("draft_quantization")) for r in speed]
-    if lookup:  # also each N phase by phase, and with the head in float
-        per_c = [(0, None, None), (2, True, "int8"), (2, False, "int8"), (2, True, "none")]
+    rows = [(r["concurrency"], r["N"], r.get("spec_step_graph"), r.get("draft_quantization"), r["prefill_graph"])
+            for r in speed]
+    if lookup:  # also each N phase by phase, with the head in float, and plain and N with eager prefill
+        per_c = [(0, None, None, True), (2, True, "int8", True), (2, False, "int8", True), (2, True, "none", True),
+                 (0, None, None, False), (2, True, "int8", False)]
     else:
-        per_c = [(0, None, None), (2, True, "none")]
+        per_c = [(0, None, None, True), (2, True, "none", True)]
     assert rows == [(c, *r) for c in (1, 2) for r in per_c]
     for r in speed:
         # at most 3 x 12 tokens (the random target may emit EOS early), the same count for spec as for plain

@@ -11,6 +11,7 @@
 import pytest
 import torch
 from spec_fixtures import OracleDraft, build_scheduler
+from test_prefill_graph import check_padded_prefill, prefill_runner
 from test_runners import _inputs, check_one_graph_step
 from test_spec_greedy import _hf_greedy, _prompts, _run
 
@@ -74,6 +75,14 @@ def test_one_graph_spec_step_equals_eager_phases_gpu(tiny_models, n, page_size, 
                            lookup=lookup)
     assert mr.spec_step.graphs
     check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
+
+
+def test_prefill_graphs_equal_eager_gpu(tiny_models):
+    """Prefill (target and draft extend) captured per padded token count, against the eager forward: shrinking and
+    growing token and request counts, with prefixes; over the bound runs eagerly."""
+    mr = prefill_runner(tiny_models["llama"], tiny_models["llama_draft_aux"], "triton", device="cuda")
+    assert all(sorted(r.graphs) == r.ladder == [16, 32, 64] for r in mr.prefill.values())
+    check_padded_prefill(mr, 2e-4)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])

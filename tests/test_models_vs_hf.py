@@ -4,8 +4,8 @@ prefill logits, and step-by-step decode logits through the engine's decode runne
 import pytest
 import torch
 
-from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.padding import LiveInputs
+from specserve.engine.prefill_graph import ExtendBatch
 from specserve.models.loader import ModelSource, load_target
 from specserve.server_args import ServerArgs
 
@@ -46,8 +46,8 @@ def test_prefill_and_decode_logits_match_hf(tiny_models, arch, page_size):
     pos = torch.tensor(sum([list(range(len(p))) for p in prompts], []))
     table = mr.req_to_token.table
     loc = torch.cat([table[h.row, :len(p)] for h, p in zip(handles, prompts)])
-    hidden = mr.forward_extend(t.model, mr.target_kv, mr.target_eager_backend, ids, pos, loc, [h.row for h in handles],
-                               [len(p) for p in prompts], [len(p) for p in prompts], None, ForwardMode.EXTEND)
+    lens = [len(p) for p in prompts]
+    hidden = mr.prefill["target"].run(ExtendBatch(ids, pos, loc, [h.row for h in handles], lens, lens))
     ours = t.model.compute_logits(hidden)
     off = 0
     seqs = [list(p) for p in prompts]
@@ -90,8 +90,8 @@ def test_bfloat16_engine_tracks_float32(tiny_models):
         h = KVHandle()
         assert mr.kv.assign_row(h) and mr.kv.ensure([h], [7])
         loc = mr.req_to_token.table[h.row, :6]
-        hid = mr.forward_extend(mr.target, mr.target_kv, mr.target_eager_backend, torch.tensor(prompts[0]),
-                                torch.arange(6), loc, [h.row], [6], [6], None, ForwardMode.EXTEND)
+        hid = mr.prefill["target"].run(ExtendBatch(torch.tensor(prompts[0]), torch.arange(6), loc, [h.row], [6],
+                                                   [6]))
         outs[dt + "_logits"] = mr.target.compute_logits(hid)
         mr.kv.release(h)
     a, b = outs["float32_logits"], outs["bfloat16_logits"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, fixed_width_out_cache_loc
+from specserve.engine.prefill_graph import ExtendBatch
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.train.attention import chain_mask
 from specserve.train.data import Sample, load_prompts, record_messages
@@ -127,11 +128,9 @@ def test_training_forward_matches_engine(tiny_target, aux_layers):
     flat = torch.tensor(sum((s[:n] for s, n in zip(seqs, ss)), []))
     pos = torch.cat([torch.arange(n) for n in ss])
     loc = torch.cat([table[r, :n] for r, n in zip(rows, ss)])
-    h_eng = mr.forward_extend(target.model, mr.target_kv, mr.target_eager_backend, flat, pos, loc, rows, ss, ss,
-                              None, ForwardMode.EXTEND)
+    h_eng = mr.prefill["target"].run(ExtendBatch(flat, pos, loc, rows, ss, ss))
     nxt = torch.tensor(sum((s[1:n + 1] for s, n in zip(seqs, ss)), []))  # x_{i+1}
-    d_eng = mr.forward_extend(draft, mr.draft_kv, mr.draft_eager_backend, nxt, pos, loc, rows, ss, ss, h_eng,
-                              ForwardMode.DRAFT_EXTEND)
+    d_eng = mr.prefill["draft"].run(ExtendBatch(nxt, pos, loc, rows, ss, ss, h_eng))
     off = 0
     for b, n in enumerate(ss):
         torch.testing.assert_close(h_train[b, :n], h_eng[off:off + n], rtol=1e-4, atol=1e-4)

@@ -30,7 +30,7 @@ def _generate(path: str, backend: str, **kw) -> list[list[int]]:
     assert all(r.replays > 0 for r in replayed)
     if backend == "triton":
         assert all(isinstance(r.backend, TritonAttentionBackend) for r in runners)
-        assert isinstance(sched.mr.target_eager_backend, TritonAttentionBackend)
+        assert all(isinstance(r.eager_backend, TritonAttentionBackend) for r in sched.mr.prefill.values())
     return [r.output_ids for r in reqs]
 
 

@@ -16,6 +16,8 @@ from specserve.kvcache.req_to_token import ReqToTokenPool
 
 
 class AttentionBackend(abc.ABC):
+    captures_varlen = False  # can a CUDA graph capture its variable-length (prefill) attention?
+
     def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
@@ -30,8 +32,15 @@ class AttentionBackend(abc.ABC):
         """Allocate this runner's private metadata buffers for fixed-width batches up to max_bs requests."""
 
     @abc.abstractmethod
+    def alloc_varlen_graph_buffers(self, max_rows: int) -> None:
+        """Allocate this runner's private metadata buffers for variable-length (prefill) batches of max_rows
+        requests."""
+
+    @abc.abstractmethod
     def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
         """Graph path: fill the private buffers from fb's tensors with device ops only (capturable, no host sync).
+        A variable-length batch (fb.width None) brings its first tokens and new-token counts as device tensors
+        (fb.extend_starts, fb.extend_lens); its grid bound is its token count.
 
         May be called several times inside one captured function (the draft-decode loop advances seq_lens)."""
 

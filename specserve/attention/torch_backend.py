@@ -1,4 +1,4 @@
-"""Torch reference attention over the paged KV cache. Runs on CPU and GPU (capturable in fixed-width modes)."""
+"""Torch reference attention over the paged KV cache. Runs on CPU and GPU (capturable in fixed-width modes only)."""
 
 from __future__ import annotations
 
@@ -51,20 +51,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- eager
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        table = self.req_to_token.table
         if fb.width is not None:  # decode / verify / draft phases: every request has `width` new tokens
-            self.meta = _fixed_meta(table, fb.req_pool_indices, fb.seq_lens, fb.width, fb.max_seq_len)
+            self.meta = _fixed_meta(self.req_to_token.table, fb.req_pool_indices, fb.seq_lens, fb.width,
+                                    fb.max_seq_len)
             return
+        starts, q0 = [], 0
+        for e in fb.extend_lens_cpu:
+            starts.append(q0)
+            q0 += e
+        self.meta = self._extend_meta(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, starts, fb.extend_lens_cpu)
+
+    def _extend_meta(self, rows: list[int], seq_lens: list[int], starts: list[int], ext: list[int]) -> _ExtendMeta:
+        table = self.req_to_token.table
         pieces = []
-        rows = fb.req_pool_indices.tolist()
-        q0 = 0
-        for row, s, e in zip(rows, fb.seq_lens_cpu, fb.extend_lens_cpu):
+        for row, s, q0, e in zip(rows, seq_lens, starts, ext):
+            if e == 0:
+                continue
             slots = table[row, :s]
             q_idx = torch.arange(s - e, s, device=table.device)
             mask = torch.arange(s, device=table.device)[None, :] <= q_idx[:, None]  # [e, s]
             pieces.append((q0, e, slots, mask))
-            q0 += e
-        self.meta = _ExtendMeta(pieces)
+        return _ExtendMeta(pieces)
 
     # ---------------------------------------------------------------- graphs
     def alloc_graph_buffers(self, max_bs: int, width: int, max_seq_len: int) -> None:
@@ -74,7 +81,18 @@ class TorchAttentionBackend(AttentionBackend):
             "mask": torch.zeros((max_bs, 1, width, max_seq_len), dtype=torch.bool, device=dev),
         }
 
+    def alloc_varlen_graph_buffers(self, max_rows: int) -> None:
+        pass  # variable-length metadata is read from the batch's tensors (below)
+
     def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        if fb.width is None:
+            # A padded prefill batch, run over static buffers. This reference reads the lengths back to the host,
+            # so it serves the CPU's static replay; CUDA prefill graphs need the Triton backend (model_runner).
+            if fb.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the torch attention backend cannot capture a variable-length batch")
+            meta = torch.stack([fb.req_pool_indices, fb.seq_lens, fb.extend_starts, fb.extend_lens]).tolist()
+            self.meta = self._extend_meta(*meta)
+            return
         bs, kv = fb.batch_size, fb.max_seq_len
         gb = self.graph_buffers
         self.meta = _fixed_meta(self.req_to_token.table, fb.req_pool_indices, fb.seq_lens, fb.width, kv,

@@ -6,7 +6,8 @@ Metadata is built once per forward (`init_forward_metadata*`) and read by every 
     number of KV splits of the split-KV kernel. The split count is a host int chosen from the batch size and the
     host bound fb.max_seq_len, both static per captured graph;
   * variable-length batches (EXTEND, prefill draft extend): rows, KV lengths, each request's first token and
-    number of new tokens, and the longest extend (grid size) - read from the host lists of the batch.
+    number of new tokens, and the longest extend (grid size) - eagerly from the host lists of the batch; in a
+    prefill graph from device tensors, with the batch's (padded, static) token count as the grid bound.
 
 The graph path copies the rows and KV lengths into this instance's own buffers with device ops only, so it is
 capturable and a draft runner's backend never shares metadata with a target runner's (DESIGN §3). Padded rows
@@ -47,6 +48,8 @@ class _VarlenMeta:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    captures_varlen = True
+
     def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool, max_kv_splits: int = 32,
                  min_split_keys: int = 256, num_sms: int | None = None, block_n: int = 64, block_m: int = 64):
         """max_kv_splits caps the split-KV fan-out; min_split_keys is the fewest keys worth a split of their own;
@@ -94,8 +97,18 @@ class TritonAttentionBackend(AttentionBackend):
             "seq_lens": torch.full((max_bs,), width, dtype=torch.int64, device=dev),  # [max_bs]
         }
 
+    def alloc_varlen_graph_buffers(self, max_rows: int) -> None:
+        dev = self.req_to_token.table.device
+        self.graph_buffers["varlen"] = torch.zeros((4, max_rows), dtype=torch.int64, device=dev)  # [4, rows]
+
     def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
         bs = fb.batch_size
+        if fb.width is None:
+            m = self.graph_buffers["varlen"][:, :bs]  # rows, KV lengths, first tokens, new tokens
+            for dst, src in zip(m, (fb.req_pool_indices, fb.seq_lens, fb.extend_starts, fb.extend_lens)):
+                dst.copy_(src)
+            self.meta = _VarlenMeta(m[0], m[1], m[2], m[3], fb.num_tokens)
+            return
         rows = self.graph_buffers["rows"][:bs]
         seq_lens = self.graph_buffers["seq_lens"][:bs]
         rows.copy_(fb.req_pool_indices)

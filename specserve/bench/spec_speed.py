@@ -41,12 +41,20 @@ class SpeedConfig:
     n: int
     one_graph: bool = True  # greedy spec steps as one CUDA graph (False: phase by phase)
     float_draft: bool = False  # the head without its int8 weights (when the bench quantizes it)
+    prefill_graph: bool = True  # prefill as CUDA graphs (False: eager, --cuda-graph-max-prefill-tokens 0)
 
     @property
     def label(self) -> str:
+        eager = "" if self.prefill_graph else " eager prefill"
         if self.n == 0:
-            return "plain"
-        return (f"MTP N={self.n}" + ("" if self.one_graph else " phases") + (" float" if self.float_draft else ""))
+            return "plain" + eager
+        return (f"MTP N={self.n}" + ("" if self.one_graph else " phases") + (" float" if self.float_draft else "")
+                + eager)
+
+    @property
+    def baseline(self) -> SpeedConfig:
+        """The plain configuration this one's speed-up is against (the same prefill)."""
+        return SpeedConfig(0, prefill_graph=self.prefill_graph)
 
 
 @dataclass
@@ -113,6 +121,7 @@ class Bench:
                         max_running_requests=concurrency, max_total_tokens=kv,
                         cuda_graph_max_bs=concurrency, disable_cuda_graph=a.disable_cuda_graph,
                         disable_spec_step_graph=not cfg.one_graph,
+                        cuda_graph_max_prefill_tokens=None if cfg.prefill_graph else 0,
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
                         speculative_ngram_lookup=a.speculative_ngram_lookup and bool(n),
                         speculative_ngram_confidence=a.speculative_ngram_confidence)
@@ -193,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="int8: weight-only int8 draft on CPU (default: int8 for the shipped head on a CPU, else none)")
     p.add_argument("--compare-draft-quantization", action="store_true",
                    help="with an int8 draft, also time each N with the head in float, interleaved with the rest")
+    p.add_argument("--compare-prefill-graph", action="store_true",
+                   help="also time plain and each N with eager prefill (--cuda-graph-max-prefill-tokens 0), "
+                        "interleaved with the rest; their speed-ups are against plain with eager prefill")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     args = p.parse_args(argv)
     steps = [int(x) for x in args.accept_steps.split(",") if x]
@@ -235,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                 configs += [SpeedConfig(n, one_graph=False) for n in speed_steps]
             if args.compare_draft_quantization:
                 configs += [SpeedConfig(n, float_draft=True) for n in speed_steps]
+            if args.compare_prefill_graph:
+                configs += [SpeedConfig(n, prefill_graph=False) for n in [0] + speed_steps]
             scheds = {cfg: b.scheduler(cfg, c) for cfg in configs}
             for sched in scheds.values():
                 b.run(sched, prompts[:min(2, len(prompts))], 16)  # warm-up
@@ -243,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                 for cfg in configs:
                     runs[cfg].append(b.run(scheds[cfg], prompts, args.max_new_tokens))
             plain_out = [r.output_ids for r in runs[plain][0].reqs]
-            base = statistics.median(r.tok_per_s for r in runs[plain])
-            base_decode = statistics.median(r.decode_tok_per_s for r in runs[plain])
             for cfg in configs:
+                base = statistics.median(r.tok_per_s for r in runs[cfg.baseline])
+                base_decode = statistics.median(r.decode_tok_per_s for r in runs[cfg.baseline])
                 n = cfg.n
                 rates = [r.tok_per_s for r in runs[cfg]]
                 decode = statistics.median(r.decode_tok_per_s for r in runs[cfg])
@@ -256,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                        "decode_tok_per_s": round(decode, 2),
                        "prefill_share": round(statistics.median(r.prefill / r.wall for r in runs[cfg]), 3),
                        "accept_length": round(accept_length(reqs), 3)}
+                row["prefill_graph"] = cfg.prefill_graph
                 if n:  # lossless check: greedy speculative text == greedy plain text (bf16 ties may flip a few)
                     row["spec_step_graph"] = cfg.one_graph
                     row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization

@@ -33,8 +33,10 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [bs] KV length after this forward (prefix + new tokens)
     max_seq_len: int  # host bound on seq_lens (static for graph replays)
     width: int | None = None  # tokens per request in fixed-width modes
-    extend_lens_cpu: list[int] | None = None  # EXTEND only: new tokens per request
-    seq_lens_cpu: list[int] | None = None  # EXTEND only
+    extend_lens_cpu: list[int] | None = None  # eager variable-length batches: new tokens per request
+    seq_lens_cpu: list[int] | None = None  # eager variable-length batches
+    extend_starts: torch.Tensor | None = None  # [bs] graph variable-length batches: first token of each request
+    extend_lens: torch.Tensor | None = None  # [bs] graph variable-length batches: new tokens per request
     hidden_in: torch.Tensor | None = None  # [T, H] drafts: the hidden state fed next to each token
     attn_backend: AttentionBackend | None = None
     kv_pool: KVPool | None = None

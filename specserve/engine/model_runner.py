@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.attention.torch_backend import TorchAttentionBackend
-from specserve.engine.forward_batch import ForwardBatch, ForwardMode
+from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.graph_runner import (
     DecodeRunner,
     DraftDecodeRunner,
@@ -24,6 +24,7 @@ from specserve.engine.graph_runner import (
     RunnerContext,
     TargetVerifyRunner,
 )
+from specserve.engine.prefill_graph import PrefillRunner
 from specserve.kvcache.allocator import PageAllocator
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.manager import KVManager
@@ -35,6 +36,8 @@ from specserve.spec.spec_step import SpecStepRunner
 logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget on CPU when --max-total-tokens is not given
+_PREFILL_GRAPH_TOKENS = 2048  # default largest prefill batch run as a CUDA graph (--chunked-prefill-size's default)
+_PREFILL_GRAPH_ROWS = 16  # requests per prefill graph batch
 
 
 def default_capture_bs(max_bs: int) -> list[int]:
@@ -104,9 +107,6 @@ class ModelRunner:
             tokens=(torch.full((rows, self.row_width + 1), -1, dtype=torch.int64, device=device)
                     if draft is not None and args.speculative_ngram_lookup else None),
         )
-        self.target_eager_backend = self.make_backend(self.target_kv)
-        self.draft_eager_backend = self.make_backend(self.draft_kv) if draft is not None else None
-
         # ---- phase runners
         self.use_graphs = not args.disable_cuda_graph
         max_bs = args.cuda_graph_max_bs or min(self.max_running, 64 if device.type == "cuda" else 16)
@@ -133,17 +133,40 @@ class ModelRunner:
             self.runners["draft_extend"] = DraftExtendRunner(dctx, n + 1, capture, self.use_graphs)
             if not args.disable_spec_step_graph:
                 self.spec_step = SpecStepRunner(self, capture, self.use_graphs)
+        # prefill: the target's extend, and the draft's over the same positions (engine/prefill_graph.py)
+        max_prefill = self._max_prefill_graph_tokens()
+        rows = min(self.max_running, _PREFILL_GRAPH_ROWS)
+        self.prefill = {"target": PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, rows, self.use_graphs)}
+        if draft is not None:
+            self.prefill["draft"] = PrefillRunner(dctx, ForwardMode.DRAFT_EXTEND, max_prefill, rows,
+                                                  self.use_graphs, hidden_width=draft.feature_size)
 
     # ------------------------------------------------------------------ setup
-    def make_backend(self, pool: KVPool):
+    def _backend_class(self) -> type:
         choice = self.args.attention_backend
         if choice == "auto":
             choice = "triton" if self.device.type == "cuda" else "torch"
         if choice == "triton":
             from specserve.attention.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend(self.req_to_token, pool)
-        return TorchAttentionBackend(self.req_to_token, pool)
+            return TritonAttentionBackend
+        return TorchAttentionBackend
+
+    def make_backend(self, pool: KVPool):
+        return self._backend_class()(self.req_to_token, pool)
+
+    def _max_prefill_graph_tokens(self) -> int:
+        """Prefill graphs: --cuda-graph-max-prefill-tokens, by default 2048 on CUDA (bounded by the page-table
+        row) and 0 (eager) on CPU, where padding only costs compute."""
+        asked = self.args.cuda_graph_max_prefill_tokens
+        if self.device.type == "cuda":
+            if not self._backend_class().captures_varlen:
+                if asked:
+                    raise ValueError("--cuda-graph-max-prefill-tokens needs an attention backend that captures "
+                                     "variable-length batches (--attention-backend triton)")
+                return 0
+            asked = _PREFILL_GRAPH_TOKENS if asked is None else asked
+        return min(asked or 0, self.row_width)
 
     def _kv_tokens(self, per_tok: int) -> int:
         if self.args.max_total_tokens:
@@ -162,7 +185,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
-        items = list(self.runners.values()) + ([self.spec_step] if self.spec_step is not None else [])
+        items = (list(self.runners.values()) + ([self.spec_step] if self.spec_step is not None else [])
+                 + list(self.prefill.values()))
         # No garbage collection during capture: a collected cycle that frees CUDA tensors of an earlier runner
         # makes the allocator query events, which invalidates the capture.
         gc.collect()
@@ -179,19 +203,3 @@ class ModelRunner:
         used = (free0 - torch.cuda.mem_get_info(self.device)[0]) / (1 << 30)
         logger.info("captured %d graphs for %s in %.1f s, %.2f GiB", sum(len(r.graphs) for r in items),
                     ", ".join(r.name for r in items), time.perf_counter() - t0, used)
-
-    # ------------------------------------------------------------------ eager extend (prefill)
-    @torch.inference_mode()
-    def forward_extend(self, model: torch.nn.Module, pool: KVPool, backend, input_ids: torch.Tensor,
-                       positions: torch.Tensor, out_cache_loc: torch.Tensor, rows: list[int], seq_lens: list[int],
-                       extend_lens: list[int], hidden_in: torch.Tensor | None, mode: ForwardMode) -> torch.Tensor:
-        """One eager forward over variable-length chunks; returns hidden [T, H]."""
-        fb = ForwardBatch(
-            mode=mode, batch_size=len(rows), input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device), max_seq_len=max(seq_lens),
-            extend_lens_cpu=extend_lens, seq_lens_cpu=seq_lens, hidden_in=hidden_in, attn_backend=backend,
-            kv_pool=pool,
-        )
-        backend.init_forward_metadata(fb)
-        return model(fb)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.forward_batch import ForwardMode
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.padding import LiveInputs
+from specserve.engine.prefill_graph import ExtendBatch
 from specserve.engine.request import Req
 from specserve.engine.sampler import SamplingBatch, sample
 
@@ -57,8 +57,8 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
     hist = mr.rows.tokens
     if hist is not None:
         hist[loc_r, loc_c] = input_ids  # the token history of context lookup drafting
-    hidden = mr.forward_extend(mr.target, mr.target_kv, mr.target_eager_backend, input_ids, positions, out_loc, rows,
-                               seq_lens, ext, None, ForwardMode.EXTEND)  # [T, H]
+    batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext)
+    hidden = mr.prefill["target"].run(batch)  # [T, F] (a graph's output: used before the next prefill)
 
     ends = torch.tensor(ext, device=dev).cumsum(0) - 1  # last token of each chunk
     final = [i for i, c in enumerate(chunks) if c.is_final]
@@ -85,8 +85,8 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
         draft_ids = torch.tensor(shifted, dtype=torch.int64).to(dev, non_blocking=True)
         if final:
             draft_ids[fidx] = t0
-        dh = mr.forward_extend(mr.draft, mr.draft_kv, mr.draft_eager_backend, draft_ids, positions, out_loc, rows,
-                               seq_lens, ext, hidden, ForwardMode.DRAFT_EXTEND)  # [T, H]
+        batch.input_ids, batch.hidden = draft_ids, hidden
+        dh = mr.prefill["draft"].run(batch)  # [T, H]
         if final:
             last = dh[fidx]
             dc = mr.draft_context

@@ -1,0 +1,139 @@
+"""Prefill runners (engine/prefill_graph.py) on CPU, by static replay (`--cuda-graph-max-prefill-tokens` > 0):
+
+- the padded replay of the target's extend and of the draft's extend equals the unpadded eager forward, for batches
+  of shrinking then growing token counts and request counts, with and without a prefix (chunked prefill), with
+  both attention backends: outputs, and every KV slot but dummy slot 0, which the padding writes;
+- padding is rewritten on every replay (no stale rows of a larger batch);
+- batches over the token or request bound run eagerly;
+- whole engines with prefill graphs give the same greedy outputs as with eager prefill (plain and MTP, chunked).
+"""
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.prefill_graph import ExtendBatch, token_ladder
+from specserve.kvcache.manager import KVHandle
+from specserve.models.loader import ModelSource, load_mtp_draft, load_target
+from specserve.server_args import ServerArgs
+
+MAX_TOKENS = 64
+
+
+def test_token_ladder():
+    assert token_ladder(2048) == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert token_ladder(100) == [16, 32, 64, 100]
+    assert token_ladder(16) == [16]
+    assert token_ladder(10) == [10]
+
+
+def prefill_runner(path, draft_path, backend, device="cpu"):
+    """A ModelRunner (MTP N = 2) whose prefill runners pad up to MAX_TOKENS tokens (CUDA graphs on a GPU)."""
+    dev = torch.device(device)
+    t = load_target(ModelSource.resolve(path), torch.float32, dev, 600)
+    draft = load_mtp_draft(t, draft_path, torch.float32, dev, 600)
+    args = ServerArgs(model_path=path, max_total_tokens=8192, max_running_requests=20, speculative_algorithm="MTP",
+                      speculative_num_steps=2, cuda_graph_bs=[1, 2], attention_backend=backend,
+                      cuda_graph_max_prefill_tokens=MAX_TOKENS)
+    mr = ModelRunner(args, t.model, t.config, draft, dev, torch.float32, 512)
+    g = torch.Generator().manual_seed(0)
+    for pool in (mr.target_kv, mr.draft_kv):  # non-trivial prefix keys
+        for k, v in zip(pool.k, pool.v):
+            k.copy_(torch.randn(k.shape, generator=g))
+            v.copy_(torch.randn(v.shape, generator=g))
+    mr.capture_graphs()
+    return mr
+
+
+def _batch(mr, prefixes, lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    handles = []
+    for p, e in zip(prefixes, lens):
+        h = KVHandle()
+        assert mr.kv.assign_row(h) and mr.kv.ensure([h], [p + e + 3])
+        handles.append(h)
+    table = mr.req_to_token.table
+    nt = sum(lens)
+    loc = torch.cat([table[h.row, p:p + e] for h, p, e in zip(handles, prefixes, lens)])
+    pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefixes, lens)])
+    seq = [p + e for p, e in zip(prefixes, lens)]
+    dev = mr.device
+    x = ExtendBatch(torch.randint(0, 256, (nt,), generator=g).to(dev), pos.to(dev), loc, [h.row for h in handles],
+                    seq, list(lens), torch.randn(nt, mr.draft.feature_size, generator=g).to(dev))
+    return handles, x
+
+
+def _pools(mr):
+    return [t for pool in (mr.target_kv, mr.draft_kv) for t in (*pool.k, *pool.v)]
+
+
+# (prefix, new tokens) per request: token counts 46, 5, 64, 33, 16 shrink and grow; 70 tokens and 17 requests
+# are too many
+BATCHES = [([0, 0, 0], [20, 17, 9]), ([0], [5]), ([10, 0, 3, 0], [16, 16, 16, 16]), ([40, 0], [30, 3]),
+           ([7], [16]), ([0, 0], [40, 30]), ([0] * 17, [2] * 17)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_prefill_equals_eager(tiny_models, backend):
+    check_padded_prefill(prefill_runner(tiny_models["llama"], tiny_models["llama_draft_aux"], backend), 1e-5)
+
+
+def check_padded_prefill(mr, tol):
+    """Each prefill runner over BATCHES: the padded run against the eager forward (outputs and KV pools)."""
+    for name, runner in mr.prefill.items():
+        assert runner.ladder == [16, 32, MAX_TOKENS]
+        for i, (prefixes, lens) in enumerate(BATCHES):
+            handles, x = _batch(mr, prefixes, lens, seed=i)
+            if name == "target":
+                x.hidden = None
+            saved = [t.clone() for t in _pools(mr)]
+            want = runner.forward(runner._eager_batch(x)).clone()
+            want_pools = [t.clone() for t in _pools(mr)]
+            for t, s in zip(_pools(mr), saved):
+                t.copy_(s)
+            replays, eager = runner.replays, runner.eager_runs
+            got = runner.run(x)
+            graphed = x.num_tokens <= MAX_TOKENS and len(lens) <= runner.max_rows
+            assert (runner.replays - replays, runner.eager_runs - eager) == ((1, 0) if graphed else (0, 1))
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name} batch {i}")
+            for t, w in zip(_pools(mr), want_pools):  # slot 0 is the padding's; every other slot as eager
+                torch.testing.assert_close(t[1:], w[1:], rtol=tol, atol=tol, msg=f"{name} batch {i} KV")
+            if graphed:
+                nt, n, padded = x.num_tokens, len(lens), runner.padded_tokens(x.num_tokens)
+                assert padded == min(t for t in runner.ladder if t >= nt)
+                for buf in (runner.input_ids, runner.positions, runner.out_cache_loc):
+                    assert torch.all(buf[nt:padded] == 0)
+                m = runner.meta
+                assert m[:, n].tolist() == [0, padded - nt, nt, padded - nt]  # the padding request, on row 0
+                assert torch.all(m[0, n + 1:] == 0) and torch.all(m[3, n + 1:] == 0)  # idle request slots
+            for h in handles:
+                mr.kv.release(h)
+
+
+def test_prefill_graph_off_by_default_on_cpu(tiny_models):
+    t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, torch.device("cpu"), 600)
+    mr = ModelRunner(ServerArgs(model_path=tiny_models["llama"], max_total_tokens=4096), t.model, t.config, None,
+                     torch.device("cpu"), torch.float32, 512)
+    assert mr.prefill["target"].ladder == [] and "draft" not in mr.prefill
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "MTP", "speculative_num_steps": 2,
+                                       "speculative_ngram_lookup": True}], ids=["plain", "mtp2"])
+def test_engine_outputs_with_prefill_graphs(tiny_models, spec):
+    """Chunks of 40 tokens (prompts up to 90): later chunks extend a prefix; several prompts share a batch."""
+    path = tiny_models["llama_mtp"] if spec else tiny_models["llama"]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (90, 7, 33, 12, 50)]
+    outs, runners = [], []
+    for max_prefill in (0, 48):
+        with Engine(path, max_total_tokens=4096, chunked_prefill_size=40, cuda_graph_max_prefill_tokens=max_prefill,
+                    sampling_defaults="openai", **spec) as eng:
+            res = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0,
+                                                                   "ignore_eos": True})
+            outs.append([r["output_ids"] for r in res])
+            runners.append(list(eng.core.model_runner.prefill.values()))
+    assert outs[0] == outs[1]
+    assert all(r.replays == 0 for r in runners[0])
+    assert all(r.replays > 0 for r in runners[1])
