@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels import ops
+
 SALT_SAMPLE = 0  # the token drawn at a position (plain sampling, verify's residual or bonus draw)
 SALT_ACCEPT = 1  # verify's accept test at a position
 
@@ -122,5 +124,5 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
 def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
     """logits [bs, V] -> token ids [bs]; positions: the sequence index each new token will take."""
     if sb.all_greedy:
-        return logits.argmax(dim=-1)
+        return ops.row_top1(logits)[0]
     return sample_from_probs(probs_from_logits(logits, sb), sb.seeds, positions)

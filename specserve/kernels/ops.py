@@ -54,3 +54,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     if k.is_cuda and (tk := triton_kernels()) is not None:
         return tk.store_kv(k_cache, v_cache, loc, k, v)
     return ref.store_kv(k_cache, v_cache, loc, k, v)
+
+
+def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
+             with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [R, V] logits -> (argmax [R], mapped through vocab_map when given; softmax probability at it [R] or
+    None)."""
+    if x.is_cuda and x.stride(-1) == 1 and (tk := triton_kernels()) is not None:
+        return tk.row_top1_triton(x, vocab_map, with_prob)
+    return ref.row_top1(x, vocab_map, with_prob)
+

@@ -59,3 +59,16 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     """Write k, v [T, kv_heads, D] at slots loc [T]."""
     k_cache[loc] = k.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
+
+
+def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
+             with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [R, V] -> (argmax [R] int64, first index on ties, mapped through vocab_map [V] when given; the softmax
+    probability at it [R] float32, or None)."""
+    if with_prob:
+        top, idx = x.max(dim=-1)
+        prob = 1.0 / torch.exp(x - top[:, None]).sum(dim=-1)
+    else:
+        idx, prob = x.argmax(dim=-1), None
+    return (vocab_map[idx] if vocab_map is not None else idx), prob
+

@@ -1,7 +1,7 @@
 """Triton verification kernels: same inputs, outputs and noise as spec/accept.py (the reference), no host sync.
 
-* `accept_greedy_triton`: one program per (request, position) takes the argmax of the target logits (first index
-  on ties, like torch), then one program per request counts the leading draft == argmax matches.
+* `accept_greedy_triton`: the argmax of the target logits at every position (first index on ties, like torch;
+  kernels/triton_top1.py), then one program per request counts the leading draft == argmax matches.
 * `accept_sampling_triton`: one program per request runs the accept tests in order, then makes two passes over
   the vocabulary row of the first rejected (or bonus) position: the residual's total, then the exponential race
   argmax((residual / total) / -log u). The counter-based noise of engine/sampler.py (splitmix64 of seed, position,
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from specserve.engine.sampler import SALT_ACCEPT, SALT_SAMPLE
+from specserve.kernels.triton_top1 import row_top1_triton
 
 _BLOCK_V = 2048
 
@@ -44,22 +45,6 @@ def _uniform(key):
     """Top 24 bits of mix64(key) -> (bits + 0.5) / 2^24, exactly as the reference."""
     bits = _mix64(key) >> 40
     return (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-
-
-@triton.jit
-def _row_argmax_kernel(x_ptr, out_ptr, vocab, stride_row, BLOCK_V: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
-    for v0 in range(0, vocab, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(x_ptr + r * stride_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        blk_max = tl.max(x, axis=0)
-        blk_idx = v0 + tl.argmax(x, axis=0, tie_break_left=True)
-        take = blk_max > best_val  # strict: an equal value in a later block keeps the earlier index
-        best_idx = tl.where(take, blk_idx, best_idx)
-        best_val = tl.where(take, blk_max, best_val)
-    tl.store(out_ptr + r, best_idx.to(tl.int64))
 
 
 @triton.jit
@@ -149,8 +134,7 @@ def accept_greedy_triton(drafts: torch.Tensor, target_logits: torch.Tensor,
     accept_len, pred = _outputs(out, bs, n, drafts.device)  # pred [bs, N+1]: the argmax at every position
     if bs == 0:
         return accept_len, pred
-    _row_argmax_kernel[(bs * (n + 1),)](logits, pred, vocab, logits.stride(0),
-                                        BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)), num_warps=8)
+    row_top1_triton(logits, out_idx=pred.view(-1))
     drafts = _rows_last_unit(drafts)
     _greedy_accept_kernel[(bs,)](drafts, pred, accept_len, n, drafts.stride(0), pred.stride(0),
                                  BLOCK_N=max(2, triton.next_power_of_2(n)), num_warps=1)

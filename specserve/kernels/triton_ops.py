@@ -8,6 +8,7 @@ from specserve.kernels.triton_kv import store_kv
 from specserve.kernels.triton_ngram import lookup_drafts_triton
 from specserve.kernels.triton_norm import add_rms_norm, rms_norm
 from specserve.kernels.triton_rope import rope
+from specserve.kernels.triton_top1 import row_top1_triton
 
 __all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "lookup_drafts_triton", "rms_norm",
-           "rope", "silu_and_mul", "store_kv"]
+           "rope", "row_top1_triton", "silu_and_mul", "store_kv"]

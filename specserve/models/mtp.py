@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode
+from specserve.kernels import ops
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
@@ -109,15 +110,11 @@ class MTPDraftModel(nn.Module):
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft token ids (target vocabulary) for hidden [T, H] -> [T]. Drafts are deterministic: the
         verifier treats the draft distribution as one-hot (DESIGN §1)."""
-        idx = self.compute_logits(hidden).argmax(dim=-1)
-        return self.draft_vocab[idx] if self.draft_vocab is not None else idx
+        return ops.row_top1(self.compute_logits(hidden), self.draft_vocab)[0]
 
     def draft_tokens_and_confidence(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """draft_tokens, plus the head's probability of each: hidden [T, H] -> ids [T], top probability [T]."""
-        logits = self.compute_logits(hidden)  # [T, Vd] float32
-        top, idx = logits.max(dim=-1)
-        conf = 1.0 / torch.exp(logits - top[:, None]).sum(dim=-1)  # softmax at the argmax
-        return (self.draft_vocab[idx] if self.draft_vocab is not None else idx), conf
+        return ops.row_top1(self.compute_logits(hidden), self.draft_vocab, with_prob=True)  # [T, Vd] logits
 
     # ------------------------------------------------------------------ loading
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layer_index: int | None,

@@ -1,0 +1,81 @@
+"""Per-kernel GPU time of one greedy speculative step run as one CUDA graph at batch 1, against a plain decode
+step: random SmolLM2-135M weights (only shapes matter for timing) with the shipped draft head and context lookup.
+
+    python3 scripts/gpu/profile_spec_step.py [N ...]
+"""
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specserve.bench.phase_setup import fake_requests, random_models
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.padding import LiveInputs
+from specserve.engine.sampler import GREEDY, sample
+from specserve.models.loader import LoadedTarget, ModelSource, load_mtp_draft
+from specserve.server_args import ServerArgs
+
+HEAD = "specserve/assets/smollm2-135m-mtp"
+dev, dtype, ctx_len = torch.device("cuda"), torch.bfloat16, 2048
+target, _, cfg = random_models("smollm2-135m", dtype, dev, ctx_len + 64)
+draft = load_mtp_draft(LoadedTarget(target, cfg, ModelSource("."), {}), HEAD, dtype, dev, ctx_len + 64)
+common = dict(max_total_tokens=8192, max_running_requests=1, cuda_graph_bs=[1], context_length=ctx_len)
+
+
+def kernel_table(fn, steps: int, label: str) -> None:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / 200
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            name = e.name[:80]
+            t0, n = rows.get(name, (0.0, 0))
+            rows[name] = (t0 + e.time_range.end - e.time_range.start, n + 1)
+    busy = sum(t0 for t0, _ in rows.values()) / steps / 1e3
+    count = sum(n for _, n in rows.values()) / steps
+    print(f"\n{label}: wall {1e3 * wall:.3f} ms/step (replay + read), kernels {count:.0f}/step, "
+          f"kernel time {busy:.3f} ms/step")
+    print(f"{'kernel':<82} {'us/step':>8} {'calls':>6} {'us/call':>8}")
+    for name, (t0, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:22]:
+        print(f"{name:<82} {t0 / steps:8.1f} {n / steps:6.1f} {t0 / n:8.2f}")
+
+
+def profile_plain() -> None:
+    mr = ModelRunner(ServerArgs(**common), target, cfg, None, dev, dtype, ctx_len)
+    mr.capture_graphs()
+    reqs = fake_requests(mr, 1, 512)
+    rows = torch.tensor([reqs[0].kv.row], device=dev)
+    s = torch.tensor([512], device=dev)
+
+    def step():
+        live = LiveInputs(1, mr.rows.last_token[rows], s, rows, s + 1, 513)
+        tok = sample(mr.runners["decode"].run(live)["logits"], GREEDY, s + 1)
+        mr.rows.last_token[rows] = tok
+        return tok.tolist()
+
+    kernel_table(step, 20, "plain decode")
+
+
+def profile_spec(n: int) -> None:
+    mr = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=n, speculative_ngram_lookup=True,
+                                **common), target, cfg, draft, dev, dtype, ctx_len)
+    mr.capture_graphs()
+    row = fake_requests(mr, 1, 512)[0].kv.row
+    kernel_table(lambda: mr.spec_step.run([row], [512], [512]).tolist(), 20, f"spec step N={n} (one graph)")
+
+
+profile_plain()
+for n in [int(x) for x in sys.argv[1:]] or [3, 4]:
+    profile_spec(n)
