@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.backend import AttentionBackend
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.forward_batch import ForwardBatch, extend_starts
 from specserve.kernels import ops
 
 
@@ -55,11 +55,8 @@ class TorchAttentionBackend(AttentionBackend):
             self.meta = _fixed_meta(self.req_to_token.table, fb.req_pool_indices, fb.seq_lens, fb.width,
                                     fb.max_seq_len)
             return
-        starts, q0 = [], 0
-        for e in fb.extend_lens_cpu:
-            starts.append(q0)
-            q0 += e
-        self.meta = self._extend_meta(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, starts, fb.extend_lens_cpu)
+        self.meta = self._extend_meta(fb.req_pool_indices.tolist(), fb.seq_lens_cpu,
+                                      extend_starts(fb.extend_lens_cpu), fb.extend_lens_cpu)
 
     def _extend_meta(self, rows: list[int], seq_lens: list[int], starts: list[int], ext: list[int]) -> _ExtendMeta:
         table = self.req_to_token.table

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.backend import AttentionBackend
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.engine.forward_batch import ForwardBatch, extend_starts
 from specserve.kernels.triton_attention import fixed_width_attention, varlen_attention
 from specserve.kernels.triton_kv import store_kv
 from specserve.kvcache.kv_pool import KVPool
@@ -81,11 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
                                    self.num_kv_splits(fb.batch_size, fb.max_seq_len))
             return
         ext = fb.extend_lens_cpu
-        starts, q0 = [], 0
-        for e in ext:
-            starts.append(q0)
-            q0 += e
-        host = torch.tensor([fb.seq_lens_cpu, starts, ext], dtype=torch.int64)  # [3, bs]
+        host = torch.tensor([fb.seq_lens_cpu, extend_starts(ext), ext], dtype=torch.int64)  # [3, bs]
         dev = host.to(fb.req_pool_indices.device, non_blocking=True)
         self.meta = _VarlenMeta(fb.req_pool_indices, dev[0], dev[1], dev[2], max(ext, default=0))
 

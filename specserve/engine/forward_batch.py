@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,3 +61,8 @@ def fixed_width_out_cache_loc(table: torch.Tensor, req_pool_indices: torch.Tenso
     """KV slots written by a fixed-width batch, gathered from the page table on the device: [bs * width]."""
     idx = fixed_width_kv_index(seq_lens, width).view(-1, width)  # [bs, w]
     return table[req_pool_indices[:, None], idx].reshape(-1)
+
+
+def extend_starts(extend_lens: list[int]) -> list[int]:
+    """First token of each request of a variable-length batch (the requests' new tokens back to back)."""
+    return list(itertools.accumulate(extend_lens, initial=0))[:-1]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.forward_batch import ForwardBatch, ForwardMode
+from specserve.engine.forward_batch import ForwardBatch, ForwardMode, extend_starts
 from specserve.engine.graph_runner import RunnerContext, capture_graph
 
 _MIN_TOKENS = 16
@@ -141,10 +141,7 @@ class PrefillRunner:
                 continue
             buf[:nt].copy_(live)
             buf[nt:padded].zero_()
-        starts, q0 = [], 0
-        for e in x.extend_lens:
-            starts.append(q0)
-            q0 += e
+        starts = extend_starts(x.extend_lens)
         pad, idle = padded - nt, r - n - 1
         host = torch.tensor([x.rows + [0] * (idle + 1),  # the padding request is on dummy row 0
                              x.seq_lens + [pad] + [0] * idle,
