@@ -219,7 +219,7 @@ class ServerArgs:
     def with_embedded_defaults(self, draft_path: str | None, device_type: str) -> ServerArgs:
         """The embedded SmolLM2 target speculates by default with the shipped MTP head and context lookup, N = 4
         draft steps on a GPU and 2 on a CPU (the fastest measured on each, BENCHMARKS.md sections 6 to 8; at batch
-        1 the H200 ran 2.04-2.10x plain at N = 4, the 2-core CPU 1.42-1.50x at N = 2), and on a CPU int8 draft
+        1 the H200 ran 2.04-2.10x plain at N = 4, the 2-core CPU 1.42-1.52x at N = 2), and on a CPU int8 draft
         weights."""
         if self.model_path is not None or self.speculative_algorithm is not None or draft_path is None:
             return self
