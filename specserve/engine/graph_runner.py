@@ -58,6 +58,11 @@ class RunnerContext:
         return lookup_drafts(hist, last, *pattern, head, conf, self.lookup_confidence)
 
 
+def padded_size(sizes: list[int], n: int) -> int:
+    """The smallest captured size >= n (sizes sorted; n <= sizes[-1])."""
+    return sizes[bisect.bisect_left(sizes, n)]
+
+
 def capture_graph(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
     """Capture fn() (over static inputs) as a CUDA graph in memory pool `pool` (None: a new one).
     Returns (graph, its outputs, the pool)."""
@@ -132,7 +137,7 @@ class PhaseRunner:
         )
 
     def padded_bs(self, bs: int) -> int:
-        return self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
+        return padded_size(self.capture_bs, bs)
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()

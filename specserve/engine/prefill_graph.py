@@ -21,13 +21,12 @@ on a CPU, so it is for tests.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
 
 from specserve.engine.forward_batch import ForwardBatch, ForwardMode, extend_starts
-from specserve.engine.graph_runner import RunnerContext, capture_graph
+from specserve.engine.graph_runner import RunnerContext, capture_graph, padded_size
 
 _MIN_TOKENS = 16
 
@@ -127,7 +126,7 @@ class PrefillRunner:
 
     # ------------------------------------------------------------------ padding
     def padded_tokens(self, tokens: int) -> int:
-        return self.ladder[bisect.bisect_left(self.ladder, tokens)]
+        return padded_size(self.ladder, tokens)
 
     def fits(self, x: ExtendBatch) -> bool:
         return 0 < x.num_tokens <= self.max_tokens and len(x.rows) <= self.max_rows

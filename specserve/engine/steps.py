@@ -6,7 +6,7 @@ new tokens as host lists (the one host sync of a step). Request bookkeeping stay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -85,8 +85,7 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
         draft_ids = torch.tensor(shifted, dtype=torch.int64).to(dev, non_blocking=True)
         if final:
             draft_ids[fidx] = t0
-        batch.input_ids, batch.hidden = draft_ids, hidden
-        dh = mr.prefill["draft"].run(batch)  # [T, H]
+        dh = mr.prefill["draft"].run(replace(batch, input_ids=draft_ids, hidden=hidden))  # [T, H]
         if final:
             last = dh[fidx]
             dc = mr.draft_context

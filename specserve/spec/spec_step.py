@@ -18,13 +18,12 @@ rope position 0, which gives every phase the minimal sequence length of its widt
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.engine.graph_runner import capture_graph
+from specserve.engine.graph_runner import capture_graph, padded_size
 from specserve.engine.padding import LiveInputs
 from specserve.engine.sampler import GREEDY, SamplingBatch, probs_from_logits
 from specserve.spec.accept import verify_greedy, verify_sampling
@@ -107,7 +106,7 @@ class SpecStepRunner:
         return self.use_graphs and bs <= self.max_bs
 
     def padded_bs(self, bs: int) -> int:
-        return self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
+        return padded_size(self.capture_bs, bs)
 
     def forward(self, inputs: torch.Tensor, max_s: int) -> torch.Tensor:
         """inputs [3, pbs] (rows, S, rope position of S) -> [pbs, N + 2]; each phase's forward with its runner's
