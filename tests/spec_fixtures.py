@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.batch import ForwardBatch
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
@@ -58,6 +58,9 @@ class OracleDraft(nn.Module):
         rows = hidden[:, 0].long().clamp(0, self.table.shape[0] - 1)
         idx = (hidden[:, 1].long() + 2).clamp(0, self.table.shape[1] - 1)  # draft at p predicts index p + 2
         return self.table[rows, idx]
+
+    def cache_specs(self) -> list:
+        return []  # the oracle attends to nothing, so it keeps no cache
 
     def draft_tokens_and_confidence(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An unsure oracle: with context lookup on, every n-gram continuation found overrides it."""

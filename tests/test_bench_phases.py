@@ -23,7 +23,7 @@ def test_bench_batch_rows_and_runner_state(tiny_models, capsys):
             assert b[k] > 0, k
         for name in ("decode", "target_verify", "draft_decode", "draft_extend"):
             assert b[name]["eager_ms"] > 0, name
-    spec = pair.spec
+    spec = pair.spec.spec
     assert spec.spec_step.use_graphs and all(r.use_graphs for r in spec.runners.values())
     replays = spec.spec_step.replays
     bench_batch(pair, 2, 16, 2)

@@ -33,7 +33,7 @@ def _cuda_spec_runner(path, n, page_size, dtype=torch.float32, draft_path=None, 
     mr = ModelRunner(args, t.model, t.config, draft, dev, dtype, 512)
     mr.capture_graphs()
     g = torch.Generator(device=dev).manual_seed(0)
-    for pool in (mr.target_kv, mr.draft_kv):
+    for pool in (mr.caches.kv, mr.spec.caches.kv):
         for k, v in zip(pool.k, pool.v):
             k.copy_(torch.randn(k.shape, generator=g, device=dev))
             v.copy_(torch.randn(v.shape, generator=g, device=dev))
@@ -52,12 +52,12 @@ def test_graph_replay_equals_eager_every_phase(tiny_models, n, page_size, models
     """Also with an aux-layer draft (feature-wide verify output and draft-extend input)."""
     target, draft = models
     mr = _cuda_spec_runner(tiny_models[target], n, page_size, draft_path=draft and tiny_models[draft])
-    assert all(r.graphs for r in mr.runners.values()), "every phase must be captured"
-    for name, runner in mr.runners.items():
+    assert all(r.graphs for r in mr.spec.runners.values()), "every phase must be captured"
+    for name, runner in mr.spec.runners.items():
         for i, bs in enumerate([13, 9, 5, 3, 1, 2, 7, 16]):
             handles, live = _inputs(mr, name, bs, seed=100 * i + n)
             live = _to(live, mr.device)
-            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backend, False).items()}
+            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
             out = runner.run(live)
             for k in eager:
                 torch.testing.assert_close(out[k], eager[k], rtol=2e-4, atol=2e-4, msg=f"{name} bs={bs} {k}")
@@ -73,7 +73,7 @@ def test_one_graph_spec_step_equals_eager_phases_gpu(tiny_models, n, page_size, 
     target, draft = models
     mr = _cuda_spec_runner(tiny_models[target], n, page_size, draft_path=draft and tiny_models[draft],
                            lookup=lookup)
-    assert mr.spec_step.graphs
+    assert mr.spec.spec_step.graphs
     check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
 
 
@@ -81,7 +81,7 @@ def test_prefill_graphs_equal_eager_gpu(tiny_models):
     """Prefill (target and draft extend) captured per padded token count, against the eager forward: shrinking and
     growing token and request counts, with prefixes; over the bound runs eagerly."""
     mr = prefill_runner(tiny_models["llama"], tiny_models["llama_draft_aux"], "triton", device="cuda")
-    assert all(sorted(r.graphs) == r.ladder == [16, 32, 64] for r in mr.prefill.values())
+    assert all(sorted(r.graphs) == r.ladder.sizes == [16, 32, 64] for r in (mr.prefill, mr.spec.prefill))
     check_padded_prefill(mr, 2e-4)
 
 
@@ -102,8 +102,8 @@ def test_spec_greedy_equals_plain_fp32(tiny_models, n):
     reqs = _run(spec, prompts)
     assert [r.output_ids for r in reqs] == ref
     assert spec.stats.spec_accept_length > 1.0 + 0.4 * min(n, 3)
-    assert all(r.graphs for r in spec.mr.runners.values())
-    assert spec.mr.spec_step.graphs and spec.mr.spec_step.replays > 0  # greedy steps: the one-graph step
+    assert all(r.graphs for r in spec.mr.spec.runners.values())
+    assert spec.mr.spec.spec_step.graphs and spec.mr.spec.spec_step.replays > 0  # greedy steps: the one-graph step
 
 
 def test_spec_greedy_bf16_match_rate(tiny_models, capsys):
@@ -151,6 +151,6 @@ def test_graphs_on_and_off_give_same_tokens(tiny_models):
         eng = Engine(model_path=tiny_models["llama_mtp"], max_total_tokens=4096, speculative_algorithm="MTP",
                      speculative_num_steps=3, disable_cuda_graph=off, cuda_graph_bs=CAPTURE)
         outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)])
-        runners = eng.core.model_runner.runners.values()
+        runners = eng.core.model_runner.spec.runners.values()
         assert all(bool(r.graphs) != off for r in runners)
     assert outs[0] == outs[1]

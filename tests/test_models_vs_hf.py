@@ -4,8 +4,8 @@ prefill logits, and step-by-step decode logits through the engine's decode runne
 import pytest
 import torch
 
-from specserve.engine.padding import LiveInputs
-from specserve.engine.prefill_graph import ExtendBatch
+from specserve.graphs.padding import LiveInputs
+from specserve.graphs.prefill import ExtendBatch
 from specserve.models.loader import ModelSource, load_target
 from specserve.server_args import ServerArgs
 
@@ -47,7 +47,7 @@ def test_prefill_and_decode_logits_match_hf(tiny_models, arch, page_size):
     table = mr.req_to_token.table
     loc = torch.cat([table[h.row, :len(p)] for h, p in zip(handles, prompts)])
     lens = [len(p) for p in prompts]
-    hidden = mr.prefill["target"].run(ExtendBatch(ids, pos, loc, [h.row for h in handles], lens, lens))
+    hidden = mr.prefill.run(ExtendBatch(ids, pos, loc, [h.row for h in handles], lens, lens))
     ours = t.model.compute_logits(hidden)
     off = 0
     seqs = [list(p) for p in prompts]
@@ -82,7 +82,7 @@ def test_bfloat16_engine_tracks_float32(tiny_models):
     outs = {}
     for dt in ("float32", "bfloat16"):
         eng = Engine(model_path=path, dtype=dt, max_total_tokens=2048)
-        assert eng.core.model_runner.target_kv.dtype == getattr(torch, dt)
+        assert eng.core.model_runner.caches.kv.dtype == getattr(torch, dt)
         outs[dt] = eng.generate(input_ids=prompts, sampling_params=sp)
         mr = eng.core.model_runner
         from specserve.kvcache.manager import KVHandle
@@ -90,7 +90,7 @@ def test_bfloat16_engine_tracks_float32(tiny_models):
         h = KVHandle()
         assert mr.kv.assign_row(h) and mr.kv.ensure([h], [7])
         loc = mr.req_to_token.table[h.row, :6]
-        hid = mr.prefill["target"].run(ExtendBatch(torch.tensor(prompts[0]), torch.arange(6), loc, [h.row], [6],
+        hid = mr.prefill.run(ExtendBatch(torch.tensor(prompts[0]), torch.arange(6), loc, [h.row], [6],
                                                    [6]))
         outs[dt + "_logits"] = mr.target.compute_logits(hid)
         mr.kv.release(h)

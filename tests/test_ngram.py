@@ -9,7 +9,7 @@ import pytest
 import torch
 from spec_fixtures import build_scheduler, run_greedy
 
-from specserve.spec.ngram import choose_drafts, history_tail, lookup_drafts, ngram_continuation
+from specserve.speculative.ngram import choose_drafts, history_tail, lookup_drafts, ngram_continuation
 
 
 def _ref_continuation(hist, last, p2, p1, p0):

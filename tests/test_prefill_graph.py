@@ -13,7 +13,7 @@ import torch
 
 from specserve.engine.engine import Engine
 from specserve.engine.model_runner import ModelRunner
-from specserve.engine.prefill_graph import ExtendBatch, token_ladder
+from specserve.graphs.prefill import ExtendBatch, token_ladder
 from specserve.kvcache.manager import KVHandle
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.server_args import ServerArgs
@@ -38,7 +38,7 @@ def prefill_runner(path, draft_path, backend, device="cpu"):
                       cuda_graph_max_prefill_tokens=MAX_TOKENS)
     mr = ModelRunner(args, t.model, t.config, draft, dev, torch.float32, 512)
     g = torch.Generator().manual_seed(0)
-    for pool in (mr.target_kv, mr.draft_kv):  # non-trivial prefix keys
+    for pool in (mr.caches.kv, mr.spec.caches.kv):  # non-trivial prefix keys
         for k, v in zip(pool.k, pool.v):
             k.copy_(torch.randn(k.shape, generator=g))
             v.copy_(torch.randn(v.shape, generator=g))
@@ -65,7 +65,7 @@ def _batch(mr, prefixes, lens, seed):
 
 
 def _pools(mr):
-    return [t for pool in (mr.target_kv, mr.draft_kv) for t in (*pool.k, *pool.v)]
+    return [t for pool in (mr.caches.kv, mr.spec.caches.kv) for t in (*pool.k, *pool.v)]
 
 
 # (prefix, new tokens) per request: token counts 46, 5, 64, 33, 16 shrink and grow; 70 tokens and 17 requests
@@ -79,10 +79,18 @@ def test_padded_prefill_equals_eager(tiny_models, backend):
     check_padded_prefill(prefill_runner(tiny_models["llama"], tiny_models["llama_draft_aux"], backend), 1e-5)
 
 
+def prefill_runners(mr) -> dict:
+    """The target's prefill runner and, with a drafter, the worker's."""
+    out = {"target": mr.prefill}
+    if mr.spec is not None:
+        out["draft"] = mr.spec.prefill
+    return out
+
+
 def check_padded_prefill(mr, tol):
     """Each prefill runner over BATCHES: the padded run against the eager forward (outputs and KV pools)."""
-    for name, runner in mr.prefill.items():
-        assert runner.ladder == [16, 32, MAX_TOKENS]
+    for name, runner in prefill_runners(mr).items():
+        assert runner.ladder.sizes == [16, 32, MAX_TOKENS]
         for i, (prefixes, lens) in enumerate(BATCHES):
             handles, x = _batch(mr, prefixes, lens, seed=i)
             if name == "target":
@@ -102,10 +110,10 @@ def check_padded_prefill(mr, tol):
                 torch.testing.assert_close(t[1:], w[1:], rtol=tol, atol=tol, msg=f"{name} batch {i} KV")
             if graphed:
                 nt, n, padded = x.num_tokens, len(lens), runner.padded_tokens(x.num_tokens)
-                assert padded == min(t for t in runner.ladder if t >= nt)
-                for buf in (runner.input_ids, runner.positions, runner.out_cache_loc):
+                assert padded == min(t for t in runner.ladder.sizes if t >= nt)
+                for buf in (runner.buffers.input_ids, runner.buffers.positions, runner.buffers.out_cache_loc):
                     assert torch.all(buf[nt:padded] == 0)
-                m = runner.meta
+                m = runner.buffers.meta
                 assert m[:, n].tolist() == [0, padded - nt, nt, padded - nt]  # the padding request, on row 0
                 assert torch.all(m[0, n + 1:] == 0) and torch.all(m[3, n + 1:] == 0)  # idle request slots
             for h in handles:
@@ -116,7 +124,7 @@ def test_prefill_graph_off_by_default_on_cpu(tiny_models):
     t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, torch.device("cpu"), 600)
     mr = ModelRunner(ServerArgs(model_path=tiny_models["llama"], max_total_tokens=4096), t.model, t.config, None,
                      torch.device("cpu"), torch.float32, 512)
-    assert mr.prefill["target"].ladder == [] and "draft" not in mr.prefill
+    assert mr.prefill.ladder.sizes == [] and mr.spec is None
 
 
 @pytest.mark.parametrize("spec", [{}, {"speculative_algorithm": "MTP", "speculative_num_steps": 2,
@@ -133,7 +141,7 @@ def test_engine_outputs_with_prefill_graphs(tiny_models, spec):
             res = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0,
                                                                    "ignore_eos": True})
             outs.append([r["output_ids"] for r in res])
-            runners.append(list(eng.core.model_runner.prefill.values()))
+            runners.append(list(prefill_runners(eng.core.model_runner).values()))
     assert outs[0] == outs[1]
     assert all(r.replays == 0 for r in runners[0])
     assert all(r.replays > 0 for r in runners[1])

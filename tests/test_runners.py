@@ -14,19 +14,21 @@ import torch
 from torch import nn
 
 from specserve.attention.torch_backend import TorchAttentionBackend
-from specserve.engine.forward_batch import ForwardBatch
-from specserve.engine.graph_runner import DraftDecodeRunner, DraftExtendRunner, RunnerContext
+from specserve.batch import CacheKind, ForwardBatch
 from specserve.engine.model_runner import ModelRunner
-from specserve.engine.padding import LiveInputs
-from specserve.engine.sampler import GREEDY
+from specserve.graphs.padding import LiveInputs
+from specserve.graphs.phase_runners import RunnerContext
 from specserve.kernels import reference as ref
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.manager import KVHandle
 from specserve.kvcache.req_to_token import ReqToTokenPool
-from specserve.models.llama import DenseForCausalLM
+from specserve.layers.sampler import GREEDY
+from specserve.models.dense import DenseForCausalLM
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.server_args import ServerArgs
-from specserve.spec.spec_step import spec_step_device
+from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
+from specserve.speculative.draft_state import DraftChooser
+from specserve.speculative.spec_step import spec_step_device
 
 CAPTURE = [1, 2, 4, 8]
 
@@ -40,7 +42,7 @@ def _spec_runner(path, n=3, page_size=1, draft_path=None, lookup=False):
     mr = ModelRunner(args, t.model, t.config, draft, torch.device("cpu"), torch.float32, 512)
     # Non-trivial cache contents so attention over the prefix matters.
     g = torch.Generator().manual_seed(0)
-    for pool in (mr.target_kv, mr.draft_kv):
+    for pool in (mr.caches.kv, mr.spec.caches.kv):
         for k, v in zip(pool.k, pool.v):
             k.copy_(torch.randn(k.shape, generator=g))
             v.copy_(torch.randn(v.shape, generator=g))
@@ -88,10 +90,10 @@ def test_replay_equals_eager_shrinking_and_growing(tiny_models, page_size, model
     target, draft = models
     mr = _spec_runner(tiny_models[target], n=3, page_size=page_size,
                       draft_path=draft and tiny_models[draft])
-    for name, runner in mr.runners.items():
+    for name, runner in mr.spec.runners.items():
         for i, bs in enumerate([7, 5, 3, 1, 2, 8, 6]):  # shrinking, then growing
             handles, live = _inputs(mr, name, bs, seed=100 * i + len(name))
-            eager = runner.forward_phase(live, runner.eager_backend, graph_mode=False)
+            eager = runner.forward_phase(live, runner.eager_backends, graph_mode=False)
             eager = {k: v.clone() for k, v in eager.items()}
             before = runner.replays
             out = runner.run(live)
@@ -112,13 +114,15 @@ def test_replay_equals_eager_shrinking_and_growing(tiny_models, page_size, model
 
 def _snapshot(runner):
     tensors = dict(runner.buffers.tensors())
-    tensors.update({"backend." + k: v for k, v in runner.backend.graph_buffers.items()})
+    for kind, backend in runner.backends.items():  # every kind's metadata
+        tensors.update({f"backend.{kind.value}.{k}": v for k, v in backend.graph_buffers.items()})
     return {k: v.clone() for k, v in tensors.items()}
 
 
 def test_draft_replay_leaves_target_buffers_untouched(tiny_models):
     mr = _spec_runner(tiny_models["llama_mtp"], n=3)
-    target, drafts = mr.runners["target_verify"], [mr.runners["draft_decode"], mr.runners["draft_extend"]]
+    runners = mr.spec.runners
+    target, drafts = runners["target_verify"], [runners["draft_decode"], runners["draft_extend"]]
     def run(r, bs, seed):
         handles, live = _inputs(mr, r.name, bs, seed=seed)
         r.run(live)
@@ -127,7 +131,10 @@ def test_draft_replay_leaves_target_buffers_untouched(tiny_models):
 
     run(target, 5, 1)
     snap = _snapshot(target)
-    assert target.backend is not drafts[0].backend and target.backend is not drafts[1].backend
+    assert set(target.backends) == {CacheKind.MHA} and all(set(r.backends) == {CacheKind.MHA} for r in drafts)
+    for kind, backend in target.backends.items():
+        assert all(backend is not r.backends[kind] for r in drafts)
+        assert all(backend.kv_pool is not r.backends[kind].kv_pool for r in drafts)  # the draft's own pools
     for r in drafts:
         for bs in (3, 7):
             run(r, bs, bs)
@@ -164,13 +171,13 @@ class PositionProbe(nn.Module):
 def _probe_ctx(probe, mrope=True):
     rtt = ReqToTokenPool(16, 64, torch.device("cpu"))
     pool = KVPool(1, 64, 1, 8, torch.float32, torch.device("cpu"))
-    return RunnerContext(probe, pool, rtt, lambda p: TorchAttentionBackend(rtt, p), torch.device("cpu"), 8,
-                         torch.float32, mrope, 64)
+    return RunnerContext(probe, rtt, lambda: {CacheKind.MHA: TorchAttentionBackend(rtt, pool)}, torch.device("cpu"),
+                         8, torch.float32, mrope, 64)
 
 
 def test_mrope_staging_keeps_offsets_and_draft_loop_advances_rows():
     probe = PositionProbe(8)
-    runner = DraftDecodeRunner(_probe_ctx(probe), num_steps=3, capture_bs=[1, 4], use_graphs=True)
+    runner = DraftDecodeRunner(_probe_ctx(probe), DraftChooser(probe), num_steps=3, capture_bs=[1, 4], use_graphs=True)
     # three requests with multimodal offsets: rows differ per request
     pos3 = torch.tensor([[10, 20, 30], [4, 15, 27], [9, 21, 33]])  # [3 rows, bs]
     live = LiveInputs(3, torch.tensor([1, 2, 3]), pos3, torch.tensor([1, 2, 3]), torch.tensor([11, 21, 31]), 40,
@@ -191,7 +198,7 @@ def test_mrope_staging_keeps_offsets_and_draft_loop_advances_rows():
     assert torch.equal(probe.seen[0][:, 2:], torch.zeros(3, 2, dtype=torch.int64)), "stale rows leaked"
     # the eager path (graphs off) advances the rows the same way
     probe.seen.clear()
-    eager = DraftDecodeRunner(_probe_ctx(probe), num_steps=3, capture_bs=[1, 4], use_graphs=False)
+    eager = DraftDecodeRunner(_probe_ctx(probe), DraftChooser(probe), num_steps=3, capture_bs=[1, 4], use_graphs=False)
     eager.run(live)
     for i, seen in enumerate(probe.seen):
         assert torch.equal(seen, pos3 + i)
@@ -199,7 +206,7 @@ def test_mrope_staging_keeps_offsets_and_draft_loop_advances_rows():
 
 def test_draft_extend_stages_mrope_rows():
     probe = PositionProbe(8)
-    runner = DraftExtendRunner(_probe_ctx(probe), width=2, capture_bs=[4], use_graphs=True)
+    runner = DraftExtendRunner(_probe_ctx(probe), DraftChooser(probe), width=2, capture_bs=[4], use_graphs=True)
     pos3 = torch.tensor([[3, 4, 7, 8], [1, 2, 5, 6], [9, 10, 11, 12]])
     runner.run(LiveInputs(2, torch.arange(4), pos3, torch.tensor([1, 2]), torch.tensor([5, 9]), 16,
                           accept_len=torch.tensor([0, 1]), hidden=torch.randn(4, 8)))
@@ -240,11 +247,11 @@ def test_mrope_model_text_positions_match_1d_model(tiny_models):
 def _state(mr):
     """Everything a speculative step writes: per-row state and both KV pools, less page-table row 0 and KV slot
     0 (the dummy row and slot that padded rows write)."""
-    rs = mr.rows
-    out = {"last_token": rs.last_token, "draft_token": rs.draft_token, "draft_hidden": rs.draft_hidden}
+    rs = mr.spec.state
+    out = {"last_token": mr.last_token, "draft_token": rs.draft_token, "draft_hidden": rs.draft_hidden}
     if rs.tokens is not None:
         out["tokens"] = rs.tokens
-    for name, pool in (("target", mr.target_kv), ("draft", mr.draft_kv)):
+    for name, pool in (("target", mr.caches.kv), ("draft", mr.spec.caches.kv)):
         for i, (k, v) in enumerate(zip(pool.k, pool.v)):
             out[f"{name}.k{i}"], out[f"{name}.v{i}"] = k, v
     return {k: v[1:] for k, v in out.items()}
@@ -254,23 +261,23 @@ def check_one_graph_step(mr, sizes, tol):
     """The whole greedy step as one captured function (SpecStepRunner: a CUDA graph, or static replay on CPU)
     against the same step run phase by phase eagerly: accept lengths, tokens, per-row state and both KV pools
     (padded rows must not touch any live row)."""
-    one, runners, dev = mr.spec_step, mr.runners, mr.device
+    one, runners, dev = mr.spec.spec_step, mr.spec.runners, mr.device
 
     def eager_phase(name, live):
-        return runners[name].forward_phase(live, runners[name].eager_backend, graph_mode=False)
+        return runners[name].forward_phase(live, runners[name].eager_backends, graph_mode=False)
 
     for i, bs in enumerate(sizes):
         handles, rows, s = _requests(mr, bs, mr.num_steps, seed=50 + i)
         rows, s = rows.to(dev), s.to(dev)
         g = torch.Generator().manual_seed(i)
-        rs = mr.rows
-        rs.last_token[rows] = torch.randint(0, 256, (bs,), generator=g).to(dev)
+        rs = mr.spec.state
+        mr.last_token[rows] = torch.randint(0, 256, (bs,), generator=g).to(dev)
         rs.draft_token[rows] = torch.randint(0, 256, (bs,), generator=g).to(dev)
         rs.draft_hidden[rows] = torch.randn(bs, mr.cfg.hidden_size, generator=g).to(dev, rs.draft_hidden.dtype)
         if rs.tokens is not None:  # a history with repeats, so that the lookup finds continuations
             rs.tokens[rows] = torch.randint(0, 6, (bs, rs.tokens.shape[1]), generator=g).to(dev)
         before = {k: v.clone() for k, v in _state(mr).items()}
-        accept, verified = spec_step_device(mr, eager_phase, rows, s, s, int(s.max()), GREEDY)
+        accept, verified = spec_step_device(mr.spec, eager_phase, rows, s, s, int(s.max()), GREEDY)
         want_state = {k: v.clone() for k, v in _state(mr).items()}
         for k, v in _state(mr).items():
             v.copy_(before[k])
@@ -310,5 +317,5 @@ def test_one_graph_spec_step_mrope_text(tiny_models):
     args = ServerArgs(model_path=tiny_models["llama"], max_total_tokens=8192, max_running_requests=16,
                       speculative_algorithm="MTP", speculative_num_steps=2, cuda_graph_bs=CAPTURE)
     mr = ModelRunner(args, m3, cfg3, draft, torch.device("cpu"), torch.float32, 512)
-    assert mr.runners["target_verify"].ctx.mrope and mr.runners["draft_extend"].ctx.mrope
+    assert mr.spec.runners["target_verify"].ctx.mrope and mr.spec.runners["draft_extend"].ctx.mrope
     check_one_graph_step(mr, [3, 1, 4], 1e-5)

@@ -34,7 +34,7 @@ def test_logits_match_transformers_gguf_loader(plain):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    from specserve.engine.prefill_graph import ExtendBatch
+    from specserve.graphs.prefill import ExtendBatch
     from specserve.kvcache.manager import KVHandle
     from specserve.models.loader import ModelSource
 
@@ -45,7 +45,7 @@ def test_logits_match_transformers_gguf_loader(plain):
     h = KVHandle()
     assert mr.kv.assign_row(h) and mr.kv.ensure([h], [len(ids) + 1])
     loc = mr.req_to_token.table[h.row, :len(ids)]
-    hidden = mr.prefill["target"].run(ExtendBatch(torch.tensor(ids), torch.arange(len(ids)), loc, [h.row],
+    hidden = mr.prefill.run(ExtendBatch(torch.tensor(ids), torch.arange(len(ids)), loc, [h.row],
                                                   [len(ids)], [len(ids)]))
     ours = mr.target.compute_logits(hidden)
     mr.kv.release(h)

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from specserve.engine.forward_batch import ForwardBatch, ForwardMode, fixed_width_out_cache_loc
-from specserve.engine.prefill_graph import ExtendBatch
+from specserve.batch import CacheKind, ForwardBatch, ForwardMode, fixed_width_out_cache_loc
+from specserve.graphs.prefill import ExtendBatch
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.train.attention import chain_mask
 from specserve.train.data import Sample, load_prompts, record_messages
@@ -128,9 +128,9 @@ def test_training_forward_matches_engine(tiny_target, aux_layers):
     flat = torch.tensor(sum((s[:n] for s, n in zip(seqs, ss)), []))
     pos = torch.cat([torch.arange(n) for n in ss])
     loc = torch.cat([table[r, :n] for r, n in zip(rows, ss)])
-    h_eng = mr.prefill["target"].run(ExtendBatch(flat, pos, loc, rows, ss, ss))
+    h_eng = mr.prefill.run(ExtendBatch(flat, pos, loc, rows, ss, ss))
     nxt = torch.tensor(sum((s[1:n + 1] for s, n in zip(seqs, ss)), []))  # x_{i+1}
-    d_eng = mr.prefill["draft"].run(ExtendBatch(nxt, pos, loc, rows, ss, ss, h_eng))
+    d_eng = mr.spec.prefill.run(ExtendBatch(nxt, pos, loc, rows, ss, ss, h_eng))
     off = 0
     for b, n in enumerate(ss):
         torch.testing.assert_close(h_train[b, :n], h_eng[off:off + n], rtol=1e-4, atol=1e-4)
@@ -143,11 +143,11 @@ def test_training_forward_matches_engine(tiny_target, aux_layers):
     for step in range(2):
         tok = torch.tensor([s[n + 1 + step] for s, n in zip(seqs, ss)])
         seq_lens = s_t + 1 + step
-        backend = TorchAttentionBackend(mr.req_to_token, mr.draft_kv)
+        backend = TorchAttentionBackend(mr.req_to_token, mr.spec.caches.kv)
         fb = ForwardBatch(mode=ForwardMode.DRAFT_DECODE, batch_size=2, input_ids=tok, positions=s_t + step,
                           out_cache_loc=fixed_width_out_cache_loc(table, rows_t, seq_lens, 1),
                           req_pool_indices=rows_t, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()), width=1,
-                          hidden_in=hidden, attn_backend=backend, kv_pool=mr.draft_kv)
+                          hidden_in=hidden, backends={CacheKind.MHA: backend})
         backend.init_forward_metadata(fb)
         with torch.inference_mode():
             hidden = draft(fb)

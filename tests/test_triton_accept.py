@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from specserve.engine.sampler import SALT_ACCEPT, SALT_SAMPLE, uniform_noise  # noqa: E402
+from specserve.kernels.noise import SALT_ACCEPT, SALT_SAMPLE, uniform_noise  # noqa: E402
 from specserve.kernels.triton_accept import accept_greedy_triton, accept_sampling_triton  # noqa: E402
-from specserve.spec.accept import accept_greedy, accept_sampling  # noqa: E402
+from specserve.speculative.accept import accept_greedy, accept_sampling  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from specserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from specserve.engine.forward_batch import ForwardBatch, ForwardMode, fixed_width_out_cache_loc  # noqa: E402
+from specserve.batch import ForwardBatch, ForwardMode, fixed_width_out_cache_loc  # noqa: E402
 from specserve.kernels.triton_attention import fixed_width_attention, varlen_attention  # noqa: E402
 from specserve.kvcache.kv_pool import KVPool  # noqa: E402
 from specserve.kvcache.req_to_token import ReqToTokenPool  # noqa: E402
@@ -62,7 +62,7 @@ def _setup(hq: int, hkv: int, head_dim: int, dtype: torch.dtype, seq_lens: list[
         ref_c[LIVE_SLOTS + 1:] = 0.0
         tri_c.copy_(ref_c)
         tri_c[LIVE_SLOTS + 1:] = float("nan")
-    layer = PagedAttention(hq, hkv, head_dim, head_dim ** -0.5, layer_id=0)
+    layer = PagedAttention(hq, hkv, head_dim, head_dim ** -0.5, cache_index=0)
     return Setup(r2t, ref_pool, tri_pool, layer, g)
 
 
@@ -80,8 +80,7 @@ def _fixed_batch(su: Setup, mode: ForwardMode, rows: list[int], seq_lens: list[i
     return ForwardBatch(mode=mode, batch_size=len(rows), input_ids=torch.zeros(t, dtype=torch.int64, device=DEV),
                         positions=torch.zeros(t, dtype=torch.int64, device=DEV),
                         out_cache_loc=fixed_width_out_cache_loc(su.table.table, rows_t, seq_t, width),
-                        req_pool_indices=rows_t, seq_lens=seq_t, max_seq_len=max(seq_lens), width=width,
-                        kv_pool=pool)
+                        req_pool_indices=rows_t, seq_lens=seq_t, max_seq_len=max(seq_lens), width=width)
 
 
 def _run_fixed(su: Setup, mode: ForwardMode, rows: list[int], seq_lens: list[int], width: int, graph: bool,
@@ -190,7 +189,7 @@ def test_extend_with_prefix(hq, hkv, head_dim, dtype, blocks):
                             positions=torch.zeros(sum(ext), dtype=torch.int64, device=DEV), out_cache_loc=loc,
                             req_pool_indices=torch.tensor(rows, device=DEV),
                             seq_lens=torch.tensor(seq_lens, device=DEV), max_seq_len=max(seq_lens),
-                            extend_lens_cpu=ext, seq_lens_cpu=seq_lens, kv_pool=pool)
+                            extend_lens_cpu=ext, seq_lens_cpu=seq_lens)
 
     ref_be = TorchAttentionBackend(su.table, su.ref_pool)
     fb_ref = batch(su.ref_pool)
@@ -239,7 +238,7 @@ def test_head_dim_not_power_of_two():
                                                                                       device=DEV),
                         positions=torch.zeros(13, dtype=torch.int64, device=DEV), out_cache_loc=loc,
                         req_pool_indices=torch.tensor(rows, device=DEV), seq_lens=torch.tensor(seq_lens, device=DEV),
-                        max_seq_len=26, extend_lens_cpu=ext, seq_lens_cpu=seq_lens, kv_pool=pool)
+                        max_seq_len=26, extend_lens_cpu=ext, seq_lens_cpu=seq_lens)
            for pool in (su.ref_pool, su.tri_pool)]
     ref_be = TorchAttentionBackend(su.table, su.ref_pool)
     ref_be.init_forward_metadata(fbs[0])

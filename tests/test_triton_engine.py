@@ -9,6 +9,7 @@ from spec_fixtures import build_scheduler
 from test_spec_greedy import _run
 
 from specserve.attention.triton_backend import TritonAttentionBackend
+from specserve.batch import CacheKind
 
 pytest.importorskip("triton")
 # spec_fixtures builds CPU engines: the Triton backend can run them only under the interpreter (CPU sessions).
@@ -24,13 +25,15 @@ def _generate(path: str, backend: str, **kw) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in PROMPT_LENS]
     reqs = _run(sched, prompts, new=NEW)  # greedy, ignore_eos; checks the pool is back to its start
-    runners = sched.mr.runners.values()
+    spec = sched.mr.spec
+    runners = (spec.runners if spec is not None else sched.mr.runners).values()
     # the graph-metadata path ran (static replay on CPU): greedy spec steps run every phase inside the one-graph step
-    replayed = [sched.mr.spec_step] if sched.mr.spec_step is not None else list(runners)
+    replayed = [spec.spec_step] if spec is not None and spec.spec_step is not None else list(runners)
     assert all(r.replays > 0 for r in replayed)
     if backend == "triton":
-        assert all(isinstance(r.backend, TritonAttentionBackend) for r in runners)
-        assert all(isinstance(r.eager_backend, TritonAttentionBackend) for r in sched.mr.prefill.values())
+        assert all(isinstance(r.backends[CacheKind.MHA], TritonAttentionBackend) for r in runners)
+        prefill = [sched.mr.prefill] + ([spec.prefill] if spec is not None else [])
+        assert all(isinstance(r.eager_backends[CacheKind.MHA], TritonAttentionBackend) for r in prefill)
     return [r.output_ids for r in reqs]
 
 

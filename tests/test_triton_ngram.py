@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from specserve.kernels.triton_ngram import lookup_drafts_triton  # noqa: E402
-from specserve.spec.ngram import choose_drafts, ngram_continuation  # noqa: E402
+from specserve.speculative.ngram import choose_drafts, ngram_continuation  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -12,8 +12,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.phase_setup import fake_requests, random_models
 from specserve.engine.model_runner import ModelRunner
-from specserve.engine.padding import LiveInputs
-from specserve.engine.sampler import GREEDY, sample
+from specserve.graphs.padding import LiveInputs
+from specserve.layers.sampler import GREEDY, sample
 from specserve.models.loader import LoadedTarget, ModelSource, load_mtp_draft
 from specserve.server_args import ServerArgs
 
@@ -60,9 +60,9 @@ def profile_plain() -> None:
     s = torch.tensor([512], device=dev)
 
     def step():
-        live = LiveInputs(1, mr.rows.last_token[rows], s, rows, s + 1, 513)
+        live = LiveInputs(1, mr.last_token[rows], s, rows, s + 1, 513)
         tok = sample(mr.runners["decode"].run(live)["logits"], GREEDY, s + 1)
-        mr.rows.last_token[rows] = tok
+        mr.last_token[rows] = tok
         return tok.tolist()
 
     kernel_table(step, 20, "plain decode")
@@ -73,7 +73,7 @@ def profile_spec(n: int) -> None:
                                 **common), target, cfg, draft, dev, dtype, ctx_len)
     mr.capture_graphs()
     row = fake_requests(mr, 1, 512)[0].kv.row
-    kernel_table(lambda: mr.spec_step.run([row], [512], [512]).tolist(), 20, f"spec step N={n} (one graph)")
+    kernel_table(lambda: mr.spec.spec_step.run([row], [512], [512]).tolist(), 20, f"spec step N={n} (one graph)")
 
 
 profile_plain()

@@ -1,7 +1,9 @@
 """The attention-backend interface.
 
-One backend instance belongs to one runner (or to the eager path) and one model's KV pool. It owns its metadata
-buffers: a draft runner's backend can never write a target runner's metadata (DESIGN §3).
+There is one backend per cache kind (DESIGN §4): this interface is the MHA kind's (paged K/V attention). One
+backend instance belongs to one runner (or to the eager path) and one model's pool of its kind. It owns its metadata
+buffers: a draft runner's backend can never write a target runner's metadata (DESIGN §3). A layer reaches it with
+`fb.backend(CacheKind.MHA)` and its cache with its `cache_index` among the model's MHA layers.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ import abc
 
 import torch
 
-from specserve.engine.forward_batch import ForwardBatch
+from specserve.batch import CacheKind, ForwardBatch
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.req_to_token import ReqToTokenPool
 
 
 class AttentionBackend(abc.ABC):
+    kind = CacheKind.MHA
     captures_varlen = False  # can a CUDA graph capture its variable-length (prefill) attention?
 
     def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool):
@@ -46,4 +49,5 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
-        """Store k, v at fb.out_cache_loc, then attend. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        """Store k, v at fb.out_cache_loc in layer.cache_index's K/V, then attend. q [T, Hq, D], k/v [T, Hkv, D]
+        -> [T, Hq, D]."""

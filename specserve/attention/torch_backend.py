@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.backend import AttentionBackend
-from specserve.engine.forward_batch import ForwardBatch, extend_starts
+from specserve.batch import ForwardBatch, extend_starts
 from specserve.kernels import ops
 
 
@@ -97,8 +97,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- attention
     def forward(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        pool = fb.kv_pool
-        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]
+        pool = self.kv_pool
+        k_cache, v_cache = pool.k[layer.cache_index], pool.v[layer.cache_index]
         ops.store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
         meta = self.meta
         if isinstance(meta, _FixedMeta):

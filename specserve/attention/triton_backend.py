@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.backend import AttentionBackend
-from specserve.engine.forward_batch import ForwardBatch, extend_starts
+from specserve.batch import ForwardBatch, extend_starts
 from specserve.kernels.triton_attention import fixed_width_attention, varlen_attention
 from specserve.kernels.triton_kv import store_kv
 from specserve.kvcache.kv_pool import KVPool
@@ -113,8 +113,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- attention
     def forward(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        pool = fb.kv_pool
-        k_cache, v_cache = pool.k[layer.layer_id], pool.v[layer.layer_id]  # [S, Hkv, D]
+        pool = self.kv_pool
+        k_cache, v_cache = pool.k[layer.cache_index], pool.v[layer.cache_index]  # [S, Hkv, D]
         store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
         if q.stride(-1) != 1:
             q = q.contiguous()

@@ -12,8 +12,8 @@ from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.kvcache.manager import KVHandle
 from specserve.models.config import ModelConfig
-from specserve.models.llama import DenseForCausalLM
 from specserve.models.mtp import MTPDraftModel
+from specserve.models.registry import model_class
 from specserve.server_args import ServerArgs
 
 # Shapes of public checkpoints (random weights: only shapes matter for timing).
@@ -72,7 +72,7 @@ def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_pos
     hf = AutoConfig.for_model(spec.pop("model_type"), **spec)
     cfg = ModelConfig.from_hf(hf)
     with torch.device(device):
-        target = DenseForCausalLM(cfg, max_positions).to(dtype)
+        target = model_class(cfg.architecture)(cfg, max_positions).to(dtype)
     random_init(target, seed)
     target.tie_weights()
     return target, random_draft(cfg, target, dtype, device, max_positions, seed + 1), cfg
@@ -110,18 +110,18 @@ def fake_requests(mr: ModelRunner, bs: int, prefix: int, seed: int = 0) -> list[
         r.seq_len = prefix
         r.prefill_len = prefix
         reqs.append(r)
-    for pool in (mr.target_kv, mr.draft_kv):
+    for pool in (mr.caches.kv, mr.spec.caches.kv if mr.spec else None):
         if pool is None:
             continue
         for k, v in zip(pool.k, pool.v):
             k.normal_()
             v.normal_()
     rows = torch.tensor([r.kv.row for r in reqs], device=mr.device)
-    mr.rows.last_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
-    mr.rows.draft_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
-    if mr.rows.draft_hidden is not None:
-        mr.rows.draft_hidden[rows] = torch.randn(bs, mr.cfg.hidden_size, device=mr.device).to(
-            mr.rows.draft_hidden.dtype)
+    mr.last_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
+    if mr.spec is not None:
+        st = mr.spec.state
+        st.draft_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
+        st.draft_hidden[rows] = torch.randn(bs, mr.cfg.hidden_size, device=mr.device).to(st.draft_hidden.dtype)
     return reqs
 
 
@@ -145,5 +145,5 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(mr: ModelRunner) -> int:
-    pool = mr.target_kv
+    pool = mr.caches.kv
     return 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * torch.empty((), dtype=pool.dtype).element_size()

@@ -25,9 +25,8 @@ from specserve.bench.phase_setup import (
     release,
     weight_bytes,
 )
-from specserve.engine.padding import LiveInputs
-from specserve.engine.steps import run_decode
-from specserve.spec.mtp_worker import run_spec_step
+from specserve.engine.steps import run_decode, run_spec_step
+from specserve.graphs.padding import LiveInputs
 
 
 def timeit(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -69,10 +68,10 @@ def phase_inputs(mr, reqs, name: str) -> LiveInputs:
     s = torch.tensor(s_host, device=dev)
     bs, m = len(reqs), max(s_host)
     if name == "decode":
-        return LiveInputs(bs, mr.rows.last_token[rows], s, rows, s + 1, m + 1)
+        return LiveInputs(bs, mr.last_token[rows], s, rows, s + 1, m + 1)
     if name == "draft_decode":
-        return LiveInputs(bs, mr.rows.draft_token[rows], s, rows, s + 1, m + n - 1,
-                          hidden=mr.rows.draft_hidden[rows])
+        return LiveInputs(bs, mr.spec.state.draft_token[rows], s, rows, s + 1, m + n - 1,
+                          hidden=mr.spec.state.draft_hidden[rows])
     w = n + 1
     pos = (s[:, None] + torch.arange(w, device=dev)).reshape(-1)
     ids = torch.randint(10, min(1000, mr.cfg.vocab_size), (bs * w,), device=dev)
@@ -88,12 +87,13 @@ def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
     out: dict = {"bs": bs}
     for mr, names in ((pair.plain, ["decode"]), (pair.spec, ["target_verify", "draft_decode", "draft_extend"])):
         reqs = fake_requests(mr, bs, prefix, seed=bs)
+        runners = mr.spec.runners if mr.spec is not None else mr.runners
         for name in names:
-            if name not in mr.runners:
+            if name not in runners:
                 continue
-            r = mr.runners[name]
+            r = runners[name]
             live = phase_inputs(mr, reqs, name)
-            eager = timeit(lambda r=r, live=live: r.forward_phase(live, r.eager_backend, graph_mode=False), dev,
+            eager = timeit(lambda r=r, live=live: r.forward_phase(live, r.eager_backends, graph_mode=False), dev,
                            iters)
             graph = timeit(lambda r=r, live=live: r.run(live), dev, iters) if r.use_graphs and r.graphs else None
             per = mr.num_steps - 1 if name == "draft_decode" else 1
@@ -103,12 +103,12 @@ def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
         else:
             # the step as run: one graph (greedy); then phase by phase (each phase's graph); then all eager
             out["spec_iter_ms"] = timeit(lambda mr=mr, reqs=reqs: run_spec_step(mr, reqs), dev, iters)
-            switchable = list(mr.runners.values())
-            if mr.spec_step is not None:
-                mr.spec_step.use_graphs = False
+            switchable = list(runners.values())
+            if mr.spec.spec_step is not None:
+                mr.spec.spec_step.use_graphs = False
                 out["spec_iter_phases_ms"] = timeit(lambda mr=mr, reqs=reqs: run_spec_step(mr, reqs), dev, iters)
-                switchable.append(mr.spec_step)
-            for rr in mr.runners.values():
+                switchable.append(mr.spec.spec_step)
+            for rr in runners.values():
                 rr.use_graphs = False
             out["spec_iter_eager_ms"] = timeit(lambda mr=mr, reqs=reqs: run_spec_step(mr, reqs), dev,
                                                max(3, iters // 4))
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t = load_target(ModelSource.resolve(args.model_path or embedded_model_path()), dtype, dev, max_pos)
         target, cfg = t.model, t.config
-        if args.speculative_draft_model_path or t.mtp_tensors:
+        if args.speculative_draft_model_path or t.has_mtp:
             draft = load_mtp_draft(t, args.speculative_draft_model_path, dtype, dev, max_pos)
         else:
             draft = random_draft(cfg, target, dtype, dev, max_pos)  # timing only: weights do not matter

@@ -1,7 +1,10 @@
-"""ModelRunner: the models, the KV memory, and the phase runners on one device.
+"""ModelRunner: the target model, the memory, and the target's phase runners on one device.
 
-It sizes the KV pool, owns the page table and per-row device state, builds one attention backend per runner and
-captures the graphs. It knows nothing of requests: the scheduler and the spec worker hand it tensors.
+It sizes every cache pool from one memory budget (the target's and the draft's per-layer cache specs: token slots
+for the token-indexed kinds, state rows for the recurrent kind), owns the page table, the target's pools and the
+per-row last token, builds the backends (one per cache kind, a fresh set per runner) and captures the graphs. With
+a drafter it creates the speculative worker (speculative/worker.py), which owns everything of the draft. It knows
+nothing of requests: the scheduler's steps hand it tensors.
 """
 
 from __future__ import annotations
@@ -9,29 +12,22 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from specserve.attention.torch_backend import TorchAttentionBackend
-from specserve.engine.forward_batch import ForwardMode
-from specserve.engine.graph_runner import (
-    DecodeRunner,
-    DraftDecodeRunner,
-    DraftExtendRunner,
-    PhaseRunner,
-    RunnerContext,
-    TargetVerifyRunner,
-)
-from specserve.engine.prefill_graph import PrefillRunner
+from specserve.batch import CacheKind, ForwardMode
+from specserve.graphs.phase_runners import DecodeRunner, PhaseRunner, RunnerContext, TargetVerifyRunner
+from specserve.graphs.prefill import PrefillRunner
 from specserve.kvcache.allocator import PageAllocator
-from specserve.kvcache.kv_pool import KVPool
+from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token
+from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.manager import KVManager
 from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.models.config import ModelConfig
 from specserve.server_args import ServerArgs
-from specserve.spec.spec_step import SpecStepRunner
+from specserve.speculative.worker import SpecWorker, WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +40,6 @@ def default_capture_bs(max_bs: int) -> list[int]:
     sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512]
     out = [s for s in sizes if s < max_bs] + [max_bs]
     return sorted(set(out))
-
-
-@dataclass
-class RowState:
-    """Per page-table-row device state carried between steps (no host round trip)."""
-
-    last_token: torch.Tensor  # [rows] the newest token (no KV yet)
-    draft_token: torch.Tensor  # [rows] d1 for the next spec step
-    draft_hidden: torch.Tensor | None  # [rows, H] the draft hidden state that chains into d2
-    tokens: torch.Tensor | None = None  # [rows, row width + 1] token history (context lookup drafting only)
 
 
 class ModelRunner:
@@ -73,12 +59,24 @@ class ModelRunner:
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
         self.kv_dtype = kv_dtype
 
-        # ---- sizing
-        per_tok = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-        if draft is not None:
-            per_tok += KVPool.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        # ---- sizing: one budget for every pool (token slots of target and draft, then state rows)
+        target_specs = target.cache_specs()
+        draft_specs = draft.cache_specs() if draft is not None else []
+        per_tok = bytes_per_token(target_specs + draft_specs, kv_dtype)
         self.row_width = -(-(context_len + self.num_steps + 1) // self.page_size) * self.page_size
-        self.max_total_tokens = self._kv_tokens(per_tok)
+        self.max_running = args.max_running_requests or (256 if device.type == "cuda" else 64)
+        per_row = bytes_per_state_row(target_specs, self.num_steps + 1)
+        budget = self._cache_budget()
+        if per_row:
+            # state rows first: each running request needs one; never more than a third of the budget
+            fit = int(budget // 3 // per_row) if budget is not None else self.max_running
+            if fit < 1:
+                raise ValueError("the memory budget cannot hold one request's recurrent state; raise "
+                                 "--mem-fraction-static")
+            self.max_running = min(self.max_running, fit)
+            if budget is not None:
+                budget -= self.max_running * per_row
+        self.max_total_tokens = self._kv_tokens(per_tok, budget)
         min_tokens = self.row_width + self.page_size
         if self.max_total_tokens < min_tokens:
             raise ValueError(
@@ -86,27 +84,17 @@ class ModelRunner:
                 f"({min_tokens} tokens); lower --context-length or raise --max-total-tokens/--mem-fraction-static"
             )
         num_pages = self.max_total_tokens // self.page_size + 1  # + dummy page 0
-        self.max_running = args.max_running_requests or (256 if device.type == "cuda" else 64)
         self.max_running = max(1, min(self.max_running, self.max_total_tokens // max(self.num_steps + 2, 2)))
 
         # ---- memory
         self.req_to_token = ReqToTokenPool(self.max_running, self.row_width, device)
         self.allocator = PageAllocator(num_pages, self.page_size)
-        self.kv = KVManager(self.allocator, self.req_to_token)
-        slots = num_pages * self.page_size
-        self.target_kv = KVPool(cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
-        self.draft_kv = (KVPool(1, slots, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
-                         if draft is not None else None)
-        rows = self.max_running + 1
-        self.rows = RowState(
-            last_token=torch.zeros(rows, dtype=torch.int64, device=device),
-            draft_token=torch.zeros(rows, dtype=torch.int64, device=device),
-            draft_hidden=(torch.zeros((rows, cfg.hidden_size), dtype=dtype, device=device)
-                          if draft is not None else None),
-            # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
-            tokens=(torch.full((rows, self.row_width + 1), -1, dtype=torch.int64, device=device)
-                    if draft is not None and args.speculative_ngram_lookup else None),
-        )
+        self.num_slots = num_pages * self.page_size
+        self.caches = ModelCaches(target_specs, self.num_slots, kv_dtype, device, state_rows=self.max_running,
+                                  state_slots=self.num_steps + 1)
+        self.kv = KVManager(self.allocator, self.req_to_token, self.caches.state)
+        self.last_token = torch.zeros(self.max_running + 1, dtype=torch.int64, device=device)  # [rows]
+
         # ---- phase runners
         self.use_graphs = not args.disable_cuda_graph
         max_bs = args.cuda_graph_max_bs or min(self.max_running, 64 if device.type == "cuda" else 16)
@@ -114,32 +102,26 @@ class ModelRunner:
         capture = [b for b in capture if b <= self.max_running] or [1]
         self.capture_bs = capture
         mrope = cfg.mrope_section is not None
-        tctx = RunnerContext(target, self.target_kv, self.req_to_token, self.make_backend, device,
-                             cfg.hidden_size, dtype, mrope, self.row_width)
+        tctx = RunnerContext(target, self.req_to_token, self.backend_factory(self.caches), device, cfg.hidden_size,
+                             dtype, mrope, self.row_width)
         self.runners: dict[str, PhaseRunner] = {}
-        self.draft_context: RunnerContext | None = None
-        self.spec_step: SpecStepRunner | None = None  # a greedy spec step as one graph, over the phase runners
+        max_prefill = self._max_prefill_graph_tokens()
+        prefill_rows = min(self.max_running, _PREFILL_GRAPH_ROWS)
+        self.spec: SpecWorker | None = None  # the speculative worker: draft model, pools, runners, state
         if draft is None:
             self.runners["decode"] = DecodeRunner(tctx, 1, capture, self.use_graphs)
         else:
             n = self.num_steps
-            dctx = RunnerContext(draft, self.draft_kv, self.req_to_token, self.make_backend, device,
-                                 cfg.hidden_size, dtype, mrope, self.row_width, token_history=self.rows.tokens,
-                                 lookup_confidence=args.speculative_ngram_confidence)
-            self.draft_context = dctx  # eager draft token choice (prefill) goes through it too
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
-            if n > 1:
-                self.runners["draft_decode"] = DraftDecodeRunner(dctx, n - 1, capture, self.use_graphs)
-            self.runners["draft_extend"] = DraftExtendRunner(dctx, n + 1, capture, self.use_graphs)
-            if not args.disable_spec_step_graph:
-                self.spec_step = SpecStepRunner(self, capture, self.use_graphs)
-        # prefill: the target's extend, and the draft's over the same positions (engine/prefill_graph.py)
-        max_prefill = self._max_prefill_graph_tokens()
-        rows = min(self.max_running, _PREFILL_GRAPH_ROWS)
-        self.prefill = {"target": PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, rows, self.use_graphs)}
-        if draft is not None:
-            self.prefill["draft"] = PrefillRunner(dctx, ForwardMode.DRAFT_EXTEND, max_prefill, rows,
-                                                  self.use_graphs, hidden_width=draft.feature_size)
+            self.spec = SpecWorker(draft, tctx, self.runners["target_verify"], self.last_token, self.num_slots,
+                                   kv_dtype, self.backend_factory, WorkerSettings(
+                                       num_steps=n, capture_bs=capture, use_graphs=self.use_graphs,
+                                       spec_step_graph=not args.disable_spec_step_graph,
+                                       ngram_lookup=args.speculative_ngram_lookup,
+                                       lookup_confidence=args.speculative_ngram_confidence,
+                                       prefill_graph_tokens=max_prefill, prefill_graph_rows=prefill_rows))
+        # prefill: the target's extend (the draft's over the same positions is the worker's)
+        self.prefill = PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs)
 
     # ------------------------------------------------------------------ setup
     def _backend_class(self) -> type:
@@ -152,8 +134,14 @@ class ModelRunner:
             return TritonAttentionBackend
         return TorchAttentionBackend
 
-    def make_backend(self, pool: KVPool):
-        return self._backend_class()(self.req_to_token, pool)
+    def backend_factory(self, caches: ModelCaches):
+        """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
+        twice: for its graph metadata and for its eager path)."""
+        classes = {CacheKind.MHA: self._backend_class()}
+        missing = [k.value for k in caches.kinds if k not in classes]
+        if missing:
+            raise ValueError(f"no attention backend serves cache kind(s) {', '.join(missing)} yet")
+        return lambda: {kind: classes[kind](self.req_to_token, pool) for kind, pool in caches.pools.items()}
 
     def _max_prefill_graph_tokens(self) -> int:
         """Prefill graphs: --cuda-graph-max-prefill-tokens, by default 2048 on CUDA (bounded by the page-table
@@ -168,16 +156,25 @@ class ModelRunner:
             asked = _PREFILL_GRAPH_TOKENS if asked is None else asked
         return min(asked or 0, self.row_width)
 
-    def _kv_tokens(self, per_tok: int) -> int:
+    def _cache_budget(self) -> float | None:
+        """Bytes for all cache pools (None: --max-total-tokens fixes the KV size; recurrent state comes on top)."""
         if self.args.max_total_tokens:
-            return self.args.max_total_tokens
+            return None
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             frac = self.args.mem_fraction_static or 0.85
             used = total - free
-            budget = total * frac - used - (2 << 30)  # keep room for graphs and activations
+            return max(total * frac - used - (2 << 30), 0)  # keep room for graphs and activations
+        return float(_CPU_KV_BYTES)
+
+    def _kv_tokens(self, per_tok: int, budget: float | None) -> int:
+        if self.args.max_total_tokens:
+            return self.args.max_total_tokens
+        if per_tok == 0:
+            return 1 << 20  # no token-indexed layer: slots only back the page table
+        if self.device.type == "cuda":
             return max(int(budget // per_tok), 0)
-        return int(min(_CPU_KV_BYTES // per_tok, 1 << 20))
+        return int(min(budget // per_tok, 1 << 20))
 
     def capture_graphs(self) -> None:
         if not (self.use_graphs and self.device.type == "cuda"):
@@ -185,8 +182,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
-        items = (list(self.runners.values()) + ([self.spec_step] if self.spec_step is not None else [])
-                 + list(self.prefill.values()))
+        items = list(self.runners.values()) + [self.prefill] + (self.spec.graph_runners() if self.spec else [])
         # No garbage collection during capture: a collected cycle that frees CUDA tensors of an earlier runner
         # makes the allocator query events, which invalidates the capture.
         gc.collect()
@@ -194,9 +190,7 @@ class ModelRunner:
         try:
             for r in tqdm(items, desc=f"Capturing CUDA graphs (bs {self.capture_bs[0]}..{self.capture_bs[-1]})",
                           unit="runner", disable=None):
-                r.ctx.graph_pool = pool
-                r.capture()
-                pool = r.ctx.graph_pool
+                pool = r.capture(pool)
         finally:
             gc.enable()
         torch.cuda.synchronize()

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req, ReqState
-from specserve.engine.steps import Chunk, run_decode, run_prefill
+from specserve.engine.steps import Chunk, run_decode, run_prefill, run_spec_step
 from specserve.engine.stop import StopChecker
-from specserve.spec.mtp_worker import run_spec_step
 
 logger = logging.getLogger(__name__)
 
@@ -239,3 +238,6 @@ class Scheduler:
             raise AssertionError(f"KV leak: {self.initial_free_pages - free} pages still held")
         if self.mr.req_to_token.num_free_rows != self.mr.req_to_token.max_reqs:
             raise AssertionError("page-table row leak")
+        state = self.mr.caches.state
+        if state is not None and state.num_free_rows != state.max_rows:
+            raise AssertionError(f"state row leak: {state.max_rows - state.num_free_rows} rows still held")

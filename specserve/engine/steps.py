@@ -1,4 +1,5 @@
-"""The forward steps the scheduler runs: prefill (target extend, + draft extend when speculating) and plain decode.
+"""The forward steps the scheduler runs: prefill (target extend, + the worker's draft extend when speculating),
+plain decode, and the speculative step (the worker's).
 
 Each step takes requests whose KV capacity the scheduler has already ensured, runs on the device, and returns the
 new tokens as host lists (the one host sync of a step). Request bookkeeping stays in the scheduler.
@@ -6,15 +7,15 @@ new tokens as host lists (the one host sync of a step). Request bookkeeping stay
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from specserve.engine.model_runner import ModelRunner
-from specserve.engine.padding import LiveInputs
-from specserve.engine.prefill_graph import ExtendBatch
 from specserve.engine.request import Req
-from specserve.engine.sampler import SamplingBatch, sample
+from specserve.graphs.padding import ExtendBatch, LiveInputs
+from specserve.layers.sampler import SamplingBatch, sample
+from specserve.speculative.worker import SpecStepResult
 
 
 @dataclass
@@ -34,8 +35,8 @@ def sampling_batch(mr: ModelRunner, reqs: list[Req]) -> SamplingBatch:
 
 @torch.inference_mode()
 def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
-    """Target extend over the chunks; for final chunks sample t0; with a drafter, draft extend over the same
-    positions (prompt shifted left by one, t0 appended) to fill the draft KV and produce d1 and its hidden state.
+    """Target extend over the chunks; for final chunks sample t0; with a drafter, the worker's draft extend over the
+    same positions (prompt shifted left by one, t0 appended) fills the draft KV and produces d1 and its hidden state.
     Returns t0 per chunk (None for non-final chunks)."""
     dev = mr.device
     table = mr.req_to_token.table
@@ -54,15 +55,15 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
     positions = torch.tensor(pos_host, dtype=torch.int64).to(dev, non_blocking=True)
     loc_r, loc_c = torch.tensor(loc_rows, device=dev), torch.tensor(loc_cols, device=dev)
     out_loc = table[loc_r, loc_c]
-    hist = mr.rows.tokens
-    if hist is not None:
-        hist[loc_r, loc_c] = input_ids  # the token history of context lookup drafting
+    spec = mr.spec
+    if spec is not None:
+        spec.record_tokens(loc_r, loc_c, input_ids)  # the token history of context lookup drafting
     batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext)
-    hidden = mr.prefill["target"].run(batch)  # [T, F] (a graph's output: used before the next prefill)
+    hidden = mr.prefill.run(batch)  # [T, F] (a graph's output: used before the next prefill)
 
     ends = torch.tensor(ext, device=dev).cumsum(0) - 1  # last token of each chunk
     final = [i for i, c in enumerate(chunks) if c.is_final]
-    t0 = None
+    t0 = fidx = frows = new_pos = None
     if final:
         fidx = ends[torch.tensor(final, device=dev)]
         logits = mr.target.compute_logits(hidden[fidx])  # [F, V]
@@ -70,11 +71,11 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
         new_pos = torch.tensor([chunks[i].end for i in final], dtype=torch.int64, device=dev)
         t0 = sample(logits, sampling_batch(mr, freqs), new_pos)  # [F]
         frows = torch.tensor([chunks[i].req.kv.row for i in final], device=dev)
-        mr.rows.last_token[frows] = t0
-        if hist is not None:
-            hist[frows, new_pos] = t0
+        mr.last_token[frows] = t0
+        if spec is not None:
+            spec.record_tokens(frows, new_pos, t0)
 
-    if mr.draft is not None:
+    if spec is not None:
         # Draft input at position p is (hidden_p, token_{p+1}): shift each chunk left by one and append the next
         # prompt token, or t0 for a final chunk.
         shifted = []
@@ -85,12 +86,7 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
         draft_ids = torch.tensor(shifted, dtype=torch.int64).to(dev, non_blocking=True)
         if final:
             draft_ids[fidx] = t0
-        dh = mr.prefill["draft"].run(replace(batch, input_ids=draft_ids, hidden=hidden))  # [T, H]
-        if final:
-            last = dh[fidx]
-            dc = mr.draft_context
-            mr.rows.draft_token[frows] = dc.draft_tokens(last, dc.history_rows(frows), new_pos)
-            mr.rows.draft_hidden[frows] = last.to(mr.rows.draft_hidden.dtype)
+        spec.prefill_draft(batch, draft_ids, hidden, fidx, frows, new_pos)
 
     out: list[int | None] = [None] * len(chunks)
     if final:
@@ -106,12 +102,20 @@ def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
     rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
     s_host = [r.seq_len for r in reqs]
     s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)
-    live = LiveInputs(batch_size=len(reqs), input_ids=mr.rows.last_token[rows], positions=s + rope_offsets(reqs, dev),
+    live = LiveInputs(batch_size=len(reqs), input_ids=mr.last_token[rows], positions=s + rope_offsets(reqs, dev),
                       req_pool_indices=rows, seq_lens=s + 1, max_seq_len=max(s_host) + 1)
     logits = mr.runners["decode"].run(live)["logits"]
     tokens = sample(logits, sampling_batch(mr, reqs), s + 1)
-    mr.rows.last_token[rows] = tokens
+    mr.last_token[rows] = tokens
     return tokens.tolist()
+
+
+@torch.inference_mode()
+def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
+    """One speculative step for every running request, by the worker (DESIGN §1)."""
+    return mr.spec.step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
+                        [r.seq_len + r.mrope_delta for r in reqs], rope_offsets(reqs, mr.device),
+                        sampling_batch(mr, reqs))
 
 
 def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:

@@ -64,3 +64,13 @@ def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
         return tk.row_top1_triton(x, vocab_map, with_prob)
     return ref.row_top1(x, vocab_map, with_prob)
 
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed experts (kernels/reference.py fused_moe): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K]
+    float32, topk_ids [T, K] int64 -> [T, H]. The Triton grouped GEMM on CUDA reads only the chosen experts' weights
+    and never syncs with the host (capturable)."""
+    if (tk := _kernels(x, w13, w2)) is not None:
+        return tk.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)

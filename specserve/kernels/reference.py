@@ -72,3 +72,22 @@ def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
         idx, prob = x.argmax(dim=-1), None
     return (vocab_map[idx] if vocab_map is not None else idx), prob
 
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed experts: out[t] = sum_k topk_weights[t, k] * w2[e] @ silu_and_mul(w13[e] @ x[t]), e = topk_ids[t, k].
+
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
+    int64 -> [T, H] in x's dtype. Each expert's product is rounded to x's dtype before the weighted sum (in float32),
+    as a grouped GEMM that writes per-(token, k) rows does."""
+    t, k = topk_ids.shape
+    out = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1)  # [T * K]
+    for e in flat.unique().tolist():  # reference only: reads the chosen experts, host loop
+        sel = (flat == e).nonzero().squeeze(1)  # [n] (token, k) pairs routed to e
+        tok = sel // k
+        h = silu_and_mul(x[tok] @ w13[e].T)  # [n, I]
+        y = (h @ w2[e].T).float()  # [n, H]
+        out.index_add_(0, tok, y * topk_weights.reshape(-1)[sel, None].float())
+    return out.to(x.dtype)

@@ -4,7 +4,7 @@
   kernels/triton_top1.py), then one program per request counts the leading draft == argmax matches.
 * `accept_sampling_triton`: one program per request runs the accept tests in order, then makes two passes over
   the vocabulary row of the first rejected (or bonus) position: the residual's total, then the exponential race
-  argmax((residual / total) / -log u). The counter-based noise of engine/sampler.py (splitmix64 of seed, position,
+  argmax((residual / total) / -log u). The counter-based noise of kernels/noise.py (splitmix64 of seed, position,
   salt, column) is reproduced bit for bit in uint64 arithmetic, so the accept tests and the race see exactly the
   reference's uniforms; the floating-point ops are done in the reference's order (the total's summation order and
   log's last bit may differ, which only matters for exact ties of the race).
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.engine.sampler import SALT_ACCEPT, SALT_SAMPLE
+from specserve.kernels.noise import SALT_ACCEPT, SALT_SAMPLE
 from specserve.kernels.triton_top1 import row_top1_triton
 
 _BLOCK_V = 2048
@@ -24,7 +24,7 @@ _BLOCK_V = 2048
 
 @triton.jit
 def _mix64(x):
-    """splitmix64 finaliser on uint64 (wrapping multiply, logical shifts) == engine/sampler._mix64."""
+    """splitmix64 finaliser on uint64 (wrapping multiply, logical shifts) == kernels/noise._mix64."""
     x = x ^ (x >> 30)
     x = x * 0xBF58476D1CE4E5B9
     x = x ^ (x >> 27)

@@ -1,11 +1,15 @@
-"""K/V tensors of one model (target or draft). Both index the same slots through the shared page table."""
+"""Token-indexed pools of one model (target or draft). All index the same slots through the shared page table."""
 
 from __future__ import annotations
 
 import torch
 
+from specserve.kvcache.cache_spec import LatentCacheSpec, MHACacheSpec
+
 
 class KVPool:
+    """K/V of every MHA layer: layer i (its MHA cache index) has k[i], v[i] of [num_slots, kv_heads, head_dim]."""
+
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_layers = num_layers
@@ -20,5 +24,24 @@ class KVPool:
                   range(num_layers)]
 
     @staticmethod
+    def from_specs(specs: list[MHACacheSpec], num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool:
+        shapes = {(s.num_kv_heads, s.head_dim) for s in specs}
+        if len(shapes) != 1:
+            raise ValueError(f"MHA layers of one model must share (kv heads, head dim); got {sorted(shapes)}")
+        (heads, dim), = shapes
+        return KVPool(len(specs), num_slots, heads, dim, dtype, device)
+
+    @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return MHACacheSpec(num_kv_heads, head_dim).bytes_per_token(dtype) * num_layers
+
+
+class LatentPool:
+    """One row per token per layer (MLA latent or indexer keys): rows[i] of [num_slots, width]."""
+
+    def __init__(self, specs: list[LatentCacheSpec], num_slots: int, dtype: torch.dtype, device: torch.device):
+        self.kind = specs[0].kind
+        self.num_layers = len(specs)
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.rows = [torch.zeros((num_slots, s.width), dtype=dtype, device=device) for s in specs]

@@ -2,7 +2,8 @@
 
 A running request always owns slots for positions [0, seq_len + N + 1) (DESIGN §2): draft and verify write into
 them and rejected positions are overwritten by the next step, so nothing is freed on rejection. Everything is
-returned when the request finishes, is aborted or is retracted.
+returned when the request finishes, is aborted or is retracted. A model with recurrent layers also gives each
+request a state row (kvcache/state_pool.py), taken with its page-table row and returned with it.
 """
 
 from __future__ import annotations
@@ -13,21 +14,24 @@ import torch
 
 from specserve.kvcache.allocator import PageAllocator
 from specserve.kvcache.req_to_token import ReqToTokenPool
+from specserve.kvcache.state_pool import StatePool
 
 
 @dataclass
 class KVHandle:
     row: int = 0  # page-table row; 0 = none (row 0 is the dummy)
     pages: list[int] = field(default_factory=list)
+    state_row: int = 0  # recurrent-state row; 0 = none (models without recurrent layers never take one)
 
     def num_positions(self, page_size: int) -> int:
         return len(self.pages) * page_size
 
 
 class KVManager:
-    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool):
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, state_pool: StatePool | None = None):
         self.allocator = allocator
         self.req_to_token = req_to_token
+        self.state_pool = state_pool
         self.page_size = allocator.page_size
 
     def pages_needed(self, handle: KVHandle, num_positions: int) -> int:
@@ -72,12 +76,17 @@ class KVManager:
         return True
 
     def assign_row(self, handle: KVHandle) -> bool:
+        """A page-table row (and a zeroed state row when the model has recurrent layers): both or neither."""
         if handle.row:
             return True
+        if self.state_pool is not None and self.state_pool.num_free_rows == 0:
+            return False
         row = self.req_to_token.alloc_row()
         if row is None:
             return False
         handle.row = row
+        if self.state_pool is not None:
+            handle.state_row = self.state_pool.alloc()
         return True
 
     def release(self, handle: KVHandle) -> None:
@@ -87,3 +96,6 @@ class KVManager:
         if handle.row:
             self.req_to_token.free_row(handle.row)
             handle.row = 0
+        if handle.state_row:
+            self.state_pool.free(handle.state_row)
+            handle.state_row = 0

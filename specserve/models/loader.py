@@ -1,12 +1,17 @@
-"""Load a target model (HF folder or GGUF file) and its MTP drafter onto a device, with a progress bar."""
+"""Load a target model (HF folder or GGUF file) and its MTP drafter onto a device, with a progress bar.
+
+Models are built on the meta device in the target dtype and materialised on the target device; checkpoint tensors
+then stream in one at a time, shard by shard, each copied (and cast) straight into its device parameter. Peak host
+memory is about one shard, not the model (a 30B model in float32 on the host would need ~120 GB). Per-expert
+checkpoint keys are stacked into the families' [E, ...] expert tensors as they stream (layers/moe.py).
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -15,7 +20,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
 from specserve.models.registry import model_class
 from specserve.weights.gguf_loader import iter_gguf
-from specserve.weights.safetensors_loader import iter_safetensors
+from specserve.weights.safetensors_loader import iter_safetensors, tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -68,22 +73,6 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def _iter_weights(src: ModelSource, cfg: ModelConfig):
-    if src.is_gguf:
-        return iter_gguf(src.gguf_path, cfg.num_heads, cfg.num_kv_heads)
-    return iter_safetensors(src.folder)
-
-
-def _count_tensors(src: ModelSource) -> int | None:
-    if src.is_gguf:
-        return None
-    index = os.path.join(src.folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return len(json.load(f)["weight_map"])
-    return None
-
-
 _MTP_NAME = re.compile(r"^(mtp\.|model\.layers\.(\d+)\.)")
 
 
@@ -92,7 +81,40 @@ class LoadedTarget:
     model: torch.nn.Module
     config: ModelConfig
     source: ModelSource
-    mtp_tensors: dict[str, torch.Tensor]  # MTP layer tensors found inside the target checkpoint
+    mtp_names: list[str] = field(default_factory=list)  # MTP layer tensors inside the target checkpoint (unread)
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.mtp_names)
+
+
+def _is_mtp(name: str, num_layers: int) -> bool:
+    m = _MTP_NAME.match(name)
+    return bool(m) and (m.group(2) is None or int(m.group(2)) >= num_layers)
+
+
+def materialize(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> torch.nn.Module:
+    """A model built on the meta device -> uninitialised parameters in `dtype` on `device` (integer buffers keep
+    their dtype), with the rotary tables rebuilt in float32 (accurate angles at long positions)."""
+    model = model.to(dtype=dtype).to_empty(device=device)
+    from specserve.layers.rotary import RotaryEmbedding
+    from specserve.models.registry import model_class
+
+    fresh = model_class(cfg.architecture).make_rotary(cfg, max_positions).cos_sin_cache.to(device)
+    for mod in model.modules():
+        if isinstance(mod, RotaryEmbedding):
+            mod.cos_sin_cache = fresh
+    return model
+
+
+def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, desc: str = "Loading weights"):
+    if src.is_gguf:
+        it, total = iter_gguf(src.gguf_path, cfg.num_heads, cfg.num_kv_heads), None
+    else:
+        it = iter_safetensors(src.folder, names)
+        total = len(names) if names is not None else len(tensor_names(src.folder))
+    return tqdm(it, desc=desc, total=total, unit="tensor", leave=False, disable=None)
 
 
 def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
@@ -102,48 +124,24 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()
-    _reset_buffers(model, cfg, max_positions)
-    mtp: dict[str, torch.Tensor] = {}
+    model = materialize(model, cfg, dtype, device, max_positions)
+    model.tie_weights()  # to_empty makes new Parameters per module, which unties shared ones
+    mtp: list[str] = []
 
     def target_only():
-        for name, t in tqdm(_iter_weights(src, cfg), desc="Loading weights", total=_count_tensors(src),
-                            unit="tensor", leave=False, disable=None):
-            m = _MTP_NAME.match(name)
-            if m and (m.group(2) is None or int(m.group(2)) >= cfg.num_layers):
-                mtp[name] = t
+        for name, t in _stream(src, cfg):
+            if _is_mtp(name, cfg.num_layers):
+                mtp.append(name)  # read again by load_mtp_draft, only if speculating
                 continue
             yield name, t
 
-    loaded = model.load_weights(target_only())
+    with torch.no_grad():
+        loaded = model.load_weights(target_only())
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
-    model = model.to(device=device, dtype=dtype)
-    model.tie_weights()
-    _keep_float32_buffers(model)
     model.eval().requires_grad_(False)
     return LoadedTarget(model, cfg, src, mtp)
-
-
-def _reset_buffers(model: torch.nn.Module, cfg: ModelConfig, max_positions: int) -> None:
-    """Buffers made on the meta device hold nothing: rebuild the rotary caches for real."""
-    from specserve.models.llama import make_rotary
-
-    fresh = make_rotary(cfg, max_positions).cos_sin_cache
-    for mod in model.modules():
-        if hasattr(mod, "cos_sin_cache"):
-            mod.cos_sin_cache = fresh
-
-
-def _keep_float32_buffers(model: torch.nn.Module) -> None:
-    # .to(dtype) casts buffers too; the rotary table stays float32 for accurate angles at long positions.
-    from specserve.layers.rotary import RotaryEmbedding
-
-    for mod in model.modules():
-        if isinstance(mod, RotaryEmbedding):
-            mod.cos_sin_cache = mod.cos_sin_cache.float()
 
 
 def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dtype, device: torch.device,
@@ -154,42 +152,40 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
         if dsrc.is_gguf:
             raise ValueError("a GGUF draft checkpoint is not supported; give a folder with config.json")
         dcfg = ModelConfig.from_hf(load_hf_config(dsrc))
-        tensors = dict(iter_safetensors(dsrc.folder))
+        names = set(tensor_names(dsrc.folder))
         layer_index = None
         _check_draft_matches(dcfg, target.config)
     else:
-        if not target.mtp_tensors:
+        if not target.mtp_names:
             raise ValueError(
                 f"{target.config.architecture} checkpoint has no MTP layer (num_nextn_predict_layers="
                 f"{target.config.num_nextn_predict_layers}); pass --speculative-draft-model-path"
             )
-        dcfg = target.config
-        tensors = target.mtp_tensors
+        dsrc, dcfg, names = target.source, target.config, set(target.mtp_names)
         layer_index = target.config.num_layers
-    names = set(tensors)
     own_embed = any(n.endswith("embed_tokens.weight") for n in names)
     own_head = any(n.endswith("shared_head.head.weight") or n == "lm_head.weight" for n in names)
-    vocab = tensors.get("draft_vocab", tensors.get("d2t_ids"))
+    vocab_name = next((n for n in ("draft_vocab", "d2t_ids") if n in names), None)
+    vocab = next(iter_safetensors(dsrc.folder, {vocab_name}))[1] if vocab_name else None
     with torch.device("meta"):
         draft = MTPDraftModel(dcfg, max_positions, own_embed=own_embed, own_head=own_head,
                               draft_vocab_size=None if vocab is None else int(vocab.shape[0]))
-    draft = draft.to_empty(device="cpu")
-    _reset_buffers(draft, dcfg, max_positions)
+    draft = materialize(draft, dcfg, dtype, device, max_positions)
     head_from_target = vocab is not None and not own_head
-    if head_from_target:
-        # A reduced vocabulary without its own head rows: the target's lm-head rows of those tokens.
-        with torch.no_grad():
-            rows = target.model.lm_head.weight.detach().to("cpu", torch.float32)[vocab.to(torch.int64)]
-            draft.lm_head.weight.copy_(rows)
-    draft.load_weights(tensors.items(), layer_index, preset={"lm_head.weight"} if head_from_target else set())
-    draft = draft.to(device=device, dtype=dtype)  # integer buffers (draft_vocab) keep their dtype
+    with torch.no_grad():
+        if head_from_target:
+            # A reduced vocabulary without its own head rows: the target's lm-head rows of those tokens.
+            rows = vocab.to(device=device, dtype=torch.int64)
+            draft.lm_head.weight.copy_(target.model.lm_head.weight[rows])
+        draft.load_weights(_stream(dsrc, dcfg, names, "Loading MTP weights"), layer_index,
+                           preset={"lm_head.weight"} if head_from_target else set())
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
-    _keep_float32_buffers(draft)
     draft.eval().requires_grad_(False)
     return draft
 
 
 def _check_draft_matches(d: ModelConfig, t: ModelConfig) -> None:
-    for field in ("hidden_size", "vocab_size"):
-        if getattr(d, field) != getattr(t, field):
-            raise ValueError(f"draft {field}={getattr(d, field)} does not match the target's {getattr(t, field)}")
+    for field_name in ("hidden_size", "vocab_size"):
+        if getattr(d, field_name) != getattr(t, field_name):
+            raise ValueError(f"draft {field_name}={getattr(d, field_name)} does not match the target's "
+                             f"{getattr(t, field_name)}")

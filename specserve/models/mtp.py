@@ -1,8 +1,9 @@
-"""NextN / MTP draft layer for the dense family (DESIGN §5).
+"""NextN / MTP draft layer (DESIGN §5), for every family: its decoder block is the family's own (`mtp_block`: the
+family's attention and MLP kind, e.g. the MoE MLP of an MoE target), its weight names the family's.
 
     e = enorm(embed(token_{p+1}))         h = hnorm(hidden_p)        (hidden_p: target's final-norm hidden,
     x = eh_proj([e ; h])                                              or the draft's own output when chaining)
-    x = decoder_layer(x)                   (the target architecture's block, with its own KV)
+    x = decoder_layer(x)                   (the target family's block, with its own caches)
     out = final_norm(x)  -> lm_head -> logits for token_{p+2}; `out` is also the next chained hidden state.
 
 With aux hidden layers (config `aux_hidden_state_layer_ids`, EAGLE-3 style) the target hands over more than its
@@ -32,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.forward_batch import ForwardBatch, ForwardMode
+from specserve.batch import ForwardBatch, ForwardMode
 from specserve.kernels import ops
+from specserve.kvcache.cache_spec import CacheSpec
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
 from specserve.models.config import ModelConfig
-from specserve.models.llama import DenseDecoderLayer, load_dense_tensor, make_rotary
+from specserve.models.registry import model_class
 
 _DEEPSEEK_HEAD = {
     "aux_fc": "aux_fc", "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "final_norm",
@@ -54,12 +56,13 @@ class MTPDraftModel(nn.Module):
                  draft_vocab_size: int | None = None):
         super().__init__()
         self.config = cfg
+        self.family = model_class(cfg.architecture)  # the target's family: its block, rotary and weight names
         h = cfg.hidden_size
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * h, h)
-        self.rotary = make_rotary(cfg, max_positions)
-        self.decoder = DenseDecoderLayer(cfg, 0, self.rotary)
+        self.rotary = self.family.make_rotary(cfg, max_positions)
+        self.decoder = self.family.mtp_block(cfg, self.rotary)
         self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.aux_layers = list(cfg.aux_hidden_layers)
         if self.aux_layers != sorted(set(self.aux_layers)) or any(i < 0 for i in self.aux_layers):
@@ -82,6 +85,10 @@ class MTPDraftModel(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self._shared[0])(ids)
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """The draft's own caches: its block's (kvcache/cache_spec.py)."""
+        return self.decoder.cache_specs()
 
     @property
     def feature_size(self) -> int:
@@ -132,10 +139,11 @@ class MTPDraftModel(nn.Module):
                 self.draft_vocab.copy_(tensor.to(torch.int64))
                 loaded.add(ours)
                 continue
-            target = load_dense_tensor(self, params, ours, tensor)
+            target = self.family.load_tensor(self, params, ours, tensor)
             if target is None:
                 raise ValueError(f"MTP tensor {name!r} (as {ours!r}) matches no draft parameter")
             loaded.add(target)
+        loaded = self.family.finish_loading(self, loaded)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"MTP checkpoint lacks: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -1,21 +1,31 @@
-"""Architecture registry: HF `architectures` name -> model class."""
+"""Architecture registry: HF `architectures` name -> the family's model class, imported only when asked for.
+
+A draft checkpoint names its target's architecture with a "NextN" suffix (e.g. "LlamaForCausalLMNextN"); its
+family is the target's.
+"""
 
 from __future__ import annotations
 
-from specserve.models.llama import DenseForCausalLM
+import importlib
 
 _MODEL_TYPE_ARCH = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
-MODEL_REGISTRY: dict[str, type] = {
-    "LlamaForCausalLM": DenseForCausalLM,
-    "MistralForCausalLM": DenseForCausalLM,
-    "Qwen2ForCausalLM": DenseForCausalLM,
-    "Qwen3ForCausalLM": DenseForCausalLM,
+# architecture -> (module, class): one entry per family member; the module is imported on first use
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
+    "MistralForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
+    "Qwen2ForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
+    "Qwen3ForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
+    "Qwen3MoeForCausalLM": ("specserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+
+_DRAFT_SUFFIX = "NextN"
 
 
 def architecture_of(hf_config) -> str:
@@ -29,6 +39,9 @@ def architecture_of(hf_config) -> str:
 
 
 def model_class(arch: str) -> type:
-    if arch not in MODEL_REGISTRY:
+    """The model class of an architecture (a draft's "<Arch>NextN" gives <Arch>'s family)."""
+    family = arch.removesuffix(_DRAFT_SUFFIX)
+    if family not in MODEL_REGISTRY:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}")
-    return MODEL_REGISTRY[arch]
+    module, name = MODEL_REGISTRY[family]
+    return getattr(importlib.import_module(module), name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.forward_batch import ForwardBatch, ForwardMode
+from specserve.batch import CacheKind, ForwardBatch, ForwardMode
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -53,7 +53,7 @@ class TrainAttentionBackend:
         self.seq_len = seq_len
         self.mask = mask  # [L, Lk] bool
         self.keep_keys = keep_keys
-        # layer_id -> keys/values of earlier calls ([B, Hkv, L, D] each), kept with grad for chained depths
+        # cache_index -> keys/values of earlier calls ([B, Hkv, L, D] each), kept with grad for chained depths
         self._past: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def set_mask(self, mask: torch.Tensor) -> None:
@@ -67,7 +67,7 @@ class TrainAttentionBackend:
         kk = k.view(b, n, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
         vv = v.view(b, n, hkv, d).transpose(1, 2)
         if self.keep_keys:
-            past = self._past.setdefault(layer.layer_id, [])
+            past = self._past.setdefault(layer.cache_index, [])
             past.append((kk, vv))
             kk = torch.cat([p[0] for p in past], dim=2)  # [B, Hkv, depth * L, D]
             vv = torch.cat([p[1] for p in past], dim=2)
@@ -88,4 +88,4 @@ def train_forward_batch(mode: ForwardMode, input_ids: torch.Tensor, positions: t
     none = torch.empty(0, dtype=torch.int64, device=input_ids.device)
     return ForwardBatch(mode=mode, batch_size=backend.batch_size, input_ids=input_ids, positions=positions,
                         out_cache_loc=none, req_pool_indices=none, seq_lens=none, max_seq_len=backend.seq_len,
-                        hidden_in=hidden_in, attn_backend=backend)
+                        hidden_in=hidden_in, backends={CacheKind.MHA: backend})

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from specserve.engine.forward_batch import ForwardMode
+from specserve.batch import ForwardMode
 from specserve.train.attention import TrainAttentionBackend, causal_mask, train_forward_batch
 
 _LOGIT_ROWS = 4096  # lm-head rows per chunk when taking the greedy tokens (bounds the [rows, V] logits)

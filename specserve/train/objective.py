@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.forward_batch import ForwardMode
+from specserve.batch import ForwardMode
 from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
 from specserve.train.attention import TrainAttentionBackend, chain_mask, train_forward_batch

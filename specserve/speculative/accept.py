@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.sampler import SALT_ACCEPT, sample_from_probs, uniform_noise
 from specserve.kernels.availability import triton_kernels
+from specserve.kernels.noise import SALT_ACCEPT, uniform_noise
+from specserve.layers.sampler import sample_from_probs
 
 
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,37 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels import ops
-
-SALT_SAMPLE = 0  # the token drawn at a position (plain sampling, verify's residual or bonus draw)
-SALT_ACCEPT = 1  # verify's accept test at a position
-
-_M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
-_M2 = -7723592293110705685  # 0x94d049bb133111eb
-_GOLD = -7046029254386353131  # 0x9e3779b97f4a7c15
-
-
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 tensors (multiplication wraps modulo 2^64)."""
-    x = x ^ _srl(x, 30)
-    x = x * _M1
-    x = x ^ _srl(x, 27)
-    x = x * _M2
-    return x ^ _srl(x, 31)
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, salt: int, width: int | None) -> torch.Tensor:
-    """Uniform (0, 1) noise. seeds, positions [...] int64 -> [..., width] (or [...] when width is None)."""
-    key = _mix64(seeds * _GOLD + positions * 0x632BE5AB + salt * 0x2545F491)
-    if width is not None:
-        cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
-        key = key[..., None] + cols * _GOLD
-    bits = _srl(_mix64(key), 40)  # top 24 bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+from specserve.kernels.noise import SALT_SAMPLE, uniform_noise
 
 
 @dataclass

@@ -1,17 +1,28 @@
-"""ForwardBatch: everything one forward of one model needs (DESIGN §4)."""
+"""The plain types every floor shares (DESIGN §4): ForwardBatch (everything one forward of one model needs), its
+modes, the cache kinds, and index helpers for fixed-width and variable-length batches."""
 
 from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-if TYPE_CHECKING:
-    from specserve.attention.backend import AttentionBackend
-    from specserve.kvcache.kv_pool import KVPool
+
+class CacheKind(enum.Enum):
+    """What a layer keeps between forwards (DESIGN §2). Token-indexed kinds share the one page table; the recurrent
+    kind is row-indexed (state slots per request row)."""
+
+    MHA = "mha"  # K and V per token (MHA / GQA)
+    MLA = "mla"  # one latent row per token (kv_lora_rank + rope dim; no separate V)
+    INDEX_KEYS = "index_keys"  # the sparse-attention indexer's key per token
+    RECURRENT = "recurrent"  # conv window + SSM state of a linear-attention layer, per request row and slot
+
+    @property
+    def token_indexed(self) -> bool:
+        return self is not CacheKind.RECURRENT
 
 
 class ForwardMode(enum.Enum):
@@ -39,8 +50,16 @@ class ForwardBatch:
     extend_starts: torch.Tensor | None = None  # [bs] graph variable-length batches: first token of each request
     extend_lens: torch.Tensor | None = None  # [bs] graph variable-length batches: new tokens per request
     hidden_in: torch.Tensor | None = None  # [T, H] drafts: the hidden state fed next to each token
-    attn_backend: AttentionBackend | None = None
-    kv_pool: KVPool | None = None
+    # one backend per cache kind of the model, each with this runner's metadata and its pool (attention/)
+    backends: Mapping[CacheKind, object] = field(default_factory=dict)
+
+    def backend(self, kind: CacheKind):
+        """The backend that serves layers keeping `kind` (a clear error when the runner built none)."""
+        try:
+            return self.backends[kind]
+        except KeyError:
+            raise RuntimeError(f"this forward has no {kind.value} backend; the runner builds one per cache kind "
+                               "that the model declares (cache_specs)") from None
 
     @property
     def num_tokens(self) -> int:

@@ -7,30 +7,72 @@ tests. Parameter layout: fused qkv_proj and gate_up_proj (fewer, larger GEMMs on
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from specserve.engine.forward_batch import ForwardBatch, ForwardMode
+from specserve.batch import ForwardBatch, ForwardMode
+from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.attention import PagedAttention
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
-from specserve.models.config import ModelConfig
+from specserve.models.config import ModelConfig, optional, require, text_config
 
 _FEATURE_MODES = (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
 
 
-def make_rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
-    inv_freq, scale = inv_freq_from_config(getattr(cfg.hf_config, "text_config", None) or cfg.hf_config,
-                                           cfg.head_dim)
+@dataclass
+class DenseConfig(ModelConfig):
+    """The dense family's config: the core fields plus its attention and MLP shapes and switches."""
+
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    @staticmethod
+    def dense_fields(hf_config, arch: str) -> dict:
+        text = text_config(hf_config)
+        num_heads = require(text, "num_attention_heads")
+        if getattr(text, "mlp_bias", False):
+            raise ValueError("mlp_bias=True checkpoints are not supported")
+        # Qwen2 has q/k/v biases and no o_proj bias; Llama/Qwen3's attention_bias covers all four projections.
+        attn_bias = bool(getattr(text, "attention_bias", False))
+        family = arch.removesuffix("NextN")
+        qwen2 = family.startswith("Qwen2")
+        return dict(
+            num_heads=num_heads,
+            num_kv_heads=optional(text, "num_key_value_heads", num_heads),
+            head_dim=optional(text, "head_dim", require(text, "hidden_size") // num_heads),
+            intermediate_size=require(text, "intermediate_size"),
+            qkv_bias=True if qwen2 else attn_bias,
+            o_bias=False if qwen2 else attn_bias,
+            qk_norm=family.startswith("Qwen3") or bool(getattr(text, "qk_norm", False)),
+        )
+
+    @classmethod
+    def from_hf(cls, hf_config, arch: str) -> DenseConfig:
+        cfg = cls(**ModelConfig.core_fields(hf_config, arch), **cls.dense_fields(hf_config, arch))
+        if cfg.partial_rotary_factor != 1.0:
+            raise ValueError(f"partial_rotary_factor={cfg.partial_rotary_factor} is not supported by the dense "
+                             "family (every head dim rotates)")
+        return cfg
+
+
+def make_rotary(cfg: DenseConfig, max_positions: int) -> RotaryEmbedding:
+    inv_freq, scale = inv_freq_from_config(text_config(cfg.hf_config), cfg.head_dim)
     return RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scale, cfg.mrope_section)
 
 
 class DenseAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: DenseConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -43,8 +85,12 @@ class DenseAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary  # shared module (not a parameter owner)
+        # every layer of a dense model keeps K/V, so its MHA cache index is its layer number
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                                   layer_id)
+                                   cache_index=layer_id)
+
+    def cache_spec(self) -> MHACacheSpec:
+        return MHACacheSpec(self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         t = h.shape[0]
@@ -61,7 +107,7 @@ class DenseAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: DenseConfig):
         super().__init__()
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
                                                            "up": cfg.intermediate_size})
@@ -72,12 +118,18 @@ class DenseMLP(nn.Module):
 
 
 class DenseDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+    """Attention + MLP block. `mlp`: the family's MLP for this layer (default: the dense SiLU-gated MLP; MoE families
+    pass their sparse block)."""
+
+    def __init__(self, cfg: DenseConfig, layer_id: int, rotary: RotaryEmbedding, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DenseAttention(cfg, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DenseMLP(cfg)
+        self.mlp = mlp if mlp is not None else DenseMLP(cfg)
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return [self.self_attn.cache_spec()]
 
     def forward(self, positions, h, residual, fb: ForwardBatch):
         """Pre-norm block with the residual carried separately so add + norm fuse: returns (h, residual)."""
@@ -92,11 +144,13 @@ class DenseDecoderLayer(nn.Module):
 
 
 class DenseModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: DenseConfig, max_positions: int, make_layer=None):
+        """make_layer(cfg, layer_id, rotary): the family's decoder layer (default: DenseDecoderLayer)."""
         super().__init__()
+        make_layer = make_layer or DenseDecoderLayer
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = make_rotary(cfg, max_positions)
-        self.layers = nn.ModuleList([DenseDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([make_layer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.aux_layers: tuple[int, ...] = ()  # layers whose outputs are appended to the output (set_aux_layers)
 
@@ -118,14 +172,50 @@ class DenseModel(nn.Module):
 class DenseForCausalLM(nn.Module):
     """Target model. forward() returns the features handed to the MTP drafter: the final-norm hidden state [T, H]
     (the lm-head input), followed by the outputs of the aux layers a drafter asked for (set_aux_layers), so
-    [T, feature_size]. compute_logits reads the first H columns."""
+    [T, feature_size]. compute_logits reads the first H columns.
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    The family hooks (classmethods, overridden by families built on this one, e.g. models/qwen3_moe.py):
+    config_class (parsing), make_layer (the decoder layer), mtp_block (the MTP layer's block: the family's
+    attention and MLP kind), make_rotary, and load_tensor (HF names -> parameters)."""
+
+    config_class = DenseConfig
+
+    def __init__(self, cfg: DenseConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.model = DenseModel(cfg, max_positions)
+        self.model = DenseModel(cfg, max_positions, self.make_layer)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_weights()
+
+    # ------------------------------------------------------------------ family hooks
+    @classmethod
+    def make_layer(cls, cfg: DenseConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        return DenseDecoderLayer(cfg, layer_id, rotary)
+
+    @classmethod
+    def mtp_block(cls, cfg: DenseConfig, rotary: RotaryEmbedding) -> nn.Module:
+        """The decoder block of this family's MTP layer (its own caches: cache index 0 of the draft's pools)."""
+        return DenseDecoderLayer(cfg, 0, rotary)
+
+    @classmethod
+    def make_rotary(cls, cfg: DenseConfig, max_positions: int) -> RotaryEmbedding:
+        return make_rotary(cfg, max_positions)
+
+    @classmethod
+    def load_tensor(cls, root: nn.Module, params: dict[str, nn.Parameter], name: str,
+                    tensor: torch.Tensor) -> str | None:
+        """Copy one HF-named tensor into root's parameters; returns our parameter's name (None: no match)."""
+        return load_dense_tensor(root, params, name, tensor)
+
+    @classmethod
+    def finish_loading(cls, root: nn.Module, loaded: set[str]) -> set[str]:
+        """The parameters of root that are now completely loaded, of those written (`loaded`); families whose
+        parameters stream in pieces (stacked experts) drop the incomplete ones."""
+        return loaded
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """One spec per cache-keeping layer, in layer order (kvcache/cache_spec.py)."""
+        return [spec for layer in self.model.layers for spec in layer.cache_specs()]
 
     def tie_weights(self) -> None:
         """Share the embedding with the lm-head (tied checkpoints). Call again after to_empty(): moving a meta
@@ -166,11 +256,11 @@ class DenseForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target = load_dense_tensor(self, params, name, tensor)
+            target = self.load_tensor(self, params, name, tensor)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}")
             loaded.add(target)
-        return loaded
+        return self.finish_loading(self, loaded)
 
 
 _SHARDS = {

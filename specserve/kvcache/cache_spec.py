@@ -1,0 +1,82 @@
+"""Per-layer cache specs (DESIGN §2): what each layer of a model keeps between forwards.
+
+A model declares `cache_specs()`: one spec per layer that keeps a cache, in layer order. A layer finds its cache
+through its index among the specs of its own kind (`cache_index`), never through its global layer number: in a
+hybrid model the full-attention layers 3, 7, 11 use MHA caches 0, 1, 2 and the linear-attention layers between
+them recurrent-state caches 0..8. The model runner sizes one pool per kind from one memory budget
+(kvcache/caches.py); only token-indexed kinds count towards the bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specserve.batch import CacheKind
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class MHACacheSpec:
+    """K and V of one layer: [slots, num_kv_heads, head_dim] each."""
+
+    num_kv_heads: int
+    head_dim: int
+    kind: CacheKind = CacheKind.MHA
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+
+
+@dataclass(frozen=True)
+class LatentCacheSpec:
+    """One row of `width` values per token: an MLA latent (kv_lora_rank + qk_rope_head_dim, kind MLA) or a sparse
+    indexer's key (index head dim, kind INDEX_KEYS)."""
+
+    width: int
+    kind: CacheKind = CacheKind.MLA
+
+    def __post_init__(self):
+        if self.kind not in (CacheKind.MLA, CacheKind.INDEX_KEYS):
+            raise ValueError(f"a latent cache is MLA or INDEX_KEYS, not {self.kind}")
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.width * _itemsize(dtype)
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """The state of one linear-attention layer per request row and slot: a causal-conv window and an SSM state.
+    Its dtypes belong to the model (e.g. `mamba_ssm_dtype`), not to --kv-cache-dtype."""
+
+    conv_shape: tuple[int, ...]  # e.g. (conv_dim, kernel_size - 1)
+    ssm_shape: tuple[int, ...]  # e.g. (num_v_heads, head_k_dim, head_v_dim)
+    conv_dtype: torch.dtype = torch.bfloat16
+    ssm_dtype: torch.dtype = torch.float32
+    kind: CacheKind = CacheKind.RECURRENT
+
+    def bytes_per_slot(self) -> int:
+        return (math.prod(self.conv_shape) * _itemsize(self.conv_dtype)
+                + math.prod(self.ssm_shape) * _itemsize(self.ssm_dtype))
+
+
+CacheSpec = MHACacheSpec | LatentCacheSpec | RecurrentStateSpec
+
+
+def specs_of_kind(specs: list[CacheSpec], kind: CacheKind) -> list[CacheSpec]:
+    return [s for s in specs if s.kind is kind]
+
+
+def bytes_per_token(specs: list[CacheSpec], dtype: torch.dtype) -> int:
+    """KV bytes one token costs over every token-indexed layer (recurrent layers keep no tokens)."""
+    return sum(s.bytes_per_token(dtype) for s in specs if s.kind.token_indexed)
+
+
+def bytes_per_state_row(specs: list[CacheSpec], slots_per_row: int) -> int:
+    """Recurrent-state bytes one request row costs (all its slots, every recurrent layer)."""
+    return slots_per_row * sum(s.bytes_per_slot() for s in specs if s.kind is CacheKind.RECURRENT)

@@ -1,0 +1,50 @@
+"""One model's caches, one pool per kind, built from its per-layer cache specs (DESIGN §2).
+
+Token-indexed pools (MHA K/V, MLA latents, indexer keys) all have `num_slots` slots and are addressed through the
+one shared page table; the recurrent-state pool has a row per running request. The model runner sizes
+`num_slots` and the state rows from one memory budget over the target's and the draft's specs together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.batch import CacheKind
+from specserve.kvcache.cache_spec import CacheSpec, specs_of_kind
+from specserve.kvcache.kv_pool import KVPool, LatentPool
+from specserve.kvcache.state_pool import StatePool
+
+
+class ModelCaches:
+    def __init__(self, specs: list[CacheSpec], num_slots: int, kv_dtype: torch.dtype, device: torch.device,
+                 state_rows: int = 0, state_slots: int = 1):
+        """specs: the model's cache_specs(); num_slots: token slots of every token-indexed pool; state_rows,
+        state_slots: request rows and slots per row of the recurrent-state pool (models without recurrent layers:
+        none is built)."""
+        self.specs = list(specs)
+        self.pools: dict[CacheKind, KVPool | LatentPool | StatePool] = {}
+        for kind in CacheKind:
+            of_kind = specs_of_kind(self.specs, kind)
+            if not of_kind:
+                continue
+            if kind is CacheKind.MHA:
+                self.pools[kind] = KVPool.from_specs(of_kind, num_slots, kv_dtype, device)
+            elif kind is CacheKind.RECURRENT:
+                if state_rows <= 0:
+                    raise ValueError("a model with recurrent layers needs state rows")
+                self.pools[kind] = StatePool(of_kind, state_rows, state_slots, device)
+            else:
+                self.pools[kind] = LatentPool(of_kind, num_slots, kv_dtype, device)
+
+    @property
+    def kinds(self) -> list[CacheKind]:
+        return list(self.pools)
+
+    @property
+    def kv(self) -> KVPool | None:
+        """The MHA K/V pool, if the model has MHA layers."""
+        return self.pools.get(CacheKind.MHA)
+
+    @property
+    def state(self) -> StatePool | None:
+        return self.pools.get(CacheKind.RECURRENT)

@@ -1,0 +1,136 @@
+"""The speculative worker: the one owner of speculation (DESIGN §1, §4).
+
+It owns the draft model, the draft's caches (its own pools on the shared page table), the draft runners (draft
+decode, draft extend, the draft's prefill), the draft state (d1, draft hidden, token history, context lookup) and
+the spec step, whole-step graph included. The scheduler's steps (engine/steps.py) call it with host lists of the
+running rows; it borrows the target's verify runner and the target's last-token row state from the model runner.
+
+Per step, for the whole running batch:
+
+    draft decode (N-1 steps, one graph) -> target verify (N+1 tokens, one graph) -> accept (device, no sync)
+    -> draft extend (fixed width N+1, one graph) -> one host sync to read the accepted tokens.
+
+Greedy batches that fit the captured sizes run all of it as one graph (spec_step.SpecStepRunner); other batches
+(sampling, or larger than the graphs) run the phases' own graphs with the glue in between (spec_step_device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specserve.batch import CacheKind, ForwardMode
+from specserve.graphs.padding import ExtendBatch
+from specserve.graphs.phase_runners import PhaseRunner, RunnerContext
+from specserve.graphs.prefill import PrefillRunner
+from specserve.kvcache.caches import ModelCaches
+from specserve.layers.sampler import SamplingBatch
+from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
+from specserve.speculative.draft_state import DraftChooser, DraftState
+from specserve.speculative.spec_step import SpecStepRunner, spec_step_device
+
+
+@dataclass
+class SpecStepResult:
+    accept_len: list[int]  # accepted drafts per request (0..N)
+    tokens: list[list[int]]  # the accept_len + 1 new tokens per request
+
+
+@dataclass(kw_only=True)
+class WorkerSettings:
+    num_steps: int  # N draft tokens per step
+    capture_bs: list[int]
+    use_graphs: bool
+    spec_step_graph: bool  # the greedy step as one graph (--disable-spec-step-graph turns it off)
+    ngram_lookup: bool
+    lookup_confidence: float
+    prefill_graph_tokens: int  # largest prefill batch run as a graph (0: eager)
+    prefill_graph_rows: int
+
+
+class SpecWorker:
+    def __init__(self, draft: torch.nn.Module, target_ctx: RunnerContext, target_verify: PhaseRunner,
+                 last_token: torch.Tensor, num_slots: int, kv_dtype: torch.dtype,
+                 make_backends: Callable[[ModelCaches], Callable[[], dict]], s: WorkerSettings):
+        """draft: the MTP/EAGLE model; target_ctx, target_verify: the target's runner context and verify runner
+        (owned by the model runner); last_token [rows]: the target's per-row newest token (shared); num_slots:
+        token slots of each draft pool (sized with the target's from one budget); make_backends(caches): the
+        backend factory over a set of caches."""
+        self.draft = draft
+        self.num_steps = s.num_steps
+        self.device = target_ctx.device
+        self.last_token = last_token
+        specs = draft.cache_specs()
+        if any(spec.kind is CacheKind.RECURRENT for spec in specs):
+            raise ValueError("draft models with recurrent layers are not supported (the MTP block is attention)")
+        self.caches = ModelCaches(specs, num_slots, kv_dtype, self.device)
+        rows = target_ctx.req_to_token.table.shape[0]
+        row_width = target_ctx.req_to_token.width
+        # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
+        self.state = DraftState.allocate(rows, target_ctx.hidden_size, target_ctx.dtype, self.device,
+                                         row_width + 1 if s.ngram_lookup else None)
+        self.chooser = DraftChooser(draft, self.state.tokens, s.lookup_confidence)
+        self.ctx = RunnerContext(draft, target_ctx.req_to_token, make_backends(self.caches), self.device,
+                                 target_ctx.hidden_size, target_ctx.dtype, target_ctx.mrope,
+                                 target_ctx.graph_max_seq_len)
+        n = s.num_steps
+        self.runners: dict[str, PhaseRunner] = {}
+        if n > 1:
+            self.runners["draft_decode"] = DraftDecodeRunner(self.ctx, self.chooser, n - 1, s.capture_bs,
+                                                             s.use_graphs)
+        self.runners["target_verify"] = target_verify
+        self.runners["draft_extend"] = DraftExtendRunner(self.ctx, self.chooser, n + 1, s.capture_bs, s.use_graphs)
+        self.spec_step = SpecStepRunner(self, s.capture_bs, s.use_graphs) if s.spec_step_graph else None
+        self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, s.prefill_graph_tokens,
+                                     s.prefill_graph_rows, s.use_graphs, hidden_width=draft.feature_size)
+
+    # ------------------------------------------------------------------ graphs
+    def graph_runners(self) -> list:
+        """The runners this worker captures (the target's verify runner is the model runner's to capture)."""
+        own = [r for name, r in self.runners.items() if name != "target_verify"]
+        return own + ([self.spec_step] if self.spec_step is not None else []) + [self.prefill]
+
+    # ------------------------------------------------------------------ prefill
+    def record_tokens(self, rows: torch.Tensor, cols: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Context lookup's token history: tokens [T] at (rows, cols) [T] (a no-op when lookup is off)."""
+        if self.state.tokens is not None:
+            self.state.tokens[rows, cols] = tokens
+
+    def prefill_draft(self, batch: ExtendBatch, shifted: torch.Tensor, target_hidden: torch.Tensor,
+                      final_idx: torch.Tensor | None, final_rows: torch.Tensor | None,
+                      final_pos: torch.Tensor | None) -> None:
+        """Draft extend over a prefill batch's positions: input at position p is (target features at p, token p+1)
+        (`shifted` [T]: each chunk shifted left by one, its next prompt token or t0 appended), which fills the draft
+        KV; for final chunks (token index final_idx [F] of rows final_rows [F] whose committed tokens end at
+        final_pos [F]) it sets d1 and the draft hidden state."""
+        dh = self.prefill.run(ExtendBatch(shifted, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
+                                          batch.extend_lens, target_hidden))  # [T, H]
+        if final_idx is None:
+            return
+        last = dh[final_idx]
+        self.state.draft_token[final_rows] = self.chooser.draft_tokens(last, self.chooser.history_rows(final_rows),
+                                                                       final_pos)
+        self.state.draft_hidden[final_rows] = last.to(self.state.draft_hidden.dtype)
+
+    # ------------------------------------------------------------------ decode
+    @torch.inference_mode()
+    def step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int], rope_offsets: torch.Tensor | int,
+             sb: SamplingBatch) -> SpecStepResult:
+        """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S;
+        rope_offsets: pos0 - S as a device tensor, or 0 for text)."""
+        one_graph = self.spec_step
+        if sb.all_greedy and one_graph is not None and one_graph.covers(len(rows_host)):
+            out = one_graph.run(rows_host, s_host, pos0_host)
+        else:
+            dev = self.device
+            rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
+            s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)  # [bs] = S
+            pos0 = s + rope_offsets  # rope position of sequence index S
+            accept_len, verified = spec_step_device(self, lambda name, live: self.runners[name].run(live), rows, s,
+                                                    pos0, max(s_host), sb)
+            out = torch.cat((accept_len[:, None], verified), dim=1)
+        # the one host sync of the step: accept lengths and verified tokens in one copy
+        res = out.tolist()  # [bs, 1 + N + 1]
+        return SpecStepResult([r[0] for r in res], [r[1:r[0] + 2] for r in res])
