@@ -39,10 +39,14 @@ def tiny_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("models")
     out = {}
-    for arch in ("llama", "qwen2", "qwen3"):
-        out[arch] = build_tiny_model(str(root / arch), arch, seed=hash(arch) % 1000)
+    # Fixed seeds, not hash(arch): str hashes are salted per process (PYTHONHASHSEED), so every run got new weights.
+    for arch, seed in (("llama", 1), ("qwen2", 2), ("qwen3", 3)):
+        out[arch] = build_tiny_model(str(root / arch), arch, seed=seed)
     out["llama_mtp"] = build_tiny_model(str(root / "llama_mtp"), "llama", seed=11, mtp_layout="deepseek")
     out["qwen3_mtp"] = build_tiny_model(str(root / "qwen3_mtp"), "qwen3", seed=12, mtp_layout="deepseek")
+    out["qwen3_moe"] = build_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", seed=4)
+    out["qwen3_moe_mtp"] = build_tiny_model(str(root / "qwen3_moe_mtp"), "qwen3_moe", seed=13, mtp_layout="deepseek")
+    out["qwen3_moe_draft"] = build_draft_folder(str(root / "qwen3_moe_draft"), out["qwen3_moe"], seed=23)
     out["llama_draft"] = build_draft_folder(str(root / "llama_draft"), out["llama"], seed=21)
     out["llama_draft_aux"] = build_draft_folder(str(root / "llama_draft_aux"), out["llama"], seed=22,
                                                 aux_layers=[0, 1])

@@ -12,6 +12,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             max_position_embeddings=512, vocab_size=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
+# Qwen3-MoE: 8 experts, top 2, a dense MLP on layer 1 of 3 (mlp_only_layers), experts of a quarter of the dense width
+TINY_MOE = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+
+
 def _tiny_tokenizer_files(folder: str, vocab_size: int) -> None:
     """A byte-level-ish word tokenizer over a fixed vocabulary, saved through tokenizers (no hub access)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -37,21 +42,23 @@ def _tiny_tokenizer_files(folder: str, vocab_size: int) -> None:
 
 def build_tiny_model(folder: str, arch: str = "llama", seed: int = 0, mtp_layout: str | None = None,
                      logit_scale: float = 1.0, **overrides) -> str:
-    """Save a random HF checkpoint of `arch` (llama | qwen2 | qwen3) to folder and return it.
+    """Save a random HF checkpoint of `arch` (llama | qwen2 | qwen3 | qwen3_moe) to folder and return it.
 
     mtp_layout: None, or "deepseek" to append a random MTP layer at model.layers.{L}.* (num_nextn_predict_layers=1).
     logit_scale: multiplies the lm-head weights (> 1: lower-entropy next-token distributions).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     kw = dict(TINY)
+    if arch == "qwen3_moe":
+        kw.update(TINY_MOE)
     kw.update(overrides)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     cfg = cls(**kw)
-    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                          "qwen3": "Qwen3ForCausalLM"}[arch]]
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                          "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
     cfg.eos_token_id = 2
     cfg.bos_token_id = 1
     torch.manual_seed(seed)
@@ -116,9 +123,16 @@ def random_mtp_tensors(cfg, prefix: str, seed: int, own_head: bool = False,
         "input_layernorm.weight": n(), "post_attention_layernorm.weight": n(),
         "self_attn.q_proj.weight": r(nh * d, h), "self_attn.k_proj.weight": r(nkv * d, h),
         "self_attn.v_proj.weight": r(nkv * d, h), "self_attn.o_proj.weight": r(h, nh * d),
-        "mlp.gate_proj.weight": r(i, h), "mlp.up_proj.weight": r(i, h), "mlp.down_proj.weight": r(h, i),
     }
     arch = cfg.architectures[0]
+    if getattr(cfg, "num_experts", None):  # an MoE family: the MTP block's MLP is the target's MoE (per expert)
+        mi = cfg.moe_intermediate_size
+        t["mlp.gate.weight"] = r(cfg.num_experts, h)
+        for e in range(cfg.num_experts):
+            t.update({f"mlp.experts.{e}.gate_proj.weight": r(mi, h), f"mlp.experts.{e}.up_proj.weight": r(mi, h),
+                      f"mlp.experts.{e}.down_proj.weight": r(h, mi)})
+    else:
+        t.update({"mlp.gate_proj.weight": r(i, h), "mlp.up_proj.weight": r(i, h), "mlp.down_proj.weight": r(h, i)})
     if arch.startswith("Qwen2"):
         for k, s in (("q", nh * d), ("k", nkv * d), ("v", nkv * d)):
             t[f"self_attn.{k}_proj.bias"] = 0.1 * torch.randn(s, generator=g)

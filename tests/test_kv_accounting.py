@@ -29,8 +29,9 @@ def _workload(seed=0):
 
 @pytest.mark.parametrize("spec", [None, 2, 4])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_pool_returns_to_start_after_mixed_workload_with_retractions(tiny_models, spec, page_size):
-    path = tiny_models["llama_mtp"]
+def test_pool_returns_to_start_after_mixed_workload_with_retractions(tiny_models, spec, page_size, key="llama_mtp"):
+    """key: the checkpoint (other families call this test with theirs)."""
+    path = tiny_models[key]
     kw = dict(context_length=128, chunked_prefill_size=32, page_size=page_size, max_running_requests=8)
     if spec:
         kw.update(speculative_algorithm="MTP", speculative_num_steps=spec)

@@ -9,7 +9,7 @@ from specserve.graphs.prefill import ExtendBatch
 from specserve.models.loader import ModelSource, load_target
 from specserve.server_args import ServerArgs
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
 
 
 def _hf(path):

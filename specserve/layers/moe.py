@@ -1,0 +1,250 @@
+"""Mixture-of-experts layer: routers, stacked routed experts, optional shared expert.
+
+Families: Qwen2-MoE / Qwen3-Next (softmax router, sigmoid-gated shared expert), Qwen3-MoE (softmax router, no shared
+expert), DeepSeek-V3 / GLM-4.5 (grouped sigmoid router with a choice-only correction bias, plain shared experts).
+The transformers implementations are the oracle in tests/test_moe_layer.py.
+
+Routers are pure functions of the router logits made of fixed-shape device ops only (no .item(), no nonzero), so a
+decode step that routes stays capturable in a CUDA graph. Routed experts run through ops.fused_moe.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.kernels import ops
+from specserve.layers.activation import silu_and_mul
+from specserve.layers.linear import Linear, MergedLinear
+
+ROUTERS = ("softmax", "grouped_sigmoid")
+_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-MoE / Qwen3-MoE / Qwen3-Next: softmax over all experts, keep the top_k, optionally rescale the kept
+    weights to sum to 1. logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), ids by descending
+    weight; equal weights resolve as torch.topk does (deterministic for a given device)."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None, n_group: int,
+                         topk_group: int, routed_scaling_factor: float,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-4.5: sigmoid scores; experts are chosen on scores + correction_bias, but weighted by the
+    unbiased scores. The E experts form n_group groups of E / n_group; a group is rated by the sum of its two best
+    biased scores, the topk_group best groups stay, and the top_k experts among them are taken. Weights are
+    normalised to sum 1 when `renormalize` (HF norm_topk_prob), then multiplied by routed_scaling_factor (always,
+    as HF does). logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), ids by descending biased
+    score. Needs E / n_group >= 2 (the top-2 group rating)."""
+    t, e = logits.shape
+    scores = logits.float().sigmoid()  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
+    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    group_ids = torch.topk(group_scores, topk_group, dim=-1).indices  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)  # [T, G]
+    expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
+    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # HF's epsilon, kept for parity
+    return weights * routed_scaling_factor, ids
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"{what}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)  # casts dtype and moves device as needed
+
+
+class FusedMoE(nn.Module):
+    """The routed experts as two stacked weights: w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
+    w2 [E, H, I]; the grouped GEMM in ops.fused_moe reads only the chosen experts.
+
+    Checkpoints arrive tensor by tensor, one expert projection at a time, so the module records which pieces were
+    written (`loaded_param_names`): a name-based "was this parameter touched" check would pass a w13 of which only
+    expert 0's gate rows were ever loaded.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [E, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
+        # Pieces still unwritten per parameter (plain attribute: not state, survives to_empty()).
+        self.pending: dict[str, set[tuple[int, str]]] = {
+            "w13": {(i, p) for i in range(num_experts) for p in ("gate_proj", "up_proj")},
+            "w2": {(i, "down_proj") for i in range(num_experts)},
+        }
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H] in x's dtype."""
+        return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """One per-expert HF tensor: gate_proj / up_proj [I, H], down_proj [H, I]."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} outside the layer's {self.num_experts} experts")
+        i = self.intermediate_size
+        if proj == "gate_proj":
+            target, param = self.w13[expert, :i], "w13"
+        elif proj == "up_proj":
+            target, param = self.w13[expert, i:], "w13"
+        elif proj == "down_proj":
+            target, param = self.w2[expert], "w2"
+        else:
+            raise ValueError(f"unknown expert projection {proj!r} (expected one of {_EXPERT_PROJS})")
+        _copy_checked(target, tensor, f"experts.{expert}.{proj}")
+        self.pending[param].discard((expert, proj))
+
+    def load_fused(self, name: str, tensor: torch.Tensor) -> None:
+        """transformers-5 in-memory layouts: gate_up_proj [E, 2I, H] (gate rows then up rows, as ours), down_proj
+        [E, H, I]."""
+        if name == "gate_up_proj":
+            target, param = self.w13, "w13"
+        elif name == "down_proj":
+            target, param = self.w2, "w2"
+        else:
+            raise ValueError(f"unknown fused expert tensor {name!r} (expected 'gate_up_proj' or 'down_proj')")
+        _copy_checked(target, tensor, f"experts.{name}")
+        self.pending[param].clear()
+
+    def loaded_param_names(self) -> set[str]:
+        return {name for name, left in self.pending.items() if not left}
+
+
+class GatedMLP(nn.Module):
+    """A dense SiLU-gated MLP (the shared expert): fused gate|up projection, then down, like models/llama DenseMLP
+    but sized by arguments rather than a model config."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, H]
+
+
+class SparseMoEBlock(nn.Module):
+    """Router + routed experts (+ shared expert): the MLP of an MoE decoder layer. forward(x [T, H]) -> [T, H].
+
+    Parameter names (ours; HF names in load_weight): gate.weight [E, H], e_score_correction_bias [E]
+    (grouped_sigmoid only), experts.w13 / experts.w2, shared_expert.gate_up_proj.weight / .down_proj.weight
+    (when shared_expert_intermediate_size > 0), shared_expert_gate.weight [1, H] (when shared_expert_gated).
+
+    Router precision follows HF per family: the softmax router's logits come from the gate in the model dtype (HF
+    Qwen), the grouped sigmoid router's from float32 input and weight (HF DeepSeek-V3 / GLM keep gate.weight and the
+    correction bias in float32, `_keep_in_fp32_modules_strict`). Both then route in float32. A model cast to
+    bfloat16 by `.to(dtype)` rounds the correction bias, which can move expert choices; keep
+    `FLOAT32_PARAMS` in float32 when casting to match HF.
+    """
+
+    FLOAT32_PARAMS = ("gate.weight", "e_score_correction_bias")
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int, *,
+                 renormalize: bool, router: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, shared_expert_intermediate_size: int = 0,
+                 shared_expert_gated: bool = False):
+        super().__init__()
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r} (expected one of {ROUTERS})")
+        if router == "softmax" and routed_scaling_factor != 1.0:
+            raise ValueError("routed_scaling_factor applies to the grouped_sigmoid router only")
+        if router == "grouped_sigmoid" and (num_experts % n_group or num_experts // n_group < 2
+                                            or not 0 < topk_group <= n_group):
+            raise ValueError(f"grouped_sigmoid router: {num_experts} experts cannot form {n_group} groups of >= 2 "
+                             f"with {topk_group} kept")
+        if shared_expert_gated and shared_expert_intermediate_size <= 0:
+            raise ValueError("shared_expert_gated needs shared_expert_intermediate_size > 0")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.router, self.renormalize = router, renormalize
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+        self.shared_expert_gated = shared_expert_gated
+        self.gate = Linear(hidden_size, num_experts)  # [E, H] router
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts)) if router == "grouped_sigmoid"
+                                        else None)  # [E]; a Parameter so the loader's all-loaded check covers it
+        self.experts = FusedMoE(num_experts, hidden_size, moe_intermediate_size)
+        self.shared_expert = (GatedMLP(hidden_size, shared_expert_intermediate_size)
+                              if shared_expert_intermediate_size > 0 else None)
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gated else None
+        # Pieces of our non-expert parameters still unwritten (plain attribute; experts track their own).
+        self.pending: dict[str, set[str]] = {n: {"all"} for n, _ in self.named_parameters()
+                                             if not n.startswith(("experts.", "shared_expert.gate_up_proj."))}
+        if self.shared_expert is not None:
+            self.pending["shared_expert.gate_up_proj.weight"] = {"gate", "up"}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)."""
+        if self.router == "softmax":
+            return softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32, as HF DeepSeek-V3
+        return grouped_sigmoid_topk(logits, self.top_k, self.e_score_correction_bias, self.n_group,
+                                    self.topk_group, self.routed_scaling_factor, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x)
+        out = self.experts(x, topk_weights, topk_ids)  # [T, H]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)  # [T, H]
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # [T, 1] gate per token
+            out = out + shared
+        return out
+
+    def load_weight(self, rest: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF tensor named below the block (`model.layers.N.mlp.` stripped); False for a name this block
+        has no place for (the caller decides whether that is an error). Accepts per-expert checkpoint names
+        (experts.3.gate_proj.weight), transformers-5 fused ones (experts.gate_up_proj, experts.down_proj), both
+        shared-expert spellings (Qwen shared_expert., DeepSeek shared_experts.), shared_expert_gate.weight and
+        gate.e_score_correction_bias."""
+        parts = rest.split(".")
+        if rest == "gate.weight":
+            return self._load_whole("gate.weight", self.gate.weight, tensor)
+        if rest == "gate.e_score_correction_bias":
+            if self.e_score_correction_bias is None:
+                return False
+            return self._load_whole("e_score_correction_bias", self.e_score_correction_bias, tensor)
+        if rest == "shared_expert_gate.weight":
+            if self.shared_expert_gate is None:
+                return False
+            return self._load_whole("shared_expert_gate.weight", self.shared_expert_gate.weight, tensor)
+        if parts[0] == "experts":
+            if len(parts) == 2 and parts[1] in ("gate_up_proj", "down_proj"):
+                self.experts.load_fused(parts[1], tensor)
+                return True
+            if len(parts) == 4 and parts[1].isdigit() and parts[2] in _EXPERT_PROJS and parts[3] == "weight":
+                self.experts.load_expert(int(parts[1]), parts[2], tensor)
+                return True
+            return False
+        if parts[0] in ("shared_expert", "shared_experts") and len(parts) == 3 and parts[2] == "weight":
+            if self.shared_expert is None:
+                return False
+            if parts[1] == "down_proj":
+                return self._load_whole("shared_expert.down_proj.weight", self.shared_expert.down_proj.weight,
+                                        tensor)
+            if parts[1] in ("gate_proj", "up_proj"):
+                shard = parts[1].removesuffix("_proj")
+                self.shared_expert.gate_up_proj.load_shard(shard, tensor)
+                self.pending["shared_expert.gate_up_proj.weight"].discard(shard)
+                return True
+        return False
+
+    def _load_whole(self, name: str, param: torch.Tensor, tensor: torch.Tensor) -> bool:
+        _copy_checked(param, tensor, name)
+        self.pending[name].clear()
+        return True
+
+    def loaded_param_names(self) -> set[str]:
+        """Our parameter names (relative to the block) whose every piece load_weight has written. A model's
+        load_weights adds these, prefixed, to the set the loader compares with named_parameters(), so a checkpoint
+        missing one expert's up_proj fails the all-loaded check instead of serving uninitialised memory."""
+        done = {name for name, left in self.pending.items() if not left}
+        return done | {f"experts.{n}" for n in self.experts.loaded_param_names()}

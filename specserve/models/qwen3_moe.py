@@ -1,0 +1,92 @@
+"""Qwen3-MoE family (Qwen3-30B-A3B, Qwen3-235B-A22B): the dense Qwen3 block (q/k RMSNorm, GQA) with a sparse MoE
+MLP (softmax router over `num_experts`, top `num_experts_per_tok`, renormalised when `norm_topk_prob`, no shared
+expert) on layers i with (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers; a dense MLP of
+`intermediate_size` elsewhere. The MTP block (DeepSeek layout inside the checkpoint, or a separate draft folder) is
+the same attention with the MoE MLP. transformers' Qwen3MoeForCausalLM is the oracle in tests.
+
+Checkpoints store experts per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`); they are stacked into the
+block's [E, ...] tensors as they stream in (layers/moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specserve.layers.moe import SparseMoEBlock
+from specserve.layers.rotary import RotaryEmbedding
+from specserve.models.config import ModelConfig, optional, require, text_config
+from specserve.models.dense import DenseConfig, DenseDecoderLayer, DenseForCausalLM, load_dense_tensor
+
+_MLP = ".mlp."
+
+
+@dataclass
+class Qwen3MoeConfig(DenseConfig):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, hf_config, arch: str) -> Qwen3MoeConfig:
+        text = text_config(hf_config)
+        cfg = cls(**ModelConfig.core_fields(hf_config, arch), **DenseConfig.dense_fields(hf_config, arch),
+                  num_experts=require(text, "num_experts"), num_experts_per_tok=require(text, "num_experts_per_tok"),
+                  moe_intermediate_size=require(text, "moe_intermediate_size"),
+                  norm_topk_prob=bool(optional(text, "norm_topk_prob", True)),
+                  decoder_sparse_step=int(optional(text, "decoder_sparse_step", 1)),
+                  mlp_only_layers=[int(i) for i in optional(text, "mlp_only_layers", [])])
+        if cfg.partial_rotary_factor != 1.0:
+            raise ValueError(f"partial_rotary_factor={cfg.partial_rotary_factor} is not supported by Qwen3-MoE")
+        if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..num_experts="
+                             f"{cfg.num_experts}")
+        return cfg
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
+
+
+def moe_block(cfg: Qwen3MoeConfig) -> SparseMoEBlock:
+    return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                          renormalize=cfg.norm_topk_prob, router="softmax")
+
+
+class Qwen3MoeForCausalLM(DenseForCausalLM):
+    config_class = Qwen3MoeConfig
+
+    @classmethod
+    def make_layer(cls, cfg: Qwen3MoeConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        return DenseDecoderLayer(cfg, layer_id, rotary, moe_block(cfg) if cfg.is_sparse(layer_id) else None)
+
+    @classmethod
+    def mtp_block(cls, cfg: Qwen3MoeConfig, rotary: RotaryEmbedding) -> nn.Module:
+        return DenseDecoderLayer(cfg, 0, rotary, moe_block(cfg))
+
+    @classmethod
+    def load_tensor(cls, root: nn.Module, params: dict[str, nn.Parameter], name: str,
+                    tensor: torch.Tensor) -> str | None:
+        """MoE MLP tensors go to their block (per-expert names stacked as they arrive); the rest as dense."""
+        at = name.find(_MLP)
+        if at >= 0:
+            prefix = name[:at + len(_MLP) - 1]  # "model.layers.3.mlp" (or "decoder.mlp" in an MTP layer)
+            block = root.get_submodule(prefix)
+            if isinstance(block, SparseMoEBlock):
+                if not block.load_weight(name[at + len(_MLP):], tensor):
+                    return None
+                return name  # counted by finish_loading, once every piece of the parameter is in
+        return load_dense_tensor(root, params, name, tensor)
+
+    @classmethod
+    def finish_loading(cls, root: nn.Module, loaded: set[str]) -> set[str]:
+        """Replace the MoE blocks' names by the parameters whose every piece was written."""
+        blocks = {n: m for n, m in root.named_modules() if isinstance(m, SparseMoEBlock)}
+        out = {n for n in loaded if not any(n.startswith(p + ".") for p in blocks)}
+        for prefix, block in blocks.items():
+            out |= {f"{prefix}.{n}" for n in block.loaded_param_names()}
+        return out
