@@ -12,6 +12,7 @@ from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.kvcache.manager import KVHandle
 from specserve.models.config import ModelConfig
+from specserve.models.loader import materialize
 from specserve.models.mtp import MTPDraftModel
 from specserve.models.registry import model_class
 from specserve.server_args import ServerArgs
@@ -30,6 +31,14 @@ PRESETS: dict[str, dict] = {
         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # Qwen3-30B-A3B: 48 layers, 128 experts of 768, top 8 (all layers sparse); 30.5 B parameters = 61 GB in bf16
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
@@ -50,15 +59,13 @@ def random_init(module: torch.nn.Module, seed: int) -> None:
             else:
                 p.normal_(0.0, 0.02)
     module.requires_grad_(False).eval()
-    for mod in module.modules():
-        if hasattr(mod, "cos_sin_cache"):
-            mod.cos_sin_cache = mod.cos_sin_cache.float()
 
 
 def random_draft(cfg: ModelConfig, target, dtype: torch.dtype, device: torch.device, max_positions: int,
                  seed: int = 1) -> MTPDraftModel:
-    with torch.device(device):
-        draft = MTPDraftModel(cfg, max_positions).to(dtype)
+    with torch.device("meta"):
+        draft = MTPDraftModel(cfg, max_positions)
+    draft = materialize(draft, cfg, dtype, device, max_positions)  # straight in `dtype`: no float32 copy
     random_init(draft, seed)
     draft.share_target(target.embed_tokens, target.lm_head)
     return draft
@@ -71,10 +78,11 @@ def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_pos
     spec = dict(PRESETS[preset])
     hf = AutoConfig.for_model(spec.pop("model_type"), **spec)
     cfg = ModelConfig.from_hf(hf)
-    with torch.device(device):
-        target = model_class(cfg.architecture)(cfg, max_positions).to(dtype)
-    random_init(target, seed)
+    with torch.device("meta"):
+        target = model_class(cfg.architecture)(cfg, max_positions)
+    target = materialize(target, cfg, dtype, device, max_positions)  # a 30B model has no room for float32
     target.tie_weights()
+    random_init(target, seed)
     return target, random_draft(cfg, target, dtype, device, max_positions, seed + 1), cfg
 
 
@@ -85,9 +93,12 @@ class Pair:
 
 
 def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int, max_bs: int, context_len: int,
-                 disable_graphs: bool, attention_backend: str = "auto") -> Pair:
+                 disable_graphs: bool, attention_backend: str = "auto", capture_bs: list[int] | None = None) -> Pair:
+    """capture_bs: the batch sizes to capture (default: the engine's ladder up to max_bs). Prefill graphs are not
+    captured: no phase measured here is a prefill."""
     tokens = max_bs * (context_len + num_steps + 2) + 1024
     common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
+                  cuda_graph_bs=capture_bs, cuda_graph_max_prefill_tokens=0,
                   disable_cuda_graph=disable_graphs, attention_backend=attention_backend, context_length=context_len)
     plain = ModelRunner(ServerArgs(**common), target, cfg, None, device, dtype, context_len)
     spec = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=num_steps, **common), target,
@@ -130,9 +141,17 @@ def release(mr: ModelRunner, reqs: list[Req]) -> None:
         mr.kv.release(r.kv)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every parameter once, except the embedding table when it is not also the
-    lm-head (a step reads only its rows)."""
+def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:
+    """Bytes a decode step of `tokens` tokens must read: every parameter once, except the embedding table when it
+    is not also the lm-head (a step reads only its rows), and of each MoE layer's routed experts only the chosen
+    ones (at most tokens x top-k of them; random routing chooses distinct experts almost surely)."""
+    from specserve.layers.moe import SparseMoEBlock
+
+    experts = {}
+    for m in model.modules():
+        if isinstance(m, SparseMoEBlock):
+            share = min(m.num_experts, tokens * m.top_k) / m.num_experts
+            experts.update({id(m.experts.w13): share, id(m.experts.w2): share})
     seen, total = set(), 0
     embed = model.embed_tokens.weight
     tied = model.lm_head.weight is embed
@@ -140,7 +159,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
         if id(p) in seen or (p is embed and not tied):
             continue
         seen.add(id(p))
-        total += p.numel() * p.element_size()
+        total += int(p.numel() * p.element_size() * experts.get(id(p), 1.0))
     return total
 
 

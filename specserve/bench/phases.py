@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             draft = random_draft(cfg, target, dtype, dev, max_pos)  # timing only: weights do not matter
         label = args.model_path or "embedded SmolLM2-135M-Instruct"
     pair = make_runners(target, draft, cfg, dtype, dev, args.speculative_num_steps, max(bss), args.context_length,
-                        disable_graphs=False)
+                        disable_graphs=False, capture_bs=bss)
     result: dict = {"model": label, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "N": args.speculative_num_steps, "prefix_len": args.prefix_len, "batches": []}
     if dev.type == "cuda":
