@@ -1,8 +1,9 @@
 """One model's caches, one pool per kind, built from its per-layer cache specs (DESIGN §2).
 
 Token-indexed pools (MHA K/V, MLA latents, indexer keys) all have `num_slots` slots and are addressed through the
-one shared page table; the recurrent-state pool has a row per running request. The model runner sizes
-`num_slots` and the state rows from one memory budget over the target's and the draft's specs together.
+one shared page table; the recurrent-state pool has a row per running request. The model runner sizes both from
+one memory budget: the token slots over the target's and the draft's specs together, the state rows over the
+target's (a draft with recurrent layers is refused by the speculative worker).
 """
 
 from __future__ import annotations
