@@ -74,3 +74,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if (tk := _kernels(x, w13, w2)) is not None:
         return tk.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax MoE router: logits [T, E] -> (weights [T, K] float32, ids [T, K] int64), one kernel on CUDA."""
+    if (tk := _kernels(logits)) is not None:
+        return tk.softmax_topk_triton(logits, top_k, renormalize)
+    return ref.softmax_topk(logits, top_k, renormalize)

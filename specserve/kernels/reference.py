@@ -91,3 +91,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         y = (h @ w2[e].T).float()  # [n, H]
         out.index_add_(0, tok, y * topk_weights.reshape(-1)[sel, None].float())
     return out.to(x.dtype)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax router: softmax over all experts in float32, the top_k (equal weights: the lower expert id
+    first, the tie-break the kernel uses), optionally renormalised to sum 1. logits [T, E] -> (weights [T, K]
+    float32, ids [T, K] int64) by descending weight."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

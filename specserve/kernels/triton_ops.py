@@ -5,10 +5,12 @@ dispatch. Each kernel lives in a small file by job; this module only re-exports 
 from specserve.kernels.triton_accept import accept_greedy_triton, accept_sampling_triton
 from specserve.kernels.triton_act import silu_and_mul
 from specserve.kernels.triton_kv import store_kv
+from specserve.kernels.triton_moe import fused_moe
 from specserve.kernels.triton_ngram import lookup_drafts_triton
 from specserve.kernels.triton_norm import add_rms_norm, rms_norm
 from specserve.kernels.triton_rope import rope
+from specserve.kernels.triton_router import softmax_topk_triton
 from specserve.kernels.triton_top1 import row_top1_triton
 
-__all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "lookup_drafts_triton", "rms_norm",
-           "rope", "row_top1_triton", "silu_and_mul", "store_kv"]
+__all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "fused_moe", "lookup_drafts_triton",
+           "rms_norm", "rope", "row_top1_triton", "silu_and_mul", "softmax_topk_triton", "store_kv"]

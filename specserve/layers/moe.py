@@ -25,12 +25,8 @@ _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2-MoE / Qwen3-MoE / Qwen3-Next: softmax over all experts, keep the top_k, optionally rescale the kept
     weights to sum to 1. logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), ids by descending
-    weight; equal weights resolve as torch.topk does (deterministic for a given device)."""
-    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    weight, equal weights by ascending id (kernels/reference.py softmax_topk; one Triton kernel on CUDA)."""
+    return ops.softmax_topk(logits, top_k, renormalize)
 
 
 def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None, n_group: int,

@@ -1,0 +1,140 @@
+"""The fused-MoE Triton kernel (specserve/kernels/triton_moe.py) against a per-expert torch loop, at Qwen3-30B-A3B's
+MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and a seeded random routing).
+
+    python3 scripts/gpu/bench_moe.py [--tokens 1 8 64 512] [--iters 200]
+
+Both are checked against kernels/reference.py once before timing. Times are CUDA-event medians over --iters calls,
+each after an L2 flush (the 60 MB L2 would otherwise hold most of a decode step's 75 MB of expert weights). The flush
+reads a 256 MB buffer rather than writing one: an L2 full of dirty lines makes the next kernel pay for their
+write-back (it cost the decode step's GEMMs about a quarter of their bandwidth here). The kernel is timed eagerly
+and as a CUDA-graph replay. For small T the bandwidth column counts the bytes of the chosen
+experts' weights (unique experts x 3*H*I*2) over the graphed time, as a fraction of 4.2 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import reference as ref
+from specserve.kernels.triton_moe import fused_moe
+
+PEAK_BW = 4.2e12  # bytes/s: the H200 copy bandwidth measured here
+
+
+def torch_loop(x, w13, w2, topk_weights, topk_ids):
+    """Per-expert loop: for each expert with tokens, gather its rows and do the two matmuls (host-driven: one sync
+    for the counts)."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)  # [T*K]
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    inter = w2.shape[2]
+    out = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start:start + c]  # [c] pairs routed to e
+        start += c
+        tok = sel // k
+        gu = x[tok] @ w13[e].T  # [c, 2I]
+        y = (F.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[e].T  # [c, H]
+        out.index_add_(0, tok, y.float() * topk_weights.reshape(-1)[sel, None])
+    return out.to(x.dtype)
+
+
+def time_ms(fn, iters: int, warmup: int, flush: torch.Tensor | None) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush.sum()  # read-only: leaves clean lines in L2
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graphed(fn):
+    """fn captured once in a CUDA graph (warmed up on a side stream first); returns (replay, output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
+    """One row of the table: T tokens routed top-k by random logits."""
+    dev, dtype = w13.device, w13.dtype
+    e, h, i, k = w13.shape[0], w13.shape[2], w2.shape[2], args.top_k
+    x = torch.randn((t, h), generator=g, device=dev).to(dtype)  # [T, H]
+    logits = torch.randn((t, e), generator=g, device=dev)
+    topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, K] distinct experts
+    topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
+    moe_args = (x, w13, w2, topk_weights, topk_ids)
+    want = ref.fused_moe(*moe_args)
+    err_loop = rel_err(torch_loop(*moe_args), want)
+    err_fused = rel_err(fused_moe(*moe_args), want)
+    assert err_fused < 3e-2, f"fused kernel differs from the reference at T={t}: {err_fused:.3g}"
+
+    loop_ms = time_ms(lambda: torch_loop(*moe_args), args.iters, args.warmup, flush)
+    fused_ms = time_ms(lambda: fused_moe(*moe_args), args.iters, args.warmup, flush)
+    replay, graph_out = graphed(lambda: fused_moe(*moe_args))
+    graph_ms = time_ms(replay, args.iters, args.warmup, flush)
+    assert torch.equal(graph_out, fused_moe(*moe_args)), "graph replay differs from the eager kernel"
+    used = topk_ids.unique().numel()
+    bw = ""
+    if t <= 8:  # decode sizes: the kernel should stream the chosen experts' weights at near peak bandwidth
+        gbs = used * 3 * h * i * w13.element_size() / (graph_ms * 1e-3) / 1e9
+        bw = f"{gbs:7.0f} {gbs * 1e9 / PEAK_BW:7.1%}"
+    print(f"{t:5d} {used:7d} {loop_ms:9.3f} {fused_ms:9.3f} {graph_ms:9.3f} {loop_ms / fused_ms:7.1f}x "
+          f"{loop_ms / graph_ms:7.1f}x {bw:>15} {err_loop:9.2e} {err_fused:9.2e}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between timed calls")
+    args = p.parse_args()
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    h, i, e, k = args.hidden, args.inter, args.experts, args.top_k
+    g = torch.Generator(device=dev).manual_seed(args.seed)
+    w13 = (torch.randn((e, 2 * i, h), generator=g, device=dev) / h ** 0.5).to(dtype)  # [E, 2I, H]
+    w2 = (torch.randn((e, h, i), generator=g, device=dev) / i ** 0.5).to(dtype)  # [E, H, I]
+    flush = None if args.no_flush else torch.zeros(64 << 20, dtype=torch.float32, device=dev)  # 256 MB
+    print(f"{torch.cuda.get_device_name()}: H {h}, I {i}, E {e}, top-{k}, {dtype}; median of {args.iters} "
+          f"(L2 {'warm' if flush is None else 'flushed'})")
+    print(f"{'T':>5} {'experts':>7} {'loop ms':>9} {'fused ms':>9} {'graph ms':>9} {'speedup':>8} "
+          f"{'graph x':>8} {'GB/s':>7} {'of peak':>7} {'err loop':>9} {'err fused':>9}")
+    for t in args.tokens:
+        bench_tokens(t, w13, w2, g, args, flush)
+
+
+if __name__ == "__main__":
+    main()

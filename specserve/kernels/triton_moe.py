@@ -1,0 +1,262 @@
+"""Triton fused MoE: a grouped GEMM over the routed (token, k) pairs (reference: kernels/reference.py fused_moe).
+
+Capturable with fixed shapes: nothing is read back to the host and every buffer and grid is sized from shapes.
+  * Alignment (`moe_align`, three small kernels): the T*K pairs are counted per expert (a histogram per chunk of
+    pairs); one program takes the prefix sums, each expert's run padded up to a multiple of BLOCK_M; a grid places
+    the pairs, stably (by expert, then pair index), into `sorted_ids` (padding rows hold the sentinel T*K) and
+    writes `block_expert[b]`, the expert of block b. `num_padded` [1] is the padded total, at most
+    T*K + min(E, T*K) * (BLOCK_M - 1): the host bound that sizes the grids. Blocks past the live total exit at
+    once, and an expert with no pair owns no block, so a decode step reads only the chosen experts' weights.
+  * Gate/up (`_gate_up_kernel`): one program per (block, BLOCK_N columns of I) multiplies the block's x rows by
+    both the gate and the up rows of w13[e] (two accumulators), so silu(gate) * up is fused into the epilogue and
+    the [rows, 2I] product is never written. Rounding follows the reference: gate and up rounded to x's dtype,
+    silu rounded, then the product rounded.
+  * Down (`_down_kernel`): act @ w2[e]^T per block, rounded to x's dtype and written per pair to y [T*K, H].
+  * `_sum_k_kernel`: out[t] = sum_k w[t, k] * y[t*K + k] in float32, in k order, then cast. No atomics anywhere,
+    so the result is deterministic run to run (it may differ from the reference's expert-order float32 sum in the
+    last bit).
+`F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
+
+
+@triton.jit
+def _count_kernel(ids_ptr, hist_ptr, n_pairs, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    c = tl.program_id(0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ok = i < n_pairs
+    ex = tl.arange(0, E_PAD)
+    hist = tl.histogram(tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32), E_PAD)
+    hist -= tl.where(ex == 0, CHUNK - tl.sum(ok.to(tl.int32), 0), 0)  # lanes past the last pair counted as expert 0
+    tl.store(hist_ptr + c * E_PAD + ex, hist)
+
+
+@triton.jit
+def _offsets_kernel(hist_ptr, offs_ptr, pad_end_ptr, sorted_ptr, num_padded_ptr, n_pairs, num_experts, num_chunks,
+                    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program: the per-expert prefix sums. Everything that scales with the blocks is left to _place_kernel's
+    grid: one program has one multiprocessor's bandwidth (reading the histograms is most of its time)."""
+    ex = tl.arange(0, E_PAD)
+    cb = tl.arange(0, BLOCK_C)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):  # BLOCK_C chunks a step: few dependent loads even for a long prefill
+        c = c0 + cb
+        counts += tl.sum(tl.load(hist_ptr + c[:, None] * E_PAD + ex[None, :], mask=(c < num_chunks)[:, None],
+                                 other=0), axis=0)
+    counts = tl.where(ex < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    pad_end = tl.cumsum(padded, 0)  # experts >= E: the total
+    pad_start = pad_end - padded
+    tl.store(pad_end_ptr + ex, pad_end)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    # offs[c, e]: where chunk c's first pair of expert e goes (chunks in order: a stable placement)
+    base = pad_start
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + cb
+        c_ok = (c < num_chunks)[:, None]
+        h = tl.load(hist_ptr + c[:, None] * E_PAD + ex[None, :], mask=c_ok, other=0)  # [BLOCK_C, E_PAD]
+        tl.store(offs_ptr + c[:, None] * E_PAD + ex[None, :], base[None, :] + tl.cumsum(h, 0) - h, mask=c_ok)
+        base += tl.sum(h, axis=0)
+    # padding rows: each expert's run past its count
+    j = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + (pad_start + counts)[:, None] + j[None, :], n_pairs,
+             mask=j[None, :] < (padded - counts)[:, None])
+
+
+@triton.jit
+def _place_kernel(ids_ptr, offs_ptr, pad_end_ptr, num_padded_ptr, sorted_ptr, block_expert_ptr, n_pairs,
+                  num_experts, num_chunks, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
+    c = tl.program_id(0)
+    if c < num_chunks:  # chunk c of pairs: each to its expert's run, after the same expert's earlier pairs
+        r = tl.arange(0, CHUNK)
+        i = c * CHUNK + r
+        ok = i < n_pairs
+        e = tl.load(ids_ptr + i, mask=ok, other=num_experts).to(tl.int32)  # [CHUNK]
+        before = (e[:, None] == e[None, :]) & (r[None, :] < r[:, None])  # [CHUNK, CHUNK] same expert, earlier
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        dst = tl.load(offs_ptr + c * E_PAD + e, mask=ok, other=0) + rank
+        tl.store(sorted_ptr + dst, i, mask=ok)
+    # blocks [c * BLOCK_B, (c + 1) * BLOCK_B): block b belongs to the expert whose padded run holds row b * BLOCK_M,
+    # i.e. the number of runs that end at or before it; past the live total that is >= E (runs of e >= E end at
+    # the total), and those blocks' rows get the sentinel
+    b = c * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_ok = b < max_blocks
+    pad_end = tl.load(pad_end_ptr + tl.arange(0, E_PAD))
+    tl.store(block_expert_ptr + b, tl.sum((pad_end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1),
+             mask=b_ok)
+    tail = b_ok & (b * BLOCK_M >= tl.load(num_padded_ptr))
+    j = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + b[:, None] * BLOCK_M + j[None, :], n_pairs, mask=tail[:, None])
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden, inter,
+                    stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):  # the grid covers the bound; the live total is on the device
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M]; n_pairs marks padding
+        row_ok = pair < n_pairs
+        tok = (pair // TOP_K).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter
+        k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]  # [M, K]
+        g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N] gate rows
+        u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = k0 + k < hidden
+            a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            acc_g += _dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+            acc_u += _dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+        dt = act_ptr.dtype.element_ty
+        gate = acc_g.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        tl.store(act_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], act.to(dt),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden, inter,
+                 stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M]
+        row_ok = pair < n_pairs
+        rows = pair.to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < hidden
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = act_ptr + rows[:, None] * inter + k[None, :]  # [M, K]
+        w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = k0 + k < inter
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += _dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), F32_DOT, PRECISION)
+        # each expert's product rounded to x's dtype, as the reference does before its weighted sum
+        tl.store(y_ptr + rows[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in tl.static_range(TOP_K):  # fixed order: deterministic
+        wk = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
+        acc += wk * tl.load(y_ptr + (t * TOP_K + k) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_block_m(n_pairs: int, num_experts: int) -> int:
+    """Rows per block from shapes only: about twice the mean pairs per expert, 16..64, so a small batch pads each
+    chosen expert to one 16-row block and a mid-size one reads each expert's weights about once; 128 from 128 pairs
+    per expert on, where the GEMMs turn compute-bound (Qwen3-30B-A3B shapes on the H200: T = 2048 took 524 us
+    against 637 us with 64 rows, T = 8192 1522 against 2077; T <= 1024 was no faster)."""
+    if n_pairs >= 128 * num_experts:
+        return 128
+    return min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * n_pairs, num_experts))))
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """topk_ids [T, K] -> (sorted_ids [P] int32: pair indices t*K + k grouped by expert, each expert's run padded to
+    a multiple of block_m with the sentinel T*K; block_expert [P / block_m] int32; num_padded [1] int32, the live
+    padded total). P = block_m * ((T*K + min(E, T*K) * (block_m - 1)) // block_m) is the bound from shapes."""
+    ids = topk_ids.reshape(-1)  # [T*K]
+    n_pairs, dev = ids.numel(), ids.device
+    max_blocks = (n_pairs + min(num_experts, n_pairs) * (block_m - 1)) // block_m
+    e_pad = triton.next_power_of_2(num_experts)
+    chunk = min(_CHUNK, max(16, triton.next_power_of_2(n_pairs)))  # a decode step's few pairs: one small chunk
+    num_chunks = triton.cdiv(n_pairs, chunk)
+    hist = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)  # [chunks, E_PAD]
+    offs = torch.empty_like(hist)  # [chunks, E_PAD]
+    pad_end = torch.empty(e_pad, dtype=torch.int32, device=dev)  # [E_PAD] end of each expert's padded run
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)  # [P]
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)  # [P / block_m]
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _count_kernel[(num_chunks,)](ids, hist, n_pairs, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+    _offsets_kernel[(1,)](hist, offs, pad_end, sorted_ids, num_padded, n_pairs, num_experts, num_chunks,
+                          BLOCK_M=block_m, E_PAD=e_pad, BLOCK_C=min(64, triton.next_power_of_2(num_chunks)),
+                          num_warps=8)
+    block_b = 16
+    _place_kernel[(max(num_chunks, triton.cdiv(max_blocks, block_b)),)](
+        ids, offs, pad_end, num_padded, sorted_ids, block_expert, n_pairs, num_experts, num_chunks, max_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCK_B=block_b, num_warps=4)
+    return sorted_ids, block_expert, num_padded
+
+
+def _gemm_configs(block_m: int) -> tuple[dict, dict]:
+    """(gate/up, down) tile sizes, warps and stages, by block_m. Up to 64 rows the GEMMs stream weights and a sweep
+    on the H200 found the tiles within a few percent of each other (see scripts/gpu/bench_moe.py); at 128 rows
+    (prefill) wide tiles with 8 warps were the fastest of those tried."""
+    if block_m <= 16:
+        return (dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+                dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4))
+    if block_m <= 64:
+        return (dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+                dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4))
+    return (dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+            dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
+    int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable."""
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    assert w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
+    assert w13.dtype == x.dtype == w2.dtype and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, H]
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n_pairs = num_tokens * top_k
+    block_m = moe_block_m(n_pairs, num_experts)
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
+    max_blocks = block_expert.shape[0]
+    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=x.device)  # [T*K, I] silu(gate) * up per pair
+    y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*K, H] each expert's output per pair
+    f32_dot = not x.is_cuda
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch reference
+    cfg_gu, cfg_down = _gemm_configs(block_m)
+    if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones
+        cfg_gu, cfg_down = ({**c, "BLOCK_K": c["BLOCK_K"] // 2} for c in (cfg_gu, cfg_down))
+    _gate_up_kernel[(max_blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
+        x, w13, act, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, **cfg_gu)
+    _down_kernel[(max_blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))](
+        act, w2, y, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
+        BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, **cfg_down)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, topk_weights.reshape(-1), out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
