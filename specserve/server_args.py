@@ -44,7 +44,7 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
-    speculative_ngram_lookup: bool = False  # draft from n-gram continuations in the context (spec/ngram.py)
+    speculative_ngram_lookup: bool = False  # draft from n-gram continuations in the context (speculative/ngram.py)
     speculative_ngram_confidence: float = 0.5  # ... when the head's top probability is below this
     speculative_draft_model_quantization: str | None = None  # "int8": weight-only int8 draft on CPU (layers/quant.py)
     # graphs and kernels
@@ -52,7 +52,7 @@ class ServerArgs:
     cuda_graph_bs: list[int] | None = None
     disable_cuda_graph: bool = False
     disable_spec_step_graph: bool = False  # greedy spec steps phase by phase instead of as one graph
-    cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (engine/prefill_graph.py)
+    cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (graphs/prefill.py)
     attention_backend: str = "auto"
     # sampling
     random_seed: int = 0

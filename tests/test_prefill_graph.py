@@ -1,4 +1,4 @@
-"""Prefill runners (engine/prefill_graph.py) on CPU, by static replay (`--cuda-graph-max-prefill-tokens` > 0):
+"""Prefill runners (graphs/prefill.py) on CPU, by static replay (`--cuda-graph-max-prefill-tokens` > 0):
 
 - the padded replay of the target's extend and of the draft's extend equals the unpadded eager forward, for batches
   of shrinking then growing token counts and request counts, with and without a prefix (chunked prefill), with

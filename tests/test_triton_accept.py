@@ -1,4 +1,4 @@
-"""Triton accept kernels against spec/accept.py: identical accept lengths and verified tokens for the same inputs
+"""Triton accept kernels against speculative/accept.py: identical accept lengths and verified tokens for the same inputs
 (same counter-based noise), including argmax ties, filtered (zero-probability) tokens, one-hot greedy rows and
 vocabularies that span several blocks. Outputs are poisoned before each run."""
 

@@ -1,4 +1,4 @@
-"""Triton context-lookup kernel against spec/ngram.py: identical drafts to choose_drafts(ngram_continuation(...))
+"""Triton context-lookup kernel against speculative/ngram.py: identical drafts to choose_drafts(ngram_continuation(...))
 on random histories over a tiny vocabulary (matches everywhere), widths within and beyond one block, `last` at the
 start, middle and end of the row, -1 padding past `last`, patterns holding -1, rows with a trigram, with only a
 bigram and with nothing, and confidences at and around the head's. On CPU it runs under Triton's interpreter

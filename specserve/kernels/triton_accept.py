@@ -1,4 +1,4 @@
-"""Triton verification kernels: same inputs, outputs and noise as spec/accept.py (the reference), no host sync.
+"""Triton verification kernels: same inputs, outputs and noise as speculative/accept.py (the reference), no host sync.
 
 * `accept_greedy_triton`: the argmax of the target logits at every position (first index on ties, like torch;
   kernels/triton_top1.py), then one program per request counts the leading draft == argmax matches.
@@ -127,7 +127,7 @@ def _outputs(out: tuple[torch.Tensor, torch.Tensor] | None, bs: int, n: int,
 
 def accept_greedy_triton(drafts: torch.Tensor, target_logits: torch.Tensor,
                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts [bs, N]; target_logits [bs, N+1, V] -> (accept_len [bs], verified [bs, N+1]) as spec/accept.py."""
+    """drafts [bs, N]; target_logits [bs, N+1, V] -> (accept_len [bs], verified [bs, N+1]) as speculative/accept.py."""
     bs, n = drafts.shape
     vocab = target_logits.shape[-1]
     logits = _rows_last_unit(target_logits).reshape(bs * (n + 1), vocab)  # [bs * (N+1), V]
@@ -144,7 +144,7 @@ def accept_greedy_triton(drafts: torch.Tensor, target_logits: torch.Tensor,
 def accept_sampling_triton(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tensor, base_index: torch.Tensor,
                            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """drafts [bs, N]; probs [bs, N+1, V] float32; seeds, base_index [bs] int64 -> (accept_len [bs],
-    verified [bs, N+1]) as spec/accept.py accept_sampling."""
+    verified [bs, N+1]) as speculative/accept.py accept_sampling."""
     bs, n = drafts.shape
     vocab = probs.shape[-1]
     accept_len, verified = _outputs(out, bs, n, drafts.device)  # [bs], [bs, N+1]

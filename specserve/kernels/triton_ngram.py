@@ -1,4 +1,4 @@
-"""Triton context-lookup drafting: spec/ngram.py's choose_drafts(ngram_continuation(...)) as one kernel launch.
+"""Triton context-lookup drafting: speculative/ngram.py's choose_drafts(ngram_continuation(...)) as one kernel launch.
 
 One program per row b, with L = last[b] (the last committed index). The candidate pattern starts are j <= L - 2
 (the bigram's continuation j + 2 must be committed; the trigram's j + 3 too). The program walks them newest block
@@ -59,7 +59,7 @@ def lookup_drafts_triton(hist: torch.Tensor, last: torch.Tensor, p2: torch.Tenso
                          p0: torch.Tensor, head_tokens: torch.Tensor, head_conf: torch.Tensor,
                          confidence: float) -> torch.Tensor:
     """hist [B, W] int token history; last, p2, p1, p0, head_tokens [B] int; head_conf [B] float32/16/bf16
-    -> [B] int64 drafts, as spec/ngram.py choose_drafts(head_tokens, head_conf, ngram_continuation(hist, last,
+    -> [B] int64 drafts, as speculative/ngram.py choose_drafts(head_tokens, head_conf, ngram_continuation(hist, last,
     p2, p1, p0), confidence)."""
     bs, width = hist.shape
     out = torch.empty(bs, dtype=torch.int64, device=hist.device)  # [B]

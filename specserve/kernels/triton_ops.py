@@ -1,6 +1,6 @@
 """Triton kernel entry points that kernels/ops.py dispatches to for CUDA tensors (same signatures and semantics
-as kernels/reference.py), plus the accept and context-lookup kernels for spec/accept.py's and spec/ngram.py's
-dispatch. Each kernel lives in a small file by job; this module only re-exports them."""
+as kernels/reference.py), plus the accept and context-lookup kernels for speculative/accept.py's and
+speculative/ngram.py's dispatch. Each kernel lives in a small file by job; this module only re-exports them."""
 
 from specserve.kernels.triton_accept import accept_greedy_triton, accept_sampling_triton
 from specserve.kernels.triton_act import silu_and_mul

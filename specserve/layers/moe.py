@@ -117,7 +117,7 @@ class FusedMoE(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """A dense SiLU-gated MLP (the shared expert): fused gate|up projection, then down, like models/llama DenseMLP
+    """A dense SiLU-gated MLP (the shared expert): fused gate|up projection, then down, like models/dense DenseMLP
     but sized by arguments rather than a model config."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
