@@ -254,7 +254,7 @@ def test_checker_on_synthetic_tree(tmp_path):
         "specserve/layers/rotary.py:1 imports specserve.engine.core (floor 2 layers -> floor 0 engine)",
         "specserve/layers/rotary.py:4 imports specserve.models.dense (floor 2 layers -> floor 1 models)",
         "specserve/models/old.py:1 imports specserve.spec.accept, which is on no floor "
-        "(add speculative/accept.py to the floor table, or fix the import)",
+        "(add spec/accept.py to the floor table, or fix the import)",
         "specserve/stray.py: on no floor (add it to the floor table)",
     ]
 
