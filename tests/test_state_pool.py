@@ -6,7 +6,6 @@ target that declares recurrent layers gets its state rows from the model runner,
 retractions and an abort returns every row, with exactly one state row held per request holding a page-table row.
 """
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -309,15 +308,6 @@ def test_bytes_per_state_row_is_slots_times_slot_bytes():
 FAKE_STATE = RecurrentStateSpec((8, 3), (2, 4, 4))
 
 
-class _TokenKindBackends(ModelRunner):
-    """The model runner for a target that declares recurrent layers no backend serves yet (nothing reads the state
-    here): the real sizing and pools, backends for the token-indexed kinds only."""
-
-    def backend_factory(self, caches):
-        token = {k: p for k, p in caches.pools.items() if k.token_indexed}
-        return super().backend_factory(SimpleNamespace(kinds=list(token), pools=token))
-
-
 def _scheduler_with_state_rows(path: str, spec_steps: int | None, **kw) -> Scheduler:
     if spec_steps:
         kw.update(speculative_algorithm="MTP", speculative_num_steps=spec_steps)
@@ -325,9 +315,9 @@ def _scheduler_with_state_rows(path: str, spec_steps: int | None, **kw) -> Sched
     t = load_target(ModelSource.resolve(path), torch.float32, CPU, 600)
     draft = load_mtp_draft(t, None, torch.float32, CPU, 600) if spec_steps else None
     specs = t.model.cache_specs()
-    # two recurrent layers beside the attention ones
+    # two recurrent layers beside the attention ones (their backend builds metadata; no layer reads the state)
     t.model.cache_specs = lambda: specs[:1] + [FAKE_STATE] + specs[1:] + [FAKE_STATE]
-    mr = _TokenKindBackends(args, t.model, t.config, draft, CPU, torch.float32, args.context_length)
+    mr = ModelRunner(args, t.model, t.config, draft, CPU, torch.float32, args.context_length)
     return Scheduler(mr, StopChecker(None, {2}), args.chunked_prefill_size)
 
 

@@ -16,6 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from specserve.attention.state_backend import RecurrentStateBackend
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.batch import CacheKind, ForwardMode
 from specserve.graphs.phase_runners import DecodeRunner, PhaseRunner, RunnerContext, TargetVerifyRunner
@@ -113,8 +114,8 @@ class ModelRunner:
         else:
             n = self.num_steps
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
-            self.spec = SpecWorker(draft, tctx, self.runners["target_verify"], self.last_token, self.num_slots,
-                                   kv_dtype, self.backend_factory, WorkerSettings(
+            self.spec = SpecWorker(draft, tctx, self.runners["target_verify"], self.last_token, self.caches.state,
+                                   self.num_slots, kv_dtype, self.backend_factory, WorkerSettings(
                                        num_steps=n, capture_bs=capture, use_graphs=self.use_graphs,
                                        spec_step_graph=not args.disable_spec_step_graph,
                                        ngram_lookup=args.speculative_ngram_lookup,
@@ -137,7 +138,7 @@ class ModelRunner:
     def backend_factory(self, caches: ModelCaches):
         """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
         twice: for its graph metadata and for its eager path)."""
-        classes = {CacheKind.MHA: self._backend_class()}
+        classes = {CacheKind.MHA: self._backend_class(), CacheKind.RECURRENT: RecurrentStateBackend}
         missing = [k.value for k in caches.kinds if k not in classes]
         if missing:
             raise ValueError(f"no attention backend serves cache kind(s) {', '.join(missing)} yet")

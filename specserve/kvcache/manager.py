@@ -87,15 +87,17 @@ class KVManager:
         handle.row = row
         if self.state_pool is not None:
             handle.state_row = self.state_pool.alloc()
+            self.state_pool.bind(row, handle.state_row)
         return True
 
     def release(self, handle: KVHandle) -> None:
         if handle.pages:
             self.allocator.free(handle.pages)
             handle.pages = []
+        if handle.state_row:
+            self.state_pool.bind(handle.row, 0)
+            self.state_pool.free(handle.state_row)
+            handle.state_row = 0
         if handle.row:
             self.req_to_token.free_row(handle.row)
             handle.row = 0
-        if handle.state_row:
-            self.state_pool.free(handle.state_row)
-            handle.state_row = 0

@@ -6,6 +6,9 @@ slot of the last accepted token as the row's current slot (`commit`), and the ne
 prefill chunk) starts from it. No rollback pass, no copy. Row 0 is the reserved dummy that padded graph rows read
 and write; it is never handed out. A row is zeroed when it is handed out (a new request starts from the zero
 state) and returned when its request finishes, is aborted or is retracted (kvcache/manager.py).
+
+Forward batches name requests by page-table row; `row_state[page-table row]` is the request's state row (0 for the
+dummy row and for rows without a request), kept on the device so graph metadata can gather it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from specserve.kvcache.cache_spec import RecurrentStateSpec
 
 
 class StatePool:
-    def __init__(self, specs: list[RecurrentStateSpec], max_rows: int, slots_per_row: int, device: torch.device):
+    def __init__(self, specs: list[RecurrentStateSpec], max_rows: int, slots_per_row: int, device: torch.device,
+                 table_rows: int | None = None):
+        """max_rows: state rows (running requests); table_rows: page-table rows that can be bound to one
+        (default max_rows + 1)."""
         if not specs:
             raise ValueError("a state pool needs at least one recurrent layer")
         kinds = {(s.conv_shape, s.ssm_shape, s.conv_dtype, s.ssm_dtype) for s in specs}
@@ -33,6 +39,7 @@ class StatePool:
         self.ssm = torch.zeros((self.num_layers, rows, slots_per_row, *spec.ssm_shape), dtype=spec.ssm_dtype,
                                device=device)  # [L, rows, S, *ssm]
         self.current = torch.zeros(rows, dtype=torch.int64, device=device)  # [rows] slot of the committed state
+        self.row_state = torch.zeros(table_rows or rows, dtype=torch.int64, device=device)  # [page-table rows]
         self._free: list[int] = list(range(max_rows, 0, -1))
 
     @property
@@ -55,6 +62,10 @@ class StatePool:
         if row in self._free:
             raise ValueError(f"state row {row} freed twice")
         self._free.append(row)
+
+    def bind(self, table_row: int, state_row: int) -> None:
+        """Page-table row `table_row` now belongs to the request holding `state_row` (0: to nobody)."""
+        self.row_state[table_row] = state_row
 
     def commit(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Make slot `slots[b]` the current state of row `rows[b]` (device op, capturable). rows, slots [bs]."""

@@ -2,8 +2,8 @@
 
 `spec_step_device` is the step from the running rows' page-table rows and sequence lengths to the accepted tokens:
 
-    draft decode (N-1 chained steps) -> target verify (N+1 tokens) -> accept -> token history
-    -> draft extend (fixed width N+1) -> per-row state (next d1, draft hidden, last token)
+    draft decode (N-1 chained steps) -> target verify (N+1 tokens) -> accept -> recurrent-state commit
+    -> token history -> draft extend (fixed width N+1) -> per-row state (next d1, draft hidden, last token)
 
 Each phase goes through `phase(name, live)`. The worker (speculative/worker.py) passes the phase runners' `run`,
 so every phase replays its own graph with the host glue in between (any batch, any sampling).
@@ -68,6 +68,9 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     else:
         probs = probs_from_logits(logits.reshape(bs * width, -1), sb.repeat(width)).view(bs, width, -1)
         accept_len, verified = verify_sampling(drafts, probs, sb.seeds, s)
+
+    if w.target_state is not None:  # the accept commit: the state after the last accepted token is current
+        w.target_state.commit(w.target_state.row_state[rows], accept_len)
 
     if row_state.tokens is not None:  # token history for context lookup: verified tokens at S+1..S+N+1
         row_state.tokens[rows[:, None], s[:, None] + 1 + offs[None, :]] = verified

@@ -26,6 +26,7 @@ from specserve.graphs.padding import ExtendBatch
 from specserve.graphs.phase_runners import PhaseRunner, RunnerContext
 from specserve.graphs.prefill import PrefillRunner
 from specserve.kvcache.caches import ModelCaches
+from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import SamplingBatch
 from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
 from specserve.speculative.draft_state import DraftChooser, DraftState
@@ -52,16 +53,18 @@ class WorkerSettings:
 
 class SpecWorker:
     def __init__(self, draft: torch.nn.Module, target_ctx: RunnerContext, target_verify: PhaseRunner,
-                 last_token: torch.Tensor, num_slots: int, kv_dtype: torch.dtype,
+                 last_token: torch.Tensor, target_state: StatePool | None, num_slots: int, kv_dtype: torch.dtype,
                  make_backends: Callable[[ModelCaches], Callable[[], dict]], s: WorkerSettings):
         """draft: the MTP/EAGLE model; target_ctx, target_verify: the target's runner context and verify runner
-        (owned by the model runner); last_token [rows]: the target's per-row newest token (shared); num_slots:
-        token slots of each draft pool (sized with the target's from one budget); make_backends(caches): the
-        backend factory over a set of caches."""
+        (owned by the model runner); last_token [rows]: the target's per-row newest token (shared); target_state:
+        the target's recurrent-state pool (None without recurrent layers), whose current slots the accept commit
+        sets; num_slots: token slots of each draft pool (sized with the target's from one budget);
+        make_backends(caches): the backend factory over a set of caches."""
         self.draft = draft
         self.num_steps = s.num_steps
         self.device = target_ctx.device
         self.last_token = last_token
+        self.target_state = target_state
         specs = draft.cache_specs()
         if any(spec.kind is CacheKind.RECURRENT for spec in specs):
             raise ValueError("draft models with recurrent layers are not supported (the MTP block is attention)")
