@@ -19,7 +19,9 @@ def cmd_generate(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="specserve generate", description="Generate text offline with the engine.")
     ServerArgs.add_cli_args(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap each prompt in the model's chat template (default: on for the embedded chat model, "
+                        "off for a --model-path)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -28,18 +30,23 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the full results as JSON")
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
+    from specserve.engine.sampling_params import SamplingParams
+
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+          "top_k": args.top_k, "seed": args.seed}
     try:
         sa = ServerArgs.from_cli_args(args)
+        SamplingParams.from_dict(sp)  # bad sampling values fail here, before the model loads
     except ValueError as e:
         p.error(str(e))
     from specserve.engine.engine import Engine
 
     eng = Engine(**{k: v for k, v in vars(sa).items() if k != "extra"})
     prompts = args.prompt
-    if args.chat:
+    # The embedded model is a chat model: a bare question without its template gets an empty answer.
+    chat = args.chat if args.chat is not None else sa.model_path is None
+    if chat:
         prompts = [eng.apply_chat_template([{"role": "user", "content": q}]) for q in prompts]
-    sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-          "top_k": args.top_k, "seed": args.seed}
     outs = eng.generate(prompts, sp)
     for q, o in zip(args.prompt, outs):
         if args.json:

@@ -62,6 +62,7 @@ class ServerArgs:
     port: int = 30000
     log_level: str = "info"
     skip_warmup: bool = False
+    max_request_body_mb: float = 16.0  # larger request bodies get a 413 before they are parsed
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +72,12 @@ class ServerArgs:
     @property
     def spec_enabled(self) -> bool:
         return self.speculative_algorithm not in (None, SPEC_OFF)
+
+    @property
+    def embedded_speculates(self) -> bool:
+        """The embedded default model with no --speculative-algorithm: it speculates with its shipped head
+        (with_embedded_defaults), so speculative flags tune that."""
+        return self.model_path is None and self.speculative_algorithm is None
 
     @property
     def num_draft_steps(self) -> int:
@@ -106,17 +113,19 @@ class ServerArgs:
                     "--speculative-num-draft-tokens must equal --speculative-num-steps + 1 for chain drafting "
                     f"(got {self.speculative_num_draft_tokens} with {self.speculative_num_steps} steps)"
                 )
+        elif self.embedded_speculates:
+            self._validate_embedded_spec_flags()
         else:
             for name in ("speculative_num_steps", "speculative_draft_model_path", "speculative_num_draft_tokens"):
                 if vars(self)[name] is not None:
                     raise ValueError(f"--{name.replace('_', '-')} needs --speculative-algorithm")
-        if self.speculative_ngram_lookup and not self.spec_enabled:
+        if self.speculative_ngram_lookup and not self.spec_enabled and not self.embedded_speculates:
             raise ValueError("--speculative-ngram-lookup needs --speculative-algorithm MTP/EAGLE/NEXTN (it picks "
                              "draft tokens)")
         q = self.speculative_draft_model_quantization
         if q is not None and q not in QUANTIZATIONS:
             raise ValueError(f"--speculative-draft-model-quantization must be one of {QUANTIZATIONS}, got {q!r}")
-        if q == "int8" and not self.spec_enabled:
+        if q == "int8" and not self.spec_enabled and not self.embedded_speculates:
             raise ValueError("--speculative-draft-model-quantization needs --speculative-algorithm MTP/EAGLE/NEXTN")
         if q == "int8" and self.device == "cuda":
             raise ValueError("--speculative-draft-model-quantization int8 is implemented for CPU serving only")
@@ -151,8 +160,24 @@ class ServerArgs:
             raise ValueError("--sampling-defaults must be 'model' or 'openai'")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
+        if not self.max_request_body_mb > 0:
+            raise ValueError(f"--max-request-body-mb must be > 0, got {self.max_request_body_mb}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+    def _validate_embedded_spec_flags(self) -> None:
+        """The embedded model speculates by default (with_embedded_defaults): speculative flags given without
+        --speculative-algorithm tune that, and are checked here, before any model loads."""
+        n = self.speculative_num_steps
+        if n is not None and not 1 <= n <= 16:
+            raise ValueError(f"--speculative-num-steps must be in 1..16, got {n}")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError(f"--speculative-eagle-topk {self.speculative_eagle_topk} is not supported: specserve "
+                             "drafts a chain (topk = 1); tree drafting is not implemented")
+        t = self.speculative_num_draft_tokens
+        if t is not None and (n is None or t != n + 1):
+            raise ValueError("--speculative-num-draft-tokens must equal --speculative-num-steps + 1 for chain "
+                             f"drafting (got {t} with {n} steps)")
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -210,6 +235,8 @@ class ServerArgs:
         a("--port", type=int, default=d["port"].default)
         a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
         a("--skip-warmup", action="store_true")
+        a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
+          help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
 
     @staticmethod
     def from_cli_args(args: argparse.Namespace) -> ServerArgs:
@@ -224,8 +251,10 @@ class ServerArgs:
         if self.model_path is not None or self.speculative_algorithm is not None or draft_path is None:
             return self
         return dataclasses.replace(self, speculative_algorithm="MTP",
-                                   speculative_num_steps=4 if device_type == "cuda" else 2,
-                                   speculative_draft_model_path=draft_path, speculative_ngram_lookup=True,
+                                   speculative_num_steps=self.speculative_num_steps or (
+                                       4 if device_type == "cuda" else 2),
+                                   speculative_draft_model_path=self.speculative_draft_model_path or draft_path,
+                                   speculative_ngram_lookup=True,
                                    speculative_draft_model_quantization=(
                                        self.speculative_draft_model_quantization or embedded_draft_quantization(
                                            device_type)))

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -122,11 +123,30 @@ def test_parse_args_defaults_and_errors(capsys):
     a = parse_args(["--model-path", "/x", "--port", "31000", "--skip-warmup", "--served-model-name", "m"])
     assert (a.model_path, a.port, a.skip_warmup, a.served_model_name) == ("/x", 31000, True, "m")
     for bad, needle in ((["--no-such-flag"], "--no-such-flag"), (["--tp-size", "2"], "tp-size"),
-                        (["--port", "abc"], "port"), (["--speculative-num-steps", "2"], "speculative-algorithm")):
+                        (["--port", "abc"], "port"),
+                        (["--model-path", "/x", "--speculative-num-steps", "2"], "speculative-algorithm"),
+                        (["--speculative-eagle-topk", "4"], "eagle-topk"),  # the embedded model speculates
+                        (["--speculative-num-steps", "40"], "num-steps"), (["--max-request-body-mb", "0"], "body")):
         with pytest.raises(SystemExit) as e:
             parse_args(bad)
         assert e.value.code == 2
         assert needle in capsys.readouterr().err
+
+
+def test_embedded_model_takes_speculative_flags_without_an_algorithm():
+    """The embedded model speculates by default, so --speculative-num-steps tunes it (it used to be refused)."""
+    a = parse_args(["--speculative-num-steps", "3"])
+    e = a.with_embedded_defaults("/head", "cpu")
+    assert (e.speculative_algorithm, e.speculative_num_steps, e.speculative_num_draft_tokens) == ("MTP", 3, 4)
+    assert parse_args([]).with_embedded_defaults("/head", "cuda").speculative_num_steps == 4
+
+
+def test_cli_generate_rejects_bad_sampling_before_loading():
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "specserve.cli", "generate", "--prompt", "x", "--temperature", "-3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert time.perf_counter() - t0 < 30  # no model was loaded
 
 
 def test_cli_serve_rejects_unknown_flags_with_exit_code_2():

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 import specserve
 from specserve.server.errors import APIError, bad_request
-from specserve.server.protocol import AbortRequestBody, GenerateRequest, parse_body
+from specserve.server.protocol import AbortRequestBody, GenerateRequest, parse_body, read_body
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
 
@@ -91,9 +91,9 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
-        body: GenerateRequest = parse_body(await request.body(), GenerateRequest)
+        body: GenerateRequest = parse_body(await read_body(request, tm.body_limit), GenerateRequest)
         tm.check_model(body.model)
-        reqs, single = _requests(tm, body)
+        reqs, single = await tm.off_loop(_requests, tm, body)
         for r in reqs:  # all prompts are checked before any is queued
             tm.precheck(r)
         if body.stream:
@@ -136,7 +136,7 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
 
     @router.post("/abort_request")
     async def abort_request(request: Request) -> dict:
-        body = parse_body(await request.body(), AbortRequestBody)
+        body = parse_body(await read_body(request, tm.body_limit), AbortRequestBody)
         return {"aborted": tm.abort(body.rid, "aborted by /abort_request")}
 
     return router

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from specserve.server.errors import APIError, bad_request
-from specserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body
+from specserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body, read_body
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
 
@@ -76,6 +76,8 @@ def _sampling(body, max_new_tokens: int | None) -> dict:
 
 
 def _message_dict(m: ChatMessage) -> dict:
+    if m.content is None and m.role == "user":
+        raise bad_request("a user message needs content", param="messages")
     if m.content is None or isinstance(m.content, str):
         return {"role": m.role, "content": m.content or ""}
     texts = []
@@ -103,11 +105,12 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
     # ------------------------------------------------------------------ chat
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = parse_body(await read_body(request, tm.body_limit), ChatCompletionRequest)
         tm.check_model(body.model)
         _refuse_unsupported(body, chat=True)
-        prompt = tm.chat_prompt([_message_dict(m) for m in body.messages], body.chat_template_kwargs)
-        ids = tm.encode(prompt, add_special_tokens=False)  # the template already has any BOS it wants
+        messages = [_message_dict(m) for m in body.messages]
+        prompt = await tm.off_loop(tm.chat_prompt, messages, body.chat_template_kwargs)
+        ids = await tm.off_loop(tm.encode, prompt, False)  # the template already has any BOS it wants
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_new is None:
             max_new = max(tm.info.context_len - len(ids), 0)  # no limit: all the room the context leaves
@@ -130,11 +133,11 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
     # ------------------------------------------------------------------ completions
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+        body: CompletionRequest = parse_body(await read_body(request, tm.body_limit), CompletionRequest)
         tm.check_model(body.model)
         _refuse_unsupported(body, chat=False)
         max_new = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        prompts = _prompt_ids(tm, body.prompt)
+        prompts = await tm.off_loop(_prompt_ids, tm, body.prompt)
         if body.rid is not None and len(prompts) > 1:
             raise bad_request("rid can only be given for a single prompt", param="rid")
         reqs = [GenRequest(ids, _sampling(body, max_new), rid=body.rid) for ids in prompts]

@@ -12,8 +12,9 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
 
-from specserve.server.errors import bad_request, validation_error
+from specserve.server.errors import APIError, bad_request, validation_error
 
 
 class _Strict(BaseModel):
@@ -94,6 +95,22 @@ class AbortRequestBody(_Strict):
     rid: str
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or an APIError(413) as soon as it is known to exceed `limit` bytes (from Content-Length,
+    else while it streams in): a huge body is refused before it is buffered, parsed or tokenised."""
+    too_big = APIError(413, f"the request body exceeds {limit} bytes (--max-request-body-mb)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes -> model, or an APIError(400) saying what is wrong."""
     if not raw:
@@ -102,6 +119,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

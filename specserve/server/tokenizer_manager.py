@@ -13,7 +13,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
@@ -87,6 +88,18 @@ class TokenizerManager:
         self.accepting = True
         self.engine_exit_reason: str | None = None
         metrics.set_engine(info, self.stats, healthy=True)
+        # Tokenising and templating run on this one thread, never on the event loop (a long prompt would stall
+        # every other client), and one at a time (a fast tokenizer's encode is not safe to call concurrently).
+        self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # No token covers more characters than the longest vocabulary entry, so a text longer than this cannot
+        # fit the context: it is refused without being tokenised.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        self.max_prompt_chars = info.context_len * max(longest, 1)
+        self.body_limit = int(args.max_request_body_mb * (1 << 20))  # bytes
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the text worker thread (tokenising, chat templates)."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn, *args)
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.engine.start_io(loop, self._on_output, self._on_engine_exit)
@@ -96,9 +109,21 @@ class TokenizerManager:
         return self.engine_exit_reason is None and self.accepting
 
     # ------------------------------------------------------------------ prompts
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_text(self, text: str, param: str = "prompt") -> None:
+        """A prompt the tokenizer can take and the context can hold, checked without tokenising (raises 400)."""
         if not text:
-            raise bad_request("the prompt is empty", param="prompt")
+            raise bad_request("the prompt is empty", param=param)
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {len(text)} characters, more than a context of "
+                              f"{self.info.context_len} tokens can hold", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(f"the text is not valid Unicode: {e.reason} at character {e.start} (a lone "
+                              "surrogate escape such as \\ud800?)", param=param) from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_prompt(self, messages: list[dict], template_kwargs: dict | None) -> str:
@@ -111,6 +136,9 @@ class TokenizerManager:
         clash = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                self.check_text(m["content"] or " ", param="messages")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
@@ -120,12 +148,16 @@ class TokenizerManager:
     def validate(self, input_ids: list[int], sampling: dict) -> None:
         """The checks of EngineCore.make_request, done before anything reaches the engine (raises 400)."""
         try:
-            SamplingParams.from_dict(sampling, self.info.default_sampling)
+            sp = SamplingParams.from_dict(sampling, self.info.default_sampling)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e)) from None
+        vocab = self.info.vocab_size
+        if any(t >= vocab for t in sp.stop_token_ids):
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+        for stop in sp.stop:
+            self.check_text(stop, param="stop")
         if not input_ids:
             raise bad_request("the prompt is empty", param="prompt")
-        vocab = self.info.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
             raise bad_request(f"input_ids must be integers in [0, {vocab})", param="input_ids")
         if len(input_ids) >= self.info.context_len:

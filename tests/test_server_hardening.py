@@ -1,0 +1,108 @@
+"""Client input that used to stall the server or get a 500 (issue 16): a huge body is refused with a 413 before it
+is read whole and never delays /health; a lone surrogate escape (prompt, chat content, /generate text, stop
+strings) and a body nested 100 000 levels deep are 400s that keep the keep-alive connection usable; a user message
+without content and out-of-range stop_token_ids are 400s; a prompt longer than the context can hold is refused by
+its length alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import build_tiny_model
+from server_fixtures import LiveServer, start_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> LiveServer:
+    root = tmp_path_factory.mktemp("server_hardening")
+    model = build_tiny_model(str(root / "tiny"), "llama", seed=5)
+    srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--max-request-body-mb", "1",
+                        "--skip-warmup"], str(root / "server.log"))
+    yield srv
+    srv.terminate()
+
+
+GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+
+
+def _good_after(client: httpx.Client, url: str) -> None:
+    """The same keep-alive connection serves a good request after a bad one."""
+    r = client.post(url + "/v1/completions", json=GOOD)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_oversized_body_is_413_and_health_stays_fast(server):
+    big = b'{"model": "tiny", "prompt": "' + b"a " * 700_000 + b'"}'  # 1.4 MB > 1 MB
+    times = []
+
+    def probe():
+        for _ in range(10):
+            t0 = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            times.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+
+    th = threading.Thread(target=probe)
+    th.start()
+    t0 = time.perf_counter()
+    r = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"},
+                   timeout=30)
+    took = time.perf_counter() - t0
+    th.join()
+    assert r.status_code == 413, r.text
+    assert "max-request-body-mb" in r.json()["error"]["message"]
+    assert took < 5 and max(times) < 2, (took, times)
+    # without a Content-Length (chunked upload): refused as it streams in
+    r = httpx.post(server.url + "/generate", content=iter([b'{"text": "', b"b" * 600_000, b"c" * 600_000, b'"}']),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413
+
+
+def test_prompt_longer_than_the_context_can_hold_is_refused_untokenised(server):
+    r = httpx.post(server.url + "/v1/completions", json={**GOOD, "prompt": "x" * 400_000}, timeout=30)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+
+
+BAD_TEXT = [
+    ("/v1/completions", {**GOOD, "prompt": "hi \ud800"}),
+    ("/v1/completions", {**GOOD, "prompt": ["ok", "hi \udc00 there"]}),
+    ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "a\ud800"}]}),
+    ("/generate", {"text": "x \ud83d", "sampling_params": {"max_new_tokens": 2}}),
+    ("/v1/completions", {**GOOD, "stop": ["\ud800"]}),
+]
+
+
+@pytest.mark.parametrize("route,body", BAD_TEXT, ids=[f"{r}-{i}" for i, (r, _) in enumerate(BAD_TEXT)])
+def test_lone_surrogates_are_400_and_the_connection_lives(server, route, body):
+    raw = json.dumps(body).encode()  # ASCII escapes, as a client sends "\ud800" (httpx cannot encode the character)
+    with httpx.Client(timeout=30) as client:
+        r = client.post(server.url + route, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "Unicode" in r.json()["error"]["message"]
+        _good_after(client, server.url)
+
+
+def test_deeply_nested_body_is_400(server):
+    nested = b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with httpx.Client(timeout=30) as client:
+        r = client.post(server.url + "/v1/completions", content=nested, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+        _good_after(client, server.url)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user"}]}, "content"),
+    ({**GOOD, "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+])
+def test_more_invalid_requests_are_400(server, body, needle):
+    route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(server.url + route, json=body, timeout=30)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert server.wait_idle()["num_http_requests"] == 0
