@@ -5,6 +5,7 @@ The engine core (`EngineCore`) is also what the HTTP server's model process driv
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -200,11 +201,21 @@ class Engine:
         return self.core.scheduler
 
     def shutdown(self) -> None:
+        """Abort what is in flight and release the model, the pools and the graphs (device memory included), so
+        another Engine fits in this process again. Idempotent."""
+        if self.core is None:
+            return
         sched = self.core.scheduler
         for rid in list(sched.reqs):
             sched.abort(rid)
+        del sched  # (a live local would keep the whole engine through the collection below)
         self.core = None
+        self.tokenizer = None
+        # The runners and the speculative worker refer to each other (the whole-step graph holds its worker): only
+        # the cycle collector frees them, and with them the graphs' memory pool and the KV pools.
+        gc.collect()
         if torch.cuda.is_available():
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def __enter__(self):

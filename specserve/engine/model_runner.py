@@ -83,6 +83,7 @@ class ModelRunner:
             raise ValueError(
                 f"KV pool of {self.max_total_tokens} tokens cannot hold one full-context request "
                 f"({min_tokens} tokens); lower --context-length or raise --max-total-tokens/--mem-fraction-static"
+                f"{self._memory_note()}"
             )
         num_pages = self.max_total_tokens // self.page_size + 1  # + dummy page 0
         self.max_running = max(1, min(self.max_running, self.max_total_tokens // max(self.num_steps + 2, 2)))
@@ -156,6 +157,18 @@ class ModelRunner:
                 return 0
             asked = _PREFILL_GRAPH_TOKENS if asked is None else asked
         return min(asked or 0, self.row_width)
+
+    def _memory_note(self) -> str:
+        """Where the device memory is, for an error message (CUDA only): free and total, and what the fraction
+        leaves for the caches."""
+        if self.device.type != "cuda" or self.args.max_total_tokens:
+            return ""
+        free, total = torch.cuda.mem_get_info(self.device)
+        frac = self.args.mem_fraction_static or 0.85
+        gib = 1 << 30
+        return (f". The GPU has {free / gib:.1f} GiB free of {total / gib:.1f} GiB; --mem-fraction-static {frac} "
+                f"keeps {total * frac / gib:.1f} GiB for this process, of which {(total - free) / gib:.1f} GiB are "
+                "already in use (the model, or memory held by another engine or process)")
 
     def _cache_budget(self) -> float | None:
         """Bytes for all cache pools (None: --max-total-tokens fixes the KV size; recurrent state comes on top)."""
