@@ -38,6 +38,7 @@ class ServerArgs:
     max_running_requests: int | None = None
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
+    schedule_conservativeness: float = 1.0  # scales the growth reserved at admission (engine/scheduler.py)
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -148,6 +149,8 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in [0.05, 0.98], got {self.mem_fraction_static}")
         if self.chunked_prefill_size < 1 and self.chunked_prefill_size != -1:
             raise ValueError("--chunked-prefill-size must be positive (or -1 to disable chunking)")
+        if not 0.0 <= self.schedule_conservativeness <= 10.0:
+            raise ValueError(f"--schedule-conservativeness must be in [0, 10], got {self.schedule_conservativeness}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.context_length is not None and self.context_length < 2:
@@ -201,6 +204,9 @@ class ServerArgs:
         a("--max-running-requests", type=int, default=None)
         a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
         a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
+        a("--schedule-conservativeness", type=float, default=d["schedule_conservativeness"].default,
+          help="how much of running requests' remaining max_new_tokens admission keeps room for (scales an "
+               "adaptive estimate; 0: only their next step, more retractions; higher: fewer admitted at once)")
         a("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGORITHMS + (SPEC_OFF,),
           help="MTP/EAGLE/NEXTN: chain drafting with an MTP head; NONE: plain decoding (the embedded default "
                "model speculates with its shipped head unless NONE is given)")

@@ -2,6 +2,8 @@
 too small for it returns every page and page-table row, and retracted requests still produce exactly the output
 they would have produced with plenty of memory."""
 
+import os
+
 import pytest
 import torch
 
@@ -32,7 +34,9 @@ def _workload(seed=0):
 def test_pool_returns_to_start_after_mixed_workload_with_retractions(tiny_models, spec, page_size, key="llama_mtp"):
     """key: the checkpoint (other families call this test with theirs)."""
     path = tiny_models[key]
-    kw = dict(context_length=128, chunked_prefill_size=32, page_size=page_size, max_running_requests=8)
+    # no growth reserve at admission, so that the tight pool retracts (what this test is about)
+    kw = dict(context_length=128, chunked_prefill_size=32, page_size=page_size, max_running_requests=8,
+              schedule_conservativeness=0.0)
     if spec:
         kw.update(speculative_algorithm="MTP", speculative_num_steps=spec)
     prompts, params = _workload()
@@ -77,3 +81,34 @@ def test_abort_frees_kv(tiny_models):
     assert all(r.finished_reason["type"] == "abort" for r in reqs)
     sched.step()
     sched.check_idle_invariants()
+
+
+def test_admission_reserves_room_for_growth(tiny_models):
+    """16 prompts of 300 tokens, 150 new tokens each, into a 3000-token pool: prompt-size-only admission took ~9
+    and retracted 8 times; growth-aware admission keeps retraction the exception, and outputs are unchanged."""
+    from helpers import build_tiny_model
+
+    path = build_tiny_model(os.path.join(tiny_models["llama"], "..", "long_ctx"), "llama", seed=1,
+                            max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (300,), generator=g).tolist() for _ in range(16)]
+    sp = {"max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+    with Engine(model_path=path, max_total_tokens=3000, context_length=1024) as tight:
+        got = tight.generate(input_ids=prompts, sampling_params=sp)
+        stats = tight.scheduler.stats
+        assert stats.num_retractions <= 3, f"{stats.num_retractions} retractions: admission over-committed"
+        tight.scheduler.check_idle_invariants()
+    with Engine(model_path=path, max_total_tokens=16384, context_length=1024) as roomy:
+        want = roomy.generate(input_ids=prompts[:4], sampling_params=sp)
+    assert [o["output_ids"] for o in got[:4]] == [o["output_ids"] for o in want]
+
+
+def test_a_request_alone_is_admitted_whatever_its_growth(tiny_models):
+    """max_new_tokens far beyond what the pool could ever hold: the growth estimate must not keep it waiting when
+    nothing else runs (it would wait forever); it runs to the context limit."""
+    with Engine(model_path=tiny_models["llama"], max_total_tokens=200, context_length=128) as eng:
+        out = eng.generate(input_ids=[[5, 6, 7, 8], [9, 10, 11]],
+                           sampling_params={"max_new_tokens": 10_000, "temperature": 0.0, "ignore_eos": True})
+        assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["length", "length"]
+        assert [len(o["output_ids"]) for o in out] == [124, 125]  # up to the context length
+        eng.scheduler.check_idle_invariants()

@@ -90,7 +90,7 @@ def test_quantization_flag_checks():
     with pytest.raises(ValueError, match="one of"):
         ServerArgs(speculative_algorithm="MTP", speculative_draft_model_quantization="int4")
     with pytest.raises(ValueError, match="needs --speculative-algorithm"):
-        ServerArgs(speculative_draft_model_quantization="int8")
+        ServerArgs(model_path="/m", speculative_draft_model_quantization="int8")  # the embedded model speculates
     with pytest.raises(ValueError, match="CPU"):
         ServerArgs(speculative_algorithm="MTP", speculative_draft_model_quantization="int8", device="cuda")
     embedded = ServerArgs().with_embedded_defaults("head", "cpu")

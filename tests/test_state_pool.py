@@ -311,7 +311,7 @@ FAKE_STATE = RecurrentStateSpec((8, 3), (2, 4, 4))
 def _scheduler_with_state_rows(path: str, spec_steps: int | None, **kw) -> Scheduler:
     if spec_steps:
         kw.update(speculative_algorithm="MTP", speculative_num_steps=spec_steps)
-    args = ServerArgs(model_path=path, **kw)
+    args = ServerArgs(model_path=path, schedule_conservativeness=0.0, **kw)  # so that the tight pool retracts
     t = load_target(ModelSource.resolve(path), torch.float32, CPU, 600)
     draft = load_mtp_draft(t, None, torch.float32, CPU, 600) if spec_steps else None
     specs = t.model.cache_specs()

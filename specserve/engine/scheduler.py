@@ -4,6 +4,14 @@ Policy, per step: if a prompt is waiting (or half prefilled) and fits, run one p
 `--chunked-prefill-size` tokens; otherwise run one decode (or speculative) step for every running request.
 When the pool cannot hold the next step, the newest running requests are retracted (KV freed, re-queued at the
 front with their outputs kept, re-prefilled later). Nothing is dropped and the engine never crashes on memory.
+
+Admission is growth-aware, so that retraction stays the exception: a new prompt is admitted only if the free pages
+also cover what the running requests (and the ones admitted with it) are still expected to produce, estimated as
+`new_token_ratio` x their remaining max_new_tokens. The ratio starts high, decays a little with every decode step
+in which nothing had to be retracted (requests usually stop before their limit), and jumps back up after a
+retraction (the estimate was too low), as SGLang's scheduler does. `--schedule-conservativeness` scales the ratio
+(0: reserve only the next step, as before). A request that finds nothing running is always admitted when its prompt
+fits: a growth estimate must never keep the engine idle.
 """
 
 from __future__ import annotations
@@ -19,6 +27,11 @@ from specserve.engine.steps import Chunk, run_decode, run_prefill, run_spec_step
 from specserve.engine.stop import StopChecker
 
 logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7  # share of their remaining max_new_tokens that running requests are expected to produce
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # per decode step without a retraction
+RETRACT_RATIO_STEP = 0.2  # added after a retraction
 
 
 @dataclass
@@ -52,6 +65,8 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
         self.initial_free_pages = mr.allocator.num_free_pages
+        self.conservativeness = mr.args.schedule_conservativeness
+        self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
         self._touched: dict[str, Req] = {}  # requests changed since the last step() returned
 
     # ------------------------------------------------------------------ queue
@@ -100,8 +115,9 @@ class Scheduler:
         mr = self.mr
         budget = self.chunk_budget
         chunks: list[Chunk] = []
-        # Keep pages back so admitted prompts do not immediately force running requests out.
-        reserve = len(self.running) * -(-(self.n + 2) // mr.page_size)
+        # Keep pages back for the next step of every running request and for the tokens they are still expected to
+        # produce, so admitted prompts do not force running requests out later.
+        reserve = sum(self._expected_pages(r) for r in self.running)
         candidates: list[Req] = []
         if self.prefilling is not None:
             candidates.append(self.prefilling)
@@ -117,7 +133,9 @@ class Scheduler:
             final = end == req.prefill_len
             need_positions = end + (self.n + 1 if final else 0)
             extra = mr.kv.pages_needed(req.kv, need_positions)
-            if extra + reserve > mr.allocator.num_free_pages:
+            alone = not self.running and not chunks  # nothing else would run: admit if the prompt fits
+            growth = self._expected_pages(req, end) - extra if final and not alone else 0  # beyond its prompt
+            if extra + growth + reserve > mr.allocator.num_free_pages:
                 # A new request: FIFO, later ones wait behind it. The half-prefilled one: decodes run meanwhile
                 # (they may finish and free pages).
                 break
@@ -129,6 +147,7 @@ class Scheduler:
             ok = mr.kv.ensure([req.kv], [need_positions])
             assert ok
             chunks.append(Chunk(req, start, end))
+            reserve += growth
             budget -= end - start
             if not final:
                 self.prefilling = req
@@ -136,6 +155,16 @@ class Scheduler:
             if self.prefilling is req:
                 self.prefilling = None
         return chunks
+
+    def _expected_pages(self, req: Req, seq_len: int | None = None) -> int:
+        """Pages beyond those it holds that `req` is expected to need from now on: its next step (N + 2 positions)
+        and new_token_ratio of its remaining max_new_tokens (bounded by the context). seq_len: its length once
+        admitted (default its current one)."""
+        seq_len = req.seq_len if seq_len is None else seq_len
+        left = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
+        left = min(left, max(self.mr.context_len - seq_len, 0))
+        want = seq_len + self.n + 2 + int(self.new_token_ratio * left)
+        return self.mr.kv.pages_needed(req.kv, want)
 
     def _run_prefill(self, chunks: list[Chunk]) -> None:
         self.stats.num_prefill_steps += 1
@@ -155,7 +184,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> None:
+        retracted = self.stats.num_retractions
         self._ensure_decode_capacity()
+        c = self.conservativeness
+        if self.stats.num_retractions > retracted:
+            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP * c)
+        else:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * c, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY * c)
         if not self.running:
             return
         self.stats.num_decode_steps += 1
