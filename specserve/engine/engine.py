@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.defaults import embedded_draft_path, embedded_model_path
+from specserve.defaults import EMBEDDED_GENERATION_CONFIG, embedded_draft_path, embedded_model_path
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
@@ -68,7 +68,7 @@ class EngineCore:
             draft = load_mtp_draft(target, draft_path, self.dtype, self.device, max_positions)
             quantize_draft(draft, args.speculative_draft_model_quantization, self.device)
         self.tokenizer = load_tokenizer(src, args.tokenizer_path, args.chat_template)
-        self.generation_config = _generation_config(src)
+        self.generation_config = _generation_config(src, embedded=args.model_path is None)
         eos = eos_token_ids(self.tokenizer, target.config.eos_token_ids, self.generation_config)
         self.model_runner = ModelRunner(args, target.model, target.config, draft, self.device, self.dtype,
                                         self.context_len)
@@ -93,6 +93,14 @@ class EngineCore:
             return {}
         keys = ("temperature", "top_p", "top_k", "min_p")
         return {k: self.generation_config[k] for k in keys if k in self.generation_config}
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """The answer length of a chat request that gives none (the generation config's max_new_tokens; None: all
+        the room the context leaves)."""
+        if self.args.sampling_defaults != "model":
+            return None
+        return self.generation_config.get("max_new_tokens")
 
     # ------------------------------------------------------------------ requests
     def make_request(self, input_ids: list[int], sampling: dict | SamplingParams | None,
@@ -151,7 +159,9 @@ class EngineCore:
                 raise RuntimeError("scheduler went idle with unfinished requests")
 
 
-def _generation_config(src: ModelSource) -> dict:
+def _generation_config(src: ModelSource, embedded: bool = False) -> dict:
+    if embedded:
+        return dict(EMBEDDED_GENERATION_CONFIG)
     if src.is_gguf:
         return {}
     path = os.path.join(src.folder, "generation_config.json")

@@ -55,6 +55,7 @@ class EngineInfo:
     draft_model_path: str | None = None
     spec_ngram_lookup: bool = False
     draft_quantization: str | None = None  # "int8" (CPU), else None
+    default_max_tokens: int | None = None  # a chat request without max_tokens gets this (None: the context's room)
 
 
 @dataclass

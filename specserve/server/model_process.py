@@ -69,7 +69,7 @@ def _engine_info(core) -> EngineInfo:
         page_size=mr.allocator.page_size,
         capacity_pages=mr.allocator.capacity_pages,
         initial_free_pages=core.scheduler.initial_free_pages,
-        default_sampling=dict(core.default_sampling),
+        default_sampling=dict(core.default_sampling), default_max_tokens=core.default_max_tokens,
         spec_enabled=core.args.spec_enabled,
         spec_algorithm=core.args.speculative_algorithm if core.args.spec_enabled else None,
         spec_num_steps=core.args.num_draft_steps,

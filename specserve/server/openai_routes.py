@@ -112,8 +112,9 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         prompt = await tm.off_loop(tm.chat_prompt, messages, body.chat_template_kwargs)
         ids = await tm.off_loop(tm.encode, prompt, False)  # the template already has any BOS it wants
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_new is None:
-            max_new = max(tm.info.context_len - len(ids), 0)  # no limit: all the room the context leaves
+        if max_new is None:  # the model's default answer length, else all the room the context leaves
+            room = max(tm.info.context_len - len(ids), 0)
+            max_new = room if tm.info.default_max_tokens is None else min(tm.info.default_max_tokens, room)
         req = GenRequest(ids, _sampling(body, max_new), rid=body.rid)
         tm.precheck(req)
         cid = f"chatcmpl-{req.rid or uuid.uuid4().hex}"

@@ -367,4 +367,6 @@ class TokenizerManager:
             "avg_spec_accept_length": s.spec_accept_length,  # SGLang's name
             "spec_accept_length_recent": s.recent_accept_length,
             "load_time": i.load_time,
+            "default_sampling_params": dict(i.default_sampling),  # what a request that sets nothing gets
+            "default_chat_max_tokens": i.default_max_tokens,
         }
