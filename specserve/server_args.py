@@ -36,6 +36,7 @@ class ServerArgs:
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
+    max_queued_requests: int | None = None  # past this many waiting requests, new ones get a 503 (Retry-After)
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
     schedule_conservativeness: float = 1.0  # scales the growth reserved at admission (engine/scheduler.py)
@@ -151,6 +152,8 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be positive (or -1 to disable chunking)")
         if not 0.0 <= self.schedule_conservativeness <= 10.0:
             raise ValueError(f"--schedule-conservativeness must be in [0, 10], got {self.schedule_conservativeness}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.context_length is not None and self.context_length < 2:
@@ -189,21 +192,31 @@ class ServerArgs:
         a = parser.add_argument
         a("--model-path", "--model", dest="model_path", default=None,
           help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-        a("--tokenizer-path", default=None)
-        a("--served-model-name", default=None)
+        a("--tokenizer-path", default=None, help="tokenizer folder (default: the model's own)")
+        a("--served-model-name", default=None, help="the model name clients send and /v1/models lists (default: the "
+               "folder or file name)")
         a("--chat-template", default=None, help="a Jinja chat template file, or the template text itself")
-        a("--dtype", default=d["dtype"].default, choices=DTYPES)
-        a("--device", default=d["device"].default, choices=("auto", "cpu", "cuda"))
-        a("--context-length", type=int, default=None)
-        a("--trust-remote-code", action="store_true")
-        a("--tp-size", "--tp", dest="tp_size", type=int, default=1)
-        a("--page-size", type=int, default=d["page_size"].default)
-        a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-        a("--mem-fraction-static", type=float, default=None)
+        a("--dtype", default=d["dtype"].default, choices=DTYPES,
+          help="weights and activations (auto: the checkpoint's bf16/fp16 on a GPU, float32 on a CPU)")
+        a("--device", default=d["device"].default, choices=("auto", "cpu", "cuda"), help="auto: CUDA when available")
+        a("--context-length", type=int, default=None,
+          help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
+        a("--trust-remote-code", action="store_true", help="let transformers run a checkpoint's own config code")
+        a("--tp-size", "--tp", dest="tp_size", type=int, default=1, help="tensor parallel size (1 only for now)")
+        a("--page-size", type=int, default=d["page_size"].default, help="KV tokens per page of the page table")
+        a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache dtype (auto: --dtype's)")
+        a("--mem-fraction-static", type=float, default=None,
+          help="share of the GPU's memory for weights and caches (default 0.85)")
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
-        a("--max-running-requests", type=int, default=None)
-        a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default)
-        a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default)
+        a("--max-running-requests", type=int, default=None,
+          help="requests decoded together at most (default: 256 on a GPU, 64 on a CPU, bounded by the KV pool)")
+        a("--max-queued-requests", type=int, default=None,
+          help="requests waiting for a slot at most; past it a new request gets a 503 with Retry-After (default: "
+               "no limit)")
+        a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default,
+          help="prompt tokens per prefill step at most; longer prompts are prefilled in chunks (-1: no chunking)")
+        a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,
+          help="accepted for SGLang compatibility (prefill batches are bounded by --chunked-prefill-size)")
         a("--schedule-conservativeness", type=float, default=d["schedule_conservativeness"].default,
           help="how much of running requests' remaining max_new_tokens admission keeps room for (scales an "
                "adaptive estimate; 0: only their next step, more retractions; higher: fewer admitted at once)")
@@ -211,22 +224,25 @@ class ServerArgs:
           help="MTP/EAGLE/NEXTN: chain drafting with an MTP head; NONE: plain decoding (the embedded default "
                "model speculates with its shipped head unless NONE is given)")
         a("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
-          default=None)
+          default=None, help="a draft (MTP head) checkpoint folder (default: the MTP layer inside the target)")
         a("--speculative-num-steps", type=int, default=None,
           help="draft tokens per step N (default 3; the embedded model's default: 4 on a GPU, 2 on a CPU)")
-        a("--speculative-eagle-topk", type=int, default=None)
-        a("--speculative-num-draft-tokens", type=int, default=None)
+        a("--speculative-eagle-topk", type=int, default=None, help="draft branches per step (1 only: chain drafting)")
+        a("--speculative-num-draft-tokens", type=int, default=None,
+          help="tokens verified per step (must be --speculative-num-steps + 1)")
         a("--speculative-ngram-lookup", action="store_true",
           help="MTP: a draft token may come from the context instead of the head: the continuation of the newest "
                "earlier occurrence of the last 3 (else 2) tokens, when the head's top probability is below "
                "--speculative-ngram-confidence (lossless; helps copy-heavy text: summaries, code, quoting)")
-        a("--speculative-ngram-confidence", type=float, default=d["speculative_ngram_confidence"].default)
+        a("--speculative-ngram-confidence", type=float, default=d["speculative_ngram_confidence"].default,
+          help="context lookup replaces the head's draft token when the head's top probability is below this")
         a("--speculative-draft-model-quantization", choices=QUANTIZATIONS, default=None,
           help="int8: the draft's weights as weight-only int8 on CPU, a quarter of the bytes each draft step "
                "streams (lossless: verification is unchanged); default none, int8 for the embedded model on a CPU")
-        a("--cuda-graph-max-bs", type=int, default=None)
-        a("--cuda-graph-bs", type=int, nargs="+", default=None)
-        a("--disable-cuda-graph", action="store_true")
+        a("--cuda-graph-max-bs", type=int, default=None,
+          help="largest batch captured as CUDA graphs (default 64 on a GPU, bounded by --max-running-requests)")
+        a("--cuda-graph-bs", type=int, nargs="+", default=None, help="the batch sizes to capture (default: a ladder)")
+        a("--disable-cuda-graph", action="store_true", help="run every phase eagerly (no CUDA graphs at all)")
         a("--disable-spec-step-graph", action="store_true",
           help="run greedy speculative steps phase by phase (each phase its own graph, host glue between) instead "
                "of as one CUDA graph per batch size (sampled batches always run phase by phase)")
@@ -234,13 +250,15 @@ class ServerArgs:
           help="run prefill batches of up to this many tokens (and 16 requests) as CUDA graphs, padded up a ladder "
                "of token counts; larger ones run eagerly. 0: eager prefill. Default 2048 on a GPU; on a CPU 0 (a "
                "positive value pads and runs the captured function eagerly: for tests)")
-        a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-        a("--random-seed", type=int, default=0)
-        a("--sampling-defaults", default="model", choices=("model", "openai"))
-        a("--host", default=d["host"].default)
-        a("--port", type=int, default=d["port"].default)
-        a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
-        a("--skip-warmup", action="store_true")
+        a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+          help="auto: Triton kernels on a GPU, the torch reference on a CPU")
+        a("--random-seed", type=int, default=0, help="seed of requests that give none")
+        a("--sampling-defaults", default="model", choices=("model", "openai"),
+          help="model: unset sampling options come from the model's generation config; openai: OpenAI's defaults")
+        a("--host", default=d["host"].default, help="address to listen on")
+        a("--port", type=int, default=d["port"].default, help="port to listen on")
+        a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"), help="logging")
+        a("--skip-warmup", action="store_true", help="serve without the warm-up generation")
         a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
           help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
 

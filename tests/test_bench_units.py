@@ -308,3 +308,14 @@ def test_plot_sweep_writes_png(tmp_path):
     path = tmp_path / "sweep.png"
     plot_sweep(results, str(path), title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
+
+
+def test_run_accept_length_is_the_runs_not_the_servers_lifetime():
+    """bench and eval printed the server's lifetime accept length as this run's (warm-up and earlier runs in it);
+    with verify counts the server-side figure is now the run's own."""
+    from specserve.bench.target import SpecCounters, run_accept_length
+
+    value, scope = run_accept_length(SpecCounters(2.0, 100), SpecCounters(2.5, 300))
+    assert scope == "run" and value == pytest.approx((2.5 * 300 - 2.0 * 100) / 200)  # 2.75, not 2.5
+    assert run_accept_length(SpecCounters(None, None), SpecCounters(2.25, None)) == (2.25, "lifetime")
+    assert run_accept_length(SpecCounters(2.0, 100), SpecCounters(2.0, 100)) == (2.0, "lifetime")  # nothing ran

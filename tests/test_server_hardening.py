@@ -106,3 +106,39 @@ def test_more_invalid_requests_are_400(server, body, needle):
     r = httpx.post(server.url + route, json=body, timeout=30)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     assert server.wait_idle()["num_http_requests"] == 0
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(tmp_path_factory) -> LiveServer:
+    root = tmp_path_factory.mktemp("server_queue")
+    model = build_tiny_model(str(root / "tiny"), "llama", seed=6)
+    srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--max-running-requests", "1",
+                        "--max-queued-requests", "2", "--skip-warmup"], str(root / "server.log"))
+    yield srv
+    srv.terminate()
+
+
+def test_max_queued_requests_answers_503_with_retry_after(small_queue_server):
+    srv = small_queue_server
+    body = {**GOOD, "max_tokens": 40, "ignore_eos": True}
+    results = []
+
+    def one():
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(c for c, _, _ in results)
+    assert 200 in codes and 503 in codes, codes
+    assert set(codes) <= {200, 503}
+    for code, retry, js in results:
+        if code == 503:
+            assert retry == "1" and "max-queued-requests" in js["error"]["message"]
+        else:
+            assert js["usage"]["completion_tokens"] == 40
+    info = srv.wait_idle()
+    assert info["kv_free_pages"] == info["kv_initial_free_pages"]

@@ -283,7 +283,8 @@ def test_info_health_and_metrics(server):
 
 
 # ---------------------------------------------------------------------- failure and shutdown (keep last)
-def test_engine_death_makes_server_unhealthy_then_sigterm_exits_0(server):
+def test_engine_death_makes_server_unhealthy_then_exits_1(server):
+    """503s (the server does not hang), then, after a grace period, the HTTP process exits with 1 on its own."""
     pid = server.server_info()["engine_pid"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.time() + 20
@@ -294,4 +295,4 @@ def test_engine_death_makes_server_unhealthy_then_sigterm_exits_0(server):
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health_generate", timeout=10).status_code == 503
     assert httpx.get(server.url + "/get_server_info").json()["engine_alive"] is False
-    assert server.terminate(signal.SIGTERM, timeout=30) == 0, server.log()
+    assert server.proc.wait(timeout=60) == 1, server.log()

@@ -298,3 +298,14 @@ def test_merge_streams_and_run_all_cancel_the_rest():
         assert slow_done == [True]
 
     asyncio.run(go())
+
+
+def test_every_serve_flag_has_help():
+    import argparse
+
+    from specserve.server_args import ServerArgs
+
+    p = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(p)
+    missing = [a.option_strings[0] for a in p._actions if a.option_strings and a.dest != "help" and not a.help]
+    assert not missing, f"flags without help text: {missing}"

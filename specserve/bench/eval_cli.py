@@ -77,8 +77,10 @@ def run_gsm8k_cli(args, parser: argparse.ArgumentParser) -> int:
     cfg = gsm8k.EvalConfig(base_url=base, api=args.api, model=model, max_tokens=args.max_tokens,
                            temperature=args.temperature, num_threads=args.num_threads, chat_template_kwargs=kwargs,
                            headers=headers, disable_tqdm=args.disable_tqdm)
+    before = target.SpecCounters.read(base, headers)
     summary, results = gsm8k.run_gsm8k(cfg, shots, examples)
-    summary["server_accept_length"] = target.server_accept_length(base, headers)
+    summary["server_accept_length"], scope = target.run_accept_length(before, target.SpecCounters.read(base, headers))
+    summary["server_accept_length_scope"] = scope
     errors = [r.error for r in results if r.error]
     for e in errors[:MAX_ERRORS_SHOWN]:
         print(f"  request failed: {e}", file=sys.stderr)
@@ -87,7 +89,9 @@ def run_gsm8k_cli(args, parser: argparse.ArgumentParser) -> int:
     print(f"Failed requests: {summary['failed']}")
     print(f"Latency: {summary['latency']:.3f} s")
     print(f"Output throughput: {summary['output_throughput']:.3f} token/s")
-    for key, label in (("accept_length", "Accept length"), ("server_accept_length", "Accept length (server)")):
+    server_label = ("Accept length (server, this run)" if scope == "run"
+                    else "Accept length (server, since it started)")
+    for key, label in (("accept_length", "Accept length"), ("server_accept_length", server_label)):
         if summary[key] is not None:
             print(f"{label}: {summary[key]:.3f}")
     if args.output_file:

@@ -102,7 +102,8 @@ def format_summary(result: dict) -> str:
     line("Total token throughput (tok/s):", result["total_throughput"])
     line("Concurrency:", result["concurrency"])
     line("Accept length:", result["accept_length"])
-    line("Accept length (server-reported):", result.get("server_accept_length"))
+    scope = "this run" if result.get("server_accept_length_scope") == "run" else "since it started"
+    line(f"Accept length (server, {scope}):", result.get("server_accept_length"))
     for title, key, label in (("End-to-End Latency", "e2e_latency", "E2E Latency"),
                               ("Time to First Token", "ttft", "TTFT"),
                               ("Time per Output Token (excl. 1st token)", "tpot", "TPOT")):

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for conc in concurrencies:
         cfg.max_concurrency = conc
+        before = target.SpecCounters.read(base, headers)
         outputs, duration = run_benchmark(cfg, requests)
         retokenized = fill_missing_output_lens(outputs, tokenizer)
         result = {"backend": args.backend, "dataset_name": args.dataset_name, "model": model,
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                   "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
                   "random_range_ratio": args.random_range_ratio}
         result.update(compute_metrics(outputs, duration))
-        result["server_accept_length"] = target.server_accept_length(base, headers)
+        result["server_accept_length"], result["server_accept_length_scope"] = target.run_accept_length(
+            before, target.SpecCounters.read(base, headers))
         result["output_tokens_retokenized"] = retokenized
         print(format_summary(result))
         if retokenized:

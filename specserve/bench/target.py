@@ -8,6 +8,7 @@ import logging
 import os
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -103,3 +104,29 @@ def find_accept_length(obj) -> float | None:
 def server_accept_length(base: str, headers: dict | None = None) -> float | None:
     """The accept length the server itself reports (cumulative over its lifetime, warm-up included)."""
     return find_accept_length(fetch_json(base + "/get_server_info", headers))
+
+
+@dataclass
+class SpecCounters:
+    """A server's lifetime speculation counters: verify steps and the accept length over them (specserve reports
+    both in /get_server_info; other servers may report only the length)."""
+
+    accept_length: float | None
+    verify_ct: int | None
+
+    @staticmethod
+    def read(base: str, headers: dict | None = None) -> SpecCounters:
+        info = fetch_json(base + "/get_server_info", headers)
+        ct = info.get("spec_verify_ct") if isinstance(info, dict) else None
+        return SpecCounters(find_accept_length(info), ct if isinstance(ct, int) and not isinstance(ct, bool) else None)
+
+
+def run_accept_length(before: SpecCounters, after: SpecCounters) -> tuple[float | None, str]:
+    """The server-side accept length of what ran between two readings, and what it is: "run" when the server
+    reports verify counts (tokens accepted over the interval / its verify steps), else "lifetime" (cumulative since
+    the server started, warm-up and earlier runs included)."""
+    if None not in (before.verify_ct, after.verify_ct, before.accept_length, after.accept_length) \
+            and after.verify_ct > before.verify_ct:
+        tokens = after.accept_length * after.verify_ct - before.accept_length * before.verify_ct
+        return tokens / (after.verify_ct - before.verify_ct), "run"
+    return after.accept_length, "lifetime"

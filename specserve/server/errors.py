@@ -24,8 +24,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 err_type: str | None = None):
+                 err_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -37,7 +38,7 @@ class APIError(Exception):
                           "code": self.code if self.code is not None else self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -34,6 +34,7 @@ EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
 WARMUP_PROMPT = "The capital of France is"
 WARMUP_TOKENS = 8
 GRACEFUL_SHUTDOWN_S = 30
+ENGINE_LOST_GRACE_S = 10.0  # 503s after the engine died, then exit 1
 
 
 class _Stopped(Exception):
@@ -130,6 +131,17 @@ async def _announce_when_started(server: uvicorn.Server, args: ServerArgs, name:
     logger.info("specserve ready: serving %r at http://%s:%d (OpenAI API under /v1)", name, host, args.port)
 
 
+async def _exit_when_engine_lost(tm: TokenizerManager, stop: asyncio.Event, lost: list[bool]) -> None:
+    """An engine that died on its own takes the server down (exit code 1) after ENGINE_LOST_GRACE_S, during which
+    every request, /health included, gets a 503: a supervisor or load balancer sees it and restarts us, rather than
+    an HTTP process answering 503 forever."""
+    await tm.engine_lost.wait()
+    logger.error("the engine process is gone; the server exits in %.0f s", ENGINE_LOST_GRACE_S)
+    await asyncio.sleep(ENGINE_LOST_GRACE_S)
+    lost.append(True)
+    stop.set()
+
+
 async def _stop_on_signal(stop: asyncio.Event, server: uvicorn.Server, tm: TokenizerManager) -> None:
     # Covers a signal that lands just before uvicorn installs its own handlers.
     await stop.wait()
@@ -210,15 +222,17 @@ async def _serve(args: ServerArgs, stop: asyncio.Event, loop: asyncio.AbstractEv
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = _Server(config, on_exit=lambda: loop.call_soon_threadsafe(tm.abort_all,
                                                                            "the server is shutting down"))
+        lost: list[bool] = []
         helpers = [asyncio.create_task(_announce_when_started(server, args, name)),
-                   asyncio.create_task(_stop_on_signal(stop, server, tm))]
+                   asyncio.create_task(_stop_on_signal(stop, server, tm)),
+                   asyncio.create_task(_exit_when_engine_lost(tm, stop, lost))]
         try:
             await server.serve(sockets=[sock])
         finally:
             for h in helpers:
                 h.cancel()
         logger.info("HTTP server stopped; stopping the engine")
-        return 0
+        return 1 if lost else 0
     finally:
         await engine.shutdown()
         sock.close()

@@ -87,6 +87,7 @@ class TokenizerManager:
         self.reqs: dict[str, _Tracked] = {}
         self.accepting = True
         self.engine_exit_reason: str | None = None
+        self.engine_lost = asyncio.Event()  # set when the engine process ends on its own (not at shutdown)
         metrics.set_engine(info, self.stats, healthy=True)
         # Tokenising and templating run on this one thread, never on the event loop (a long prompt would stall
         # every other client), and one at a time (a fast tokenizer's encode is not safe to call concurrently).
@@ -178,9 +179,22 @@ class TokenizerManager:
         if not self.accepting:
             raise unavailable("the server is shutting down")
 
+    @property
+    def num_queued(self) -> int:
+        """Requests in flight here that the engine is not running yet (its running count arrives each step)."""
+        return max(0, sum(1 for t in self.reqs.values() if not t.done and not t.internal) - self.stats.num_running)
+
+    def check_queue(self) -> None:
+        limit = self.args.max_queued_requests
+        if limit is not None and self.num_queued >= limit:
+            raise APIError(503, f"the server is overloaded: {self.num_queued} requests are waiting "
+                                f"(--max-queued-requests {limit}); retry later", headers={"Retry-After": "1"})
+
     def precheck(self, req: GenRequest) -> None:
         """Everything that can refuse a request before it is queued (raises APIError)."""
         self.check_available()
+        if not req.internal:
+            self.check_queue()
         self.validate(req.input_ids, req.sampling)
         if req.rid is not None and req.rid in self.reqs:
             raise bad_request(f"request id {req.rid!r} is already in use", param="rid")
@@ -299,6 +313,7 @@ class TokenizerManager:
         self.engine_exit_reason = reason
         if self.accepting:
             logger.error("engine stopped: %s", reason)
+            self.engine_lost.set()
         self.metrics.set_engine(self.info, self.stats, healthy=False)
         for t in self.reqs.values():
             if not t.done:
