@@ -41,4 +41,5 @@ def test_second_engine_fits_on_the_gpu(tiny_models):
         outs.append(_run(eng))
         eng.shutdown()
     assert outs[0] == outs[1]
-    assert torch.cuda.memory_reserved() < (1 << 30)  # the KV pool (60% of the GPU) is gone
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert torch.cuda.memory_reserved() < 0.05 * total  # the KV pool (~60% of the GPU) is gone
