@@ -120,7 +120,11 @@ def _snapshot(runner):
 
 
 def test_draft_replay_leaves_target_buffers_untouched(tiny_models):
-    mr = _spec_runner(tiny_models["llama_mtp"], n=3)
+    check_isolation(_spec_runner(tiny_models["llama_mtp"], n=3))
+
+
+def check_isolation(mr):
+    """Draft replays leave the target runners' buffers and every kind's metadata untouched, and back."""
     runners = mr.spec.runners
     target, drafts = runners["target_verify"], [runners["draft_decode"], runners["draft_extend"]]
     def run(r, bs, seed):
@@ -131,10 +135,11 @@ def test_draft_replay_leaves_target_buffers_untouched(tiny_models):
 
     run(target, 5, 1)
     snap = _snapshot(target)
-    assert set(target.backends) == {CacheKind.MHA} and all(set(r.backends) == {CacheKind.MHA} for r in drafts)
+    assert all(set(r.backends) == {CacheKind.MHA} for r in drafts)  # the MTP block is attention: no state
     for kind, backend in target.backends.items():
-        assert all(backend is not r.backends[kind] for r in drafts)
-        assert all(backend.kv_pool is not r.backends[kind].kv_pool for r in drafts)  # the draft's own pools
+        assert all(backend is not r.backends.get(kind) for r in drafts)
+        if kind is CacheKind.MHA:
+            assert all(backend.kv_pool is not r.backends[kind].kv_pool for r in drafts)  # the draft's own pools
     for r in drafts:
         for bs in (3, 7):
             run(r, bs, bs)

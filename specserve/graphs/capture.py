@@ -81,3 +81,21 @@ class GraphLadder:
             self.graphs[size].replay()
             return self.outputs[size]
         return static_fn()
+
+
+class LadderRunner:
+    """What every runner shows of its ladder: its graphs and run counters (tests and benchmarks read them)."""
+
+    ladder: GraphLadder
+
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        return self.ladder.graphs
+
+    @property
+    def replays(self) -> int:
+        return self.ladder.replays
+
+    @property
+    def eager_runs(self) -> int:
+        return self.ladder.eager_runs

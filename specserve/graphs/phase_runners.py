@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.batch import CacheKind, ForwardBatch, ForwardMode, fixed_width_out_cache_loc
-from specserve.graphs.capture import GraphLadder
+from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import LiveInputs, StaticBuffers, stage
 from specserve.kvcache.req_to_token import ReqToTokenPool
 
@@ -53,7 +53,7 @@ def init_metadata(fb: ForwardBatch, graph_mode: bool) -> None:
             backend.init_forward_metadata(fb)
 
 
-class PhaseRunner:
+class PhaseRunner(LadderRunner):
     name = "phase"
     mode = ForwardMode.IDLE
     needs_hidden = False
@@ -74,18 +74,6 @@ class PhaseRunner:
         for b in self.backends.values():
             b.alloc_graph_buffers(max(self.max_bs, 1), width, ctx.graph_max_seq_len)
         self.eager_backends = ctx.make_backends()
-
-    @property
-    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        return self.ladder.graphs
-
-    @property
-    def replays(self) -> int:
-        return self.ladder.replays
-
-    @property
-    def eager_runs(self) -> int:
-        return self.ladder.eager_runs
 
     # ------------------------------------------------------------------ subclass hook
     def forward_phase(self, t: LiveInputs, backends: Backends, graph_mode: bool) -> dict[str, torch.Tensor]:

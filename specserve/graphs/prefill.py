@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from specserve.batch import ForwardBatch, ForwardMode
-from specserve.graphs.capture import GraphLadder
+from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import ExtendBatch, ExtendBuffers, stage_extend
 from specserve.graphs.phase_runners import RunnerContext, init_metadata
 
@@ -43,7 +43,7 @@ def token_ladder(max_tokens: int) -> list[int]:
     return sorted(set(out))
 
 
-class PrefillRunner:
+class PrefillRunner(LadderRunner):
     """The variable-length forward of one model (the target's EXTEND or the draft's DRAFT_EXTEND over a prompt)."""
 
     def __init__(self, ctx: RunnerContext, mode: ForwardMode, max_tokens: int, max_rows: int, use_graphs: bool,
@@ -62,18 +62,6 @@ class PrefillRunner:
             for b in self.backends.values():
                 b.alloc_varlen_graph_buffers(max_rows + 1)
         self.eager_backends = ctx.make_backends()
-
-    @property
-    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        return self.ladder.graphs
-
-    @property
-    def replays(self) -> int:
-        return self.ladder.replays
-
-    @property
-    def eager_runs(self) -> int:
-        return self.ladder.eager_runs
 
     # ------------------------------------------------------------------ the model function
     def forward(self, b: ForwardBatch) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.graphs.capture import GraphLadder
+from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import LiveInputs, stage_step
 from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits
 from specserve.speculative.accept import verify_greedy, verify_sampling
@@ -85,7 +85,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     return accept_len, verified
 
 
-class SpecStepRunner:
+class SpecStepRunner(LadderRunner):
     """The greedy speculative step as one graph per captured batch size (CPU: the same function run eagerly over
     the static inputs, as the phase runners' static replay). Output: [bs, 1 + N + 1] = accept_len, verified."""
 
@@ -100,14 +100,6 @@ class SpecStepRunner:
         self.ladder = GraphLadder(self.capture_bs, worker.device, self.use_graphs)
         # static inputs: page-table row, S and the rope position of S, per request
         self.inputs = torch.zeros((3, max(self.max_bs, 1)), dtype=torch.int64, device=worker.device)
-
-    @property
-    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        return self.ladder.graphs
-
-    @property
-    def replays(self) -> int:
-        return self.ladder.replays
 
     def covers(self, bs: int) -> bool:
         return self.use_graphs and bs <= self.max_bs
