@@ -67,6 +67,7 @@ COMMANDS = {
     "train-mtp": ("specserve.train.cli", "main"),
     "bench-phases": ("specserve.bench.phases", "main"),
     "bench-spec": ("specserve.bench.spec_speed", "main"),
+    "soak": ("specserve.bench.soak", "main"),
 }
 
 
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
               "  eval          accuracy evals (gsm8k)\n"
               "  train-mtp     train an MTP draft head by self-distillation\n"
               "  bench-phases  per-phase GPU timings, eager vs CUDA graph\n"
-              "  bench-spec    a draft head end to end: acceptance per N, tokens/s spec vs plain")
+              "  bench-spec    a draft head end to end: acceptance per N, tokens/s spec vs plain\n"
+              "  soak          mixed valid/aborted/bad requests against a server; checks answers and KV leaks")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
