@@ -142,3 +142,23 @@ def test_max_queued_requests_answers_503_with_retry_after(small_queue_server):
             assert js["usage"]["completion_tokens"] == 40
     info = srv.wait_idle()
     assert info["kv_free_pages"] == info["kv_initial_free_pages"]
+
+
+FOUND_BY_FUZZING = [  # tests/test_fuzz_routes.py found these 500s; each is a 400 now
+    ("/v1/completions", b"9" * 4301, "not valid JSON"),  # an int past Python's 4300-digit parsing limit
+    ("/v1/completions", b'{"rid": ' + b"9" * 4301 + b"}", "not valid JSON"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hello", "max_tokens": 4, "rid": "\\ud800"}', "rid"),
+    ("/generate", b'{"text": "hello", "rid": "\\ud800", "sampling_params": {"max_new_tokens": 2}}', "rid"),
+    ("/generate", b'{"text": "hello", "sampling_params": {"max_new_tokens": 4, "\\ud800": null}}', "unknown"),
+    ("/v1/chat/completions", json.dumps({  # a client's own template would run on the server's tokenizer thread
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}).encode(), "chat_template"),
+]
+
+
+@pytest.mark.parametrize("route,raw,needle", FOUND_BY_FUZZING, ids=[str(i) for i in range(len(FOUND_BY_FUZZING))])
+def test_inputs_found_by_fuzzing_are_400(server, route, raw, needle):
+    with httpx.Client(timeout=30) as client:
+        r = client.post(server.url + route, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        _good_after(client, server.url)

@@ -22,14 +22,19 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           500: "internal_error", 503: "service_unavailable"}
 
 
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  err_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.headers = headers
         self.status = status
-        self.message = message
-        self.param = param
+        # A message may quote client text; lone surrogates in it could not be encoded into the response.
+        self.message = _encodable(message)
+        self.param = None if param is None else _encodable(param)
         self.code = code
         self.err_type = err_type or _TYPES.get(status, "invalid_request_error")
 

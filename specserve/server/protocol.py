@@ -121,6 +121,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits (Python's int-parsing limit)
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

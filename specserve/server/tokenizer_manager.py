@@ -29,8 +29,10 @@ from specserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# chat_template_kwargs may not set apply_chat_template's own arguments; `chat_template` would let a client run a
+# template of its own on the server's tokenizer thread (a loop in it stalls every text route).
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_tensors", "return_dict",
-                             "add_generation_prompt"}
+                             "add_generation_prompt", "chat_template", "tools", "documents", "continue_final_message"}
 
 
 @dataclass
@@ -196,8 +198,13 @@ class TokenizerManager:
         if not req.internal:
             self.check_queue()
         self.validate(req.input_ids, req.sampling)
-        if req.rid is not None and req.rid in self.reqs:
-            raise bad_request(f"request id {req.rid!r} is already in use", param="rid")
+        if req.rid is not None:
+            try:
+                req.rid.encode("utf-8")  # echoed in the response: it must be encodable
+            except UnicodeEncodeError:
+                raise bad_request("rid is not valid Unicode (a lone surrogate escape?)", param="rid") from None
+            if req.rid in self.reqs:
+                raise bad_request(f"request id {req.rid!r} is already in use", param="rid")
 
     # ------------------------------------------------------------------ generation
     async def generate(self, req: GenRequest) -> AsyncIterator[GenChunk]:
