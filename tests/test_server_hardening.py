@@ -162,3 +162,26 @@ def test_inputs_found_by_fuzzing_are_400(server, route, raw, needle):
         r = client.post(server.url + route, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
         _good_after(client, server.url)
+
+
+def test_a_queued_request_whose_client_left_costs_no_prefill(small_queue_server):
+    """One request runs (--max-running-requests 1); a second waits behind it and its client gives up: it is dropped
+    from the queue, never prefilled (the engine's prompt-token count grows by the first request's prompt only)."""
+    srv = small_queue_server
+    before = srv.server_info()["num_prompt_tokens"]
+    done = {}
+
+    def long_one():
+        r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "max_tokens": 300, "ignore_eos": True}, timeout=120)
+        done["first"] = r.json()
+
+    th = threading.Thread(target=long_one)
+    th.start()
+    time.sleep(0.3)  # the first is running
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(srv.url + "/v1/completions", json={**GOOD, "prompt": "a much longer prompt " * 5, "max_tokens": 4},
+                   timeout=0.3)
+    th.join()
+    info = srv.wait_idle()
+    assert info["num_prompt_tokens"] - before == done["first"]["usage"]["prompt_tokens"]
+    assert info["kv_free_pages"] == info["kv_initial_free_pages"]
