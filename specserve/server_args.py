@@ -37,6 +37,7 @@ class ServerArgs:
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
     max_queued_requests: int | None = None  # past this many waiting requests, new ones get a 503 (Retry-After)
+    request_timeout: float | None = None  # seconds; a request still running then is aborted (finish_reason abort)
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
     schedule_conservativeness: float = 1.0  # scales the growth reserved at admission (engine/scheduler.py)
@@ -152,6 +153,8 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be positive (or -1 to disable chunking)")
         if not 0.0 <= self.schedule_conservativeness <= 10.0:
             raise ValueError(f"--schedule-conservativeness must be in [0, 10], got {self.schedule_conservativeness}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -213,6 +216,9 @@ class ServerArgs:
         a("--max-queued-requests", type=int, default=None,
           help="requests waiting for a slot at most; past it a new request gets a 503 with Retry-After (default: "
                "no limit)")
+        a("--request-timeout", type=float, default=None,
+          help="seconds a request may take (queue included); then it is aborted and answered with what it has, "
+               "finish_reason abort (default: no limit)")
         a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"].default,
           help="prompt tokens per prefill step at most; longer prompts are prefilled in chunks (-1: no chunking)")
         a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"].default,

@@ -185,3 +185,21 @@ def test_a_queued_request_whose_client_left_costs_no_prefill(small_queue_server)
     info = srv.wait_idle()
     assert info["num_prompt_tokens"] - before == done["first"]["usage"]["prompt_tokens"]
     assert info["kv_free_pages"] == info["kv_initial_free_pages"]
+
+
+def test_request_timeout_aborts_and_answers_with_what_it_has(tmp_path):
+    model = build_tiny_model(str(tmp_path / "tiny"), "llama", seed=7)
+    srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--request-timeout", "0.3",
+                        "--skip-warmup"], str(tmp_path / "server.log"))
+    try:
+        body = {**GOOD, "max_tokens": 480, "ignore_eos": True}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        js = r.json()
+        assert js["choices"][0]["finish_reason"] == "abort" and js["usage"]["completion_tokens"] < 480
+        short = httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=60).json()  # fast ones are unaffected
+        assert short["choices"][0]["finish_reason"] == "length"
+        info = srv.wait_idle()
+        assert info["kv_free_pages"] == info["kv_initial_free_pages"]
+    finally:
+        srv.terminate()

@@ -220,9 +220,11 @@ class TokenizerManager:
         t = _Tracked(rid, len(req.input_ids), IncrementalDetokenizer(self.tokenizer, skip, stop), req.internal)
         self.reqs[rid] = t
         self.engine.add(rid, list(req.input_ids), dict(req.sampling))
+        limit = None if req.internal else self.args.request_timeout
+        deadline = None if limit is None else t.arrival + limit
         try:
             while True:
-                items = [await t.queue.get()]
+                items = [await self._next(t, deadline)]
                 while not t.queue.empty():
                     items.append(t.queue.get_nowait())
                 chunk = self._apply(t, items)
@@ -237,6 +239,19 @@ class TokenizerManager:
                     self.engine.abort(rid)
                 self._record(t, {"type": "abort"})
             self.reqs.pop(rid, None)
+
+    async def _next(self, t: _Tracked, deadline: float | None):
+        """The request's next engine update; past --request-timeout the request is aborted in the engine and this
+        returns its final update (finish_reason abort, "request timeout")."""
+        if deadline is None:
+            return await t.queue.get()
+        try:
+            return await asyncio.wait_for(t.queue.get(), max(deadline - time.perf_counter(), 0.0))
+        except asyncio.TimeoutError:
+            self.engine.abort(t.rid)
+            return RequestDelta(t.rid, [], {"type": "abort", "message": "request timeout (--request-timeout "
+                                            f"{self.args.request_timeout:g} s)"}, t.spec_verify_ct,
+                                t.spec_accepted_drafts)
 
     def _apply(self, t: _Tracked, items: list) -> GenChunk | None:
         new_ids: list[int] = []
