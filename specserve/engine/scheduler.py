@@ -115,13 +115,15 @@ class Scheduler:
         mr = self.mr
         budget = self.chunk_budget
         chunks: list[Chunk] = []
-        # Keep pages back for the next step of every running request and for the tokens they are still expected to
-        # produce, so admitted prompts do not force running requests out later.
-        reserve = sum(self._expected_pages(r) for r in self.running)
         candidates: list[Req] = []
         if self.prefilling is not None:
             candidates.append(self.prefilling)
         candidates.extend(self.waiting)
+        if not candidates:
+            return chunks  # (the common decode step: no per-request work here)
+        # Keep pages back for the next step of every running request and for the tokens they are still expected to
+        # produce, so admitted prompts do not force running requests out later.
+        reserve = sum(self._expected_pages(r) for r in self.running)
         for req in candidates:
             if budget <= 0:
                 break
