@@ -7,6 +7,8 @@ its length alone."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -111,8 +113,8 @@ def test_more_invalid_requests_are_400(server, body, needle):
 @pytest.fixture(scope="module")
 def small_queue_server(tmp_path_factory) -> LiveServer:
     root = tmp_path_factory.mktemp("server_queue")
-    model = build_tiny_model(str(root / "tiny"), "llama", seed=6)
-    srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--max-running-requests", "1",
+    model = build_tiny_model(str(root / "tiny"), "llama", seed=6, max_position_embeddings=4096)  # long requests
+    srv = start_server(["--model-path", model, "--max-total-tokens", "8192", "--max-running-requests", "1",
                         "--max-queued-requests", "2", "--skip-warmup"], str(root / "server.log"))
     yield srv
     srv.terminate()
@@ -165,26 +167,26 @@ def test_inputs_found_by_fuzzing_are_400(server, route, raw, needle):
 
 
 def test_a_queued_request_whose_client_left_costs_no_prefill(small_queue_server):
-    """One request runs (--max-running-requests 1); a second waits behind it and its client gives up: it is dropped
-    from the queue, never prefilled (the engine's prompt-token count grows by the first request's prompt only)."""
+    """A request waits (the engine process is paused) and its client gives up: the engine takes the request and its
+    abort together and drops it before any prefill (its prompt-token count does not move)."""
     srv = small_queue_server
-    before = srv.server_info()["num_prompt_tokens"]
-    done = {}
-
-    def long_one():
-        r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "max_tokens": 300, "ignore_eos": True}, timeout=120)
-        done["first"] = r.json()
-
-    th = threading.Thread(target=long_one)
-    th.start()
-    time.sleep(0.3)  # the first is running
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(srv.url + "/v1/completions", json={**GOOD, "prompt": "a much longer prompt " * 5, "max_tokens": 4},
-                   timeout=0.3)
-    th.join()
+    info = srv.server_info()
+    before, pid = info["num_prompt_tokens"], info["engine_pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/generate", json={"input_ids": list(range(5, 40)),
+                                                    "sampling_params": {"max_new_tokens": 4}}, timeout=0.5)
+        time.sleep(1.0)  # the HTTP process notices the disconnect and sends the abort
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # a request after it: the engine takes its messages in order, so once this one is answered the first was
+    # handled (dropped, or prefilled)
+    r = httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=30)
+    assert r.status_code == 200
     info = srv.wait_idle()
-    assert info["num_prompt_tokens"] - before == done["first"]["usage"]["prompt_tokens"]
-    assert info["kv_free_pages"] == info["kv_initial_free_pages"]
+    assert info["num_prompt_tokens"] - before == r.json()["usage"]["prompt_tokens"]
+    assert info["num_http_requests"] == 0 and info["kv_free_pages"] == info["kv_initial_free_pages"]
 
 
 def test_request_timeout_aborts_and_answers_with_what_it_has(tmp_path):
