@@ -121,7 +121,10 @@ def small_queue_server(tmp_path_factory) -> LiveServer:
 
 
 def test_max_queued_requests_answers_503_with_retry_after(small_queue_server):
+    """With the engine paused nothing leaves the queue: two requests wait (--max-queued-requests 2), the next ones get
+    a 503 with Retry-After at once; resumed, the two waiting ones complete."""
     srv = small_queue_server
+    pid = srv.server_info()["engine_pid"]
     body = {**GOOD, "max_tokens": 40, "ignore_eos": True}
     results = []
 
@@ -129,14 +132,23 @@ def test_max_queued_requests_answers_503_with_retry_after(small_queue_server):
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
         results.append((r.status_code, r.headers.get("retry-after"), r.json()))
 
-    threads = [threading.Thread(target=one) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        waiting = [threading.Thread(target=one) for _ in range(2)]
+        for t in waiting:
+            t.start()
+        deadline = time.time() + 10
+        while srv.server_info()["num_http_requests"] < 2:  # both are queued here
+            assert time.time() < deadline
+            time.sleep(0.05)
+        for _ in range(3):
+            one()  # refused at once
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for t in waiting:
         t.join()
     codes = sorted(c for c, _, _ in results)
-    assert 200 in codes and 503 in codes, codes
-    assert set(codes) <= {200, 503}
+    assert codes == [200, 200, 503, 503, 503], codes
     for code, retry, js in results:
         if code == 503:
             assert retry == "1" and "max-queued-requests" in js["error"]["message"]
