@@ -19,6 +19,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
 from specserve.kernels.triton_moe import fused_moe
 
@@ -64,16 +65,9 @@ def time_ms(fn, iters: int, warmup: int, flush: torch.Tensor | None) -> float:
 
 
 def graphed(fn):
-    """fn captured once in a CUDA graph (warmed up on a side stream first); returns (replay, output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    """fn captured once in a CUDA graph, as the engine's runners capture (graphs/capture.py); returns (replay,
+    output)."""
+    graph, out, _ = capture_graph(fn, None)
     return graph.replay, out
 
 

@@ -114,8 +114,7 @@ def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
 def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     """One speculative step for every running request, by the worker (DESIGN §1)."""
     return mr.spec.step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
-                        [r.seq_len + r.mrope_delta for r in reqs], rope_offsets(reqs, mr.device),
-                        sampling_batch(mr, reqs))
+                        [r.seq_len + r.mrope_delta for r in reqs], sampling_batch(mr, reqs))
 
 
 def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:

@@ -140,8 +140,8 @@ class TokenizerManager:
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
         for m in messages:
-            if isinstance(m.get("content"), str):
-                self.check_text(m["content"] or " ", param="messages")
+            if m.get("content"):  # (an empty assistant turn is fine; the template's output is checked again)
+                self.check_text(m["content"], param="messages")
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         except (TemplateError, ValueError, TypeError, KeyError) as e:

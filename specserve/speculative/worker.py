@@ -119,10 +119,9 @@ class SpecWorker:
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
-    def step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int], rope_offsets: torch.Tensor | int,
+    def step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
              sb: SamplingBatch) -> SpecStepResult:
-        """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S;
-        rope_offsets: pos0 - S as a device tensor, or 0 for text)."""
+        """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S)."""
         one_graph = self.spec_step
         if sb.all_greedy and one_graph is not None and one_graph.covers(len(rows_host)):
             out = one_graph.run(rows_host, s_host, pos0_host)
@@ -130,7 +129,7 @@ class SpecWorker:
             dev = self.device
             rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
             s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)  # [bs] = S
-            pos0 = s + rope_offsets  # rope position of sequence index S
+            pos0 = torch.tensor(pos0_host, dtype=torch.int64).to(dev, non_blocking=True)  # rope position of S
             accept_len, verified = spec_step_device(self, lambda name, live: self.runners[name].run(live), rows, s,
                                                     pos0, max(s_host), sb)
             out = torch.cat((accept_len[:, None], verified), dim=1)
