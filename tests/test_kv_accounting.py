@@ -61,11 +61,12 @@ def test_pool_returns_to_start_after_mixed_workload_with_retractions(tiny_models
             assert fr["matched"] in sp["stop"] and fr["matched"] not in o["text"]
 
 
-def test_abort_frees_kv(tiny_models):
+def test_abort_frees_kv(tiny_models, key="llama_mtp"):
+    """key: the checkpoint (other families call this test with theirs)."""
     from specserve.engine.request import Req
     from specserve.engine.sampling_params import SamplingParams
 
-    eng = Engine(model_path=tiny_models["llama_mtp"], max_total_tokens=4096, speculative_algorithm="MTP",
+    eng = Engine(model_path=tiny_models[key], max_total_tokens=4096, speculative_algorithm="MTP",
                  speculative_num_steps=3)
     sched = eng.scheduler
     start = sched.mr.allocator.num_free_pages

@@ -65,7 +65,11 @@ def _batch(mr, prefixes, lens, seed):
 
 
 def _pools(mr):
-    return [t for pool in (mr.caches.kv, mr.spec.caches.kv) for t in (*pool.k, *pool.v)]
+    """KV of target and draft, and the recurrent state rows-first (index 0: the dummy slot / row)."""
+    out = [t for pool in (mr.caches.kv, mr.spec.caches.kv) for t in (*pool.k, *pool.v)]
+    if mr.caches.state is not None:
+        out += [mr.caches.state.conv.transpose(0, 1), mr.caches.state.ssm.transpose(0, 1)]
+    return out
 
 
 # (prefix, new tokens) per request: token counts 46, 5, 64, 33, 16 shrink and grow; 70 tokens and 17 requests

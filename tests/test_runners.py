@@ -259,6 +259,10 @@ def _state(mr):
     for name, pool in (("target", mr.caches.kv), ("draft", mr.spec.caches.kv)):
         for i, (k, v) in enumerate(zip(pool.k, pool.v)):
             out[f"{name}.k{i}"], out[f"{name}.v{i}"] = k, v
+    state = mr.caches.state
+    if state is not None:  # recurrent layers: every slot of every row, and the committed slots
+        out.update({"state.current": state.current, "state.conv": state.conv.transpose(0, 1),
+                    "state.ssm": state.ssm.transpose(0, 1)})  # [rows, L, S, ...]: row 0 first
     return {k: v[1:] for k, v in out.items()}
 
 

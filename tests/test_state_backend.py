@@ -51,7 +51,8 @@ def test_row_state_binding_and_metadata(tiny_models):
     for meta in (eager.meta, backend.meta):
         assert meta.state_rows.tolist() == want_rows
         assert meta.start_slots.tolist() == [3, 2, int(pool.current[0]), 0]
-        assert meta.width == 4
+        assert meta.per_position  # verify writes the state after token i into slot i
+        assert meta.starts.tolist() == [0, 4, 8, 12] and meta.lens.tolist() == [4, 4, 4, 4]
     assert backend.meta.state_rows.data_ptr() == backend.graph_buffers["state_rows"].data_ptr()  # its own buffers
     released = hs[1].row
     mr.kv.release(hs[1])

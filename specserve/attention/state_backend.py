@@ -1,11 +1,13 @@
 """The recurrent-state backend (DESIGN §2, §3): the metadata a linear-attention layer needs to find its state.
 
 Per forward, for each request of the batch: its state row (gathered on the device from the page-table row through
-`StatePool.row_state`) and the slot its step starts from (the row's current slot). The slot a token's state is
-written to follows from the mode: in fixed-width modes (decode, verify) token i of a request writes slot i, so
-after verify slot i holds the state after verified position i and the accept commit makes slot accept_len current;
-a prefill chunk continues from the current slot and writes its final state back into it. Padded graph rows use
-page-table row 0, hence state row 0 (the dummy) and its slot.
+`StatePool.row_state`), the slot its step starts from (the row's current slot), and its tokens' range in the batch
+(`starts`, `lens`). Where states are written follows from the mode: in target verify (`per_position`) token i of
+a request writes slot i, so after verify slot i holds the state after verified position i and the accept commit
+makes slot accept_len current; a prefill chunk and a plain decode step continue from the current slot and write
+their final state back into it (a decode step of a speculative engine thus needs no commit). Padded graph rows use
+page-table row 0, hence state row 0 (the dummy) and its slot; the padding request of a prefill graph too, and the
+idle request slots after it have no tokens.
 
 Like the MHA backends, each runner owns its instance and its graph buffers (a draft runner never writes a target
 runner's metadata), built eagerly from the batch or, for graphs, with device ops only into those buffers.
@@ -17,16 +19,21 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.batch import CacheKind, ForwardBatch
+from specserve.batch import CacheKind, ForwardBatch, ForwardMode, extend_starts
 from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.kvcache.state_pool import StatePool
+
+# the modes of a target with recurrent layers (drafts have none: speculative/worker.py refuses them)
+_STATE_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
 
 @dataclass
 class StateMeta:
     state_rows: torch.Tensor  # [bs] int64 state row of each request
     start_slots: torch.Tensor  # [bs] int64 the slot each request's step reads its state from
-    width: int | None  # tokens per request in fixed-width modes (token i writes slot i); None: a prefill batch
+    starts: torch.Tensor  # [bs] int64 first token of each request in the batch
+    lens: torch.Tensor  # [bs] int64 tokens of each request (0: an idle graph slot)
+    per_position: bool  # token i of a request writes slot i (verify); else the final state goes to the start slot
 
 
 class RecurrentStateBackend:
@@ -49,19 +56,40 @@ class RecurrentStateBackend:
         out_slots.copy_(slots)
         return out_rows, out_slots
 
+    @staticmethod
+    def _per_position(fb: ForwardBatch) -> bool:
+        if fb.mode not in _STATE_MODES:
+            raise ValueError(f"recurrent layers do not run in {fb.mode.value} batches (the MTP layer is full "
+                             "attention)")
+        return fb.mode is ForwardMode.TARGET_VERIFY
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        self.meta = StateMeta(*self._gather(fb.req_pool_indices), fb.width)
+        dev = fb.req_pool_indices.device
+        if fb.width is not None:
+            starts = torch.arange(fb.batch_size, dtype=torch.int64, device=dev) * fb.width
+            lens = torch.full((fb.batch_size,), fb.width, dtype=torch.int64, device=dev)
+        else:
+            starts = torch.tensor(extend_starts(fb.extend_lens_cpu), dtype=torch.int64, device=dev)
+            lens = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64, device=dev)
+        self.meta = StateMeta(*self._gather(fb.req_pool_indices), starts, lens, self._per_position(fb))
 
     def alloc_graph_buffers(self, max_bs: int, width: int, max_seq_len: int) -> None:
         dev = self.pool.current.device
-        self.graph_buffers = {"state_rows": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-                              "start_slots": torch.zeros(max_bs, dtype=torch.int64, device=dev)}
+        z = lambda: torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.graph_buffers = {"state_rows": z(), "start_slots": z(),
+                              # fixed-width batches: request b's tokens are b * width .. (b + 1) * width - 1
+                              "starts": torch.arange(max_bs, dtype=torch.int64, device=dev) * width,
+                              "lens": torch.full((max_bs,), width, dtype=torch.int64, device=dev)}
 
     def alloc_varlen_graph_buffers(self, max_rows: int) -> None:
         self.alloc_graph_buffers(max_rows, 0, 0)
 
     def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
         bs = fb.batch_size
-        rows, slots = self._gather(fb.req_pool_indices, self.graph_buffers["state_rows"][:bs],
-                                   self.graph_buffers["start_slots"][:bs])
-        self.meta = StateMeta(rows, slots, fb.width)
+        buf = self.graph_buffers
+        rows, slots = self._gather(fb.req_pool_indices, buf["state_rows"][:bs], buf["start_slots"][:bs])
+        if fb.width is not None:
+            starts, lens = buf["starts"][:bs], buf["lens"][:bs]
+        else:  # a prefill graph: the staged request table (graphs/padding.py stage_extend)
+            starts, lens = fb.extend_starts, fb.extend_lens
+        self.meta = StateMeta(rows, slots, starts, lens, self._per_position(fb))

@@ -40,6 +40,20 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # Qwen3-Next-80B-A3B per-layer shapes with 24 of its 48 layers (18 gated delta net + 6 gated attention, the
+    # 3:1 pattern kept): 512 experts of 512, top 10 + a gated shared expert of 512; GDN 16 key / 32 value heads of
+    # 128; attention 16 q / 2 kv heads of 256, rotary on a quarter. ~40 B parameters = ~80 GB in bf16, leaving
+    # room on an H200 for KV and N + 1 state slots per request.
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=2048, intermediate_size=5120,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=24,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,

@@ -81,3 +81,27 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if (tk := _kernels(logits)) is not None:
         return tk.softmax_topk_triton(logits, top_k, renormalize)
     return ref.softmax_topk(logits, top_k, renormalize)
+
+
+def causal_conv_states(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor,
+                       start_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                       per_position: bool) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU over slot-indexed windows (kernels/reference.py causal_conv_states): x [T, C],
+    weight [C, K], conv_state [rows, S, K-1, C] (written) -> [T, C]. One capturable kernel on CUDA."""
+    if (tk := _kernels(x, weight)) is not None:
+        return tk.causal_conv_states_triton(x, weight, conv_state, state_rows, start_slots, starts, lens,
+                                            per_position)
+    return ref.causal_conv_states(x, weight, conv_state, state_rows, start_slots, starts, lens, per_position)
+
+
+def gated_delta_rule_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            ssm_state: torch.Tensor, state_rows: torch.Tensor, start_slots: torch.Tensor,
+                            starts: torch.Tensor, lens: torch.Tensor, per_position: bool) -> torch.Tensor:
+    """The gated delta rule over slot-indexed states (kernels/reference.py gated_delta_rule_states): q, k [T, Hk, Dk],
+    v [T, Hv, Dv], g, beta [T, Hv], ssm_state [rows, S, Hv, Dk, Dv] (written) -> [T, Hv, Dv]. One capturable kernel
+    on CUDA."""
+    if (tk := _kernels(q, k, v)) is not None:
+        return tk.gated_delta_rule_states_triton(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens,
+                                                 per_position)
+    return ref.gated_delta_rule_states(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens,
+                                       per_position)

@@ -103,3 +103,73 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Linear attention over slot-indexed recurrent state (gated delta net; layers/gdn.py, DESIGN §2).
+#
+# Both ops take a batch of sequences laid out back to back in the token dimension: sequence b owns tokens
+# starts[b] .. starts[b] + lens[b] - 1 (lens[b] may be 0) and the state of (state_rows[b], start_slots[b]) in the
+# layer's pool view [rows, S, ...]. With per_position=False (prefill chunks, plain decode) the sequence continues
+# from its start slot and its final state is written back into that slot. With per_position=True (target verify)
+# the state after the sequence's token i is written into slot i, so the accept commit can make any verified
+# position current without a rollback.
+
+
+def causal_conv_states(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor,
+                       start_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                       per_position: bool) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU with a carried window. x [T, C]; weight [C, K]; conv_state [rows, S, K-1, C]
+    (the K-1 inputs before the next token, oldest first); state_rows, start_slots, starts, lens [B] int64.
+    -> [T, C] in x's dtype (float32 sums); tokens outside every sequence are 0. Writes conv_state."""
+    k = weight.shape[1]
+    out = torch.zeros_like(x)
+    w = weight.float().t()  # [K, C]
+    for row, slot, s, n in zip(*(t.tolist() for t in (state_rows, start_slots, starts, lens))):
+        window = conv_state[row, slot].float()  # [K-1, C]
+        for i in range(n):
+            full = torch.cat((window, x[s + i].float()[None]), dim=0)  # [K, C]
+            out[s + i] = F.silu((full * w).sum(dim=0)).to(x.dtype)
+            window = full[1:]
+            if per_position:
+                conv_state[row, i] = window.to(conv_state.dtype)
+        if not per_position:
+            conv_state[row, slot] = window[-(k - 1):].to(conv_state.dtype)
+    return out
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last dim (the FLA convention transformers follows), in float32."""
+    xf = x.float()
+    return xf * torch.rsqrt((xf * xf).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            ssm_state: torch.Tensor, state_rows: torch.Tensor, start_slots: torch.Tensor,
+                            starts: torch.Tensor, lens: torch.Tensor, per_position: bool) -> torch.Tensor:
+    """The gated delta rule, token by token, over slot-indexed states.
+
+    q, k [T, Hk, Dk] (raw: L2-normalised here, q also scaled by Dk^-0.5); v [T, Hv, Dv]; g [T, Hv] float32 log
+    decay (<= 0); beta [T, Hv] float32; ssm_state [rows, S, Hv, Dk, Dv]; value head h reads key head h // (Hv / Hk).
+    Per token: S = exp(g) S;  S += k (beta (v - k^T S))^T;  o = q^T S.  -> o [T, Hv, Dv] in v's dtype (float32
+    math); tokens outside every sequence are 0. Writes ssm_state."""
+    hv, hk = v.shape[1], k.shape[1]
+    rep = hv // hk
+    qn = (l2_normalize(q) * q.shape[-1] ** -0.5).repeat_interleave(rep, dim=1)  # [T, Hv, Dk]
+    kn = l2_normalize(k).repeat_interleave(rep, dim=1)  # [T, Hv, Dk]
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    out = torch.zeros_like(v)
+    for row, slot, s, n in zip(*(t.tolist() for t in (state_rows, start_slots, starts, lens))):
+        state = ssm_state[row, slot].float()  # [Hv, Dk, Dv]
+        for i in range(n):
+            t = s + i
+            state = state * gf[t].exp()[:, None, None]
+            kv_mem = torch.einsum("hk,hkv->hv", kn[t], state)  # [Hv, Dv]
+            delta = (vf[t] - kv_mem) * bf[t][:, None]  # [Hv, Dv]
+            state = state + kn[t][:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hk,hkv->hv", qn[t], state).to(v.dtype)
+            if per_position:
+                ssm_state[row, i] = state.to(ssm_state.dtype)
+        if not per_position:
+            ssm_state[row, slot] = state.to(ssm_state.dtype)
+    return out

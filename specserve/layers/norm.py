@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels import ops
@@ -25,3 +26,19 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ops.rms_norm(x, w, self.eps)
         return ops.add_rms_norm(x, residual, w, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """The gated delta net's output norm (Qwen3-Next / Qwen3.5): rms_norm(x) * weight * silu(gate), over each
+    head's values; a plain (not zero-centred) weight. Rounds like transformers' Qwen3NextRMSNormGated: the normed
+    x is scaled by the weight in x's dtype, the gate applied in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [N, D] -> [N, D] in x's dtype."""
+        y = ops.rms_norm(x, self.weight, self.eps).float()
+        return (y * F.silu(gate.float())).to(x.dtype)

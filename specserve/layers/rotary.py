@@ -53,7 +53,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, D] float32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T] or [3, T]; q [T, Hq, D]; k [T, Hkv, D]."""
+        """positions [T] or [3, T]; q [T, Hq, D]; k [T, Hkv, D]. With a rotary dim (the table's width) below D
+        (partial rotary, e.g. Qwen3-Next's 0.25) only the first rotary-dim dims of each head rotate."""
         if positions.dim() == 2 and self.mrope_section is None:
             positions = positions[0]  # a 1-D RoPE model fed mRoPE rows: text rows are identical
-        return ops.rope(q, k, self.cos_sin_cache, positions, self.mrope_section)
+        rd = self.head_dim
+        if q.shape[-1] == rd:
+            return ops.rope(q, k, self.cos_sin_cache, positions, self.mrope_section)
+        # The Triton kernel rotates the views in place (the copies below are then onto themselves); the reference
+        # returns new tensors, written back into the leading dims.
+        q_rot, k_rot = ops.rope(q[..., :rd], k[..., :rd], self.cos_sin_cache, positions, self.mrope_section)
+        q[..., :rd] = q_rot
+        k[..., :rd] = k_rot
+        return q, k

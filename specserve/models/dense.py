@@ -144,14 +144,13 @@ class DenseDecoderLayer(nn.Module):
 
 
 class DenseModel(nn.Module):
-    def __init__(self, cfg: DenseConfig, max_positions: int, make_layer=None):
-        """make_layer(cfg, layer_id, rotary): the family's decoder layer (default: DenseDecoderLayer)."""
+    def __init__(self, cfg: DenseConfig, max_positions: int, family: type[DenseForCausalLM]):
+        """family: the model class whose hooks build the decoder layers, the rotary table and the norms."""
         super().__init__()
-        make_layer = make_layer or DenseDecoderLayer
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = make_rotary(cfg, max_positions)
-        self.layers = nn.ModuleList([make_layer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = family.make_rotary(cfg, max_positions)
+        self.layers = nn.ModuleList([family.make_layer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
+        self.norm = family.make_norm(cfg, cfg.hidden_size)
         self.aux_layers: tuple[int, ...] = ()  # layers whose outputs are appended to the output (set_aux_layers)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -176,14 +175,14 @@ class DenseForCausalLM(nn.Module):
 
     The family hooks (classmethods, overridden by families built on this one, e.g. models/qwen3_moe.py):
     config_class (parsing), make_layer (the decoder layer), mtp_block (the MTP layer's block: the family's
-    attention and MLP kind), make_rotary, and load_tensor (HF names -> parameters)."""
+    attention and MLP kind), make_rotary, make_norm, checkpoint_name and load_tensor (HF names -> parameters)."""
 
     config_class = DenseConfig
 
     def __init__(self, cfg: DenseConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.model = DenseModel(cfg, max_positions, self.make_layer)
+        self.model = DenseModel(cfg, max_positions, type(self))
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_weights()
 
@@ -200,6 +199,17 @@ class DenseForCausalLM(nn.Module):
     @classmethod
     def make_rotary(cls, cfg: DenseConfig, max_positions: int) -> RotaryEmbedding:
         return make_rotary(cfg, max_positions)
+
+    @classmethod
+    def make_norm(cls, cfg: ModelConfig, size: int) -> RMSNorm:
+        """The family's RMSNorm outside the decoder blocks (final norm; the MTP layer's norms)."""
+        return RMSNorm(size, cfg.rms_norm_eps)
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str | None:
+        """A checkpoint tensor's name as load_tensor reads it; None for tensors this family does not load (e.g. the
+        vision tower of a vision-language checkpoint loaded as text only)."""
+        return name
 
     @classmethod
     def load_tensor(cls, root: nn.Module, params: dict[str, nn.Parameter], name: str,
@@ -252,7 +262,8 @@ class DenseForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            name = self.checkpoint_name(name)
+            if name is None or "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue

@@ -38,7 +38,6 @@ from specserve.kernels import ops
 from specserve.kvcache.cache_spec import CacheSpec
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear
-from specserve.layers.norm import RMSNorm
 from specserve.models.config import ModelConfig
 from specserve.models.registry import model_class
 
@@ -58,12 +57,12 @@ class MTPDraftModel(nn.Module):
         self.config = cfg
         self.family = model_class(cfg.architecture)  # the target's family: its block, rotary and weight names
         h = cfg.hidden_size
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.enorm = self.family.make_norm(cfg, h)
+        self.hnorm = self.family.make_norm(cfg, h)
         self.eh_proj = Linear(2 * h, h)
         self.rotary = self.family.make_rotary(cfg, max_positions)
         self.decoder = self.family.mtp_block(cfg, self.rotary)
-        self.final_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.final_norm = self.family.make_norm(cfg, h)
         self.aux_layers = list(cfg.aux_hidden_layers)
         if self.aux_layers != sorted(set(self.aux_layers)) or any(i < 0 for i in self.aux_layers):
             raise ValueError(f"aux_hidden_state_layer_ids must be increasing layer indices, got {self.aux_layers}")

@@ -14,6 +14,11 @@ _MODEL_TYPE_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 # architecture -> (module, class): one entry per family member; the module is imported on first use
@@ -23,6 +28,12 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
     "Qwen3ForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
     "Qwen3MoeForCausalLM": ("specserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    # hybrid linear attention (gated delta net + gated attention); the vision-language ones as text only
+    "Qwen3NextForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
+    "Qwen3_5ForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("specserve.models.qwen3_next", "HybridForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("specserve.models.qwen3_next", "HybridForCausalLM"),
 }
 
 _DRAFT_SUFFIX = "NextN"

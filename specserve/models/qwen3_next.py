@@ -1,0 +1,250 @@
+"""Hybrid linear-attention family: Qwen3-Next, Qwen3.5 (dense) and Qwen3.5-MoE, and the text part of the
+Qwen3.5 vision-language checkpoints.
+
+Layers follow `layer_types` (or every `full_attention_interval`-th layer full attention, 3:1 by default):
+  * linear attention: the gated delta net over slot-indexed recurrent state (layers/gdn.py);
+  * full attention, gated: q_proj yields each head's query and an output gate side by side; per-head q/k RMSNorm;
+    rotary on the first `partial_rotary_factor` of each head (0.25); out = o_proj(attn * sigmoid(gate)).
+All RMSNorms outside the GDN are zero-centred (`(1 + w)`). MLP: Qwen3.5 a dense SiLU MLP everywhere; Qwen3.5-MoE an
+MoE block everywhere; Qwen3-Next an MoE block on layers i with (i + 1) % decoder_sparse_step == 0 and i not in
+mlp_only_layers. MoE: softmax top-k (renormalised per norm_topk_prob; always for Qwen3.5-MoE) with a shared expert
+behind a sigmoid gate. The MTP layer ships in the checkpoint as `mtp.*` (models/mtp.py): one gated full-attention
+layer with the target's MLP kind. transformers' implementations are the oracle in tests.
+
+Text only for now: a vision-language checkpoint's `model.language_model.*` is read as `model.*`, its vision tower
+is skipped, and positions are 1-D (text tokens have equal mRoPE rows, so interleaved mRoPE reduces to 1-D rope).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specserve.batch import ForwardBatch
+from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
+from specserve.layers.attention import PagedAttention
+from specserve.layers.gdn import GatedDeltaNet
+from specserve.layers.linear import Linear, MergedLinear
+from specserve.layers.moe import GatedMLP, SparseMoEBlock
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
+from specserve.models.config import ModelConfig, optional, require, text_config
+from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+LINEAR, FULL = "linear_attention", "full_attention"
+_LINEAR_ATTN = ".linear_attn."
+_VL_PREFIX = "model.language_model."
+_VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+@dataclass
+class HybridConfig(ModelConfig):
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False
+    layer_types: list[str] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    ssm_dtype: torch.dtype = torch.float32  # the recurrent state's dtype (mamba_ssm_dtype), not the model's
+    intermediate_size: int = 0  # dense MLP width (0: no dense layer)
+    num_experts: int = 0  # 0: dense family (Qwen3.5)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, hf_config, arch: str) -> HybridConfig:
+        text = text_config(hf_config)
+        core = ModelConfig.core_fields(hf_config, arch)
+        core["mrope_section"] = None  # text only (module docstring)
+        core["num_nextn_predict_layers"] = int(optional(text, "mtp_num_hidden_layers",
+                                                        core["num_nextn_predict_layers"]))
+        n = core["num_layers"]
+        types = getattr(text, "layer_types", None)
+        if not types:
+            every = int(optional(text, "full_attention_interval", 4))
+            types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+        types = list(types)[:n]
+        bad = sorted(set(types) - {LINEAR, FULL})
+        if len(types) != n or bad:
+            raise ValueError(f"{arch}: layer_types must name {n} layers as {LINEAR!r} or {FULL!r} (got {bad or types})")
+        if optional(text, "hidden_act", "silu") != "silu":
+            raise ValueError(f"{arch}: hidden_act={text.hidden_act!r} is not supported (silu only)")
+        num_heads = require(text, "num_attention_heads")
+        fields = dict(
+            num_heads=num_heads, num_kv_heads=optional(text, "num_key_value_heads", num_heads),
+            head_dim=optional(text, "head_dim", core["hidden_size"] // num_heads),
+            attention_bias=bool(optional(text, "attention_bias", False)), layer_types=types,
+            linear_num_key_heads=require(text, "linear_num_key_heads"),
+            linear_num_value_heads=require(text, "linear_num_value_heads"),
+            linear_key_head_dim=require(text, "linear_key_head_dim"),
+            linear_value_head_dim=require(text, "linear_value_head_dim"),
+            linear_conv_kernel_dim=int(optional(text, "linear_conv_kernel_dim", 4)),
+            ssm_dtype=_dtype(optional(text, "mamba_ssm_dtype", "float32")),
+        )
+        if arch.startswith("Qwen3_5For"):  # dense: a SiLU MLP on every layer
+            fields.update(intermediate_size=require(text, "intermediate_size"))
+        else:
+            fields.update(num_experts=require(text, "num_experts"),
+                          num_experts_per_tok=require(text, "num_experts_per_tok"),
+                          moe_intermediate_size=require(text, "moe_intermediate_size"),
+                          shared_expert_intermediate_size=int(optional(text, "shared_expert_intermediate_size", 0)))
+            if arch.startswith("Qwen3Next"):
+                fields.update(intermediate_size=int(optional(text, "intermediate_size", 0)),
+                              norm_topk_prob=bool(optional(text, "norm_topk_prob", True)),
+                              decoder_sparse_step=int(optional(text, "decoder_sparse_step", 1)),
+                              mlp_only_layers=[int(i) for i in optional(text, "mlp_only_layers", [])])
+        cfg = cls(**core, **fields)
+        if not 0 < cfg.partial_rotary_factor <= 1:
+            raise ValueError(f"{arch}: partial_rotary_factor={cfg.partial_rotary_factor} must be in (0, 1]")
+        if cfg.num_experts and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..num_experts="
+                             f"{cfg.num_experts}")
+        if any(not cfg.is_sparse(i) for i in range(n)) and cfg.intermediate_size <= 0:
+            raise ValueError(f"{arch}: dense layers need intermediate_size")
+        return cfg
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"mamba_ssm_dtype={name!r} is not a floating-point dtype")
+    return dt
+
+
+def _norm(cfg: HybridConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, cfg.rms_norm_eps, zero_centered=True)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate, per-head zero-centred q/k norms and partial rotary."""
+
+    def __init__(self, cfg: HybridConfig, cache_index: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q_proj: per head, the query's head_dim rows then the gate's (checkpoint order), 2 q_size in all
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = _norm(cfg, self.head_dim)
+        self.k_norm = _norm(cfg, self.head_dim)
+        self.rotary = rotary  # shared module
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                   cache_index=cache_index)
+
+    def cache_spec(self) -> MHACacheSpec:
+        return MHACacheSpec(self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        t, d = h.shape[0], self.head_dim
+        qg, k, v = self.qkv_proj(h).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.view(t, self.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(t, self.q_size)  # [T, Hq, D], [T, Hq * D]
+        q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
+        k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+        v = v.reshape(t, self.num_kv_heads, d)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, fb)  # [T, Hq * D]
+        return self.o_proj(out * torch.sigmoid(gate))
+
+
+def _mlp(cfg: HybridConfig, sparse: bool) -> nn.Module:
+    if not sparse:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+    return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                          renormalize=cfg.norm_topk_prob, router="softmax",
+                          shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                          shared_expert_gated=cfg.shared_expert_intermediate_size > 0)
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm block: (GDN or gated attention) + MLP, the residual carried separately (add + norm fuse)."""
+
+    def __init__(self, cfg: HybridConfig, kind: str, cache_index: int, rotary: RotaryEmbedding, sparse: bool):
+        super().__init__()
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                             cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                             cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, cache_index, cfg.ssm_dtype)
+        else:
+            self.self_attn = GatedAttention(cfg, cache_index, rotary)
+        self.mlp = _mlp(cfg, sparse)
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return [self.linear_attn.cache_spec() if self.kind == LINEAR else self.self_attn.cache_spec()]
+
+    def forward(self, positions, h, residual, fb: ForwardBatch):
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.linear_attn(h, fb) if self.kind == LINEAR else self.self_attn(positions, h, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class HybridForCausalLM(Qwen3MoeForCausalLM):
+    """The family's model class (hooks of models/dense.py DenseForCausalLM; MoE loading from models/qwen3_moe.py)."""
+
+    config_class = HybridConfig
+
+    @classmethod
+    def make_layer(cls, cfg: HybridConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        kind = cfg.layer_types[layer_id]
+        cache_index = cfg.layer_types[:layer_id].count(kind)  # its index among the layers of its cache kind
+        return HybridDecoderLayer(cfg, kind, cache_index, rotary, cfg.is_sparse(layer_id))
+
+    @classmethod
+    def mtp_block(cls, cfg: HybridConfig, rotary: RotaryEmbedding) -> nn.Module:
+        return HybridDecoderLayer(cfg, FULL, 0, rotary, cfg.num_experts > 0)
+
+    @classmethod
+    def make_rotary(cls, cfg: HybridConfig, max_positions: int) -> RotaryEmbedding:
+        inv_freq, scale = inv_freq_from_config(text_config(cfg.hf_config), cfg.rotary_dim)
+        return RotaryEmbedding(cfg.rotary_dim, max_positions, inv_freq, scale)
+
+    @classmethod
+    def make_norm(cls, cfg: HybridConfig, size: int) -> RMSNorm:
+        return _norm(cfg, size)
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str | None:
+        if name.startswith(_VISION_PREFIXES):
+            return None
+        if name.startswith(_VL_PREFIX):
+            return "model." + name[len(_VL_PREFIX):]
+        return name
+
+    @classmethod
+    def load_tensor(cls, root: nn.Module, params: dict[str, nn.Parameter], name: str,
+                    tensor: torch.Tensor) -> str | None:
+        at = name.find(_LINEAR_ATTN)
+        if at >= 0:
+            prefix = name[:at + len(_LINEAR_ATTN) - 1]
+            ours = root.get_submodule(prefix).load_tensor(name[at + len(_LINEAR_ATTN):], tensor)
+            return None if ours is None else f"{prefix}.{ours}"
+        return super().load_tensor(root, params, name, tensor)

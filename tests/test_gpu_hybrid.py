@@ -1,0 +1,110 @@
+"""GPU tests of the hybrid linear-attention family (skipped on CPU; run on the H200 and recorded in BENCHMARKS.md):
+
+- every phase runner (target decode, target verify, draft decode, draft extend, prefill) is captured, and its CUDA
+  graph replay equals the eager run with shrinking then growing batch sizes, the GDN state slots included; so does
+  the greedy step captured as one graph;
+- greedy MTP == plain == transformers on the GPU in float32 with every phase graphed (the checkpoint's mtp.* layer);
+  in bfloat16 the spec-vs-plain match rate is printed;
+- a mixed workload with retractions leaves no page, page-table row or state row behind.
+"""
+
+import pytest
+import torch
+from hybrid_helpers import build_tiny_hybrid
+from spec_fixtures import build_scheduler, run_greedy
+from test_gpu import CAPTURE, _cuda_spec_runner, _to
+from test_prefill_graph import check_padded_prefill, prefill_runner
+from test_qwen3_next import _hf, _hf_greedy
+from test_runners import _inputs, check_one_graph_step
+from test_spec_greedy import _prompts
+
+pytestmark = pytest.mark.gpu
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return build_tiny_hybrid(str(tmp_path_factory.mktemp("ghy") / "m"), "qwen3_next", seed=41, mtp=True)
+
+
+def _state(mr):
+    s = mr.caches.state
+    return s.conv.transpose(0, 1)[1:], s.ssm.transpose(0, 1)[1:]  # every row but the dummy
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_replay_equals_eager_every_phase(hybrid, page_size):
+    mr = _cuda_spec_runner(hybrid, 3, page_size)
+    assert all(r.graphs for r in mr.spec.runners.values()), "every phase must be captured"
+    for name, runner in mr.spec.runners.items():
+        for i, bs in enumerate([13, 9, 5, 3, 1, 2, 7, 16]):
+            handles, live = _inputs(mr, name, bs, seed=100 * i + page_size)
+            live = _to(live, mr.device)
+            before = [t.clone() for t in _state(mr)]
+            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
+            want = [t.clone() for t in _state(mr)]
+            for t, b in zip(_state(mr), before):
+                t.copy_(b)
+            out = runner.run(live)
+            for k in eager:
+                torch.testing.assert_close(out[k], eager[k], rtol=2e-4, atol=2e-4, msg=f"{name} bs={bs} {k}")
+            for got, w in zip(_state(mr), want):
+                torch.testing.assert_close(got, w, rtol=2e-4, atol=2e-4, msg=f"{name} bs={bs} state")
+            for h in handles:
+                mr.kv.release(h)
+    check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
+
+
+def test_prefill_graphs_equal_eager_gpu(hybrid):
+    mr = prefill_runner(hybrid, None, "triton", device="cuda")
+    assert all(sorted(r.graphs) == r.ladder.sizes == [16, 32, 64] for r in (mr.prefill, mr.spec.prefill))
+    check_padded_prefill(mr, 2e-4)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_spec_greedy_equals_plain_and_hf_fp32_all_phases_graphed(hybrid, n):
+    prompts = _prompts()
+    ref = _hf_greedy(_hf(hybrid, "qwen3_next"), prompts, NEW)
+    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32,
+              cuda_graph_max_prefill_tokens=64)
+    plain, _ = build_scheduler(hybrid, **kw)
+    assert [r.output_ids for r in run_greedy(plain, prompts, NEW)] == ref
+    spec, _ = build_scheduler(hybrid, speculative_algorithm="MTP", speculative_num_steps=n, **kw)
+    assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
+    mr = spec.mr
+    runners = [*mr.spec.runners.values(), mr.prefill, mr.spec.prefill]
+    assert all(r.graphs and r.replays > 0 for r in runners), [(r.name, r.replays) for r in runners]
+    assert mr.spec.spec_step.replays > 0  # greedy steps ran as one graph
+    assert all(r.eager_runs == 0 for r in (mr.prefill, mr.spec.prefill))  # prompts <= 32-token chunks: graphed
+    spec.check_idle_invariants()
+
+
+def test_spec_greedy_bf16_match_rate(hybrid, capsys):
+    prompts = _prompts()
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_total_tokens=4096, cuda_graph_bs=CAPTURE)
+    a = [r.output_ids for r in run_greedy(build_scheduler(hybrid, **kw)[0], prompts, NEW)]
+    b = [r.output_ids for r in run_greedy(build_scheduler(hybrid, speculative_algorithm="MTP",
+                                                          speculative_num_steps=3, **kw)[0], prompts, NEW)]
+    same = sum(x == y for u, v in zip(a, b) for x, y in zip(u, v))
+    total = sum(len(u) for u in a)
+    first_div = [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), len(u)) for u, v in zip(a, b)]
+    with capsys.disabled():
+        print(f"\n[hybrid bf16] spec vs plain greedy: {same}/{total} tokens equal ({100 * same / total:.1f}%), "
+              f"first divergence per prompt: {first_div}")
+    assert same / total > 0.5
+
+
+def test_no_leak_mixed_workload_gpu(hybrid):
+    from test_kv_accounting import _workload
+
+    from specserve import Engine
+
+    prompts, params = _workload()
+    kw = dict(context_length=128, chunked_prefill_size=32, max_running_requests=8, speculative_algorithm="MTP",
+              speculative_num_steps=3, cuda_graph_bs=[1, 2, 4, 8], schedule_conservativeness=0.0)
+    exp = Engine(model_path=hybrid, max_total_tokens=8192, **kw).generate(input_ids=prompts, sampling_params=params)
+    tight = Engine(model_path=hybrid, max_total_tokens=160, **kw)
+    got = tight.generate(input_ids=prompts, sampling_params=params)
+    assert tight.scheduler.stats.num_retractions > 0
+    tight.scheduler.check_idle_invariants()
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in exp]
