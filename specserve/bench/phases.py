@@ -119,6 +119,25 @@ def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
     return out
 
 
+def bench_prefill(mr, tokens: int, iters: int) -> dict:
+    """One prompt of `tokens` tokens from an empty prefix through the target's prefill: the eager forward against
+    the prefill runner (its CUDA graph at the padded count when one was captured)."""
+    from specserve.graphs.prefill import ExtendBatch
+    from specserve.kvcache.manager import KVHandle
+
+    dev = mr.device
+    h = KVHandle()
+    assert mr.kv.assign_row(h) and mr.kv.ensure([h], [tokens])
+    ids = torch.randint(10, min(1000, mr.cfg.vocab_size), (tokens,), device=dev)
+    x = ExtendBatch(ids, torch.arange(tokens, device=dev), mr.req_to_token.table[h.row, :tokens], [h.row],
+                    [tokens], [tokens])
+    r = mr.prefill
+    eager = timeit(lambda: r.forward(r._eager_batch(x)), dev, max(3, iters // 2))
+    graph = timeit(lambda: r.run(x), dev, max(3, iters // 2)) if r.fits(x) and r.graphs else None
+    mr.kv.release(h)
+    return {"tokens": tokens, "eager_ms": eager, "graph_ms": graph}
+
+
 def idle_fraction(mr, prefix: int, steps: int, spec: bool) -> dict:
     """GPU idle share of wall time over `steps` real steps at batch 1 (each step: stage, replay, sample/accept,
     read the tokens back), from the kernel intervals CUPTI records (CUDA activity only, so the profiler adds no
@@ -167,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--idle-steps", type=int, default=50)
+    p.add_argument("--prefill-tokens", type=int, default=512,
+                   help="one prompt of this many tokens: the target prefill, eager vs graph (0: skip)")
+    p.add_argument("--project-accept-lengths", default=None,
+                   help="comma-separated accept lengths (tokens per verify): print the projected speed-up "
+                        "accept / (spec iter / plain step) at each batch size, labelled a projection")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -188,13 +212,19 @@ def main(argv: list[str] | None = None) -> int:
             draft = random_draft(cfg, target, dtype, dev, max_pos)  # timing only: weights do not matter
         label = args.model_path or "embedded SmolLM2-135M-Instruct"
     pair = make_runners(target, draft, cfg, dtype, dev, args.speculative_num_steps, max(bss), args.context_length,
-                        disable_graphs=False, capture_bs=bss)
+                        disable_graphs=False, capture_bs=bss, prefill_graph_tokens=args.prefill_tokens)
     result: dict = {"model": label, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "N": args.speculative_num_steps, "prefix_len": args.prefix_len, "batches": []}
     if dev.type == "cuda":
         result["copy_bw_GBps"] = copy_bandwidth(dev)
     for bs in bss:
         result["batches"].append(bench_batch(pair, bs, args.prefix_len, args.iters))
+    if args.prefill_tokens:
+        result["prefill"] = bench_prefill(pair.plain, args.prefill_tokens, args.iters)
+    if args.project_accept_lengths:
+        result["projection"] = [
+            {"bs": b["bs"], "accept": a, "speedup": a / b["spec_iter_over_plain_step"]}
+            for a in (float(x) for x in args.project_accept_lengths.split(",")) for b in result["batches"]]
     b1 = next((b for b in result["batches"] if b["bs"] == 1), None)
     if b1 is not None and b1["decode"]["graph_ms"]:
         moved = weight_bytes(target) + kv_bytes_per_token(pair.plain) * (args.prefix_len + 1)
@@ -202,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         result["decode_bs1"] = {"bytes": moved, "ms": b1["decode"]["graph_ms"], "GBps": bw}
         if "copy_bw_GBps" in result:
             result["decode_bs1"]["fraction_of_copy_bw"] = bw / result["copy_bw_GBps"]
-    if dev.type == "cuda":
+    if dev.type == "cuda" and args.idle_steps > 0:
         result["idle_plain"] = idle_fraction(pair.plain, args.prefix_len, args.idle_steps, spec=False)
         result["idle_spec"] = idle_fraction(pair.spec, args.prefix_len, args.idle_steps, spec=True)
     if b1 is not None and b1["decode"]["graph_ms"]:
@@ -245,6 +275,15 @@ def print_table(r: dict) -> None:
               f"{b['spec_iter_eager_ms'] / b['spec_iter_ms']:6.1f}x")
         print(f"{b['bs']:>4} | {'plain step':<14} | {'':9} | {b['plain_step_ms']:9.3f} |")
         print(f"{b['bs']:>4} | spec iter / plain step = {b['spec_iter_over_plain_step']:.2f}x")
+    if "prefill" in r:
+        pf = r["prefill"]
+        g = pf["graph_ms"]
+        gs = f"{g:9.3f}" if g else f"{'-':>9}"
+        sp = f"{pf['eager_ms'] / g:6.1f}x" if g else f"{'-':>7}"
+        print(f"{1:>4} | {'prefill ' + str(pf['tokens']):<14} | {pf['eager_ms']:9.3f} | {gs} | {sp}")
+    for pr in r.get("projection", []):
+        print(f"PROJECTION (not measured end to end): accept length {pr['accept']:.1f} at bs {pr['bs']} -> "
+              f"{pr['speedup']:.2f}x plain decode throughput")
     if "decode_bs1" in r:
         d = r["decode_bs1"]
         frac = f" = {100 * d['fraction_of_copy_bw']:.1f}% of copy bandwidth" if "fraction_of_copy_bw" in d else ""
