@@ -22,7 +22,7 @@ E, K, H, INTER = 8, 2, 64, 40
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (60, 4)])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (60, 4), (512, 10)])
 def test_router_kernel_matches_reference(experts, top_k, renormalize):
     g = torch.Generator().manual_seed(experts + top_k)
     logits = torch.randn(6, experts, generator=g)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr,
-                         RENORM: tl.constexpr, E_PAD: tl.constexpr):
+                         RENORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     ok = e < num_experts
@@ -28,9 +28,9 @@ def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_t, TOP_
         total += best
         p = tl.where(e == idx, -1.0, p)
     if RENORM:
-        k = tl.arange(0, TOP_K)
-        w = tl.load(w_ptr + t * TOP_K + k)
-        tl.store(w_ptr + t * TOP_K + k, w / total)
+        k = tl.arange(0, K_PAD)  # TOP_K need not be a power of two (Qwen3-Next: 10)
+        w = tl.load(w_ptr + t * TOP_K + k, mask=k < TOP_K, other=0.0)
+        tl.store(w_ptr + t * TOP_K + k, w / total, mask=k < TOP_K)
 
 
 def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,5 +42,6 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     if t:
         _softmax_topk_kernel[(t,)](logits, w, ids, num_experts, logits.stride(0), TOP_K=top_k,
-                                   RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts), num_warps=4)
+                                   RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
+                                   K_PAD=triton.next_power_of_2(top_k), num_warps=4)
     return w, ids
