@@ -105,3 +105,18 @@ def gated_delta_rule_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                                                  per_position)
     return ref.gated_delta_rule_states(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens,
                                        per_position)
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN gates (reference.gdn_gating): a, b [T, Hv] -> (g, beta) [T, Hv] float32, one kernel on CUDA."""
+    if (tk := _kernels(a, b)) is not None:
+        return tk.gdn_gating_triton(a, b, a_log, dt_bias)
+    return ref.gdn_gating(a, b, a_log, dt_bias)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * w * silu(gate) (reference.gated_rms_norm): x, gate [N, D] -> [N, D], one kernel on CUDA."""
+    if (tk := _kernels(x, gate, w)) is not None:
+        return tk.gated_rms_norm_triton(x, gate, w, eps)
+    return ref.gated_rms_norm(x, gate, w, eps)

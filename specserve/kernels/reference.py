@@ -173,3 +173,18 @@ def gated_delta_rule_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         if not per_position:
             ssm_state[row, slot] = state.to(ssm_state.dtype)
     return out
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+               dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta net's per-token gates: g = -exp(A_log) * softplus(a + dt_bias) (log decay), beta = sigmoid(b).
+    a, b [T, Hv] (any row stride); a_log, dt_bias [Hv] -> (g, beta) [T, Hv] float32."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * w * silu(gate) per row, as transformers' Qwen3NextRMSNormGated rounds it: the normed row scaled
+    by w in x's dtype, the gate applied in float32. x, gate [N, D]; w [D] -> [N, D] in x's dtype."""
+    y = rms_norm(x, w, eps).float()
+    return (y * F.silu(gate.float())).to(x.dtype)

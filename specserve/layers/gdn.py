@@ -15,7 +15,6 @@ forward batch's recurrent backend says which row and slot each request starts fr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.batch import CacheKind, ForwardBatch
@@ -63,8 +62,7 @@ class GatedDeltaNet(nn.Module):
         where = (meta.state_rows, meta.start_slots, meta.starts, meta.lens, meta.per_position)
         x = ops.causal_conv_states(qkv, self.conv_weight, conv_state, *where)  # [T, C]
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.float().sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv] log decay
+        g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32 log decay, update strength
         o = ops.gated_delta_rule_states(q.view(t, self.num_k_heads, self.head_k_dim),
                                         k.view(t, self.num_k_heads, self.head_k_dim),
                                         v.view(t, self.num_v_heads, self.head_v_dim), g, beta, ssm_state,

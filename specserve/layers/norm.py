@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels import ops
@@ -40,5 +39,4 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate [N, D] -> [N, D] in x's dtype."""
-        y = ops.rms_norm(x, self.weight, self.eps).float()
-        return (y * F.silu(gate.float())).to(x.dtype)
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps)

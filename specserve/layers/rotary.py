@@ -60,9 +60,10 @@ class RotaryEmbedding(nn.Module):
         rd = self.head_dim
         if q.shape[-1] == rd:
             return ops.rope(q, k, self.cos_sin_cache, positions, self.mrope_section)
-        # The Triton kernel rotates the views in place (the copies below are then onto themselves); the reference
-        # returns new tensors, written back into the leading dims.
+        # The Triton kernel rotates the leading-dims views in place; the reference returns new tensors, which are
+        # written back into those dims.
         q_rot, k_rot = ops.rope(q[..., :rd], k[..., :rd], self.cos_sin_cache, positions, self.mrope_section)
-        q[..., :rd] = q_rot
-        k[..., :rd] = k_rot
+        if q_rot.data_ptr() != q.data_ptr():
+            q[..., :rd] = q_rot
+            k[..., :rd] = k_rot
         return q, k
