@@ -198,6 +198,40 @@ def test_block_matches_qwen2_moe_gated_shared_expert(t):
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
+# ---- Qwen3-Next / Qwen3.5-MoE: the gated shared expert as wide as a routed one runs fused, as expert E ----
+
+@pytest.mark.parametrize("fused_ckpt", [False, True])
+@pytest.mark.parametrize("t", [1, 32])
+def test_block_matches_qwen3_next_fused_shared_expert(t, fused_ckpt):
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    cfg = Qwen3NextConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=K,
+                          shared_expert_intermediate_size=INTER, norm_topk_prob=True)
+    hf = Qwen3NextSparseMoeBlock(cfg).eval()
+    _randomize(hf, seed=37)
+    block = SparseMoEBlock(H, INTER, E, K, renormalize=True, shared_expert_intermediate_size=INTER,
+                           shared_expert_gated=True)
+    assert block.fused_shared and block.shared_expert is None and block.experts.w13.shape[0] == E + 1
+    sd = _checkpoint(hf, fused=fused_ckpt)
+    _load(block, sd)
+    x = _x(t, seed=8)
+    with torch.no_grad():
+        ref = hf(x[None])[0]
+        out = block(x)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    # the gate row and the expert are pieces of shared parameters: each missing piece is reported
+    partial = SparseMoEBlock(H, INTER, E, K, renormalize=True, shared_expert_intermediate_size=INTER,
+                             shared_expert_gated=True)
+    for name, tensor in sd.items():
+        if name not in ("shared_expert_gate.weight", "shared_expert.down_proj.weight"):
+            assert partial.load_weight(name, tensor)
+    missing = {n for n, _ in partial.named_parameters()} - partial.loaded_param_names()
+    assert missing == {"gate.weight", "experts.w2"}
+    with pytest.raises(ValueError, match="outside"):
+        partial.load_weight(f"experts.{E}.up_proj.weight", torch.zeros(INTER, H))
+
+
 # ---- loading bookkeeping and errors ----
 
 def test_all_loaded_tracking_and_unknown_names():

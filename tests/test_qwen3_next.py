@@ -67,7 +67,7 @@ def test_family_layers_and_caches(hybrids):
     layers = t.model.model.layers
     assert [lay.kind for lay in layers] == ["linear_attention"] * 3 + ["full_attention"]
     assert [type(lay.mlp) for lay in layers] == [SparseMoEBlock, GatedMLP, SparseMoEBlock, SparseMoEBlock]
-    assert layers[0].mlp.shared_expert_gate is not None  # the gated shared expert
+    assert layers[0].mlp.fused_shared  # the gated shared expert, as wide as a routed one: expert E of the GEMM
     assert [lay.linear_attn.cache_index for lay in layers[:3]] == [0, 1, 2]
     assert layers[3].self_attn.attn.cache_index == 0  # its index among the MHA layers, not its layer number
     specs = t.model.cache_specs()

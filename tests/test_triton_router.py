@@ -38,6 +38,20 @@ def test_router_kernel_matches_reference(experts, top_k, renormalize):
         torch.testing.assert_close(w.sum(-1).cpu(), torch.ones(6), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (512, 10)])
+def test_router_kernel_with_fused_shared_expert_gate(experts, top_k):
+    """The last logit column gates the shared expert: routed as expert E after the K routed ones, weight sigmoid."""
+    g = torch.Generator().manual_seed(experts)
+    logits = torch.randn(5, experts + 1, generator=g)
+    w, ids = softmax_topk_triton(logits.to(DEV), top_k, True, shared_gate=True)
+    rw, rids = ref.softmax_topk(logits, top_k, True, shared_gate=True)
+    assert ids.shape == (5, top_k + 1) and torch.equal(ids.cpu(), rids)
+    assert torch.all(ids[:, -1] == experts) and torch.all(ids[:, :-1] < experts)
+    torch.testing.assert_close(w.cpu(), rw, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w[:, -1].cpu(), logits[:, -1].sigmoid(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w[:, :-1].sum(-1).cpu(), torch.ones(5), atol=1e-5, rtol=0)  # routed: renormalised
+
+
 @pytest.mark.gpu
 def test_decode_kernels_in_a_cuda_graph():
     from specserve.kernels.triton_moe import fused_moe

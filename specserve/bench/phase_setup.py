@@ -166,8 +166,9 @@ def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:
 
     experts = {}
     for m in model.modules():
-        if isinstance(m, SparseMoEBlock):
-            share = min(m.num_experts, tokens * m.top_k) / m.num_experts
+        if isinstance(m, SparseMoEBlock):  # a fused shared expert (always read) is the last of experts.w13
+            extra = int(m.fused_shared)
+            share = (min(m.num_experts, tokens * m.top_k) + extra) / (m.num_experts + extra)
             experts.update({id(m.experts.w13): share, id(m.experts.w2): share})
     seen, total = set(), 0
     embed = model.embed_tokens.weight

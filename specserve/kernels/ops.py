@@ -76,11 +76,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax MoE router: logits [T, E] -> (weights [T, K] float32, ids [T, K] int64), one kernel on CUDA."""
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 shared_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax MoE router: logits [T, E] -> (weights [T, K] float32, ids [T, K] int64), one kernel on CUDA;
+    with shared_gate the last column gates a shared expert routed as expert E (reference.softmax_topk)."""
     if (tk := _kernels(logits)) is not None:
-        return tk.softmax_topk_triton(logits, top_k, renormalize)
-    return ref.softmax_topk(logits, top_k, renormalize)
+        return tk.softmax_topk_triton(logits, top_k, renormalize, shared_gate)
+    return ref.softmax_topk(logits, top_k, renormalize, shared_gate)
 
 
 def causal_conv_states(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor,

@@ -93,10 +93,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return out.to(x.dtype)
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 shared_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The softmax router: softmax over all experts in float32, the top_k (equal weights: the lower expert id
     first, the tie-break the kernel uses), optionally renormalised to sum 1. logits [T, E] -> (weights [T, K]
-    float32, ids [T, K] int64) by descending weight."""
+    float32, ids [T, K] int64) by descending weight.
+
+    shared_gate: the last logit column is a gated shared expert's gate (logits [T, E + 1]); it is routed to as
+    expert E with weight sigmoid(gate), after the K routed ones -> [T, K + 1]."""
+    if shared_gate:
+        e = logits.shape[1] - 1
+        weights, ids = softmax_topk(logits[:, :e], top_k, renormalize)
+        gate = logits[:, e:].float().sigmoid()  # [T, 1]
+        return torch.cat((weights, gate), dim=1), torch.cat((ids, torch.full_like(ids[:, :1], e)), dim=1)
     probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, ids = weights[:, :top_k], ids[:, :top_k]

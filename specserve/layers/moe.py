@@ -102,15 +102,16 @@ class FusedMoE(nn.Module):
 
     def load_fused(self, name: str, tensor: torch.Tensor) -> None:
         """transformers-5 in-memory layouts: gate_up_proj [E, 2I, H] (gate rows then up rows, as ours), down_proj
-        [E, H, I]."""
+        [E, H, I]. E may be fewer than ours: a fused shared expert sits after the routed ones (SparseMoEBlock)."""
         if name == "gate_up_proj":
-            target, param = self.w13, "w13"
+            param, projs = "w13", ("gate_proj", "up_proj")
         elif name == "down_proj":
-            target, param = self.w2, "w2"
+            param, projs = "w2", ("down_proj",)
         else:
             raise ValueError(f"unknown fused expert tensor {name!r} (expected 'gate_up_proj' or 'down_proj')")
-        _copy_checked(target, tensor, f"experts.{name}")
-        self.pending[param].clear()
+        n = tensor.shape[0]
+        _copy_checked(getattr(self, param)[:n], tensor, f"experts.{name}")
+        self.pending[param] -= {(i, p) for i in range(n) for p in projs}
 
     def loaded_param_names(self) -> set[str]:
         return {name for name, left in self.pending.items() if not left}
@@ -134,7 +135,9 @@ class SparseMoEBlock(nn.Module):
 
     Parameter names (ours; HF names in load_weight): gate.weight [E, H], e_score_correction_bias [E]
     (grouped_sigmoid only), experts.w13 / experts.w2, shared_expert.gate_up_proj.weight / .down_proj.weight
-    (when shared_expert_intermediate_size > 0), shared_expert_gate.weight [1, H] (when shared_expert_gated).
+    (when shared_expert_intermediate_size > 0), shared_expert_gate.weight [1, H] (when shared_expert_gated). A
+    gated shared expert as wide as the routed ones is fused instead (`fused_shared`): expert E of experts.w13 / w2
+    and row E of gate.weight [E + 1, H].
 
     Router precision follows HF per family: the softmax router's logits come from the gate in the model dtype (HF
     Qwen), the grouped sigmoid router's from float32 input and weight (HF DeepSeek-V3 / GLM keep gate.weight and the
@@ -164,23 +167,32 @@ class SparseMoEBlock(nn.Module):
         self.router, self.renormalize = router, renormalize
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.shared_expert_gated = shared_expert_gated
-        self.gate = Linear(hidden_size, num_experts)  # [E, H] router
+        # A sigmoid-gated shared expert as wide as a routed one (Qwen3-Next, Qwen3.5-MoE) runs as one more expert,
+        # E, inside the grouped GEMM, its gate as router row E: one kernel chain instead of two GEMMs, an
+        # activation, a gate GEMM and three elementwise kernels beside the routed experts.
+        self.fused_shared = (router == "softmax" and shared_expert_gated
+                             and shared_expert_intermediate_size == moe_intermediate_size)
+        extra = int(self.fused_shared)
+        self.gate = Linear(hidden_size, num_experts + extra)  # [E (+ 1), H] router (+ the shared expert's gate)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts)) if router == "grouped_sigmoid"
                                         else None)  # [E]; a Parameter so the loader's all-loaded check covers it
-        self.experts = FusedMoE(num_experts, hidden_size, moe_intermediate_size)
+        self.experts = FusedMoE(num_experts + extra, hidden_size, moe_intermediate_size)
         self.shared_expert = (GatedMLP(hidden_size, shared_expert_intermediate_size)
-                              if shared_expert_intermediate_size > 0 else None)
-        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gated else None
+                              if shared_expert_intermediate_size > 0 and not self.fused_shared else None)
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gated and not self.fused_shared else None
         # Pieces of our non-expert parameters still unwritten (plain attribute; experts track their own).
         self.pending: dict[str, set[str]] = {n: {"all"} for n, _ in self.named_parameters()
                                              if not n.startswith(("experts.", "shared_expert.gate_up_proj."))}
         if self.shared_expert is not None:
             self.pending["shared_expert.gate_up_proj.weight"] = {"gate", "up"}
+        if self.fused_shared:
+            self.pending["gate.weight"] = {"router", "shared_gate"}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)."""
+        """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64); [T, K + 1] with the fused shared
+        expert (id E, weight sigmoid(its gate))."""
         if self.router == "softmax":
-            return softmax_topk(self.gate(x), self.top_k, self.renormalize)
+            return ops.softmax_topk(self.gate(x), self.top_k, self.renormalize, self.fused_shared)
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32, as HF DeepSeek-V3
         return grouped_sigmoid_topk(logits, self.top_k, self.e_score_correction_bias, self.n_group,
                                     self.topk_group, self.routed_scaling_factor, self.renormalize)
@@ -202,6 +214,15 @@ class SparseMoEBlock(nn.Module):
         shared-expert spellings (Qwen shared_expert., DeepSeek shared_experts.), shared_expert_gate.weight and
         gate.e_score_correction_bias."""
         parts = rest.split(".")
+        e = self.num_experts
+        if self.fused_shared:  # the shared expert is expert E, its gate router row E
+            if rest == "gate.weight":
+                return self._load_piece("gate.weight", "router", self.gate.weight[:e], tensor)
+            if rest == "shared_expert_gate.weight":
+                return self._load_piece("gate.weight", "shared_gate", self.gate.weight[e:], tensor)
+            if parts[0] == "shared_expert" and len(parts) == 3 and parts[2] == "weight" and parts[1] in _EXPERT_PROJS:
+                self.experts.load_expert(e, parts[1], tensor)
+                return True
         if rest == "gate.weight":
             return self._load_whole("gate.weight", self.gate.weight, tensor)
         if rest == "gate.e_score_correction_bias":
@@ -217,6 +238,8 @@ class SparseMoEBlock(nn.Module):
                 self.experts.load_fused(parts[1], tensor)
                 return True
             if len(parts) == 4 and parts[1].isdigit() and parts[2] in _EXPERT_PROJS and parts[3] == "weight":
+                if int(parts[1]) >= e:  # (a fused shared expert's index is ours, not the checkpoint's)
+                    raise ValueError(f"expert {parts[1]} outside the layer's {e} experts")
                 self.experts.load_expert(int(parts[1]), parts[2], tensor)
                 return True
             return False
@@ -232,6 +255,11 @@ class SparseMoEBlock(nn.Module):
                 self.pending["shared_expert.gate_up_proj.weight"].discard(shard)
                 return True
         return False
+
+    def _load_piece(self, name: str, piece: str, target: torch.Tensor, tensor: torch.Tensor) -> bool:
+        _copy_checked(target, tensor, f"{name} ({piece})")
+        self.pending[name].discard(piece)
+        return True
 
     def _load_whole(self, name: str, param: torch.Tensor, tensor: torch.Tensor) -> bool:
         _copy_checked(param, tensor, name)
