@@ -77,6 +77,28 @@ def test_add_rms_norm(dtype, rows, hidden):
     assert normed.data_ptr() == out.data_ptr() and s.data_ptr() == res_out.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centred_norms_match_reference_and_transformers(dtype):
+    """weight_offset 1: (1 + w) in float32 inside the kernel, as transformers' Qwen3NextRMSNorm computes it."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    g = _gen(77)
+    x = _randn(11, 96, dtype=dtype, g=g, scale=2.0)
+    residual = _randn(11, 96, dtype=dtype, g=g)
+    w = 0.1 * _randn(96, dtype=dtype, g=g)
+    hf = Qwen3NextRMSNorm(96, eps=1e-6).to(dtype).to(DEV)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+        want = hf(x)
+        want_add = hf(x + residual)
+    got = triton_ops.rms_norm(x, w, 1e-6, weight_offset=1.0)
+    torch.testing.assert_close(got, ref.rms_norm(x, w, 1e-6, 1.0), **TOL[dtype])
+    torch.testing.assert_close(ref.rms_norm(x, w, 1e-6, 1.0), want, rtol=0, atol=0)  # the reference is HF's
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    normed, _ = triton_ops.add_rms_norm(x, residual, w, 1e-6, weight_offset=1.0)
+    torch.testing.assert_close(normed, want_add, **TOL[dtype])
+
+
 # ------------------------------------------------------------------------------------------------ SiLU-and-mul
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 64), (5, 96), (3, 2500)])

@@ -22,16 +22,17 @@ def _kernels(*tensors: torch.Tensor):
     return triton_kernels()
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    """reference.rms_norm; weight_offset 1.0 for zero-centred weights (1 + w)."""
     if (tk := _kernels(x, w)) is not None:
-        return tk.rms_norm(x, w, eps)
-    return ref.rms_norm(x, w, eps)
+        return tk.rms_norm(x, w, eps, weight_offset=weight_offset)
+    return ref.rms_norm(x, w, eps, weight_offset)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float = 0.0):
     if (tk := _kernels(x, residual, w)) is not None:
-        return tk.add_rms_norm(x, residual, w, eps)
-    return ref.add_rms_norm(x, residual, w, eps)
+        return tk.add_rms_norm(x, residual, w, eps, weight_offset=weight_offset)
+    return ref.add_rms_norm(x, residual, w, eps, weight_offset)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -6,17 +6,21 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H], w [H] -> [T, H] in x's dtype (statistics in float32)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    """x [T, H], w [H] -> [T, H] in x's dtype (statistics in float32). weight_offset 1.0: a zero-centred norm
+    (Qwen3-Next, Gemma) scaling by (1 + w), all in float32 as transformers does; otherwise the normed row is
+    rounded to x's dtype before the weight multiply (Llama, Qwen)."""
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
+    if weight_offset:
+        return (xf * torch.rsqrt(var + eps) * (w.float() + weight_offset)).to(x.dtype)
     return (xf * torch.rsqrt(var + eps)).to(x.dtype) * w
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float = 0.0):
     """(rms_norm(x + residual), x + residual)."""
     s = x + residual
-    return rms_norm(s, w, eps), s
+    return rms_norm(s, w, eps, weight_offset), s
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

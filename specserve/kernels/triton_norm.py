@@ -18,7 +18,8 @@ _TARGET_ELEMS = 4096  # elements per program: rows are packed until a program ho
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, hidden, eps,
                      stride_x, stride_r, stride_o, stride_s,
-                     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     W_OFFSET: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = cols < hidden
@@ -33,11 +34,12 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, hidden, eps,
         xf = s.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / hidden  # [ROWS]
     y = xf * tl.rsqrt(var + eps)[:, None]
-    if HAS_RESIDUAL:
-        y = y.to(sum_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if W_OFFSET == 0.0:  # zero-centred weights (W_OFFSET 1) keep the normed row in float32, as the reference
+        if HAS_RESIDUAL:
+            y = y.to(sum_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + W_OFFSET
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], (y * w[None, :]).to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -49,7 +51,7 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2: torch.Tensor, r2: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor, s: torch.Tensor | None,
-            eps: float) -> None:
+            eps: float, weight_offset: float = 0.0) -> None:
     n_rows, hidden = x2.shape
     if n_rows == 0:
         return
@@ -60,7 +62,7 @@ def _launch(x2: torch.Tensor, r2: torch.Tensor | None, w: torch.Tensor, out: tor
     _rms_norm_kernel[grid](
         x2, r2 if r2 is not None else x2, w, out, s if s is not None else out, n_rows, hidden, eps,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), s.stride(0) if s is not None else 0,
-        ROWS=rows, BLOCK_H=block_h, HAS_RESIDUAL=r2 is not None, num_warps=num_warps,
+        ROWS=rows, BLOCK_H=block_h, HAS_RESIDUAL=r2 is not None, W_OFFSET=float(weight_offset), num_warps=num_warps,
     )
 
 
@@ -71,20 +73,25 @@ def _out_rows(out: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype, d
     return out.view(shape)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., H], w [H] -> [..., H] in the dtype of x * w (written into `out` when given)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+             weight_offset: float = 0.0) -> torch.Tensor:
+    """x [..., H], w [H] -> [..., H] in the dtype of x * w (written into `out` when given); weight_offset 1.0 for
+    zero-centred weights, (1 + w), the row in x's dtype."""
     x2 = _as_rows(x)
-    o = _out_rows(out, x2.shape, torch.promote_types(x.dtype, w.dtype), x.device)  # [rows, H]
-    _launch(x2, None, w.contiguous(), o, None, eps)
+    dtype = x.dtype if weight_offset else torch.promote_types(x.dtype, w.dtype)
+    o = _out_rows(out, x2.shape, dtype, x.device)  # [rows, H]
+    _launch(x2, None, w.contiguous(), o, None, eps, weight_offset)
     return o.view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                 weight_offset: float = 0.0):
     """(rms_norm(x + residual), x + residual), one pass over x and residual."""
     x2, r2 = _as_rows(x), _as_rows(residual)
     s_dtype = torch.promote_types(x.dtype, residual.dtype)
     s = _out_rows(residual_out, x2.shape, s_dtype, x.device)  # [rows, H] the new residual
-    o = _out_rows(out, x2.shape, torch.promote_types(s_dtype, w.dtype), x.device)  # [rows, H]
-    _launch(x2, r2, w.contiguous(), o, s, eps)
+    dtype = s_dtype if weight_offset else torch.promote_types(s_dtype, w.dtype)
+    o = _out_rows(out, x2.shape, dtype, x.device)  # [rows, H]
+    _launch(x2, r2, w.contiguous(), o, s, eps, weight_offset)
     return o.view(x.shape), s.view(x.shape)

@@ -16,15 +16,13 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
 
-    def effective_weight(self) -> torch.Tensor:
-        return self.weight + 1.0 if self.zero_centered else self.weight
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x [T, H]. Without residual: returns normed x. With residual: returns (normed(x + r), x + r)."""
-        w = self.effective_weight()
+        """x [T, H]. Without residual: returns normed x. With residual: returns (normed(x + r), x + r). Zero-centred
+        weights are offset by 1 inside the kernel (no per-forward `weight + 1` kernel)."""
+        offset = 1.0 if self.zero_centered else 0.0
         if residual is None:
-            return ops.rms_norm(x, w, self.eps)
-        return ops.add_rms_norm(x, residual, w, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, offset)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, offset)
 
 
 class GatedRMSNorm(nn.Module):
