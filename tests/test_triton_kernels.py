@@ -52,6 +52,20 @@ def test_rms_norm(dtype, rows, hidden):
     torch.testing.assert_close(got, ref.rms_norm(x, w, 1e-6), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_per_head_strided_view(dtype):
+    """q of a fused projection as [T, heads, D] with row stride > heads * D (and a gate after each head's query):
+    read in place."""
+    g = _gen(6)
+    proj = _randn(7, 4, 2 * 32, dtype=dtype, g=g, scale=2.0)  # per head: query then gate
+    q = proj[..., :32]  # strides (256, 64, 1)
+    w = _randn(32, dtype=dtype, g=g)
+    for offset in (0.0, 1.0):
+        got = triton_ops.rms_norm(q, w, 1e-6, weight_offset=offset)
+        assert got.shape == q.shape and got.is_contiguous()
+        torch.testing.assert_close(got, ref.rms_norm(q.contiguous(), w, 1e-6, offset), **TOL[dtype])
+
+
 def test_rms_norm_per_head_3d():
     """q/k norms run over [T, heads, head_dim]: many short rows packed per program."""
     g = _gen(5)

@@ -17,15 +17,18 @@ _TARGET_ELEMS = 4096  # elements per program: rows are packed until a program ho
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, hidden, eps,
-                     stride_x, stride_r, stride_o, stride_s,
+                     stride_x, stride_r, stride_o, stride_s, heads, stride_xh,
                      ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      W_OFFSET: tl.constexpr):
+    """x rows: row r at (r // heads) * stride_x + (r % heads) * stride_xh (heads 1: plain rows), so per-head
+    norms read q / k straight from a split of the fused projection."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = cols < hidden
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)  # row * stride can pass 2^31 for large batches
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x_off = (rows64 // heads) * stride_x + (rows64 % heads) * stride_xh  # [ROWS]
+    x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=mask, other=0.0)
     xf = x.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
@@ -52,7 +55,9 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(x2: torch.Tensor, r2: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor, s: torch.Tensor | None,
             eps: float, weight_offset: float = 0.0) -> None:
-    n_rows, hidden = x2.shape
+    """x2: [rows, H], or [T, heads, H] with a unit stride along H (read in place, rows t * heads + h)."""
+    heads, stride_xh = (x2.shape[1], x2.stride(1)) if x2.dim() == 3 else (1, 0)
+    n_rows, hidden = x2.numel() // x2.shape[-1], x2.shape[-1]
     if n_rows == 0:
         return
     block_h = triton.next_power_of_2(hidden)
@@ -62,6 +67,7 @@ def _launch(x2: torch.Tensor, r2: torch.Tensor | None, w: torch.Tensor, out: tor
     _rms_norm_kernel[grid](
         x2, r2 if r2 is not None else x2, w, out, s if s is not None else out, n_rows, hidden, eps,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), s.stride(0) if s is not None else 0,
+        heads, stride_xh,
         ROWS=rows, BLOCK_H=block_h, HAS_RESIDUAL=r2 is not None, W_OFFSET=float(weight_offset), num_warps=num_warps,
     )
 
@@ -77,9 +83,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor | N
              weight_offset: float = 0.0) -> torch.Tensor:
     """x [..., H], w [H] -> [..., H] in the dtype of x * w (written into `out` when given); weight_offset 1.0 for
     zero-centred weights, (1 + w), the row in x's dtype."""
-    x2 = _as_rows(x)
+    # per-head rows of a strided [T, heads, H] view are read in place; anything else as 2-D rows
+    x2 = x if x.dim() == 3 and x.stride(-1) == 1 else _as_rows(x)
     dtype = x.dtype if weight_offset else torch.promote_types(x.dtype, w.dtype)
-    o = _out_rows(out, x2.shape, dtype, x.device)  # [rows, H]
+    o = _out_rows(out, torch.Size((x2.numel() // x.shape[-1], x.shape[-1])), dtype, x.device)  # [rows, H]
     _launch(x2, None, w.contiguous(), o, None, eps, weight_offset)
     return o.view(x.shape)
 

@@ -99,9 +99,9 @@ class DenseAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per head, read in place from the fused projection ([T, heads, D] views)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, fb))
 

@@ -160,8 +160,8 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(h).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t, self.q_size)  # [T, Hq, D], [T, Hq * D]
-        q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
-        k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+        q = self.q_norm(q)  # per head, read in place from the projection ([T, Hq, D] view)
+        k = self.k_norm(k.view(t, self.num_kv_heads, d))
         v = v.reshape(t, self.num_kv_heads, d)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, fb)  # [T, Hq * D]
