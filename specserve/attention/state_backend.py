@@ -34,6 +34,7 @@ class StateMeta:
     starts: torch.Tensor  # [bs] int64 first token of each request in the batch
     lens: torch.Tensor  # [bs] int64 tokens of each request (0: an idle graph slot)
     per_position: bool  # token i of a request writes slot i (verify); else the final state goes to the start slot
+    varlen: bool = False  # a prefill batch (any tokens per request): the layers take their chunked kernels
 
 
 class RecurrentStateBackend:
@@ -71,7 +72,8 @@ class RecurrentStateBackend:
         else:
             starts = torch.tensor(extend_starts(fb.extend_lens_cpu), dtype=torch.int64, device=dev)
             lens = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64, device=dev)
-        self.meta = StateMeta(*self._gather(fb.req_pool_indices), starts, lens, self._per_position(fb))
+        self.meta = StateMeta(*self._gather(fb.req_pool_indices), starts, lens, self._per_position(fb),
+                              varlen=fb.width is None)
 
     def alloc_graph_buffers(self, max_bs: int, width: int, max_seq_len: int) -> None:
         dev = self.pool.current.device
@@ -92,4 +94,4 @@ class RecurrentStateBackend:
             starts, lens = buf["starts"][:bs], buf["lens"][:bs]
         else:  # a prefill graph: the staged request table (graphs/padding.py stage_extend)
             starts, lens = fb.extend_starts, fb.extend_lens
-        self.meta = StateMeta(rows, slots, starts, lens, self._per_position(fb))
+        self.meta = StateMeta(rows, slots, starts, lens, self._per_position(fb), varlen=fb.width is None)

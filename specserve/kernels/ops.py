@@ -123,3 +123,24 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: fl
     if (tk := _kernels(x, gate, w)) is not None:
         return tk.gated_rms_norm_triton(x, gate, w, eps)
     return ref.gated_rms_norm(x, gate, w, eps)
+
+
+def causal_conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor,
+                        start_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                        max_tokens_per_seq: int) -> torch.Tensor:
+    """causal_conv_states with per_position=False for prefill: on CUDA token-parallel (kernels/triton_gdn_chunked.py),
+    max_tokens_per_seq a host bound on lens (the batch's token count will do); capturable."""
+    if (tk := _kernels(x, weight)) is not None:
+        return tk.causal_conv_prefill_triton(x, weight, conv_state, state_rows, start_slots, starts, lens,
+                                             max_tokens_per_seq)
+    return ref.causal_conv_states(x, weight, conv_state, state_rows, start_slots, starts, lens, False)
+
+
+def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             ssm_state: torch.Tensor, state_rows: torch.Tensor, start_slots: torch.Tensor,
+                             starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """gated_delta_rule_states with per_position=False for prefill: on CUDA chunk-parallel
+    (kernels/triton_gdn_chunked.py), T / 64 dependent chunk steps instead of T token steps; capturable."""
+    if (tk := _kernels(q, k, v)) is not None:
+        return tk.gated_delta_rule_prefill_triton(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens)
+    return ref.gated_delta_rule_states(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens, False)

@@ -8,17 +8,18 @@ a sequence) but makes a 2048-token prompt 2048 dependent steps. Here:
         A[i, j] = beta_i (k_i . k_j) exp(gamma_i - gamma_j)   for j < i, else 0            [C, C]
         T       = (I + A)^-1                                   (unit lower triangular)      [C, C]
         U       = T (beta V),   W = T (beta exp(gamma) K)                                   [C, Dv], [C, Dk]
-        V'      = U - W S       (the corrections the tokens write, S's own prediction taken out)
+        V'      = U - W S       (what the tokens write: the values less what S already recalls for their keys)
         O       = (exp(gamma) Q) S + ((Q K^T) * exp(gamma_i - gamma_j), j <= i) V'
         S      <- exp(gamma_last) S + (exp(gamma_last - gamma) K)^T V'
     (unrolling S_i = exp(g_i) S_{i-1} + k_i u_i^T with u_i = beta_i (v_i - exp(g_i) k_i^T S_{i-1}) over the chunk
     gives the triangular system (I + A) u = beta V - beta exp(gamma) K S, whence the above). So T dependent token
-    steps become T / C dependent chunk steps, each a dozen small matrix products on the tensor cores. Decays only
-    ever enter as exp of a difference gamma_i - gamma_j <= 0 (j <= i), never as exp(-gamma), so nothing overflows
-    however strong the decay. One program per (sequence, value head, BLOCK_V value columns) keeps its [Dk, BLOCK_V]
-    float32 block of the state in registers across the sequence's chunks (value columns are independent; only Dk
-    is reduced). Tokens past the sequence end in its last chunk are masked to g = beta = 0, q = k = v = 0, which
-    makes them change nothing.
+    steps become T / C dependent chunk steps, each a dozen small matrix products on the tensor cores. The kernel
+    evaluates V' as T (beta (V - exp(gamma) (K S))): the same value with one [C, C] product instead of two and no
+    [C, Dk] W tile to hold. Decays only ever enter as exp of a difference gamma_i - gamma_j <= 0 (j <= i), never
+    as exp(-gamma), so nothing overflows however strong the decay. One program per (sequence, value head, BLOCK_V
+    value columns) keeps its [Dk, BLOCK_V] float32 block of the state in registers across the sequence's chunks
+    (value columns are independent; only Dk is reduced). Tokens past the sequence end in its last chunk are masked
+    to g = beta = 0, q = k = v = 0, which makes them change nothing.
 
     T is formed blockwise: the 16 x 16 diagonal blocks of I + A are inverted together by forward substitution (15
     steps on a [C/16, 16, 16] tile, row r of every block per step), then the block rows are combined with dots:
@@ -29,10 +30,13 @@ a sequence) but makes a 2048-token prompt 2048 dependent steps. Here:
     is cheaper still but unstable: with correlated keys powers of A grow like binomial coefficients while T stays
     small, so float32 cancellation would swamp the result.
 
-    Products take float32 operands with input_precision "tf32x3" by default: tensor cores, with each operand split
-    into a tf32 head and tail (three products), close to float32 accuracy. The products feed a recurrence over the
-    whole prompt and a triangular inverse, so they are kept at (near) float32 rather than bfloat16 / tf32 (10
-    mantissa bits); `precision="tf32"` trades that for speed, "ieee" is exact float32 on the CUDA cores.
+    Precision (accuracy first: the products feed a triangular inverse and a recurrence over the whole prompt).
+    q and k stay raw, in the input dtype, as product operands; their L2 normalisation is a per-row factor applied
+    to the products' rows and columns. With 16-bit inputs, Q K^T and K K^T are then exact products summed in
+    float32. A raw bfloat16 tile times a float32 operand (K S, Q S, K^T V') takes the float32 side as the sum of
+    three bfloat16 parts, three exact-product MMAs that keep all 24 mantissa bits (`split`). The products of two
+    float32 operands (the inverse's, T (..), attention times V') and every product of float32 inputs use
+    input_precision "tf32x3" (each operand a tf32 head plus tail, three MMAs, close to float32; `precision`).
 
   * `causal_conv_prefill_triton`: token-parallel, one program per (sequence, BLOCK_T tokens, BLOCK_C channels):
     output t sums its K taps directly from x (and from the start slot's window for the first K-1 tokens).
@@ -116,7 +120,8 @@ def causal_conv_prefill_triton(x: torch.Tensor, weight: torch.Tensor, conv_state
     n_seq = state_rows.shape[0]
     if n_seq == 0 or max_tokens_per_seq <= 0:
         return out
-    # 32 tokens x 128 channels over 4 warps: 32 outputs a thread, 4 adjacent channels each (vector loads of x)
+    # 32 tokens x 128 channels over 4 warps: 32 outputs a thread along adjacent channels (vector loads of x); the K
+    # shifted loads of x overlap and hit in L1. Offline for sm_90: ~130-150 registers, no spills.
     block_c = min(128, triton.next_power_of_2(n_ch))
     grid = (n_seq, triton.cdiv(max_tokens_per_seq, block_t), triton.cdiv(n_ch, block_c))
     _conv_prefill_kernel[grid](
@@ -161,9 +166,44 @@ def _unit_lower_inverse(a, CHUNK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl
 
 
 @triton.jit
-def _l2_rows(x, scale):
-    """Each row of a float32 [C, D] tile times rsqrt(its sum of squares + 1e-6) * scale (zero rows stay 0)."""
-    return x * (tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6) * scale)[:, None]
+def _rnorm(x):
+    """rsqrt(sum of squares + 1e-6) of each row of a [C, D] tile, in float32 [C] (the L2 normalisation's factor)."""
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
+
+
+@triton.jit
+def _dot16(x, y, acc, F32_DOT: tl.constexpr):
+    """acc + x @ y of two 16-bit tiles: exact products summed in float32 (F32_DOT: the same in float32 operands,
+    for the Triton interpreter, whose 16-bit tl.dot is wrong in triton 3.9)."""
+    if F32_DOT:
+        return tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(x, y, acc)
+
+
+@triton.jit
+def _dot_raw(x, y, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """x @ y of two raw input tiles (q, k) -> float32."""
+    if x.dtype == tl.float32:
+        return tl.dot(x, y, input_precision=PRECISION)
+    return _dot16(x, y, tl.zeros([x.shape[0], y.shape[1]], tl.float32), F32_DOT)
+
+
+@triton.jit
+def _dot_raw_f32(x, s, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """x @ s for a raw input tile x (exact in its dtype) and a float32 s. bfloat16 x: s as a sum of SPLIT bfloat16
+    parts (each the rounding of what the previous ones left), one exact-product MMA each with float32 sums; three
+    parts carry all of float32's 24 mantissa bits. Other dtypes: float32 operands at PRECISION."""
+    if x.dtype == tl.bfloat16:
+        part = s.to(tl.bfloat16)
+        acc = _dot16(x, part, tl.zeros([x.shape[0], s.shape[1]], tl.float32), F32_DOT)
+        rest = s
+        for _ in tl.static_range(SPLIT - 1):
+            rest = rest - part.to(tl.float32)
+            part = rest.to(tl.bfloat16)
+            acc = _dot16(x, part, acc, F32_DOT)
+        return acc
+    return tl.dot(x.to(tl.float32), s, input_precision=PRECISION)
 
 
 @triton.jit
@@ -173,7 +213,7 @@ def _gdn_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr
                         stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
                         stride_sr, stride_ss, stride_sh, stride_sk, stride_sv, stride_ot, stride_oh, stride_od,
                         REP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
-                        SUB: tl.constexpr, PRECISION: tl.constexpr):
+                        SUB: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)  # value head; it reads key head h // REP
     hk = h // REP
@@ -198,79 +238,74 @@ def _gdn_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr
         t = start + pos  # [C] token
         qk_ok = t_ok[:, None] & k_ok[None, :]
         tv_ok = t_ok[:, None] & v_ok[None, :]
-        q = tl.load(q_ptr + t[:, None] * stride_qt + hk * stride_qh + d_k[None, :] * stride_qd, mask=qk_ok,
-                    other=0.0)
-        q = _l2_rows(q.to(tl.float32), scale)  # [C, BK]
-        kk = tl.load(k_ptr + t[:, None] * stride_kt + hk * stride_kh + d_k[None, :] * stride_kd, mask=qk_ok,
-                     other=0.0)
-        kk = _l2_rows(kk.to(tl.float32), 1.0)  # [C, BK]
-        v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + d_v[None, :] * stride_vd, mask=tv_ok,
-                    other=0.0).to(tl.float32)  # [C, BV]
         g = tl.load(g_ptr + t * stride_gt + h * stride_gh, mask=t_ok, other=0.0).to(tl.float32)  # [C]
         beta = tl.load(beta_ptr + t * stride_bt + h * stride_bh, mask=t_ok, other=0.0).to(tl.float32)  # [C]
-
         gamma = tl.cumsum(g, axis=0)  # [C] log decay from the chunk start through token i
         gamma_last = tl.sum(tl.where(ci == CHUNK - 1, gamma, 0.0), axis=0)  # padding has g = 0: the last token's
         # exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (masked before exp: no overflow)
         decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf")))  # [C, C]
 
-        a = tl.dot(kk, tl.trans(kk), input_precision=PRECISION)  # [C, C] k_i . k_j
-        a = tl.where(strict, a * decay * beta[:, None], 0.0)
-        t_inv = _unit_lower_inverse(a, CHUNK, SUB, PRECISION)  # [C, C]
-        u = tl.dot(t_inv, v * beta[:, None], input_precision=PRECISION)  # [C, BV]
-        w = tl.dot(t_inv, kk * (beta * tl.exp(gamma))[:, None], input_precision=PRECISION)  # [C, BK]
-        v_new = u - tl.dot(w, state, input_precision=PRECISION)  # [C, BV]
+        # q and k stay raw (in the input dtype) as product operands, their L2 normalisation a per-row factor on
+        # the products' rows / columns (module docstring: precision)
+        k = tl.load(k_ptr + t[:, None] * stride_kt + hk * stride_kh + d_k[None, :] * stride_kd, mask=qk_ok,
+                    other=0.0)  # [C, BK]
+        rk = _rnorm(k)  # [C]
+        a = _dot_raw(k, tl.trans(k), F32_DOT, PRECISION) * (beta * rk)[:, None] * rk[None, :]  # [C, C] beta_i k_i . k_j
+        t_inv = _unit_lower_inverse(tl.where(strict, a * decay, 0.0), CHUNK, SUB, PRECISION)  # [C, C]
+        # V' = U - W S = T (beta (V - exp(gamma) K S)): one [C, C] product, and no [C, Dk] W tile to hold
+        recall = _dot_raw_f32(k, state, SPLIT, F32_DOT, PRECISION) * rk[:, None]  # [C, BV] k_i^T S
+        v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + d_v[None, :] * stride_vd, mask=tv_ok,
+                    other=0.0).to(tl.float32)  # [C, BV]
+        v_new = tl.dot(t_inv, (v - tl.exp(gamma)[:, None] * recall) * beta[:, None], input_precision=PRECISION)
 
-        attn = tl.dot(q, tl.trans(kk), input_precision=PRECISION) * decay  # [C, C] causal, decayed
-        o = tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)  # [C, BV] the entering state
+        q = tl.load(q_ptr + t[:, None] * stride_qt + hk * stride_qh + d_k[None, :] * stride_qd, mask=qk_ok,
+                    other=0.0)  # [C, BK]
+        rq = _rnorm(q) * scale  # [C]
+        attn = _dot_raw(q, tl.trans(k), F32_DOT, PRECISION) * rq[:, None] * rk[None, :] * decay  # [C, C] causal
+        o = _dot_raw_f32(q, state, SPLIT, F32_DOT, PRECISION) * (rq * tl.exp(gamma))[:, None]  # [C, BV] from S
         o = tl.dot(attn, v_new, o, input_precision=PRECISION)  # + this chunk's writes
         tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + d_v[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=tv_ok)
 
-        k_dec = kk * tl.exp(gamma_last - gamma)[:, None]  # [C, BK] each write decayed to the chunk end
-        state = tl.dot(tl.trans(k_dec), v_new, state * tl.exp(gamma_last), input_precision=PRECISION)  # [BK, BV]
+        # each write decayed to the chunk end (the factor goes on V' rather than on k, which stays raw)
+        write = v_new * (rk * tl.exp(gamma_last - gamma))[:, None]  # [C, BV]
+        state = state * tl.exp(gamma_last) + _dot_raw_f32(tl.trans(k), write, SPLIT, F32_DOT, PRECISION)  # [BK, BV]
     if n > 0:  # an empty sequence leaves its slot as it was
         tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_ok)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def gated_delta_rule_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                     beta: torch.Tensor, ssm_state: torch.Tensor, state_rows: torch.Tensor,
                                     start_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                                    max_len: int | None = None, *, chunk: int = 64, block_v: int | None = None,
-                                    precision: str = "tf32x3") -> torch.Tensor:
+                                    max_len: int | None = None, *, chunk: int = 64, block_v: int = 32,
+                                    split: int = 3, precision: str = "tf32x3") -> torch.Tensor:
     """reference.gated_delta_rule_states(..., per_position=False), chunk-parallel. q, k [T, Hk, Dk] (raw); v [T, Hv,
     Dv]; g, beta [T, Hv]; ssm_state [rows, S, Hv, Dk, Dv] (the start slots written); state_rows, start_slots,
     starts, lens [B] int64 -> o [T, Hv, Dv] in v's dtype, 0 outside every sequence. max_len (a host bound on lens)
     is accepted for callers that have one and not needed: each program loops over its own length's chunks.
-    chunk: tokens a chunk (16, 32 or 64); block_v: value columns a program (default: by occupancy); precision: the
-    tl.dot input precision (module docstring)."""
+    chunk: tokens a chunk (16, 32 or 64); block_v: value columns a program; split: bfloat16 parts of a float32
+    operand against raw bfloat16 q / k; precision: tl.dot input precision of float32 products (GPU only: "tf32x3",
+    or "bf16x3" / "tf32" for speed; the interpreter computes in float32). See the module docstring."""
     del max_len
     _, hk, dk = k.shape
     _, hv, dv = v.shape
     assert q.shape == k.shape and hv % hk == 0 and ssm_state.shape[2:] == (hv, dk, dv)
-    assert chunk in (16, 32, 64)
+    assert chunk in (16, 32, 64) and 1 <= split <= 3
     out = torch.zeros_like(v)  # [T, Hv, Dv]
     n_seq = state_rows.shape[0]
     if n_seq == 0:
         return out
     block_k = max(16, triton.next_power_of_2(dk))  # tl.dot wants every dimension >= 16
-    if block_v is None:
-        # 64 columns halve the chunk work repeated per program (A, T and W are per head, not per column) but give
-        # half the programs: take 32 unless 64 still fills the multiprocessors twice (e.g. B = 1, Hv = 32, Dv = 128
-        # is 128 programs of 32 columns, 64 of 64 on a 132-SM H200)
-        block_v = 64 if n_seq * hv * triton.cdiv(dv, 64) >= 2 * _sm_count(v.device) else 32
     block_v = max(16, min(block_v, triton.next_power_of_2(dv)))
-    # a [64, 128] float32 tile (chunk x Dk: q, k, w) is 32 registers a thread over 8 warps
-    num_warps = 8 if chunk * block_k >= 8192 else 4
     grid = (n_seq, hv, triton.cdiv(dv, block_v))
+    # 32 value columns: a Dv = 128 head is 4 programs, so B = 1, Hv = 32 is 128 programs on a 132-SM H200; 64
+    # would halve the work each program repeats (A, T, Q K^T are per head) but halve the programs and, offline for
+    # sm_90, spill more. 4 warps (one warpgroup: a C = 64 tile is one wgmma M) and no software pipelining of the
+    # chunk loop: 8 warps or more stages only add spills / shared memory (~112 KB at 1 stage: two programs an SM).
     _gdn_prefill_kernel[grid](
         q, k, v, g, beta, ssm_state, out, state_rows, start_slots, starts, lens, dk, dv, dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(), *out.stride(),
-        REP=hv // hk, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=chunk, SUB=16, PRECISION=precision,
-        num_warps=num_warps,
+        REP=hv // hk, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=chunk, SUB=16, SPLIT=split, F32_DOT=not v.is_cuda,
+        PRECISION=precision if v.is_cuda else "ieee", num_warps=4, num_stages=1,
     )
     return out

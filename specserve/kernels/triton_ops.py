@@ -5,6 +5,7 @@ speculative/ngram.py's dispatch. Each kernel lives in a small file by job; this 
 from specserve.kernels.triton_accept import accept_greedy_triton, accept_sampling_triton
 from specserve.kernels.triton_act import silu_and_mul
 from specserve.kernels.triton_gdn import causal_conv_states_triton, gated_delta_rule_states_triton
+from specserve.kernels.triton_gdn_chunked import causal_conv_prefill_triton, gated_delta_rule_prefill_triton
 from specserve.kernels.triton_gdn_gates import gated_rms_norm_triton, gdn_gating_triton
 from specserve.kernels.triton_kv import store_kv
 from specserve.kernels.triton_moe import fused_moe
@@ -14,6 +15,7 @@ from specserve.kernels.triton_rope import rope
 from specserve.kernels.triton_router import softmax_topk_triton
 from specserve.kernels.triton_top1 import row_top1_triton
 
-__all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "causal_conv_states_triton", "fused_moe",
+__all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "causal_conv_prefill_triton",
+           "causal_conv_states_triton", "fused_moe", "gated_delta_rule_prefill_triton",
            "gated_delta_rule_states_triton", "gated_rms_norm_triton", "gdn_gating_triton", "lookup_drafts_triton",
            "rms_norm", "rope", "row_top1_triton", "silu_and_mul", "softmax_topk_triton", "store_kv"]
