@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")  # of a draft's weights (layers/quant.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-attention layers (layers/gdn.py)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class ServerArgs:
     disable_spec_step_graph: bool = False  # greedy spec steps phase by phase instead of as one graph
     cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (graphs/prefill.py)
     attention_backend: str = "auto"
+    linear_attn_prefill: str = "chunked"
     # sampling
     random_seed: int = 0
     sampling_defaults: str = "model"
@@ -145,6 +147,9 @@ class ServerArgs:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.linear_attn_prefill not in LINEAR_ATTN_PREFILL:
+            raise ValueError(f"--linear-attn-prefill must be one of {LINEAR_ATTN_PREFILL}, got "
+                             f"{self.linear_attn_prefill!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.mem_fraction_static is not None and not 0.05 <= self.mem_fraction_static <= 0.98:
@@ -258,6 +263,9 @@ class ServerArgs:
                "positive value pads and runs the captured function eagerly: for tests)")
         a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
           help="auto: Triton kernels on a GPU, the torch reference on a CPU")
+        a("--linear-attn-prefill", default="chunked", choices=LINEAR_ATTN_PREFILL,
+          help="prefill kernels of linear-attention (gated delta net) layers: chunked (chunk-parallel, tensor "
+               "cores) or recurrent (token by token, the decode kernels)")
         a("--random-seed", type=int, default=0, help="seed of requests that give none")
         a("--sampling-defaults", default="model", choices=("model", "openai"),
           help="model: unset sampling options come from the model's generation config; openai: OpenAI's defaults")

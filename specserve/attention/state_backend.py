@@ -34,16 +34,18 @@ class StateMeta:
     starts: torch.Tensor  # [bs] int64 first token of each request in the batch
     lens: torch.Tensor  # [bs] int64 tokens of each request (0: an idle graph slot)
     per_position: bool  # token i of a request writes slot i (verify); else the final state goes to the start slot
-    varlen: bool = False  # a prefill batch (any tokens per request): the layers take their chunked kernels
+    chunked: bool = False  # a prefill batch to run with the chunk-parallel kernels (else token by token)
 
 
 class RecurrentStateBackend:
     kind = CacheKind.RECURRENT
     captures_varlen = True
 
-    def __init__(self, req_to_token: ReqToTokenPool, pool: StatePool):
+    def __init__(self, req_to_token: ReqToTokenPool, pool: StatePool, chunked_prefill: bool = True):
+        """chunked_prefill: prefill batches take the chunk-parallel kernels (--linear-attn-prefill chunked)."""
         self.req_to_token = req_to_token
         self.pool = pool
+        self.chunked_prefill = chunked_prefill
         self.graph_buffers: dict[str, torch.Tensor] = {}
         self.meta: StateMeta | None = None
 
@@ -73,7 +75,7 @@ class RecurrentStateBackend:
             starts = torch.tensor(extend_starts(fb.extend_lens_cpu), dtype=torch.int64, device=dev)
             lens = torch.tensor(fb.extend_lens_cpu, dtype=torch.int64, device=dev)
         self.meta = StateMeta(*self._gather(fb.req_pool_indices), starts, lens, self._per_position(fb),
-                              varlen=fb.width is None)
+                              chunked=self.chunked_prefill and fb.width is None)
 
     def alloc_graph_buffers(self, max_bs: int, width: int, max_seq_len: int) -> None:
         dev = self.pool.current.device
@@ -94,4 +96,5 @@ class RecurrentStateBackend:
             starts, lens = buf["starts"][:bs], buf["lens"][:bs]
         else:  # a prefill graph: the staged request table (graphs/padding.py stage_extend)
             starts, lens = fb.extend_starts, fb.extend_lens
-        self.meta = StateMeta(rows, slots, starts, lens, self._per_position(fb), varlen=fb.width is None)
+        self.meta = StateMeta(rows, slots, starts, lens, self._per_position(fb),
+                              chunked=self.chunked_prefill and fb.width is None)

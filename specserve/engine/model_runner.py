@@ -139,7 +139,9 @@ class ModelRunner:
     def backend_factory(self, caches: ModelCaches):
         """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
         twice: for its graph metadata and for its eager path)."""
-        classes = {CacheKind.MHA: self._backend_class(), CacheKind.RECURRENT: RecurrentStateBackend}
+        chunked = self.args.linear_attn_prefill == "chunked"
+        classes = {CacheKind.MHA: self._backend_class(),
+                   CacheKind.RECURRENT: lambda table, pool: RecurrentStateBackend(table, pool, chunked)}
         missing = [k.value for k in caches.kinds if k not in classes]
         if missing:
             raise ValueError(f"no attention backend serves cache kind(s) {', '.join(missing)} yet")

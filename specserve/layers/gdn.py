@@ -60,16 +60,16 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(h)  # [T, C + Vd + 2 Hv]
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         where = (meta.state_rows, meta.start_slots, meta.starts, meta.lens)
-        if meta.varlen:  # prefill: token-parallel conv, chunk-parallel delta rule (T bounds any request's tokens)
+        if meta.chunked:  # prefill: token-parallel conv, chunk-parallel delta rule (T bounds any request's tokens)
             x = ops.causal_conv_prefill(qkv, self.conv_weight, conv_state, *where, t)  # [T, C]
-        else:  # decode / verify: a few tokens per request, token by token
+        else:  # decode / verify (a few tokens per request), or --linear-attn-prefill recurrent: token by token
             x = ops.causal_conv_states(qkv, self.conv_weight, conv_state, *where, meta.per_position)  # [T, C]
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(t, self.num_k_heads, self.head_k_dim)
         k = k.view(t, self.num_k_heads, self.head_k_dim)
         v = v.view(t, self.num_v_heads, self.head_v_dim)
         g, beta = ops.gdn_gating(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32 log decay, update strength
-        if meta.varlen:
+        if meta.chunked:
             o = ops.gated_delta_rule_prefill(q, k, v, g, beta, ssm_state, *where)  # [T, Hv, Dv]
         else:
             o = ops.gated_delta_rule_states(q, k, v, g, beta, ssm_state, *where, meta.per_position)
