@@ -88,8 +88,8 @@ def main() -> None:
         cseq = bench(causal_conv_states_triton, x, wconv, conv, *meta, False, reps=5)
         floor = (t * (2 * HK * DK + 2 * HV * DV) * 2 + t * HV * 8 + 2 * state_b) / bw * 1e3
         # chunked delta rule, per token and value head: about 6 Dk Dv (state products) + 4 C (Dk + Dv) (chunk
-        # products, C = 64) multiply-adds
-        flops = 2 * t * HV * (6 * DK * DV + 4 * 64 * (DK + DV))
+        # products, C = 32) multiply-adds
+        flops = 2 * t * HV * (6 * DK * DV + 4 * 32 * (DK + DV))
         if gated_delta_rule_prefill_triton is not None:
             ch = bench(gated_delta_rule_prefill_triton, q, k, v, gl, beta, ssm, *meta, reps=10)
             cpar = bench(causal_conv_prefill_triton, x, wconv, conv, *meta, t, reps=10)

@@ -277,13 +277,15 @@ def _gdn_prefill_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr
 def gated_delta_rule_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                     beta: torch.Tensor, ssm_state: torch.Tensor, state_rows: torch.Tensor,
                                     start_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                                    max_len: int | None = None, *, chunk: int = 64, block_v: int = 32,
+                                    max_len: int | None = None, *, chunk: int = 32, block_v: int = 32,
                                     split: int = 3, precision: str = "tf32x3") -> torch.Tensor:
     """reference.gated_delta_rule_states(..., per_position=False), chunk-parallel. q, k [T, Hk, Dk] (raw); v [T, Hv,
     Dv]; g, beta [T, Hv]; ssm_state [rows, S, Hv, Dk, Dv] (the start slots written); state_rows, start_slots,
     starts, lens [B] int64 -> o [T, Hv, Dv] in v's dtype, 0 outside every sequence. max_len (a host bound on lens)
     is accepted for callers that have one and not needed: each program loops over its own length's chunks.
-    chunk: tokens a chunk (16, 32 or 64); block_v: value columns a program; split: bfloat16 parts of a float32
+    chunk: tokens a chunk (16, 32 or 64; 32 by default: on the H200 with triton 3.6, chunk 64 at block_v 32 made
+    an illegal memory access at Dk = Dv = 128 — a miscompile, every load being masked — while 16, 32 and 64 at
+    block_v 64 matched the reference; scripts/gpu/diag_gdn_prefill.py); block_v: value columns a program; split: bfloat16 parts of a float32
     operand against raw bfloat16 q / k; precision: tl.dot input precision of float32 products (GPU only: "tf32x3",
     or "bf16x3" / "tf32" for speed; the interpreter computes in float32). See the module docstring."""
     del max_len
