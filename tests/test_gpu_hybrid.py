@@ -103,7 +103,7 @@ def test_no_leak_mixed_workload_gpu(hybrid, prefill):
     prompts, params = _workload()
     kw = dict(context_length=128, chunked_prefill_size=32, max_running_requests=8, speculative_algorithm="MTP",
               speculative_num_steps=3, cuda_graph_bs=[1, 2, 4, 8], schedule_conservativeness=0.0,
-              linear_attn_prefill=prefill)
+              linear_attn_prefill=prefill, dtype="float32")  # (the engine's GPU default is bfloat16)
     exp = Engine(model_path=hybrid, max_total_tokens=8192, **kw).generate(input_ids=prompts, sampling_params=params)
     tight = Engine(model_path=hybrid, max_total_tokens=160, **kw)
     got = tight.generate(input_ids=prompts, sampling_params=params)
