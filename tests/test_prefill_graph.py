@@ -10,6 +10,7 @@
 
 import pytest
 import torch
+from test_runners import token_caches
 
 from specserve.engine.engine import Engine
 from specserve.engine.model_runner import ModelRunner
@@ -38,10 +39,8 @@ def prefill_runner(path, draft_path, backend, device="cpu"):
                       cuda_graph_max_prefill_tokens=MAX_TOKENS)
     mr = ModelRunner(args, t.model, t.config, draft, dev, torch.float32, 512)
     g = torch.Generator().manual_seed(0)
-    for pool in (mr.caches.kv, mr.spec.caches.kv):  # non-trivial prefix keys
-        for k, v in zip(pool.k, pool.v):
-            k.copy_(torch.randn(k.shape, generator=g))
-            v.copy_(torch.randn(v.shape, generator=g))
+    for cache in token_caches(mr.caches) + token_caches(mr.spec.caches):  # non-trivial prefix keys
+        cache.copy_(torch.randn(cache.shape, generator=g))
     mr.capture_graphs()
     return mr
 
@@ -66,7 +65,7 @@ def _batch(mr, prefixes, lens, seed):
 
 def _pools(mr):
     """KV of target and draft, and the recurrent state rows-first (index 0: the dummy slot / row)."""
-    out = [t for pool in (mr.caches.kv, mr.spec.caches.kv) for t in (*pool.k, *pool.v)]
+    out = token_caches(mr.caches) + token_caches(mr.spec.caches)
     if mr.caches.state is not None:
         out += [mr.caches.state.conv.transpose(0, 1), mr.caches.state.ssm.transpose(0, 1)]
     return out

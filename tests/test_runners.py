@@ -33,6 +33,17 @@ from specserve.speculative.spec_step import spec_step_device
 CAPTURE = [1, 2, 4, 8]
 
 
+def token_caches(caches) -> list[torch.Tensor]:
+    """Every token-indexed cache tensor of a model's pools ([slots, ...], slot 0 first): MHA K and V, latent rows."""
+    out = []
+    for kind, pool in caches.pools.items():
+        if kind is CacheKind.MHA:
+            out += [*pool.k, *pool.v]
+        elif kind.token_indexed:
+            out += list(pool.rows)
+    return out
+
+
 def _spec_runner(path, n=3, page_size=1, draft_path=None, lookup=False):
     t = load_target(ModelSource.resolve(path), torch.float32, torch.device("cpu"), 600)
     draft = load_mtp_draft(t, draft_path, torch.float32, torch.device("cpu"), 600)
@@ -42,10 +53,8 @@ def _spec_runner(path, n=3, page_size=1, draft_path=None, lookup=False):
     mr = ModelRunner(args, t.model, t.config, draft, torch.device("cpu"), torch.float32, 512)
     # Non-trivial cache contents so attention over the prefix matters.
     g = torch.Generator().manual_seed(0)
-    for pool in (mr.caches.kv, mr.spec.caches.kv):
-        for k, v in zip(pool.k, pool.v):
-            k.copy_(torch.randn(k.shape, generator=g))
-            v.copy_(torch.randn(v.shape, generator=g))
+    for cache in token_caches(mr.caches) + token_caches(mr.spec.caches):
+        cache.copy_(torch.randn(cache.shape, generator=g))
     return mr
 
 
@@ -135,10 +144,10 @@ def check_isolation(mr):
 
     run(target, 5, 1)
     snap = _snapshot(target)
-    assert all(set(r.backends) == {CacheKind.MHA} for r in drafts)  # the MTP block is attention: no state
+    assert all(CacheKind.RECURRENT not in r.backends for r in drafts)  # the MTP block is attention: no state
     for kind, backend in target.backends.items():
         assert all(backend is not r.backends.get(kind) for r in drafts)
-        if kind is CacheKind.MHA:
+        if kind.token_indexed:
             assert all(backend.kv_pool is not r.backends[kind].kv_pool for r in drafts)  # the draft's own pools
     for r in drafts:
         for bs in (3, 7):
@@ -256,9 +265,8 @@ def _state(mr):
     out = {"last_token": mr.last_token, "draft_token": rs.draft_token, "draft_hidden": rs.draft_hidden}
     if rs.tokens is not None:
         out["tokens"] = rs.tokens
-    for name, pool in (("target", mr.caches.kv), ("draft", mr.spec.caches.kv)):
-        for i, (k, v) in enumerate(zip(pool.k, pool.v)):
-            out[f"{name}.k{i}"], out[f"{name}.v{i}"] = k, v
+    for name, caches in (("target", mr.caches), ("draft", mr.spec.caches)):
+        out.update({f"{name}.cache{i}": c for i, c in enumerate(token_caches(caches))})
     state = mr.caches.state
     if state is not None:  # recurrent layers: every slot of every row, and the committed slots
         out.update({"state.current": state.current, "state.conv": state.conv.transpose(0, 1),

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from specserve.attention.state_backend import RecurrentStateBackend
 from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.attention.torch_mla_backend import TorchMLABackend
 from specserve.batch import CacheKind, ForwardMode
 from specserve.graphs.phase_runners import DecodeRunner, PhaseRunner, RunnerContext, TargetVerifyRunner
 from specserve.graphs.prefill import PrefillRunner
@@ -140,7 +141,7 @@ class ModelRunner:
         """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
         twice: for its graph metadata and for its eager path)."""
         chunked = self.args.linear_attn_prefill == "chunked"
-        classes = {CacheKind.MHA: self._backend_class(),
+        classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TorchMLABackend,
                    CacheKind.RECURRENT: lambda table, pool: RecurrentStateBackend(table, pool, chunked)}
         missing = [k.value for k in caches.kinds if k not in classes]
         if missing:
@@ -152,7 +153,10 @@ class ModelRunner:
         row) and 0 (eager) on CPU, where padding only costs compute."""
         asked = self.args.cuda_graph_max_prefill_tokens
         if self.device.type == "cuda":
-            if not self._backend_class().captures_varlen:
+            # every token-indexed kind must capture variable-length attention (the MLA reference cannot yet)
+            kinds = set(self.caches.kinds) | (set(s.kind for s in self.draft.cache_specs()) if self.draft else set())
+            classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TorchMLABackend}
+            if not all(classes[k].captures_varlen for k in kinds if k in classes):
                 if asked:
                     raise ValueError("--cuda-graph-max-prefill-tokens needs an attention backend that captures "
                                      "variable-length batches (--attention-backend triton)")

@@ -15,6 +15,7 @@ _MODEL_TYPE_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -28,6 +29,8 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
     "Qwen3ForCausalLM": ("specserve.models.dense", "DenseForCausalLM"),
     "Qwen3MoeForCausalLM": ("specserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    # multi-head latent attention + MoE
+    "DeepseekV3ForCausalLM": ("specserve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     # hybrid linear attention (gated delta net + gated attention); the vision-language ones as text only
     "Qwen3NextForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
     "Qwen3_5ForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),

@@ -1,0 +1,78 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, GLM-5), absorbed, over a latent cache of kv_lora_rank +
+qk_rope_head_dim values per token.
+
+    q = q_b_proj(rms(q_a_proj(h)))   (or q_proj(h) without q-LoRA)      [T, H, nope + rope]
+    [c ; k_rope] = kv_a_proj_with_mqa(h),  c = rms(c)                   [T, C], [T, R]; one rope key for all heads
+    kv_b_proj.weight = per head [W_UK (nope rows) ; W_UV (v rows)] x C
+    score(q, t) = q_nope . (W_UK c_t) + q_rope . k_rope_t = (W_UK^T q_nope) . c_t + q_rope . k_rope_t
+    out = o_proj(W_UV (sum_t p_t c_t))
+
+The up-projections are absorbed into the query (W_UK^T) and the output (W_UV), so only [c ; k_rope] is cached and
+attention is one shared key/value head of C + R dims (values: the first C); attention/torch_mla_backend.py. Rope
+layout: DeepSeek's checkpoints rotate interleaved pairs (rope_interleave); both q_rope and k_rope are de-interleaved
+into the rotate-half layout before the rotation, which leaves every q . k unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.batch import CacheKind, ForwardBatch
+from specserve.kvcache.cache_spec import LatentCacheSpec
+from specserve.layers.linear import Linear
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., R] pairs (x0, x1), (x2, x3), ... -> [x0, x2, ..., x1, x3, ...] (the rotate-half layout)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, eps: float, scaling: float,
+                 rope_interleave: bool, bias: bool, cache_index: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.scaling = scaling
+        self.rope_interleave = rope_interleave
+        self.cache_index = cache_index
+        self.q_lora_rank = q_lora_rank
+        if q_lora_rank:
+            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_head_dim)
+        else:
+            self.q_proj = Linear(hidden_size, num_heads * self.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.rotary = rotary  # shared module, over the rope dims
+
+    def cache_spec(self) -> LatentCacheSpec:
+        return LatentCacheSpec(self.kv_lora_rank + self.rope, CacheKind.MLA)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """h [T, H_model] -> [T, H_model]; writes this layer's latent rows at fb.out_cache_loc."""
+        t, nh, c = h.shape[0], self.num_heads, self.kv_lora_rank
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if self.q_lora_rank else self.q_proj(h)
+        q_nope, q_rope = q.view(t, nh, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
+        c_new, k_rope = self.kv_a_proj_with_mqa(h).split([c, self.rope], dim=-1)  # [T, C], [T, R]
+        c_new = self.kv_a_layernorm(c_new)
+        k_rope = k_rope.reshape(t, 1, self.rope)
+        if self.rope_interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        else:
+            q_rope, k_rope = q_rope.contiguous(), k_rope.contiguous()
+        q_rope, k_rope = self.rotary(positions, q_rope, k_rope)  # [T, H, R], [T, 1, R]
+        w = self.kv_b_proj.weight.view(nh, self.nope + self.v_head_dim, c)
+        q_abs = torch.einsum("thn,hnc->thc", q_nope, w[:, :self.nope])  # [T, H, C]: W_UK absorbed
+        out = fb.backend(CacheKind.MLA).forward(torch.cat((q_abs, q_rope), dim=-1),
+                                                torch.cat((c_new, k_rope.view(t, self.rope)), dim=-1), self, fb)
+        out = torch.einsum("thc,hvc->thv", out, w[:, self.nope:])  # [T, H, V]: W_UV absorbed
+        return self.o_proj(out.reshape(t, nh * self.v_head_dim))

@@ -1,0 +1,74 @@
+"""Small random DeepSeek-V3 checkpoints (MLA with q-LoRA, grouped sigmoid MoE with a shared expert, one dense layer
+first) built with transformers, with an optional random MTP layer at model.layers.{L} in the DeepSeek layout."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from helpers import _index_all_shards, _spread_weights, _tiny_tokenizer_files
+from safetensors.torch import save_file
+
+# 3 layers (the first dense); 4 heads; q-LoRA 32, kv-LoRA 32, qk 16 + 8 rope, v 16; 8 experts in 4 groups, top 2
+# of the best 2 groups, 1 shared expert, routed scaling 2.5
+TINY_DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                     num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
+                     norm_topk_prob=True, first_k_dense_replace=1, max_position_embeddings=512, vocab_size=256,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, rope_interleave=True)
+
+
+def build_tiny_deepseek(folder: str, seed: int = 0, mtp: bool = False, **overrides) -> str:
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(**{**TINY_DEEPSEEK, **overrides})
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg.eos_token_id, cfg.bos_token_id = 2, 1
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _spread_weights(model, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):  # a bias that changes the choice now and then
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(folder, safe_serialization=True)
+    _tiny_tokenizer_files(folder, cfg.vocab_size)
+    if mtp:
+        save_file(random_mla_mtp_tensors(cfg, f"model.layers.{cfg.num_hidden_layers}.", seed + 1),
+                  os.path.join(folder, "mtp.safetensors"))
+        with open(os.path.join(folder, "config.json")) as f:
+            c = json.load(f)
+        c["num_nextn_predict_layers"] = 1
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(c, f, indent=2)
+        _index_all_shards(folder)
+    return folder
+
+
+def random_mla_mtp_tensors(cfg, prefix: str, seed: int) -> dict[str, torch.Tensor]:
+    """A random DeepSeek-V3 MTP layer under `prefix`: enorm, hnorm, eh_proj, shared_head.norm and the block (MLA +
+    MoE with the correction bias and the shared expert)."""
+    g = torch.Generator().manual_seed(seed)
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    r = lambda *s: torch.randn(*s, generator=g) * (1.0 / s[-1] ** 0.5)
+    n = lambda k: 1.0 + 0.1 * torch.randn(k, generator=g)
+    mi, e = cfg.moe_intermediate_size, cfg.n_routed_experts
+    t = {"enorm.weight": n(h), "hnorm.weight": n(h), "eh_proj.weight": r(h, 2 * h), "shared_head.norm.weight": n(h),
+         "input_layernorm.weight": n(h), "post_attention_layernorm.weight": n(h),
+         "self_attn.q_a_proj.weight": r(cfg.q_lora_rank, h), "self_attn.q_a_layernorm.weight": n(cfg.q_lora_rank),
+         "self_attn.q_b_proj.weight": r(nh * qk, cfg.q_lora_rank),
+         "self_attn.kv_a_proj_with_mqa.weight": r(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+         "self_attn.kv_a_layernorm.weight": n(cfg.kv_lora_rank),
+         "self_attn.kv_b_proj.weight": r(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+         "self_attn.o_proj.weight": r(h, nh * cfg.v_head_dim),
+         "mlp.gate.weight": r(e, h), "mlp.gate.e_score_correction_bias": 0.05 * torch.randn(e, generator=g),
+         "mlp.shared_experts.gate_proj.weight": r(mi, h), "mlp.shared_experts.up_proj.weight": r(mi, h),
+         "mlp.shared_experts.down_proj.weight": r(h, mi)}
+    for i in range(e):
+        t.update({f"mlp.experts.{i}.gate_proj.weight": r(mi, h), f"mlp.experts.{i}.up_proj.weight": r(mi, h),
+                  f"mlp.experts.{i}.down_proj.weight": r(h, mi)})
+    return {prefix + k: v.contiguous() for k, v in t.items()}

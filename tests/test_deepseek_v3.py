@@ -1,0 +1,129 @@
+"""The MLA + MoE family (DeepSeek-V3) on small random checkpoints, against transformers:
+- logits of a chunked prefill (several requests, one longer than a chunk), 4-token verifies and a step decode over
+  the absorbed latent cache (kv_lora_rank + rope values per token, one pool per layer);
+- greedy MTP (the MTP layer at model.layers.{L}, its block MLA + the grouped-sigmoid MoE) == plain == transformers
+  greedy, N 1..3, page sizes 1 and 16, chunked prefill; a retraction workload returns every pool to its start;
+- the graph runners' static replay == eager with shrinking and growing batches, per-runner metadata isolation (the
+  MLA kind included), and the one-graph spec step."""
+
+import pytest
+import torch
+from deepseek_helpers import build_tiny_deepseek
+from spec_fixtures import build_scheduler, run_greedy
+from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
+from test_qwen3_next import _hf_greedy, _hf_logits, _prefill, _runner
+from test_runners import _inputs, _spec_runner, check_isolation, check_one_graph_step
+from test_spec_greedy import _prompts
+
+from specserve.batch import CacheKind
+from specserve.graphs.padding import LiveInputs
+from specserve.kvcache.manager import KVHandle
+from specserve.layers.mla import MLAAttention
+from specserve.layers.moe import GatedMLP, SparseMoEBlock
+from specserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from specserve.models.loader import ModelSource, load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 12
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    return {"mtp": build_tiny_deepseek(str(root / "mtp"), seed=51, mtp=True),
+            "no_qlora": build_tiny_deepseek(str(root / "noq"), seed=52, q_lora_rank=None, rope_interleave=False)}
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_family_layers_and_caches(deepseek):
+    t = load_target(ModelSource.resolve(deepseek["mtp"]), torch.float32, CPU, 600)
+    assert isinstance(t.model, DeepseekV3ForCausalLM) and t.has_mtp
+    layers = t.model.model.layers
+    assert [type(lay.mlp) for lay in layers] == [GatedMLP, SparseMoEBlock, SparseMoEBlock]  # first_k_dense_replace
+    moe = layers[1].mlp
+    assert moe.router == "grouped_sigmoid" and moe.shared_expert is not None and not moe.fused_shared
+    specs = t.model.cache_specs()
+    assert [s.kind for s in specs] == [CacheKind.MLA] * 3 and specs[0].width == 32 + 8  # latent + rope per token
+    assert all(isinstance(lay.self_attn, MLAAttention) for lay in layers)
+
+
+@pytest.mark.parametrize("key", ["mtp", "no_qlora"])
+def test_prefill_verify_logits_match_hf(deepseek, key):
+    """Chunked prefill, then three 4-token verifies continuing the sequence, against transformers."""
+    path = deepseek[key]
+    hf = _hf(path)
+    mr, t = _runner(path, n=3) if key == "mtp" else _runner(path, n=0)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (k,), generator=g).tolist() for k in (9, 1, 30)]
+    handles = [KVHandle() for _ in prompts]
+    for h, p in zip(handles, prompts):
+        assert mr.kv.assign_row(h) and mr.kv.ensure([h], [len(p) + 16])
+    for p, got in zip(prompts, _prefill(mr, t, prompts, handles, chunk=16)):
+        torch.testing.assert_close(got, _hf_logits(hf, p), rtol=1e-4, atol=1e-4)
+    seqs = [list(p) for p in prompts]
+    rows = torch.tensor([h.row for h in handles])
+    for step in range(3):
+        if key == "mtp":  # 4-token verifies
+            more = [torch.randint(3, 250, (4,), generator=g).tolist() for _ in prompts]
+            s = torch.tensor([len(x) for x in seqs])
+            live = LiveInputs(3, torch.tensor(sum(more, [])), (s[:, None] + torch.arange(4)).reshape(-1), rows,
+                              s + 4, int(s.max()) + 4)
+            out = mr.spec.runners["target_verify"].run(live)["logits"]
+        else:  # decode steps
+            more = [[int(x)] for x in torch.randint(3, 250, (3,), generator=g)]
+            s = torch.tensor([len(x) for x in seqs])
+            out = mr.runners["decode"].run(LiveInputs(3, torch.tensor(sum(more, [])), s, rows, s + 1,
+                                                      int(s.max()) + 1))["logits"][:, None]
+        for b, m in enumerate(more):
+            seqs[b] += m
+            ref = _hf_logits(hf, seqs[b])[-len(m):]
+            torch.testing.assert_close(out[b], ref, rtol=1e-4, atol=1e-4, msg=f"{key} step {step} row {b}")
+    for h in handles:
+        mr.kv.release(h)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(deepseek):
+    prompts = _prompts()
+    return prompts, _hf_greedy(_hf(deepseek["mtp"]), prompts, NEW)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_spec_greedy_mtp_matches_plain_and_hf(deepseek, greedy_ref, n, page_size):
+    """n = 0: plain decoding. The MTP block is MLA + MoE with its own latent cache; chunks of 16 prompt tokens."""
+    prompts, ref = greedy_ref
+    kw = {"speculative_algorithm": "MTP", "speculative_num_steps": n} if n else {}
+    sched, _ = build_scheduler(deepseek["mtp"], page_size=page_size, max_total_tokens=4096, chunked_prefill_size=16,
+                               **kw)
+    reqs = run_greedy(sched, prompts, NEW)
+    assert [r.output_ids for r in reqs] == ref
+    if n:
+        assert isinstance(sched.mr.draft.decoder.self_attn, MLAAttention)
+        assert all(r.spec_verify_ct > 0 for r in reqs)
+
+
+@pytest.mark.parametrize("spec", [None, 3])
+def test_mixed_workload_with_retractions(deepseek, spec):
+    mixed_workload(deepseek, spec, 16, key="mtp")
+
+
+def test_phase_replay_equals_eager_and_isolation(deepseek):
+    mr = _spec_runner(deepseek["mtp"], n=3)
+    for name, runner in mr.spec.runners.items():
+        for i, bs in enumerate([7, 3, 1, 5, 8]):
+            handles, live = _inputs(mr, name, bs, seed=10 * i + len(name))
+            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
+            out = runner.run(live)
+            for k in eager:
+                torch.testing.assert_close(out[k], eager[k], rtol=1e-4, atol=1e-4, msg=f"{name} bs={bs} {k}")
+            for h in handles:
+                mr.kv.release(h)
+    check_isolation(mr)
+    check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-4)
