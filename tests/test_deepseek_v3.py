@@ -127,3 +127,18 @@ def test_phase_replay_equals_eager_and_isolation(deepseek):
                 mr.kv.release(h)
     check_isolation(mr)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-4)
+
+
+def test_router_params_stay_float32_in_a_bfloat16_model(deepseek):
+    """transformers keeps the grouped sigmoid router's gate and correction bias in float32; so does the loader (a
+    bias rounded to bfloat16 moves expert choices), with the checkpoint's values exactly."""
+    from safetensors import safe_open
+
+    t = load_target(ModelSource.resolve(deepseek["mtp"]), torch.bfloat16, CPU, 600)
+    moe = t.model.model.layers[1].mlp
+    assert moe.gate.weight.dtype == torch.float32 and moe.e_score_correction_bias.dtype == torch.float32
+    assert moe.experts.w13.dtype == torch.bfloat16
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    with safe_open(f"{deepseek['mtp']}/model.safetensors", framework="pt") as st:
+        want = st.get_tensor(name).float()
+    assert torch.equal(moe.e_score_correction_bias, want)

@@ -142,8 +142,8 @@ class SparseMoEBlock(nn.Module):
     Router precision follows HF per family: the softmax router's logits come from the gate in the model dtype (HF
     Qwen), the grouped sigmoid router's from float32 input and weight (HF DeepSeek-V3 / GLM keep gate.weight and the
     correction bias in float32, `_keep_in_fp32_modules_strict`). Both then route in float32. A model cast to
-    bfloat16 by `.to(dtype)` rounds the correction bias, which can move expert choices; keep
-    `FLOAT32_PARAMS` in float32 when casting to match HF.
+    bfloat16 by `.to(dtype)` would round the correction bias, which can move expert choices: the loader keeps
+    `FLOAT32_PARAMS` of a grouped-sigmoid block in float32 (models/loader.py keep_float32_params).
     """
 
     FLOAT32_PARAMS = ("gate.weight", "e_score_correction_bias")

@@ -98,6 +98,7 @@ def materialize(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, de
     """A model built on the meta device -> uninitialised parameters in `dtype` on `device` (integer buffers keep
     their dtype), with the rotary tables rebuilt in float32 (accurate angles at long positions)."""
     model = model.to(dtype=dtype).to_empty(device=device)
+    keep_float32_params(model)
     from specserve.layers.rotary import RotaryEmbedding
     from specserve.models.registry import model_class
 
@@ -106,6 +107,24 @@ def materialize(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, de
         if isinstance(mod, RotaryEmbedding):
             mod.cos_sin_cache = fresh
     return model
+
+
+def keep_float32_params(model: torch.nn.Module) -> None:
+    """Parameters a family keeps in float32 whatever the model dtype (a module's FLOAT32_PARAMS, e.g. the grouped
+    sigmoid router's gate and correction bias, which transformers keeps in float32: rounded to bfloat16 the bias
+    moves expert choices). Replaced by uninitialised float32 parameters, before loading."""
+    from specserve.layers.moe import SparseMoEBlock
+
+    for block in model.modules():
+        if not isinstance(block, SparseMoEBlock) or block.router != "grouped_sigmoid":
+            continue
+        for name in block.FLOAT32_PARAMS:
+            owner_name, _, attr = name.rpartition(".")
+            owner = block.get_submodule(owner_name) if owner_name else block
+            p = getattr(owner, attr)
+            if p is not None and p.dtype != torch.float32:
+                setattr(owner, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=p.device),
+                                                        requires_grad=p.requires_grad))
 
 
 def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, desc: str = "Loading weights"):
