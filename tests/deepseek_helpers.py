@@ -72,3 +72,28 @@ def random_mla_mtp_tensors(cfg, prefix: str, seed: int) -> dict[str, torch.Tenso
         t.update({f"mlp.experts.{i}.gate_proj.weight": r(mi, h), f"mlp.experts.{i}.up_proj.weight": r(mi, h),
                   f"mlp.experts.{i}.down_proj.weight": r(h, mi)})
     return {prefix + k: v.contiguous() for k, v in t.items()}
+
+
+# DSA: an indexer of 2 heads of 16 (rope on the first 8) per layer
+TINY_DSA = dict(index_n_heads=2, index_head_dim=16)
+
+
+def build_tiny_dsa(folder: str, arch: str, seed: int = 0, index_topk: int = 1024, **overrides) -> str:
+    """A random DeepSeek-V3.2 ("deepseek_v32") or GLM-5 ("glm_moe_dsa") checkpoint; GLM's layer 2 reuses layer 1's
+    selection (indexer_types full, full, shared)."""
+    from transformers import AutoModelForCausalLM, DeepseekV32Config, GlmMoeDsaConfig
+
+    kw = {k: v for k, v in TINY_DEEPSEEK.items() if k != "rope_interleave"}
+    kw.update(TINY_DSA, index_topk=index_topk, mlp_layer_types=["dense", "sparse", "sparse"])
+    if arch == "glm_moe_dsa":
+        kw["indexer_types"] = ["full", "full", "shared"]
+    kw.update(overrides)
+    cfg = (GlmMoeDsaConfig if arch == "glm_moe_dsa" else DeepseekV32Config)(**kw)
+    cfg.architectures = ["GlmMoeDsaForCausalLM" if arch == "glm_moe_dsa" else "DeepseekV32ForCausalLM"]
+    cfg.eos_token_id, cfg.bos_token_id = 2, 1
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _spread_weights(model, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    _tiny_tokenizer_files(folder, cfg.vocab_size)
+    return folder

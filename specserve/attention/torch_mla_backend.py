@@ -1,4 +1,5 @@
-"""Torch reference MLA attention over the paged latent cache (CacheKind.MLA), absorbed form, CPU and GPU.
+"""Torch reference MLA attention over the paged latent cache (CacheKind.MLA), absorbed form, CPU and GPU; and the
+sparse-attention indexer's backend (CacheKind.INDEX_KEYS), which restricts it to each query's top-k keys.
 
 With the key and value up-projections absorbed (layers/mla.py), multi-head latent attention is attention with one
 shared key/value head: every query head scores the cached latent row [c ; k_rope] (kv_lora_rank + rope dims) and
@@ -21,9 +22,12 @@ class TorchMLABackend(TorchAttentionBackend):
     kind = CacheKind.MLA
     captures_varlen = False
 
-    def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
+                selection=None) -> torch.Tensor:
         """q [T, H, C + R] (absorbed nope part | rotated rope part); latent [T, C + R] this batch's new rows (stored
-        at fb.out_cache_loc) -> [T, H, C] attention over the latent rows' first C = layer.kv_lora_rank dims."""
+        at fb.out_cache_loc) -> [T, H, C] attention over the latent rows' first C = layer.kv_lora_rank dims.
+        selection: the sparse-attention indexer's choice (TorchIndexBackend.select, same metadata layout), ANDed
+        with the causal mask; None: dense."""
         rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
         rows[fb.out_cache_loc] = latent.to(rows.dtype)
         c = layer.kv_lora_rank
@@ -32,14 +36,57 @@ class TorchMLABackend(TorchAttentionBackend):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]
             kv = rows.index_select(0, meta.kv_slots.reshape(-1)).view(bs, 1, -1, rows.shape[1]).to(q.dtype)
             qq = q.view(bs, w, layer.num_heads, -1).transpose(1, 2)  # [bs, H, w, C + R]
-            o = F.scaled_dot_product_attention(qq, kv, kv[..., :c], attn_mask=meta.mask, scale=layer.scaling,
+            mask = meta.mask if selection is None else meta.mask & selection  # [bs, 1, w, kv]
+            o = F.scaled_dot_product_attention(qq, kv, kv[..., :c], attn_mask=mask, scale=layer.scaling,
                                                enable_gqa=True)  # [bs, H, w, C]
             return o.transpose(1, 2).reshape(bs * w, layer.num_heads, c)
         out = q.new_empty((q.shape[0], layer.num_heads, c))
-        for q0, e, slots, mask in meta.pieces:
+        for i, (q0, e, slots, mask) in enumerate(meta.pieces):
             kv = rows.index_select(0, slots)[None, None].to(q.dtype)  # [1, 1, s, C + R]
             qq = q[q0:q0 + e].transpose(0, 1)[None]  # [1, H, e, C + R]
+            if selection is not None:
+                mask = mask & selection[i]
             o = F.scaled_dot_product_attention(qq, kv, kv[..., :c], attn_mask=mask[None, None], scale=layer.scaling,
                                                enable_gqa=True)
             out[q0:q0 + e] = o[0].transpose(0, 1)
+        return out
+
+
+def topk_mask(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """The `k` best of the valid keys along the last dim, as a mask; equal scores keep the earlier key (a stable
+    descending sort), in every phase. scores [..., kv] float32; valid [..., kv] bool -> [..., kv] bool."""
+    order = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=-1, descending=True, stable=True).indices
+    kept = (torch.arange(scores.shape[-1], device=scores.device) < k).expand_as(order)  # rank < k
+    return torch.zeros_like(valid).scatter(-1, order, kept) & valid
+
+
+class TorchIndexBackend(TorchAttentionBackend):
+    """The DSA indexer's keys (CacheKind.INDEX_KEYS): stores them and turns index queries into the top-k mask, in the
+    layout of the MLA backend's metadata (both are built from the same batch). The last selection is kept for the
+    layers that reuse it (GLM-5's "shared" indexer layers), within one forward."""
+
+    kind = CacheKind.INDEX_KEYS
+    captures_varlen = False
+
+    def select(self, iq, indexer, fb: ForwardBatch):
+        """iq: layers/dsa_indexer.py IndexQuery -> the selection (fixed width: [bs, 1, w, kv] bool; a prefill: one
+        [e, s] mask per request piece)."""
+        rows = self.kv_pool.rows[indexer.cache_index]  # [slots, Di]
+        rows[fb.out_cache_loc] = iq.k.to(rows.dtype)
+        meta = self.meta
+        if isinstance(meta, _FixedMeta):
+            bs, w = meta.mask.shape[0], meta.mask.shape[2]
+            keys = rows.index_select(0, meta.kv_slots.reshape(-1)).view(bs, -1, rows.shape[1]).float()  # [bs, kv, D]
+            q = iq.q.view(bs, w, indexer.n_heads, -1).float()
+            s = torch.einsum("bwhd,bkd->bwhk", q, keys).relu()  # [bs, w, Hi, kv]
+            scores = torch.einsum("bwh,bwhk->bwk", iq.weights.view(bs, w, -1), s)
+            self.last = topk_mask(scores, meta.mask[:, 0], indexer.topk)[:, None]  # [bs, 1, w, kv]
+            return self.last
+        out = []
+        for q0, e, slots, mask in meta.pieces:
+            keys = rows.index_select(0, slots).float()  # [s, D]
+            s = torch.einsum("ehd,kd->ehk", iq.q[q0:q0 + e].float(), keys).relu()  # [e, Hi, s]
+            scores = torch.einsum("eh,ehk->ek", iq.weights[q0:q0 + e], s)
+            out.append(topk_mask(scores, mask, indexer.topk))
+        self.last = out
         return out

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from specserve.attention.state_backend import RecurrentStateBackend
 from specserve.attention.torch_backend import TorchAttentionBackend
-from specserve.attention.torch_mla_backend import TorchMLABackend
+from specserve.attention.torch_mla_backend import TorchIndexBackend, TorchMLABackend
 from specserve.batch import CacheKind, ForwardMode
 from specserve.graphs.phase_runners import DecodeRunner, PhaseRunner, RunnerContext, TargetVerifyRunner
 from specserve.graphs.prefill import PrefillRunner
@@ -142,6 +142,7 @@ class ModelRunner:
         twice: for its graph metadata and for its eager path)."""
         chunked = self.args.linear_attn_prefill == "chunked"
         classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TorchMLABackend,
+                   CacheKind.INDEX_KEYS: TorchIndexBackend,
                    CacheKind.RECURRENT: lambda table, pool: RecurrentStateBackend(table, pool, chunked)}
         missing = [k.value for k in caches.kinds if k not in classes]
         if missing:
@@ -155,7 +156,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             # every token-indexed kind must capture variable-length attention (the MLA reference cannot yet)
             kinds = set(self.caches.kinds) | (set(s.kind for s in self.draft.cache_specs()) if self.draft else set())
-            classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TorchMLABackend}
+            classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TorchMLABackend,
+                       CacheKind.INDEX_KEYS: TorchIndexBackend}
             if not all(classes[k].captures_varlen for k in kinds if k in classes):
                 if asked:
                     raise ValueError("--cuda-graph-max-prefill-tokens needs an attention backend that captures "

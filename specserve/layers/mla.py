@@ -33,8 +33,15 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class MLAAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, eps: float, scaling: float,
-                 rope_interleave: bool, bias: bool, cache_index: int, rotary: RotaryEmbedding):
+                 rope_interleave: bool, bias: bool, cache_index: int, rotary: RotaryEmbedding,
+                 indexer: nn.Module | None = None, shared_index: bool = False):
+        """indexer: a DSA indexer (layers/dsa_indexer.py) restricting attention to its top-k keys; shared_index:
+        reuse the previous indexed layer's selection instead (GLM-5's "shared" layers)."""
         super().__init__()
+        if (indexer is not None or shared_index) and not q_lora_rank:
+            raise ValueError("sparse attention's indexer reads the q-LoRA residual: it needs q_lora_rank")
+        self.indexer = indexer
+        self.shared_index = shared_index
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -54,13 +61,15 @@ class MLAAttention(nn.Module):
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         self.rotary = rotary  # shared module, over the rope dims
 
-    def cache_spec(self) -> LatentCacheSpec:
-        return LatentCacheSpec(self.kv_lora_rank + self.rope, CacheKind.MLA)
+    def cache_specs(self) -> list[LatentCacheSpec]:
+        mla = LatentCacheSpec(self.kv_lora_rank + self.rope, CacheKind.MLA)
+        return [mla] if self.indexer is None else [mla, self.indexer.cache_spec()]
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """h [T, H_model] -> [T, H_model]; writes this layer's latent rows at fb.out_cache_loc."""
         t, nh, c = h.shape[0], self.num_heads, self.kv_lora_rank
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if self.q_lora_rank else self.q_proj(h)
+        q_resid = self.q_a_layernorm(self.q_a_proj(h)) if self.q_lora_rank else None  # [T, q_lora]
+        q = self.q_b_proj(q_resid) if self.q_lora_rank else self.q_proj(h)
         q_nope, q_rope = q.view(t, nh, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
         c_new, k_rope = self.kv_a_proj_with_mqa(h).split([c, self.rope], dim=-1)  # [T, C], [T, R]
         c_new = self.kv_a_layernorm(c_new)
@@ -72,7 +81,13 @@ class MLAAttention(nn.Module):
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope)  # [T, H, R], [T, 1, R]
         w = self.kv_b_proj.weight.view(nh, self.nope + self.v_head_dim, c)
         q_abs = torch.einsum("thn,hnc->thc", q_nope, w[:, :self.nope])  # [T, H, C]: W_UK absorbed
+        selection = None
+        if self.indexer is not None:
+            selection = fb.backend(CacheKind.INDEX_KEYS).select(self.indexer(positions, h, q_resid), self.indexer, fb)
+        elif self.shared_index:
+            selection = fb.backend(CacheKind.INDEX_KEYS).last
         out = fb.backend(CacheKind.MLA).forward(torch.cat((q_abs, q_rope), dim=-1),
-                                                torch.cat((c_new, k_rope.view(t, self.rope)), dim=-1), self, fb)
+                                                torch.cat((c_new, k_rope.view(t, self.rope)), dim=-1), self, fb,
+                                                selection)
         out = torch.einsum("thc,hvc->thv", out, w[:, self.nope:])  # [T, H, V]: W_UV absorbed
         return self.o_proj(out.reshape(t, nh * self.v_head_dim))

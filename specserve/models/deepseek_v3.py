@@ -99,17 +99,20 @@ def _moe(cfg: DeepseekV3Config) -> SparseMoEBlock:
 class MLADecoderLayer(nn.Module):
     """Pre-norm block: MLA + (dense or MoE) MLP, the residual carried separately (add + norm fuse)."""
 
-    def __init__(self, cfg: DeepseekV3Config, cache_index: int, rotary: RotaryEmbedding, sparse: bool):
+    def __init__(self, cfg: DeepseekV3Config, cache_index: int, rotary: RotaryEmbedding, sparse: bool,
+                 indexer: nn.Module | None = None, shared_index: bool = False):
+        """indexer / shared_index: the sparse-attention members' DSA indexer (models/deepseek_v32.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
                                       cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps,
-                                      cfg.attn_scaling, cfg.rope_interleave, cfg.attention_bias, cache_index, rotary)
+                                      cfg.attn_scaling, cfg.rope_interleave, cfg.attention_bias, cache_index, rotary,
+                                      indexer=indexer, shared_index=shared_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = _moe(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def cache_specs(self) -> list[CacheSpec]:
-        return [self.self_attn.cache_spec()]
+        return self.self_attn.cache_specs()
 
     def forward(self, positions, h, residual, fb: ForwardBatch):
         if residual is None:

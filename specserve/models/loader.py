@@ -110,15 +110,20 @@ def materialize(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, de
 
 
 def keep_float32_params(model: torch.nn.Module) -> None:
-    """Parameters a family keeps in float32 whatever the model dtype (a module's FLOAT32_PARAMS, e.g. the grouped
-    sigmoid router's gate and correction bias, which transformers keeps in float32: rounded to bfloat16 the bias
-    moves expert choices). Replaced by uninitialised float32 parameters, before loading."""
+    """Parameters a family keeps in float32 whatever the model dtype, as transformers does: the grouped sigmoid
+    router's gate and correction bias (rounded to bfloat16 the bias moves expert choices) and the DSA indexer's
+    head weights. Replaced by uninitialised float32 parameters, before loading."""
+    from specserve.layers.dsa_indexer import DSAIndexer
     from specserve.layers.moe import SparseMoEBlock
 
     for block in model.modules():
-        if not isinstance(block, SparseMoEBlock) or block.router != "grouped_sigmoid":
+        if isinstance(block, DSAIndexer):
+            names = ("weights_proj.weight",)  # transformers' _keep_in_fp32_modules
+        elif isinstance(block, SparseMoEBlock) and block.router == "grouped_sigmoid":
+            names = block.FLOAT32_PARAMS
+        else:
             continue
-        for name in block.FLOAT32_PARAMS:
+        for name in names:
             owner_name, _, attr = name.rpartition(".")
             owner = block.get_submodule(owner_name) if owner_name else block
             p = getattr(owner, attr)

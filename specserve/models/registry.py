@@ -16,6 +16,8 @@ _MODEL_TYPE_ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
@@ -31,6 +33,9 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("specserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     # multi-head latent attention + MoE
     "DeepseekV3ForCausalLM": ("specserve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    # + DeepSeek sparse attention (the DSA indexer)
+    "DeepseekV32ForCausalLM": ("specserve.models.deepseek_v32", "DSAForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("specserve.models.deepseek_v32", "DSAForCausalLM"),
     # hybrid linear attention (gated delta net + gated attention); the vision-language ones as text only
     "Qwen3NextForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
     "Qwen3_5ForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),

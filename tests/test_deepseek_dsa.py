@@ -1,0 +1,214 @@
+"""MLA + DeepSeek sparse attention (DeepSeek-V3.2, GLM-5 with a "shared" indexer layer) on small random checkpoints:
+- with index_topk >= the sequence (sparse == dense exactly): logits == transformers for a chunked prefill and
+  4-token verifies;
+- with a truly sparse index_topk: every phase agrees with every other (one-shot prefill == chunked prefill == the
+  last position of each verify; greedy MTP == plain for N 1..3, page sizes 1 and 16, chunked prefill, retraction);
+- the tie-break: equal index scores keep the earlier token, in the top-k mask itself and through the model (an
+  indexer whose scores all tie selects each query's first index_topk tokens in every phase);
+- graph static replay == eager for every phase, and the one-graph spec step."""
+
+import pytest
+import torch
+from deepseek_helpers import build_tiny_dsa, random_mla_mtp_tensors
+from helpers import _index_all_shards
+from safetensors.torch import save_file
+from spec_fixtures import build_scheduler, run_greedy
+from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
+from test_qwen3_next import _hf_logits, _prefill, _runner
+from test_runners import _inputs, _spec_runner, check_one_graph_step
+from test_spec_greedy import _prompts
+
+from specserve.attention.torch_mla_backend import topk_mask
+from specserve.batch import CacheKind
+from specserve.graphs.padding import LiveInputs
+from specserve.kvcache.manager import KVHandle
+from specserve.layers.dsa_indexer import DSAIndexer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 12
+CPU = torch.device("cpu")
+
+
+def _with_mtp(folder: str, seed: int) -> str:
+    """Add a random DeepSeek-layout MTP layer (its block with an indexer) to a DSA checkpoint."""
+    import json
+
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    t = random_mla_mtp_tensors(cfg, f"model.layers.{cfg.num_hidden_layers}.", seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    p = f"model.layers.{cfg.num_hidden_layers}.self_attn.indexer."
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    t.update({p + "wq_b.weight": torch.randn(hi * di, cfg.q_lora_rank, generator=g) / cfg.q_lora_rank ** 0.5,
+              p + "wk.weight": torch.randn(di, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5,
+              p + "k_norm.weight": 1 + 0.1 * torch.randn(di, generator=g), p + "k_norm.bias": 0.1 * torch.randn(di),
+              p + "weights_proj.weight": torch.randn(hi, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5})
+    save_file({k: v.contiguous() for k, v in t.items()}, f"{folder}/mtp.safetensors")
+    with open(f"{folder}/config.json") as f:
+        c = json.load(f)
+    c["num_nextn_predict_layers"] = 1
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(c, f, indent=2)
+    _index_all_shards(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dsa(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsa")
+    out = {}
+    for arch in ("deepseek_v32", "glm_moe_dsa"):
+        out[f"{arch}_dense"] = _with_mtp(build_tiny_dsa(str(root / f"{arch}_d"), arch, seed=61, index_topk=1024), 62)
+        out[f"{arch}_sparse"] = _with_mtp(build_tiny_dsa(str(root / f"{arch}_s"), arch, seed=63, index_topk=5), 64)
+    return out
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_topk_mask_tie_break_and_bounds():
+    scores = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0, 1.0]])
+    valid = torch.tensor([[True, True, True, True, True, False]])
+    assert topk_mask(scores, valid, 3).tolist() == [[True, True, False, True, False, False]]  # tie: earlier 0
+    assert topk_mask(scores, valid, 10).tolist() == valid.tolist()  # k >= valid: all valid, never an invalid one
+    ties = torch.zeros(2, 7)
+    assert topk_mask(ties, torch.ones(2, 7, dtype=torch.bool), 4)[0].tolist() == [True] * 4 + [False] * 3
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dense_equivalent_logits_match_hf(dsa, arch):
+    """index_topk >= every sequence: the sparse model is the dense one, so transformers is the oracle."""
+    path = dsa[f"{arch}_dense"]
+    hf = _hf(path)
+    mr, t = _runner(path, n=3)
+    specs = [s.kind for s in t.model.cache_specs()]
+    assert specs.count(CacheKind.INDEX_KEYS) == (2 if arch == "glm_moe_dsa" else 3)  # GLM: layer 2 is "shared"
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (k,), generator=g).tolist() for k in (9, 1, 30)]
+    handles = [KVHandle() for _ in prompts]
+    for h, p in zip(handles, prompts):
+        assert mr.kv.assign_row(h) and mr.kv.ensure([h], [len(p) + 8])
+    for p, got in zip(prompts, _prefill(mr, t, prompts, handles, chunk=16)):
+        torch.testing.assert_close(got, _hf_logits(hf, p), rtol=1e-4, atol=1e-4)
+    seqs = [list(p) for p in prompts]
+    rows = torch.tensor([h.row for h in handles])
+    for _ in range(2):
+        more = [torch.randint(3, 250, (4,), generator=g).tolist() for _ in prompts]
+        s = torch.tensor([len(x) for x in seqs])
+        out = mr.spec.runners["target_verify"].run(LiveInputs(
+            3, torch.tensor(sum(more, [])), (s[:, None] + torch.arange(4)).reshape(-1), rows, s + 4,
+            int(s.max()) + 4))["logits"]
+        for b, m in enumerate(more):
+            seqs[b] += m
+            torch.testing.assert_close(out[b], _hf_logits(hf, seqs[b])[-4:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_phases_agree(dsa, arch):
+    """index_topk 5 of up to 40 tokens: one-shot prefill == chunked prefill (chunks of 7) == verify steps."""
+    path = dsa[f"{arch}_sparse"]
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 250, (40,), generator=g).tolist()
+    logits = {}
+    for chunk in (40, 7):
+        mr, t = _runner(path, n=3)
+        h = KVHandle()
+        assert mr.kv.assign_row(h) and mr.kv.ensure([h], [48])
+        logits[chunk] = _prefill(mr, t, [prompt], [h], chunk=chunk)[0]
+    torch.testing.assert_close(logits[7], logits[40], rtol=1e-4, atol=1e-4)
+    mr, t = _runner(path, n=3)  # the same model attending densely: the selection matters
+    for m in t.model.modules():
+        if isinstance(m, DSAIndexer):
+            m.topk = 1024
+    h = KVHandle()
+    assert mr.kv.assign_row(h) and mr.kv.ensure([h], [48])
+    dense = _prefill(mr, t, [prompt], [h], chunk=40)[0]
+    assert (dense[:5] - logits[40][:5]).abs().max() < 1e-4  # up to 5 tokens every key is chosen
+    assert (dense[10:] - logits[40][10:]).abs().max() > 1e-2
+    # the same positions as 4-token verifies after a 28-token prefill
+    mr, t = _runner(path, n=3)
+    h = KVHandle()
+    assert mr.kv.assign_row(h) and mr.kv.ensure([h], [48])
+    _prefill(mr, t, [prompt[:28]], [h], chunk=28)
+    rows = torch.tensor([h.row])
+    for s0 in (28, 32, 36):
+        live = LiveInputs(1, torch.tensor(prompt[s0:s0 + 4]), torch.arange(s0, s0 + 4), rows,
+                          torch.tensor([s0 + 4]), s0 + 4)
+        out = mr.spec.runners["target_verify"].run(live)["logits"][0]
+        torch.testing.assert_close(out, logits[40][s0:s0 + 4], rtol=1e-4, atol=1e-4, msg=f"verify at {s0}")
+
+
+@pytest.fixture(scope="module")
+def greedy_plain(dsa):
+    prompts = _prompts()
+    out = {}
+    for key, path in dsa.items():
+        sched, _ = build_scheduler(path, max_total_tokens=4096)
+        out[key] = [r.output_ids for r in run_greedy(sched, prompts, NEW)]
+    return prompts, out
+
+
+@pytest.mark.parametrize("key", ["deepseek_v32_dense", "deepseek_v32_sparse", "glm_moe_dsa_sparse"])
+@pytest.mark.parametrize("n,page_size", [(1, 1), (2, 16), (3, 1), (3, 16)])
+def test_spec_greedy_equals_plain(dsa, greedy_plain, key, n, page_size):
+    prompts, ref = greedy_plain
+    sched, _ = build_scheduler(dsa[key], page_size=page_size, max_total_tokens=4096, chunked_prefill_size=16,
+                               speculative_algorithm="MTP", speculative_num_steps=n)
+    assert isinstance(sched.mr.draft.decoder.self_attn.indexer, DSAIndexer)  # the MTP block indexes too
+    reqs = run_greedy(sched, prompts, NEW)
+    assert [r.output_ids for r in reqs] == ref[key]
+    assert all(r.spec_verify_ct > 0 for r in reqs)
+
+
+def test_dense_equivalent_greedy_matches_hf(dsa, greedy_plain):
+    from test_qwen3_next import _hf_greedy
+
+    prompts, ref = greedy_plain
+    assert ref["deepseek_v32_dense"] == _hf_greedy(_hf(dsa["deepseek_v32_dense"]), prompts, NEW)
+
+
+def test_all_tied_scores_select_the_earliest_tokens_in_every_phase(dsa):
+    """weights_proj zeroed: every index score is 0, so each query keeps its first index_topk (5) tokens, in prefill
+    and in verify."""
+    path = dsa["deepseek_v32_sparse"]
+    mr, t = _runner(path, n=3)
+    for m in list(t.model.modules()) + list(mr.draft.modules()):
+        if isinstance(m, DSAIndexer):
+            m.weights_proj.weight.data.zero_()
+    h = KVHandle()
+    assert mr.kv.assign_row(h) and mr.kv.ensure([h], [32])
+    prompt = list(range(3, 23))
+    _prefill(mr, t, [prompt], [h], chunk=20)
+    sel = mr.prefill.eager_backends[CacheKind.INDEX_KEYS].last[0]  # [20, 20] the last layer's selection
+    want = torch.zeros(20, 20, dtype=torch.bool)
+    for i in range(20):
+        want[i, :min(i + 1, 5)] = True
+    assert torch.equal(sel, want)
+    verify = mr.spec.runners["target_verify"]
+    verify.run(LiveInputs(1, torch.tensor([5, 6, 7, 8]), torch.arange(20, 24), torch.tensor([h.row]),
+                          torch.tensor([24]), 24))
+    vsel = verify.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [4, max_kv]
+    assert vsel[:, :5].all() and not vsel[:, 5:].any()
+
+
+@pytest.mark.parametrize("spec", [None, 3])
+def test_mixed_workload_with_retractions(dsa, spec):
+    mixed_workload(dsa, spec, 16, key="glm_moe_dsa_sparse")
+
+
+def test_phase_replay_equals_eager(dsa):
+    mr = _spec_runner(dsa["glm_moe_dsa_sparse"], n=3)
+    for name, runner in mr.spec.runners.items():
+        for i, bs in enumerate([7, 3, 1, 5, 8]):
+            handles, live = _inputs(mr, name, bs, seed=10 * i + len(name))
+            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
+            out = runner.run(live)
+            for k in eager:
+                torch.testing.assert_close(out[k], eager[k], rtol=1e-4, atol=1e-4, msg=f"{name} bs={bs} {k}")
+            for h in handles:
+                mr.kv.release(h)
+    check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-4)
