@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.batch import CacheKind
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
@@ -54,6 +55,19 @@ PRESETS: dict[str, dict] = {
         vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     ),
+    # GLM-5 per-layer shapes (MLA: 64 heads, q-LoRA 2048, kv-LoRA 512, qk 192 + 64 rope, v 256; DSA indexer 32 heads
+    # x 128, top 2048; MoE 256 experts of 2048, top 8 + 1 shared) with 4 of its layers: 1 dense + 3 MoE (~19 GB
+    # each in bf16) + the MTP layer, ~82 GB.
+    "glm-5": dict(
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", hidden_size=6144, intermediate_size=12288,
+        moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=4,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], indexer_types=["full"] * 4,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=32,
+        vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        first_k_dense_replace=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
@@ -90,7 +104,13 @@ def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_pos
     from transformers import AutoConfig
 
     spec = dict(PRESETS[preset])
-    hf = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    model_type = spec.pop("model_type")
+    try:
+        hf = AutoConfig.for_model(model_type, **spec)
+    except ValueError:  # a transformers that predates the family: a plain config carries the same fields
+        from transformers import PretrainedConfig
+
+        hf = PretrainedConfig(**spec)
     cfg = ModelConfig.from_hf(hf)
     with torch.device("meta"):
         target = model_class(cfg.architecture)(cfg, max_positions)
@@ -111,6 +131,8 @@ def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int,
                  prefill_graph_tokens: int = 0) -> Pair:
     """capture_bs: the batch sizes to capture (default: the engine's ladder up to max_bs). prefill_graph_tokens:
     the plain runner's prefill graphs up to this many tokens (0: none; the spec runner never captures prefill)."""
+    if {s.kind for s in target.cache_specs()} & {CacheKind.MLA, CacheKind.INDEX_KEYS}:
+        prefill_graph_tokens = 0  # the MLA / indexer reference backends cannot capture a prefill yet: eager
     tokens = max_bs * (context_len + num_steps + 2) + 1024
     common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                   cuda_graph_bs=capture_bs, disable_cuda_graph=disable_graphs, attention_backend=attention_backend,
