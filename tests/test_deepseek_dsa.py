@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
 from test_qwen3_next import _hf_logits, _prefill, _runner
-from test_runners import _inputs, _spec_runner, check_one_graph_step
+from test_runners import _spec_runner, check_one_graph_step, check_phase_replay
 from test_spec_greedy import _prompts
 
 from specserve.attention.torch_mla_backend import topk_mask
@@ -202,13 +202,5 @@ def test_mixed_workload_with_retractions(dsa, spec):
 
 def test_phase_replay_equals_eager(dsa):
     mr = _spec_runner(dsa["glm_moe_dsa_sparse"], n=3)
-    for name, runner in mr.spec.runners.items():
-        for i, bs in enumerate([7, 3, 1, 5, 8]):
-            handles, live = _inputs(mr, name, bs, seed=10 * i + len(name))
-            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
-            out = runner.run(live)
-            for k in eager:
-                torch.testing.assert_close(out[k], eager[k], rtol=1e-4, atol=1e-4, msg=f"{name} bs={bs} {k}")
-            for h in handles:
-                mr.kv.release(h)
+    check_phase_replay(mr)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-4)

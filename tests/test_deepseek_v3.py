@@ -12,7 +12,7 @@ from deepseek_helpers import build_tiny_deepseek
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
 from test_qwen3_next import _hf_greedy, _hf_logits, _prefill, _runner
-from test_runners import _inputs, _spec_runner, check_isolation, check_one_graph_step
+from test_runners import _spec_runner, check_isolation, check_one_graph_step, check_phase_replay
 from test_spec_greedy import _prompts
 
 from specserve.batch import CacheKind
@@ -116,15 +116,7 @@ def test_mixed_workload_with_retractions(deepseek, spec):
 
 def test_phase_replay_equals_eager_and_isolation(deepseek):
     mr = _spec_runner(deepseek["mtp"], n=3)
-    for name, runner in mr.spec.runners.items():
-        for i, bs in enumerate([7, 3, 1, 5, 8]):
-            handles, live = _inputs(mr, name, bs, seed=10 * i + len(name))
-            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
-            out = runner.run(live)
-            for k in eager:
-                torch.testing.assert_close(out[k], eager[k], rtol=1e-4, atol=1e-4, msg=f"{name} bs={bs} {k}")
-            for h in handles:
-                mr.kv.release(h)
+    check_phase_replay(mr)
     check_isolation(mr)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-4)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
-from test_runners import CAPTURE, _inputs, _spec_runner, check_one_graph_step
+from test_runners import CAPTURE, _spec_runner, check_one_graph_step, check_phase_replay
 from test_spec_greedy import _hf_greedy, _prompts
 
 from specserve.engine.model_runner import ModelRunner
@@ -118,14 +118,6 @@ def test_mixed_workload_with_retractions(tiny_models, spec):
 
 def test_phase_replay_equals_eager_shrinking_and_growing(tiny_models):
     mr = _spec_runner(tiny_models["qwen3_moe_mtp"], n=3)
-    for name, runner in mr.spec.runners.items():
-        for i, bs in enumerate([7, 3, 1, 5, 8]):
-            handles, live = _inputs(mr, name, bs, seed=10 * i + len(name))
-            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
-            out = runner.run(live)
-            for k in eager:
-                torch.testing.assert_close(out[k], eager[k], rtol=1e-5, atol=1e-5, msg=f"{name} bs={bs} {k}")
-            for h in handles:
-                mr.kv.release(h)
+    check_phase_replay(mr, tol=1e-5)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-5)
     assert mr.spec.spec_step.capture_bs == CAPTURE

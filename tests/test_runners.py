@@ -132,6 +132,20 @@ def test_draft_replay_leaves_target_buffers_untouched(tiny_models):
     check_isolation(_spec_runner(tiny_models["llama_mtp"], n=3))
 
 
+def check_phase_replay(mr, sizes=(7, 3, 1, 5, 8), tol=1e-4):
+    """Every speculative phase runner's static replay (padded to a captured size) against its eager forward, with
+    shrinking and growing batch sizes."""
+    for name, runner in mr.spec.runners.items():
+        for i, bs in enumerate(sizes):
+            handles, live = _inputs(mr, name, bs, seed=10 * i + len(name))
+            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
+            out = runner.run(live)
+            for k in eager:
+                torch.testing.assert_close(out[k], eager[k], rtol=tol, atol=tol, msg=f"{name} bs={bs} {k}")
+            for h in handles:
+                mr.kv.release(h)
+
+
 def check_isolation(mr):
     """Draft replays leave the target runners' buffers and every kind's metadata untouched, and back."""
     runners = mr.spec.runners

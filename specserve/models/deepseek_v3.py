@@ -24,6 +24,7 @@ from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config, rope_parameters
 from specserve.models.config import ModelConfig, optional, require, text_config
+from specserve.models.dense import PreNormDecoderLayer
 from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _SELF_ATTN = ".self_attn."
@@ -96,8 +97,8 @@ def _moe(cfg: DeepseekV3Config) -> SparseMoEBlock:
                           shared_expert_intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size)
 
 
-class MLADecoderLayer(nn.Module):
-    """Pre-norm block: MLA + (dense or MoE) MLP, the residual carried separately (add + norm fuse)."""
+class MLADecoderLayer(PreNormDecoderLayer):
+    """Pre-norm block: MLA + (dense or MoE) MLP."""
 
     def __init__(self, cfg: DeepseekV3Config, cache_index: int, rotary: RotaryEmbedding, sparse: bool,
                  indexer: nn.Module | None = None, shared_index: bool = False):
@@ -114,15 +115,8 @@ class MLADecoderLayer(nn.Module):
     def cache_specs(self) -> list[CacheSpec]:
         return self.self_attn.cache_specs()
 
-    def forward(self, positions, h, residual, fb: ForwardBatch):
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    def mix(self, positions, h, fb: ForwardBatch):
+        return self.self_attn(positions, h, fb)
 
 
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):

@@ -117,7 +117,31 @@ class DenseMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
 
-class DenseDecoderLayer(nn.Module):
+class PreNormDecoderLayer(nn.Module):
+    """The pre-norm block every family shares: input_layernorm, the token mixer (`mix`: attention of the family's
+    kind, or linear attention), post_attention_layernorm, mlp; the residual carried separately so add + norm fuse.
+    Subclasses set the four modules and `mix`."""
+
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+    def mix(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, positions, h, residual, fb: ForwardBatch):
+        """-> (h, residual)."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.mix(positions, h, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DenseDecoderLayer(PreNormDecoderLayer):
     """Attention + MLP block. `mlp`: the family's MLP for this layer (default: the dense SiLU-gated MLP; MoE families
     pass their sparse block)."""
 
@@ -131,16 +155,8 @@ class DenseDecoderLayer(nn.Module):
     def cache_specs(self) -> list[CacheSpec]:
         return [self.self_attn.cache_spec()]
 
-    def forward(self, positions, h, residual, fb: ForwardBatch):
-        """Pre-norm block with the residual carried separately so add + norm fuse: returns (h, residual)."""
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    def mix(self, positions, h, fb: ForwardBatch):
+        return self.self_attn(positions, h, fb)
 
 
 class DenseModel(nn.Module):

@@ -31,6 +31,7 @@ from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
 from specserve.models.config import ModelConfig, optional, require, text_config
+from specserve.models.dense import PreNormDecoderLayer
 from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -177,8 +178,8 @@ def _mlp(cfg: HybridConfig, sparse: bool) -> nn.Module:
                           shared_expert_gated=cfg.shared_expert_intermediate_size > 0)
 
 
-class HybridDecoderLayer(nn.Module):
-    """Pre-norm block: (GDN or gated attention) + MLP, the residual carried separately (add + norm fuse)."""
+class HybridDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm block: (GDN or gated attention) + MLP."""
 
     def __init__(self, cfg: HybridConfig, kind: str, cache_index: int, rotary: RotaryEmbedding, sparse: bool):
         super().__init__()
@@ -196,15 +197,8 @@ class HybridDecoderLayer(nn.Module):
     def cache_specs(self) -> list[CacheSpec]:
         return [self.linear_attn.cache_spec() if self.kind == LINEAR else self.self_attn.cache_spec()]
 
-    def forward(self, positions, h, residual, fb: ForwardBatch):
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.linear_attn(h, fb) if self.kind == LINEAR else self.self_attn(positions, h, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    def mix(self, positions, h, fb: ForwardBatch):
+        return self.linear_attn(h, fb) if self.kind == LINEAR else self.self_attn(positions, h, fb)
 
 
 class HybridForCausalLM(Qwen3MoeForCausalLM):
