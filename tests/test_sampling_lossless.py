@@ -76,7 +76,8 @@ def _greedy(path) -> list[int]:
     return r.output_ids
 
 
-def _samples(path, params, **spec) -> np.ndarray:
+def _samples(path, params, graphed_steps: list | None = None, **spec) -> np.ndarray:
+    """graphed_steps: if a list, receives the one-graph spec step's (greedy, sampled, filtered) replay counts."""
     temperature, top_k, top_p = params
     draft = None
     if spec:
@@ -94,6 +95,9 @@ def _samples(path, params, **spec) -> np.ndarray:
     if spec:
         acc = sched.stats.spec_accept_length
         assert acc > 1.3, f"drafts are rarely accepted ({acc}); the test would not exercise acceptance"
+    if graphed_steps is not None and sched.mr.spec is not None and sched.mr.spec.spec_step is not None:
+        one = sched.mr.spec.spec_step
+        graphed_steps += [one.ladder.replays, one.sampled.replays, one.filtered.replays]
     return np.array([r.output_ids for r in reqs])
 
 
@@ -125,9 +129,16 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_model, params):
              "spec3": {"speculative_algorithm": "MTP", "speculative_num_steps": 3},
              # context lookup: other (still deterministic) drafts, the same exact distribution
              "spec3_lookup": {"speculative_algorithm": "MTP", "speculative_num_steps": 3,
-                              "speculative_ngram_lookup": True}}
+                              "speculative_ngram_lookup": True},
+             # every step of 64 requests or fewer as the one-graph spec step (static replay on a CPU)
+             "spec3_one_graph": {"speculative_algorithm": "MTP", "speculative_num_steps": 3,
+                                 "cuda_graph_bs": [1, 2, 4, 8, 16, 32, 64]}}
     for name, spec in cases.items():
-        s = _samples(small_vocab_model, params, **spec)
+        graphed: list[int] = []
+        s = _samples(small_vocab_model, params, graphed_steps=graphed, **spec)
+        if name == "spec3_one_graph":  # the sampled steps ran as the one-graph step, with the filter iff asked
+            kind = 2 if params[1] < V or params[2] < 1.0 else 1
+            assert graphed[kind] > 0 and graphed[3 - kind] == 0 and graphed[0] == 0, graphed
         for pos in range(3):
             marg = joint.sum(axis=tuple(i for i in range(3) if i != pos))
             p = _gof(s[:, pos], marg)

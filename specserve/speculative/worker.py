@@ -10,8 +10,8 @@ Per step, for the whole running batch:
     draft decode (N-1 steps, one graph) -> target verify (N+1 tokens, one graph) -> accept (device, no sync)
     -> draft extend (fixed width N+1, one graph) -> one host sync to read the accepted tokens.
 
-Greedy batches that fit the captured sizes run all of it as one graph (spec_step.SpecStepRunner); other batches
-(sampling, or larger than the graphs) run the phases' own graphs with the glue in between (spec_step_device).
+Batches that fit the captured sizes, greedy, sampled or mixed, run all of it as one graph (spec_step.SpecStepRunner);
+larger ones run the phases' own graphs with the glue in between (spec_step_device).
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ class SpecWorker:
              sb: SamplingBatch) -> SpecStepResult:
         """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S)."""
         one_graph = self.spec_step
-        if sb.all_greedy and one_graph is not None and one_graph.covers(len(rows_host)):
-            out = one_graph.run(rows_host, s_host, pos0_host)
+        if one_graph is not None and one_graph.covers(len(rows_host)):
+            out = one_graph.run(rows_host, s_host, pos0_host, sb)
         else:
             dev = self.device
             rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
