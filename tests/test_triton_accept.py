@@ -112,3 +112,16 @@ def test_accept_sampling_noise_is_the_samplers():
     _assert_same(got, want)
     assert want[0].tolist() == above.long().tolist()
     assert SALT_SAMPLE != SALT_ACCEPT
+
+
+def test_noise_is_strictly_inside_the_unit_interval():
+    """The largest hash value maps below 1 (a u of exactly 1 made the exponential race divide by -log(1) = 0)."""
+    import torch as _t
+
+    from specserve.kernels import noise
+
+    extremes = _t.tensor([-1, 0, (1 << 63) - 1], dtype=_t.int64)  # all bits set, none, all but the top one
+    u = noise.to_unit(extremes)
+    assert _t.all(u < 1.0) and _t.all(u > 0.0), u
+    x = uniform_noise(_t.arange(64), _t.arange(64), SALT_SAMPLE, 4096)
+    assert float(x.max()) < 1.0 and float(x.min()) > 0.0

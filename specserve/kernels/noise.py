@@ -34,5 +34,12 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, salt: int, width
     if width is not None:
         cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
         key = key[..., None] + cols * _GOLD
-    bits = _srl(_mix64(key), 40)  # top 24 bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    return to_unit(_mix64(key))
+
+
+def to_unit(h: torch.Tensor) -> torch.Tensor:
+    """A mixed 64-bit hash -> float32 in (0, 1): its top 23 bits b as (b + 0.5) / 2^23, exact in float32 and strictly
+    inside the interval. With 24 bits the largest value, 2^24 - 0.5, rounds to 2^24 and u to exactly 1.0, where the
+    exponential race divides by -log(u) = 0 (the row's sample was then that token whatever its probability: ~1% of
+    rows a step with a 150k vocabulary)."""
+    return (_srl(h, 41).float() + 0.5) * (1.0 / (1 << 23))

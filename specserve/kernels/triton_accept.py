@@ -42,9 +42,9 @@ def _key(seed, position, SALT: tl.constexpr):
 
 @triton.jit
 def _uniform(key):
-    """Top 24 bits of mix64(key) -> (bits + 0.5) / 2^24, exactly as the reference."""
-    bits = _mix64(key) >> 40
-    return (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    """Top 23 bits of mix64(key) -> (bits + 0.5) / 2^23 in (0, 1), exactly as the reference (kernels/noise.py)."""
+    bits = _mix64(key) >> 41
+    return (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit
