@@ -219,7 +219,7 @@ def test_unsupported_architecture_lists_the_supported_ones():
     assert "GPT2LMHeadModel" in msg
     assert all(arch in msg for arch in MODEL_REGISTRY)
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM"):
-        model_class("DeepseekV3ForCausalLMNextN")
+        model_class("MixtralForCausalLMNextN")
 
 
 DENSE_REQUIRED = ["hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "intermediate_size"]
