@@ -12,7 +12,7 @@ import pytest
 import torch
 from spec_fixtures import OracleDraft, build_scheduler
 from test_prefill_graph import check_padded_prefill, prefill_runner
-from test_runners import _inputs, check_one_graph_step
+from test_runners import _inputs, check_one_graph_step, token_caches
 from test_spec_greedy import _hf_greedy, _prompts, _run
 
 from specserve.engine.model_runner import ModelRunner
@@ -33,10 +33,8 @@ def _cuda_spec_runner(path, n, page_size, dtype=torch.float32, draft_path=None, 
     mr = ModelRunner(args, t.model, t.config, draft, dev, dtype, 512)
     mr.capture_graphs()
     g = torch.Generator(device=dev).manual_seed(0)
-    for pool in (mr.caches.kv, mr.spec.caches.kv):
-        for k, v in zip(pool.k, pool.v):
-            k.copy_(torch.randn(k.shape, generator=g, device=dev))
-            v.copy_(torch.randn(v.shape, generator=g, device=dev))
+    for cache in token_caches(mr.caches) + token_caches(mr.spec.caches):  # K/V or latent rows of every layer
+        cache.copy_(torch.randn(cache.shape, generator=g, device=dev))
     return mr
 
 

@@ -70,6 +70,9 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if cfg_dtype in (torch.bfloat16, "bfloat16", torch.float16, "float16"):
         return torch.bfloat16 if cfg_dtype in (torch.bfloat16, "bfloat16") else torch.float16
+    if cfg_dtype is not None:  # e.g. a float32 checkpoint: served in bfloat16 unless --dtype says otherwise
+        logger.info("checkpoint dtype %s: serving in bfloat16 on %s (--dtype float32 keeps it)", cfg_dtype,
+                    device.type)
     return torch.bfloat16
 
 

@@ -1,0 +1,78 @@
+"""GPU tests of the MLA (+ DSA) family (skipped on CPU; to run on the H200 and record in BENCHMARKS.md):
+
+- every speculative phase runner of DeepSeek-V3.2 / GLM-5 tiny checkpoints (truly sparse top-k) is captured and its
+  CUDA graph replay equals the eager run with shrinking then growing batch sizes; so does the one-graph spec step;
+- greedy MTP == plain on the GPU in float32 (DeepSeek-V3, == transformers; GLM-5 with sparse top-k);
+- a retraction workload leaves no page or page-table row behind.
+"""
+
+import pytest
+import torch
+from deepseek_helpers import build_tiny_deepseek, build_tiny_dsa
+from spec_fixtures import build_scheduler, run_greedy
+from test_deepseek_dsa import _with_mtp
+from test_gpu import CAPTURE, _cuda_spec_runner, _to
+from test_qwen3_next import _hf_greedy
+from test_runners import _inputs, check_one_graph_step
+from test_spec_greedy import _prompts
+
+pytestmark = pytest.mark.gpu
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gmla")
+    return {"v3": build_tiny_deepseek(str(root / "v3"), seed=71, mtp=True),
+            "glm": _with_mtp(build_tiny_dsa(str(root / "glm"), "glm_moe_dsa", seed=72, index_topk=5), 73)}
+
+
+@pytest.mark.parametrize("key", ["v3", "glm"])
+def test_graph_replay_equals_eager_every_phase(models, key):
+    mr = _cuda_spec_runner(models[key], 3, 1)
+    assert all(r.graphs for r in mr.spec.runners.values()), "every phase must be captured"
+    for name, runner in mr.spec.runners.items():
+        for i, bs in enumerate([13, 9, 5, 3, 1, 2, 7, 16]):
+            handles, live = _inputs(mr, name, bs, seed=100 * i)
+            live = _to(live, mr.device)
+            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
+            out = runner.run(live)
+            for k in eager:
+                torch.testing.assert_close(out[k], eager[k], rtol=2e-4, atol=2e-4, msg=f"{name} bs={bs} {k}")
+            for h in handles:
+                mr.kv.release(h)
+    check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
+
+
+@pytest.mark.parametrize("key", ["v3", "glm"])
+def test_spec_greedy_equals_plain_fp32(models, key):
+    prompts = _prompts()
+    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32)
+    plain = [r.output_ids for r in run_greedy(build_scheduler(models[key], **kw)[0], prompts, NEW)]
+    if key == "v3":
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(models[key], dtype=torch.float32).eval()
+        assert plain == _hf_greedy(hf, prompts, NEW)
+    spec, _ = build_scheduler(models[key], speculative_algorithm="MTP", speculative_num_steps=3, **kw)
+    assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
+    assert spec.mr.spec.spec_step.replays > 0
+    spec.check_idle_invariants()
+
+
+def test_no_leak_mixed_workload_gpu(models):
+    from test_kv_accounting import _workload
+
+    from specserve import Engine
+
+    prompts, params = _workload()
+    kw = dict(context_length=128, chunked_prefill_size=32, max_running_requests=8, speculative_algorithm="MTP",
+              speculative_num_steps=3, cuda_graph_bs=[1, 2, 4, 8], schedule_conservativeness=0.0, dtype="float32")
+    exp = Engine(model_path=models["glm"], max_total_tokens=8192, **kw).generate(input_ids=prompts,
+                                                                                  sampling_params=params)
+    tight = Engine(model_path=models["glm"], max_total_tokens=160, **kw)
+    got = tight.generate(input_ids=prompts, sampling_params=params)
+    assert tight.scheduler.stats.num_retractions > 0
+    tight.scheduler.check_idle_invariants()
+    same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(got, exp))
+    assert same >= len(prompts) - 2, f"only {same}/{len(prompts)} requests equal between tight and roomy engines"
