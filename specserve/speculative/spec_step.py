@@ -20,6 +20,7 @@ vocabulary per verified position, skipped when no row filters). All three share 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from specserve.speculative.worker import SpecWorker
 
 PhaseFn = Callable[[str, LiveInputs], dict[str, torch.Tensor]]
+logger = logging.getLogger(__name__)
 
 
 def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch.Tensor, pos0: torch.Tensor,
@@ -120,8 +122,12 @@ class SpecStepRunner(LadderRunner):
     def replays(self) -> int:
         return self.ladder.replays + self.sampled.replays + self.filtered.replays
 
-    def covers(self, bs: int) -> bool:
-        return self.use_graphs and bs <= self.max_bs
+    def covers(self, bs: int, sb: SamplingBatch = GREEDY) -> bool:
+        """Whether a batch of bs requests with this sampling runs as one graph (on CPU: one static replay)."""
+        if not (self.use_graphs and bs <= self.max_bs):
+            return False
+        ladder = self._ladder(sb)
+        return ladder.enabled or not ladder.on_cuda
 
     def padded_bs(self, bs: int) -> int:
         return self.ladder.padded(bs)
@@ -155,7 +161,15 @@ class SpecStepRunner(LadderRunner):
                 return lambda: self.forward(inputs, max_s, sb)
 
             ladder = self.ladder if kind is None else (self.filtered if kind else self.sampled)
-            pool = ladder.capture(prepare, pool)
+            try:
+                pool = ladder.capture(prepare, pool)
+            except RuntimeError as e:
+                if kind is None:
+                    raise
+                # The sampling graphs are an optimisation over the phase-by-phase path: a capture failure there
+                # (first seen on a new device or torch) leaves sampled batches on the phases' own graphs.
+                logger.warning("sampled spec-step graphs not captured (%s); sampled batches run phase by phase", e)
+                ladder.sizes, ladder.graphs, ladder.outputs = [], {}, {}
         return pool
 
     @torch.inference_mode()

@@ -123,7 +123,7 @@ class SpecWorker:
              sb: SamplingBatch) -> SpecStepResult:
         """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S)."""
         one_graph = self.spec_step
-        if one_graph is not None and one_graph.covers(len(rows_host)):
+        if one_graph is not None and one_graph.covers(len(rows_host), sb):
             out = one_graph.run(rows_host, s_host, pos0_host, sb)
         else:
             dev = self.device
