@@ -17,6 +17,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")  # of a draft's weights (layers/quant.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-attention layers (layers/gdn.py)
+INDEXER_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the sparse-attention indexer's key cache (auto: --kv-cache-dtype)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ServerArgs:
     cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (graphs/prefill.py)
     attention_backend: str = "auto"
     linear_attn_prefill: str = "chunked"
+    indexer_cache_dtype: str = "auto"
     # sampling
     random_seed: int = 0
     sampling_defaults: str = "model"
@@ -147,6 +149,9 @@ class ServerArgs:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
+            raise ValueError(f"--indexer-cache-dtype must be one of {INDEXER_CACHE_DTYPES}, got "
+                             f"{self.indexer_cache_dtype!r}")
         if self.linear_attn_prefill not in LINEAR_ATTN_PREFILL:
             raise ValueError(f"--linear-attn-prefill must be one of {LINEAR_ATTN_PREFILL}, got "
                              f"{self.linear_attn_prefill!r}")
@@ -266,6 +271,9 @@ class ServerArgs:
         a("--linear-attn-prefill", default="chunked", choices=LINEAR_ATTN_PREFILL,
           help="prefill kernels of linear-attention (gated delta net) layers: chunked (chunk-parallel, tensor "
                "cores) or recurrent (token by token, the decode kernels)")
+        a("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
+          help="the sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): auto (the KV cache's dtype) or "
+               "fp8_e4m3 with a float32 scale per token")
         a("--random-seed", type=int, default=0, help="seed of requests that give none")
         a("--sampling-defaults", default="model", choices=("model", "openai"),
           help="model: unset sampling options come from the model's generation config; openai: OpenAI's defaults")

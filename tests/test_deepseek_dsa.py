@@ -204,3 +204,39 @@ def test_phase_replay_equals_eager(dsa):
     mr = _spec_runner(dsa["glm_moe_dsa_sparse"], n=3)
     check_phase_replay(mr)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-4)
+
+
+def test_fp8_indexer_keys(dsa):
+    """--indexer-cache-dtype fp8_e4m3: index keys stored in fp8 with a float32 scale per token (sized as such), the
+    dequantised keys within fp8's rounding of the bf16 ones, and speculation still lossless against plain decoding
+    with the same cache."""
+    path = dsa["deepseek_v32_sparse"]
+    prompts = _prompts()
+    outs = []
+    for spec in ({}, {"speculative_algorithm": "MTP", "speculative_num_steps": 3}):
+        sched, _ = build_scheduler(path, max_total_tokens=4096, indexer_cache_dtype="fp8_e4m3", **spec)
+        pool = sched.mr.caches.pools[CacheKind.INDEX_KEYS]
+        assert pool.rows[0].dtype == torch.float8_e4m3fn and pool.scales is not None
+        outs.append([r.output_ids for r in run_greedy(sched, prompts, NEW)])
+        sched.check_idle_invariants()
+    assert outs[0] == outs[1]
+    # sizing: 16 fp8 values + a 4-byte scale per token for each of the 3 indexers (+ the MTP block's)
+    from specserve.kvcache.cache_spec import bytes_per_token
+
+    specs = [s for s in sched.mr.target.cache_specs() if s.kind is CacheKind.INDEX_KEYS]
+    assert bytes_per_token(specs, torch.float32, {CacheKind.INDEX_KEYS: torch.float8_e4m3fn}) == 3 * (16 + 4)
+    # dequantised keys against the keys as computed: within fp8 e4m3's relative step (2^-3) of each row's scale
+    mr, t = _runner(path, n=0, indexer_cache_dtype="fp8_e4m3")
+    h = KVHandle()
+    assert mr.kv.assign_row(h) and mr.kv.ensure([h], [20])
+    _prefill(mr, t, [list(range(3, 23))], [h], chunk=20)
+    backend = mr.prefill.eager_backends[CacheKind.INDEX_KEYS]
+    slots = mr.req_to_token.table[h.row, :20]
+    deq = backend._keys(slots, 0)  # [20, 16]
+    layer = t.model.model.layers[0]
+    with torch.no_grad():
+        x = t.model.model.embed_tokens(torch.tensor(list(range(3, 23))))
+        iq = layer.self_attn.indexer(torch.arange(20), layer.input_layernorm(x),
+                                     layer.self_attn.q_a_layernorm(layer.self_attn.q_a_proj(layer.input_layernorm(x))))
+    err = (deq - iq.k).abs().amax(dim=-1) / iq.k.abs().amax(dim=-1)
+    assert float(err.max()) <= 2 ** -3

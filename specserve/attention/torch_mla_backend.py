@@ -71,12 +71,18 @@ class TorchIndexBackend(TorchAttentionBackend):
     def select(self, iq, indexer, fb: ForwardBatch):
         """iq: layers/dsa_indexer.py IndexQuery -> the selection (fixed width: [bs, 1, w, kv] bool; a prefill: one
         [e, s] mask per request piece)."""
-        rows = self.kv_pool.rows[indexer.cache_index]  # [slots, Di]
-        rows[fb.out_cache_loc] = iq.k.to(rows.dtype)
+        pool, i = self.kv_pool, indexer.cache_index
+        rows = pool.rows[i]  # [slots, Di]
+        if pool.scales is None:
+            rows[fb.out_cache_loc] = iq.k.to(rows.dtype)
+        else:  # fp8 with a float32 scale per token: the row's max maps to the format's largest finite value
+            scale = iq.k.float().abs().amax(dim=-1).clamp_min(1e-12) / torch.finfo(rows.dtype).max  # [T]
+            rows[fb.out_cache_loc] = (iq.k.float() / scale[:, None]).to(rows.dtype)
+            pool.scales[i][fb.out_cache_loc] = scale
         meta = self.meta
         if isinstance(meta, _FixedMeta):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]
-            keys = rows.index_select(0, meta.kv_slots.reshape(-1)).view(bs, -1, rows.shape[1]).float()  # [bs, kv, D]
+            keys = self._keys(meta.kv_slots.reshape(-1), i).view(bs, -1, rows.shape[1])  # [bs, kv, D] float32
             q = iq.q.view(bs, w, indexer.n_heads, -1).float()
             s = torch.einsum("bwhd,bkd->bwhk", q, keys).relu()  # [bs, w, Hi, kv]
             scores = torch.einsum("bwh,bwhk->bwk", iq.weights.view(bs, w, -1), s)
@@ -84,9 +90,16 @@ class TorchIndexBackend(TorchAttentionBackend):
             return self.last
         out = []
         for q0, e, slots, mask in meta.pieces:
-            keys = rows.index_select(0, slots).float()  # [s, D]
+            keys = self._keys(slots, i)  # [s, D]
             s = torch.einsum("ehd,kd->ehk", iq.q[q0:q0 + e].float(), keys).relu()  # [e, Hi, s]
             scores = torch.einsum("eh,ehk->ek", iq.weights[q0:q0 + e], s)
             out.append(topk_mask(scores, mask, indexer.topk))
         self.last = out
         return out
+
+    def _keys(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """Cached index keys of `slots` [n] -> [n, D] float32 (dequantised when stored in fp8)."""
+        keys = self.kv_pool.rows[layer].index_select(0, slots).float()
+        if self.kv_pool.scales is not None:
+            keys = keys * self.kv_pool.scales[layer].index_select(0, slots)[:, None]
+        return keys

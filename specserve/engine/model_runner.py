@@ -64,7 +64,9 @@ class ModelRunner:
         # ---- sizing: one budget for every pool (token slots of target and draft, then state rows)
         target_specs = target.cache_specs()
         draft_specs = draft.cache_specs() if draft is not None else []
-        per_tok = bytes_per_token(target_specs + draft_specs, kv_dtype)
+        self.kind_dtypes = ({CacheKind.INDEX_KEYS: torch.float8_e4m3fn} if args.indexer_cache_dtype == "fp8_e4m3"
+                            else {})
+        per_tok = bytes_per_token(target_specs + draft_specs, kv_dtype, self.kind_dtypes)
         self.row_width = -(-(context_len + self.num_steps + 1) // self.page_size) * self.page_size
         self.max_running = args.max_running_requests or (256 if device.type == "cuda" else 64)
         per_row = bytes_per_state_row(target_specs, self.num_steps + 1)
@@ -94,7 +96,7 @@ class ModelRunner:
         self.allocator = PageAllocator(num_pages, self.page_size)
         self.num_slots = num_pages * self.page_size
         self.caches = ModelCaches(target_specs, self.num_slots, kv_dtype, device, state_rows=self.max_running,
-                                  state_slots=self.num_steps + 1)
+                                  state_slots=self.num_steps + 1, kind_dtypes=self.kind_dtypes)
         self.kv = KVManager(self.allocator, self.req_to_token, self.caches.state)
         self.last_token = torch.zeros(self.max_running + 1, dtype=torch.int64, device=device)  # [rows]
 
@@ -122,7 +124,8 @@ class ModelRunner:
                                        spec_step_graph=not args.disable_spec_step_graph,
                                        ngram_lookup=args.speculative_ngram_lookup,
                                        lookup_confidence=args.speculative_ngram_confidence,
-                                       prefill_graph_tokens=max_prefill, prefill_graph_rows=prefill_rows))
+                                       prefill_graph_tokens=max_prefill, prefill_graph_rows=prefill_rows,
+                                       kind_dtypes=self.kind_dtypes))
         # prefill: the target's extend (the draft's over the same positions is the worker's)
         self.prefill = PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs)
 

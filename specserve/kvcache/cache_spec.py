@@ -46,7 +46,12 @@ class LatentCacheSpec:
             raise ValueError(f"a latent cache is MLA or INDEX_KEYS, not {self.kind}")
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.width * _itemsize(dtype)
+        """In an 8-bit float dtype each row also keeps a float32 scale (kvcache/kv_pool.py LatentPool)."""
+        return self.width * _itemsize(dtype) + (4 if is_fp8(dtype) else 0)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,12 @@ def specs_of_kind(specs: list[CacheSpec], kind: CacheKind) -> list[CacheSpec]:
     return [s for s in specs if s.kind is kind]
 
 
-def bytes_per_token(specs: list[CacheSpec], dtype: torch.dtype) -> int:
-    """KV bytes one token costs over every token-indexed layer (recurrent layers keep no tokens)."""
-    return sum(s.bytes_per_token(dtype) for s in specs if s.kind.token_indexed)
+def bytes_per_token(specs: list[CacheSpec], dtype: torch.dtype,
+                    kind_dtypes: dict[CacheKind, torch.dtype] | None = None) -> int:
+    """KV bytes one token costs over every token-indexed layer (recurrent layers keep no tokens); kind_dtypes: a
+    kind kept in another dtype than `dtype` (e.g. fp8 indexer keys)."""
+    kind_dtypes = kind_dtypes or {}
+    return sum(s.bytes_per_token(kind_dtypes.get(s.kind, dtype)) for s in specs if s.kind.token_indexed)
 
 
 def bytes_per_state_row(specs: list[CacheSpec], slots_per_row: int) -> int:

@@ -18,10 +18,11 @@ from specserve.kvcache.state_pool import StatePool
 
 class ModelCaches:
     def __init__(self, specs: list[CacheSpec], num_slots: int, kv_dtype: torch.dtype, device: torch.device,
-                 state_rows: int = 0, state_slots: int = 1):
+                 state_rows: int = 0, state_slots: int = 1, kind_dtypes: dict[CacheKind, torch.dtype] | None = None):
         """specs: the model's cache_specs(); num_slots: token slots of every token-indexed pool; state_rows,
         state_slots: request rows and slots per row of the recurrent-state pool (models without recurrent layers:
-        none is built)."""
+        none is built); kind_dtypes: token-indexed kinds kept in another dtype than kv_dtype (fp8 indexer keys)."""
+        kind_dtypes = kind_dtypes or {}
         self.specs = list(specs)
         self.pools: dict[CacheKind, KVPool | LatentPool | StatePool] = {}
         for kind in CacheKind:
@@ -35,7 +36,7 @@ class ModelCaches:
                     raise ValueError("a model with recurrent layers needs state rows")
                 self.pools[kind] = StatePool(of_kind, state_rows, state_slots, device)
             else:
-                self.pools[kind] = LatentPool(of_kind, num_slots, kv_dtype, device)
+                self.pools[kind] = LatentPool(of_kind, num_slots, kind_dtypes.get(kind, kv_dtype), device)
 
     @property
     def kinds(self) -> list[CacheKind]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kvcache.cache_spec import LatentCacheSpec, MHACacheSpec
+from specserve.kvcache.cache_spec import LatentCacheSpec, MHACacheSpec, is_fp8
 
 
 class KVPool:
@@ -37,7 +37,8 @@ class KVPool:
 
 
 class LatentPool:
-    """One row per token per layer (MLA latent or indexer keys): rows[i] of [num_slots, width]."""
+    """One row per token per layer (MLA latent or indexer keys): rows[i] of [num_slots, width]. In an 8-bit float
+    dtype each row has a float32 scale, scales[i] of [num_slots] (row = stored * scale)."""
 
     def __init__(self, specs: list[LatentCacheSpec], num_slots: int, dtype: torch.dtype, device: torch.device):
         self.kind = specs[0].kind
@@ -45,3 +46,5 @@ class LatentPool:
         self.num_slots = num_slots
         self.dtype = dtype
         self.rows = [torch.zeros((num_slots, s.width), dtype=dtype, device=device) for s in specs]
+        self.scales = ([torch.ones(num_slots, dtype=torch.float32, device=device) for _ in specs]
+                       if is_fp8(dtype) else None)

@@ -17,7 +17,7 @@ larger ones run the phases' own graphs with the glue in between (spec_step_devic
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,7 @@ class WorkerSettings:
     lookup_confidence: float
     prefill_graph_tokens: int  # largest prefill batch run as a graph (0: eager)
     prefill_graph_rows: int
+    kind_dtypes: dict = field(default_factory=dict)  # cache kinds kept in another dtype (fp8 indexer keys)
 
 
 class SpecWorker:
@@ -68,7 +69,7 @@ class SpecWorker:
         specs = draft.cache_specs()
         if any(spec.kind is CacheKind.RECURRENT for spec in specs):
             raise ValueError("draft models with recurrent layers are not supported (the MTP block is attention)")
-        self.caches = ModelCaches(specs, num_slots, kv_dtype, self.device)
+        self.caches = ModelCaches(specs, num_slots, kv_dtype, self.device, kind_dtypes=s.kind_dtypes)
         rows = target_ctx.req_to_token.table.shape[0]
         row_width = target_ctx.req_to_token.width
         # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
