@@ -61,6 +61,7 @@ class ServerArgs:
     attention_backend: str = "auto"
     linear_attn_prefill: str = "chunked"
     indexer_cache_dtype: str = "auto"
+    speculative_mtp_chain: str = "normed"
     # sampling
     random_seed: int = 0
     sampling_defaults: str = "model"
@@ -149,6 +150,8 @@ class ServerArgs:
             raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.speculative_mtp_chain not in ("normed", "prenorm"):
+            raise ValueError(f"--speculative-mtp-chain must be normed or prenorm, got {self.speculative_mtp_chain!r}")
         if self.indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
             raise ValueError(f"--indexer-cache-dtype must be one of {INDEXER_CACHE_DTYPES}, got "
                              f"{self.indexer_cache_dtype!r}")
@@ -271,6 +274,9 @@ class ServerArgs:
         a("--linear-attn-prefill", default="chunked", choices=LINEAR_ATTN_PREFILL,
           help="prefill kernels of linear-attention (gated delta net) layers: chunked (chunk-parallel, tensor "
                "cores) or recurrent (token by token, the decode kernels)")
+        a("--speculative-mtp-chain", default="normed", choices=("normed", "prenorm"),
+          help="the MTP draft's hidden state chained into its next step: after its final norm (shared_head.norm) "
+               "or before it")
         a("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
           help="the sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): auto (the KV cache's dtype) or "
                "fp8_e4m3 with a float32 scale per token")

@@ -54,6 +54,12 @@ class OracleDraft(nn.Module):
         h[:, 1] = pos.float()
         return h
 
+    def set_chain_prenorm(self, prenorm: bool) -> None:
+        assert not prenorm, "the oracle drafter chains nothing"
+
+    def chained(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden[:, 0].long().clamp(0, self.table.shape[0] - 1)
         idx = (hidden[:, 1].long() + 2).clamp(0, self.table.shape[1] - 1)  # draft at p predicts index p + 2

@@ -12,7 +12,7 @@ from deepseek_helpers import build_tiny_deepseek
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
 from test_qwen3_next import _hf_greedy, _hf_logits, _prefill, _runner
-from test_runners import _spec_runner, check_isolation, check_one_graph_step, check_phase_replay
+from test_runners import _inputs, _spec_runner, check_isolation, check_one_graph_step, check_phase_replay
 from test_spec_greedy import _prompts
 
 from specserve.batch import CacheKind
@@ -134,3 +134,33 @@ def test_router_params_stay_float32_in_a_bfloat16_model(deepseek):
     with safe_open(f"{deepseek['mtp']}/model.safetensors", framework="pt") as st:
         want = st.get_tensor(name).float()
     assert torch.equal(moe.e_score_correction_bias, want)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mtp_chain_before_or_after_the_final_norm(deepseek, greedy_ref, page_size):
+    """--speculative-mtp-chain prenorm chains the MTP block's residual stream (before shared_head.norm) instead of
+    its normed output: still lossless, and a different drafter (its chained drafts differ)."""
+    prompts, ref = greedy_ref
+    for chain in ("normed", "prenorm"):
+        sched, _ = build_scheduler(deepseek["mtp"], page_size=page_size, max_total_tokens=4096,
+                                   speculative_algorithm="MTP", speculative_num_steps=3, speculative_mtp_chain=chain)
+        assert sched.mr.draft.chain_prenorm == (chain == "prenorm")
+        reqs = run_greedy(sched, prompts, NEW)
+        assert [r.output_ids for r in reqs] == ref
+    draft = sched.mr.draft
+    h = torch.randn(3, 2 * draft.config.hidden_size)
+    assert torch.equal(draft.chained(h), h[:, draft.config.hidden_size:])  # the pre-norm half chains
+    # the same draft-extend inputs: the same drafts (logits read the normed half), another chained hidden state —
+    # the pre-norm stream (with hnorm behind it, the two differ by the final norm's weight and scale)
+    mr = _spec_runner(deepseek["mtp"], n=3)
+    runner = mr.spec.runners["draft_extend"]
+    handles, live = _inputs(mr, "draft_extend", 8, seed=3)
+    out = {}
+    for prenorm in (False, True):
+        mr.draft.set_chain_prenorm(prenorm)
+        out[prenorm] = runner.forward_phase(live, runner.eager_backends, False)
+    assert torch.equal(out[False]["tokens"], out[True]["tokens"])
+    normed, stream = out[False]["hidden"], out[True]["hidden"]  # [8, H] each
+    assert normed.shape == stream.shape and not torch.allclose(normed, stream, atol=1e-2)
+    rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mr.draft.config.rms_norm_eps)
+    torch.testing.assert_close(normed, rms(stream) * mr.draft.final_norm.weight, rtol=1e-4, atol=1e-4)

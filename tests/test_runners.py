@@ -195,6 +195,9 @@ class PositionProbe(nn.Module):
     def draft_tokens(self, hidden):
         return torch.zeros(hidden.shape[0], dtype=torch.int64)
 
+    def chained(self, out):
+        return out
+
 
 def _probe_ctx(probe, mrope=True):
     rtt = ReqToTokenPool(16, 64, torch.device("cpu"))

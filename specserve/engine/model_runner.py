@@ -52,6 +52,8 @@ class ModelRunner:
         self.draft = draft
         if draft is not None and draft.aux_layers:
             target.set_aux_layers(draft.aux_layers)  # extend and verify now also return these layers' outputs
+        if draft is not None:
+            draft.set_chain_prenorm(args.speculative_mtp_chain == "prenorm")
         self.cfg = cfg
         self.device = device
         self.dtype = dtype

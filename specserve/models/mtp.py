@@ -77,10 +77,22 @@ class MTPDraftModel(nn.Module):
         else:
             self.draft_vocab = None
         self._shared: tuple[VocabEmbedding, LMHead] | None = None
+        # the hidden state chained into the next draft step: after the final norm (False) or before it (True);
+        # engines disagree (issue 14), so it is a serving choice (--speculative-mtp-chain)
+        self.chain_prenorm = False
 
     def share_target(self, embed: VocabEmbedding, lm_head: LMHead) -> None:
         # Kept outside the module tree so the target's weights are not registered (or saved) twice.
         self._shared = (embed, lm_head)
+
+    def set_chain_prenorm(self, prenorm: bool) -> None:
+        """Chain the pre-norm residual stream instead of the normed output: forward() then returns [normed |
+        pre-norm] [T, 2H]; logits read the first half, `chained` the second."""
+        self.chain_prenorm = prenorm
+
+    def chained(self, out: torch.Tensor) -> torch.Tensor:
+        """forward()'s output -> the hidden state fed to the next draft step [..., H]."""
+        return out[..., self.config.hidden_size:] if self.chain_prenorm else out
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self._shared[0])(ids)
@@ -106,11 +118,15 @@ class MTPDraftModel(nn.Module):
         h = self.hnorm(hidden)
         x = self.eh_proj(torch.cat((e, h), dim=-1))
         x, residual = self.decoder(fb.positions, x, None, fb)
-        x, _ = self.final_norm(x, residual)
-        return x
+        normed, stream = self.final_norm(x, residual)  # stream: the residual sum the norm reads
+        return torch.cat((normed, stream), dim=-1) if self.chain_prenorm else normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> [T, Vd] float32 (Vd = the draft vocabulary, the target's unless reduced)."""
+        """[T, H] (or forward()'s [T, 2H] with chain_prenorm: its normed half) -> [T, Vd] float32 (Vd = the draft
+        vocabulary, the target's unless reduced)."""
+        h = self.config.hidden_size
+        if hidden.shape[-1] != h:
+            hidden = hidden[..., :h].contiguous()
         return (self.lm_head or self._shared[1])(hidden)
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,9 @@ class DraftDecodeRunner(PhaseRunner):
         for i in range(self.num_steps):
             fb = self.make_batch(self.mode, t, ids, t.positions + i, t.seq_lens + i, hidden, backends, graph_mode,
                                  t.max_seq_len)
-            hidden = self.ctx.model(fb)
-            ids = self.chooser.draft_tokens(hidden, hist, last, pattern)
+            out = self.ctx.model(fb)
+            ids = self.chooser.draft_tokens(out, hist, last, pattern)
+            hidden = self.ctx.model.chained(out)  # [bs, H] into the next step
             if pattern is not None:
                 pattern = (pattern[1], pattern[2], ids)
             tokens.append(ids)
@@ -60,9 +61,9 @@ class DraftExtendRunner(PhaseRunner):
     def forward_phase(self, t, backends, graph_mode):
         fb = self.make_batch(self.mode, t, t.input_ids, t.positions, t.seq_lens, t.hidden, backends, graph_mode,
                              t.max_seq_len)
-        hidden = self.ctx.model(fb).view(t.batch_size, self.width, -1)
-        sel = hidden[torch.arange(t.batch_size, device=hidden.device), t.accept_len]  # [bs, H]
+        out = self.ctx.model(fb).view(t.batch_size, self.width, -1)
+        sel = out[torch.arange(t.batch_size, device=out.device), t.accept_len]  # [bs, H] (or [normed | pre-norm])
         # committed tokens now end at S + accept_len + 1 (seq_lens = S + width here; the history holds them)
         last = t.seq_lens - self.width + t.accept_len + 1
         hist = self.chooser.history_rows(t.req_pool_indices)
-        return {"tokens": self.chooser.draft_tokens(sel, hist, last), "hidden": sel}
+        return {"tokens": self.chooser.draft_tokens(sel, hist, last), "hidden": self.ctx.model.chained(sel)}

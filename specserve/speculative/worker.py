@@ -116,7 +116,7 @@ class SpecWorker:
         last = dh[final_idx]
         self.state.draft_token[final_rows] = self.chooser.draft_tokens(last, self.chooser.history_rows(final_rows),
                                                                        final_pos)
-        self.state.draft_hidden[final_rows] = last.to(self.state.draft_hidden.dtype)
+        self.state.draft_hidden[final_rows] = self.draft.chained(last).to(self.state.draft_hidden.dtype)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
