@@ -24,7 +24,7 @@ from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config, rope_parameters
 from specserve.models.config import ModelConfig, optional, require, text_config
-from specserve.models.dense import PreNormDecoderLayer
+from specserve.models.dense import PreNormDecoderLayer, copy_param
 from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _SELF_ATTN = ".self_attn."
@@ -142,12 +142,5 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
                     tensor: torch.Tensor) -> str | None:
         """MLA projections are copied by name (not the dense family's fused q/k/v shards); the rest as Qwen3-MoE."""
         if _SELF_ATTN in name:
-            if name not in params:
-                return None
-            p = params[name]
-            if p.shape != tensor.shape:
-                raise ValueError(f"{name}: parameter shape {tuple(p.shape)} != checkpoint shape {tuple(tensor.shape)}")
-            with torch.no_grad():
-                p.copy_(tensor)
-            return name
+            return copy_param(params, name, tensor)
         return super().load_tensor(root, params, name, tensor)

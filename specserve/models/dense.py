@@ -306,6 +306,11 @@ def load_dense_tensor(root: nn.Module, params: dict[str, nn.Parameter], name: st
         module = root.get_submodule(mod_name)
         module.load_shard(shard, tensor, is_bias=parts[-1] == "bias")
         return f"{mod_name}.{parts[-1]}"
+    return copy_param(params, name, tensor)
+
+
+def copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+    """Copy a tensor into the parameter of the same name (shape checked); None when there is none."""
     if name not in params:
         return None
     p = params[name]
