@@ -103,3 +103,22 @@ class TorchIndexBackend(TorchAttentionBackend):
         if self.kv_pool.scales is not None:
             keys = keys * self.kv_pool.scales[layer].index_select(0, slots)[:, None]
         return keys
+
+
+class TritonMLABackend(TorchMLABackend):
+    """Fixed-width batches (decode, verify, the draft phases) through the Triton absorbed-MLA kernel
+    (kernels/triton_mla.py; each key's latent row read once for a block of heads), prefill batches through the
+    torch reference. Chosen by --attention-backend triton; `auto` keeps the torch reference for MLA until the
+    kernel has been measured on the GPU."""
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
+                selection=None) -> torch.Tensor:
+        meta = self.meta
+        if not isinstance(meta, _FixedMeta):
+            return super().forward(q, latent, layer, fb, selection)
+        from specserve.kernels.triton_mla import mla_decode_triton
+
+        rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
+        rows[fb.out_cache_loc] = latent.to(rows.dtype)
+        return mla_decode_triton(q.contiguous(), rows, meta.kv_slots, fb.seq_lens, meta.mask.shape[2],
+                                 layer.scaling, layer.kv_lora_rank, selection)

@@ -1,0 +1,151 @@
+"""Triton absorbed-MLA attention for fixed-width batches (oracle: attention/torch_mla_backend.py, fixed-width path).
+
+With the key and value up-projections absorbed, multi-head latent attention is attention with ONE key/value head
+shared by all H query heads: the key is the cached latent row [c ; k_rope] (C = kv_lora_rank plus R rope dims) and
+the value is the row's first C dims, c. A decode step's cost is reading those rows, so the kernel reads each key's
+row once per program and uses it for a block of BLOCK_H query heads, twice: as the key ([BLOCK_H, C + R] x
+[C + R, BLOCK_N] scores) and as the value ([BLOCK_H, BLOCK_N] x [BLOCK_N, C]). Heads are what fills the tile's M
+dimension here (the GQA grouping of kernels/triton_attention.py taken to its limit: one KV head for all).
+
+Layout (the fixed-width metadata of attention/torch_backend.py, `_fixed_meta`): every request b has `width` = W
+new tokens, query i (0 <= i < W) at token b * W + i; kv_slots [bs, max_kv] maps key position -> cache slot, and
+query i of b sees the key positions < seq_lens[b] - W + i + 1 (padded requests: seq_lens == W, slots 0, so they
+see only their first keys). DeepSeek sparse attention additionally ANDs a selection [bs, 1, W, max_kv] bool.
+
+Grid (bs * W, cdiv(H, BLOCK_H)): one program per (query token, block of BLOCK_H heads). It loops over blocks of
+BLOCK_N key positions up to its query's causal length, which it reads from seq_lens in device memory; the grid
+depends on shapes only, so a launch is CUDA-graph capturable and replays with new seq_lens / kv_slots / selection
+copied into the same tensors. Online (flash) softmax in base 2 (scores pre-multiplied by scale * log2 e), running
+max / sum and the [BLOCK_H, C] accumulator in float32.
+
+C + R is usually not a power of two (DeepSeek: 512 + 64). Rather than pad C + R to the next power of two (1024:
+nearly twice the loads and products), the row is handled as two tiles, c [BLOCK_N, BLOCK_C] and k_rope
+[BLOCK_N, BLOCK_R], each padded to its own power of two with masks; the score is the sum of the two dots and the
+value tile is the already-loaded c.
+
+Block sizes: BLOCK_H = 16 by default (tl.dot's smallest M; fewer heads are masked), BLOCK_N = 64 keys (32 when the
+row is wider than 256, to bound the c tile's registers), num_warps 4 (8 when BLOCK_C > 256, where the [BLOCK_H,
+BLOCK_C] float32 accumulator and the c tile dominate). `F32_DOT` computes the products in float32: set for CPU
+tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9); probabilities are still rounded
+to the value dtype first, as on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out_ptr, qk_scale,
+                       num_heads, max_kv, kv_lora_rank, rope_dim,
+                       stride_qt, stride_qh, stride_rs, stride_kvb, stride_kvn, stride_sl,
+                       stride_sb, stride_sw, stride_sn, stride_ot, stride_oh,
+                       W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_SEL: tl.constexpr,
+                       F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    t = tl.program_id(0)  # query token b * W + i
+    hb = tl.program_id(1)  # head block
+    b = t // W
+    i = t % W
+    seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
+    kv_len = tl.minimum(seq_len - W + i + 1, max_kv)  # this query's causal length (>= 1)
+
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    h_ok = h < num_heads
+    c = tl.arange(0, BLOCK_C)  # [BLOCK_C] latent dims
+    c_ok = c < kv_lora_rank
+    q_row = q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh  # [BLOCK_H, 1]
+    q_c = tl.load(q_row + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_C]
+    if HAS_ROPE:
+        r = tl.arange(0, BLOCK_R)  # [BLOCK_R] rope dims, after the C latent dims
+        r_ok = r < rope_dim
+        q_r = tl.load(q_row + kv_lora_rank + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+                      other=0.0)  # [BLOCK_H, BLOCK_R]
+
+    m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    slots_row = kv_slots_ptr + b.to(tl.int64) * stride_kvb
+    for n0 in range(0, kv_len, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        key_ok = n < kv_len
+        slot = tl.load(slots_row + n * stride_kvn, mask=key_ok, other=0).to(tl.int64)  # [BLOCK_N]
+        row = rows_ptr + slot[:, None] * stride_rs  # [BLOCK_N, 1]
+        # the latent rows' c part, loaded once: the key's first C dims for every head, then the value
+        kc = tl.load(row + c[None, :], mask=key_ok[:, None] & c_ok[None, :], other=0.0).to(q_c.dtype)
+        s = _dot(q_c, tl.trans(kc), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N]
+        if HAS_ROPE:
+            kr = tl.load(row + kv_lora_rank + r[None, :], mask=key_ok[:, None] & r_ok[None, :],
+                         other=0.0).to(q_c.dtype)  # [BLOCK_N, BLOCK_R]
+            s += _dot(q_r, tl.trans(kr), F32_DOT, PRECISION)
+        visible = key_ok
+        if HAS_SEL:
+            sel = tl.load(sel_ptr + b.to(tl.int64) * stride_sb + i * stride_sw + n * stride_sn, mask=key_ok,
+                          other=0)
+            visible = visible & (sel != 0)
+        s = tl.where(visible[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BLOCK_H]
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]; 0 where hidden
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(q_c.dtype), kc, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_C]
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + c[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
+
+
+def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tensor, seq_lens: torch.Tensor,
+                      width: int, scale: float, kv_lora_rank: int, selection: torch.Tensor | None = None, *,
+                      block_h: int = 16, block_n: int | None = None, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """Absorbed MLA attention of a fixed-width batch.
+
+    q [bs * width, H, C + R] (latent-absorbed nope part | rope part); rows [slots, C + R] the latent cache;
+    kv_slots [bs, max_kv] int64; seq_lens [bs] int64 (device); selection None or [bs, 1, width, max_kv] bool
+    -> out [bs * width, H, C] in q's dtype. Launch shape from host ints and tensor shapes only: capturable.
+    block_h: heads per program (power of two >= 16); block_n: keys per step (default from the row width)."""
+    num_tokens, num_heads, dim = q.shape
+    bs, max_kv = kv_slots.shape
+    c, rope = kv_lora_rank, dim - kv_lora_rank
+    assert 0 < c <= dim and rows.shape[1] == dim and num_tokens == bs * width and seq_lens.shape == (bs,)
+    assert q.stride(-1) == 1 and rows.stride(-1) == 1
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, c), dtype=q.dtype, device=q.device)
+    assert out.shape == (num_tokens, num_heads, c) and out.dtype == q.dtype and out.stride(-1) == 1
+    if num_tokens == 0:
+        return out
+    block_c = max(16, triton.next_power_of_2(c))
+    block_r = max(16, triton.next_power_of_2(rope)) if rope > 0 else 16
+    if block_n is None:
+        block_n = 64 if block_c + block_r <= 256 else 32
+    if selection is not None:
+        assert selection.shape == (bs, 1, width, max_kv) and selection.dtype == torch.bool
+        sel = selection.view(torch.uint8)  # same bytes; a plain byte pointer for the kernel
+        sel_strides = (sel.stride(0), sel.stride(2), sel.stride(3))
+    else:
+        sel, sel_strides = kv_slots, (0, 0, 0)  # unused
+    f32_dot = not q.is_cuda
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
+    _mla_decode_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        q, rows, kv_slots, seq_lens, sel, out, scale * _LOG2E, num_heads, max_kv, c, rope,
+        q.stride(0), q.stride(1), rows.stride(0), kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0),
+        *sel_strides, out.stride(0), out.stride(1),
+        W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, HAS_ROPE=rope > 0,
+        HAS_SEL=selection is not None, F32_DOT=f32_dot, PRECISION=precision,
+        num_warps=4 if block_c <= 256 else 8, num_stages=2,
+    )
+    return out

@@ -1,0 +1,144 @@
+"""The absorbed-MLA decode kernel (kernels/triton_mla.py) against a plain torch reference (float32 softmax over the
+masked scores): float32 and bfloat16, widths 1 and 4, up to 5 requests of different lengths including padded ones
+(seq_lens == width, slots 0), H = 4 / 16 / 40 (40: three head blocks, the last one partial), C + R = 32 + 8 and
+48 + 16 (neither a power of two), 70 keys (several key blocks), dense or with a random DSA selection (dense-ish,
+and sparse enough to hide whole key blocks from a query). Keys past a request's length point at NaN-poisoned cache
+rows, so reading one shows up; q, the cache and kv_slots are strided views, as slices of larger buffers. On a GPU,
+the kernel captured in a CUDA graph and replayed with new lengths, slots and selections. On CPU the kernels run
+under Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py does the same)
+pytest.importorskip("triton")
+
+from specserve.kernels.triton_mla import mla_decode_triton  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# bfloat16 is compared against the output's scale: the kernel rounds the probabilities to bfloat16 before the value
+# product (as the GPU does) while the reference keeps them in float32, and Triton's interpreter truncates
+# float32 -> bfloat16 where the GPU rounds to nearest (triton 3.9): looser on CPU.
+BF16_SCALE_TOL = 2e-2 if DEV.type == "cuda" else 4e-2
+MAX_KV = 70
+NUM_SLOTS = 300  # live cache rows; the rows past them are NaN-poisoned
+POISON = 8
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    else:
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), atol=BF16_SCALE_TOL * scale, rtol=0)
+
+
+def reference(q, rows, kv_slots, seq_lens, width, scale, c, selection=None):
+    """q [bs * w, H, C + R]; rows [S, C + R]; kv_slots [bs, kv]; seq_lens [bs] -> [bs * w, H, C] in q's dtype."""
+    bs, kv = kv_slots.shape
+    pos = torch.arange(kv, device=q.device)
+    kv_rows = rows[kv_slots].float()  # [bs, kv, C + R]
+    kv_rows = torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv_rows, 0.0)  # past the length: unread
+    qq = q.float().view(bs, width, q.shape[1], -1)  # [bs, w, H, C + R]
+    scores = torch.einsum("bwhd,bkd->bwhk", qq, kv_rows) * scale  # [bs, w, H, kv]
+    q_len = seq_lens[:, None] - width + torch.arange(width, device=q.device)[None, :] + 1  # [bs, w]
+    allowed = pos[None, None, :] < q_len[:, :, None]  # [bs, w, kv]
+    if selection is not None:
+        allowed = allowed & selection[:, 0]
+    p = torch.softmax(scores.masked_fill(~allowed[:, :, None, :], float("-inf")), dim=-1)
+    o = torch.einsum("bwhk,bkc->bwhc", p, kv_rows[..., :c])  # [bs, w, H, C]
+    return o.reshape(bs * width, q.shape[1], c).to(q.dtype)
+
+
+def _batch(seq_lens: list[int], width: int, heads: int, c: int, r: int, dtype: torch.dtype, g: torch.Generator,
+           selection: str | None):
+    """-> (q, rows, kv_slots, seq_lens, selection) on DEV; q, rows and kv_slots are strided views."""
+    bs, d = len(seq_lens), c + r
+    base = torch.randn((bs * width, heads, d + 3), generator=g)
+    q = base.to(dtype).to(DEV)[..., 2:2 + d]  # [T, H, C + R], a slice of a fused buffer
+    cache = torch.randn((NUM_SLOTS + POISON, d + 5), generator=g)
+    cache[NUM_SLOTS:] = float("nan")
+    rows = cache.to(dtype).to(DEV)[:, :d]  # [S, C + R], row stride d + 5
+    table = torch.zeros((bs + 2, MAX_KV + 6), dtype=torch.int64)  # a graph buffer wider than the batch
+    for b, s in enumerate(seq_lens):
+        if s > width:  # padded requests (s == width) keep slot 0
+            table[b, :s] = torch.randperm(NUM_SLOTS, generator=g)[:s]
+        table[b, s:] = NUM_SLOTS + torch.randint(0, POISON, (MAX_KV + 6 - s,), generator=g)  # never read
+    kv_slots = table.to(DEV)[:bs, :MAX_KV]  # [bs, max_kv], row stride MAX_KV + 6
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
+    sel = None
+    if selection is not None:
+        keep = 0.5 if selection == "random" else 0.03
+        sel = torch.rand((bs, 1, width, MAX_KV), generator=g) < keep
+        for b, s in enumerate(seq_lens):
+            sel[b, 0, torch.arange(width), s - width + torch.arange(width)] = True  # each query's own last key
+        sel = sel.to(DEV)
+    return q, rows, kv_slots, lens, sel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("heads", [4, 16, 40])
+@pytest.mark.parametrize("c,r", [(32, 8), (48, 16)])
+@pytest.mark.parametrize("selection", [None, "random", "sparse"])
+def test_mla_decode_matches_reference(dtype, width, heads, c, r, selection):
+    g = torch.Generator().manual_seed(width * 1000 + heads * 10 + c + (len(selection) if selection else 0))
+    seq_lens = [MAX_KV, width, 33, 17 + width, width] if width == 1 else [width, 65, MAX_KV, 9]
+    q, rows, kv_slots, lens, sel = _batch(seq_lens, width, heads, c, r, dtype, g, selection)
+    scale = (c + r) ** -0.5
+    got = mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel)
+    assert got.shape == (len(seq_lens) * width, heads, c) and got.dtype == dtype
+    _assert_close(got, reference(q, rows, kv_slots, lens, width, scale, c, sel))
+    assert torch.equal(mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel), got)  # deterministic
+
+
+def test_small_key_blocks_and_out_buffer():
+    """BLOCK_N = 16 (five key blocks), written into a given strided output buffer."""
+    g = torch.Generator().manual_seed(7)
+    q, rows, kv_slots, lens, sel = _batch([MAX_KV, 2, 40], 2, 8, 48, 16, torch.float32, g, "random")
+    buf = torch.full((6, 8, 48 + 4), float("nan"), device=DEV)
+    out = buf[..., :48]
+    got = mla_decode_triton(q, rows, kv_slots, lens, 2, 0.1, 48, sel, block_n=16, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    _assert_close(out, reference(q, rows, kv_slots, lens, 2, 0.1, 48, sel))
+    assert torch.isnan(buf[..., 48:]).all()  # nothing written past C
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_mla_decode_cuda_graph_replay(dtype, sparse):
+    """Captured once with fixed shapes; replays with new seq_lens, kv_slots (and selections) copied into the same
+    tensors equal the reference. DeepSeek's row width: C = 512, R = 64."""
+    width, heads, c, r = 2, 16, 512, 64
+    g = torch.Generator().manual_seed(0)
+    q, rows, kv_slots, lens, sel = _batch([MAX_KV, width, 30], width, heads, c, r, dtype, g,
+                                          "random" if sparse else None)
+    scale = (c + r) ** -0.5
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles) outside the capture
+        mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel)
+    for seed in range(4):
+        g.manual_seed(100 + seed)
+        new_lens = [int(x) for x in torch.randint(width, MAX_KV + 1, (3,), generator=g)]
+        new_lens[seed % 3] = width  # a padded request
+        q2, _, slots2, lens2, sel2 = _batch(new_lens, width, heads, c, r, dtype, g, "random" if sparse else None)
+        q.copy_(q2)
+        kv_slots.copy_(slots2)
+        lens.copy_(lens2)
+        if sparse:
+            sel.copy_(sel2)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, reference(q, rows, kv_slots, lens, width, scale, c, sel))
