@@ -244,13 +244,16 @@ def test_fp8_indexer_keys(dsa):
 
 @pytest.mark.parametrize("key", ["deepseek_v32_sparse", "glm_moe_dsa_dense"])
 def test_triton_mla_backend_equals_the_reference(dsa, greedy_plain, key):
-    """--attention-backend triton: decode / verify / draft phases through the Triton absorbed-MLA kernel (under
-    the interpreter on CPU), sparse selections included; greedy MTP tokens == the torch reference's plain ones."""
-    from specserve.attention.torch_mla_backend import TritonMLABackend
+    """--attention-backend triton: decode / verify / draft phases through the Triton absorbed-MLA and indexer-score
+    kernels (under the interpreter on CPU), sparse selections included; greedy MTP tokens == the torch reference's
+    plain ones."""
+    from specserve.attention.torch_mla_backend import TritonIndexBackend, TritonMLABackend
 
     prompts, ref = greedy_plain
     sched, _ = build_scheduler(dsa[key], max_total_tokens=4096, attention_backend="triton",
                                speculative_algorithm="MTP", speculative_num_steps=2)
-    assert isinstance(sched.mr.spec.runners["target_verify"].backends[CacheKind.MLA], TritonMLABackend)
+    backends = sched.mr.spec.runners["target_verify"].backends
+    assert isinstance(backends[CacheKind.MLA], TritonMLABackend)
+    assert isinstance(backends[CacheKind.INDEX_KEYS], TritonIndexBackend)
     reqs = run_greedy(sched, prompts[:3], 8)
     assert [r.output_ids for r in reqs] == [o[:8] for o in ref[key][:3]]

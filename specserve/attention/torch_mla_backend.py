@@ -71,14 +71,9 @@ class TorchIndexBackend(TorchAttentionBackend):
     def select(self, iq, indexer, fb: ForwardBatch):
         """iq: layers/dsa_indexer.py IndexQuery -> the selection (fixed width: [bs, 1, w, kv] bool; a prefill: one
         [e, s] mask per request piece)."""
-        pool, i = self.kv_pool, indexer.cache_index
-        rows = pool.rows[i]  # [slots, Di]
-        if pool.scales is None:
-            rows[fb.out_cache_loc] = iq.k.to(rows.dtype)
-        else:  # fp8 with a float32 scale per token: the row's max maps to the format's largest finite value
-            scale = iq.k.float().abs().amax(dim=-1).clamp_min(1e-12) / torch.finfo(rows.dtype).max  # [T]
-            rows[fb.out_cache_loc] = (iq.k.float() / scale[:, None]).to(rows.dtype)
-            pool.scales[i][fb.out_cache_loc] = scale
+        i = indexer.cache_index
+        rows = self.kv_pool.rows[i]  # [slots, Di]
+        self._store(iq, i, fb)
         meta = self.meta
         if isinstance(meta, _FixedMeta):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]
@@ -96,6 +91,16 @@ class TorchIndexBackend(TorchAttentionBackend):
             out.append(topk_mask(scores, mask, indexer.topk))
         self.last = out
         return out
+
+    def _store(self, iq, layer: int, fb: ForwardBatch) -> None:
+        pool = self.kv_pool
+        rows = pool.rows[layer]  # [slots, Di]
+        if pool.scales is None:
+            rows[fb.out_cache_loc] = iq.k.to(rows.dtype)
+        else:  # fp8 with a float32 scale per token: the row's max maps to the format's largest finite value
+            scale = iq.k.float().abs().amax(dim=-1).clamp_min(1e-12) / torch.finfo(rows.dtype).max  # [T]
+            rows[fb.out_cache_loc] = (iq.k.float() / scale[:, None]).to(rows.dtype)
+            pool.scales[layer][fb.out_cache_loc] = scale
 
     def _keys(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
         """Cached index keys of `slots` [n] -> [n, D] float32 (dequantised when stored in fp8)."""
@@ -122,3 +127,23 @@ class TritonMLABackend(TorchMLABackend):
         rows[fb.out_cache_loc] = latent.to(rows.dtype)
         return mla_decode_triton(q.contiguous(), rows, meta.kv_slots, fb.seq_lens, meta.mask.shape[2],
                                  layer.scaling, layer.kv_lora_rank, selection)
+
+
+class TritonIndexBackend(TorchIndexBackend):
+    """Fixed-width batches score the paged index keys with the Triton kernel (kernels/triton_indexer.py); the top-k
+    mask and prefill batches as the reference. With --attention-backend triton, like TritonMLABackend."""
+
+    def select(self, iq, indexer, fb: ForwardBatch):
+        meta = self.meta
+        if not isinstance(meta, _FixedMeta):
+            return super().select(iq, indexer, fb)
+        from specserve.kernels.triton_indexer import index_scores_triton
+
+        i = indexer.cache_index
+        self._store(iq, i, fb)
+        pool = self.kv_pool
+        scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
+                                     None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
+                                     meta.mask.shape[2])  # [bs, w, kv], -inf where unseen
+        self.last = topk_mask(scores, meta.mask[:, 0], indexer.topk)[:, None]  # [bs, 1, w, kv]
+        return self.last

@@ -18,7 +18,12 @@ from tqdm import tqdm
 
 from specserve.attention.state_backend import RecurrentStateBackend
 from specserve.attention.torch_backend import TorchAttentionBackend
-from specserve.attention.torch_mla_backend import TorchIndexBackend, TorchMLABackend, TritonMLABackend
+from specserve.attention.torch_mla_backend import (
+    TorchIndexBackend,
+    TorchMLABackend,
+    TritonIndexBackend,
+    TritonMLABackend,
+)
 from specserve.batch import CacheKind, ForwardMode
 from specserve.graphs.phase_runners import DecodeRunner, PhaseRunner, RunnerContext, TargetVerifyRunner
 from specserve.graphs.prefill import PrefillRunner
@@ -146,8 +151,9 @@ class ModelRunner:
         """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
         twice: for its graph metadata and for its eager path)."""
         chunked = self.args.linear_attn_prefill == "chunked"
-        mla = TritonMLABackend if self.args.attention_backend == "triton" else TorchMLABackend
-        classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: mla, CacheKind.INDEX_KEYS: TorchIndexBackend,
+        triton = self.args.attention_backend == "triton"
+        classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TritonMLABackend if triton else TorchMLABackend,
+                   CacheKind.INDEX_KEYS: TritonIndexBackend if triton else TorchIndexBackend,
                    CacheKind.RECURRENT: lambda table, pool: RecurrentStateBackend(table, pool, chunked)}
         missing = [k.value for k in caches.kinds if k not in classes]
         if missing:

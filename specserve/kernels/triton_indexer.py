@@ -1,0 +1,138 @@
+"""Triton scores of the DeepSeek-sparse-attention indexer for fixed-width batches (oracle: attention/
+torch_mla_backend.py, TorchIndexBackend.select, fixed-width path).
+
+The indexer (layers/dsa_indexer.py) scores every cached index key for every query token before the top-k picks the
+keys its MLA attention may see:
+
+    score[b, i, t] = sum_h w[b * W + i, h] * relu(q[b * W + i, h, :] . key_t)
+
+with one key row of D dims per token shared by all Hi index heads (key = rows[slot], or rows[slot].float() *
+scales[slot] when the cache is fp8 with a float32 scale per slot). So, as in the absorbed-MLA kernel
+(kernels/triton_mla.py), the heads fill the tile's M dimension: a program reads a block of key rows once and scores
+it against all heads of its query, [BLOCK_H, D] x [D, BLOCK_N] on tl.dot, then applies relu and reduces over the
+heads with their weights, all in float32. An fp8 key's scale is constant over its D dims, so it multiplies the
+dot's column afterwards; the fp8 values themselves convert exactly to q's dtype (bf16 / fp16 hold every finite
+e4m3 value), so the dot runs on q's dtype with float32 accumulation.
+
+Layout (the fixed-width metadata of attention/torch_backend.py, `_fixed_meta`): request b has `width` = W new
+tokens, query i (0 <= i < W) at token b * W + i; kv_slots [bs, max_kv] maps key position -> cache slot, and query i
+of b sees the key positions < seq_lens[b] - W + i + 1 (padded requests: seq_lens == W, slots 0). The result is
+[bs, W, max_kv] float32 with -inf at every position a query may not see, ready for the top-k.
+
+Grid (bs * W, cdiv(max_kv, BLOCK_N)): one program per (query token, block of BLOCK_N key positions). Unlike
+attention there is no reduction over keys (every key gets its own score), so nothing forces a program to walk all
+of a query's keys; splitting the keys over the grid gives decode batches (bs * W of a few dozen tokens, contexts of
+many thousand keys) enough programs to fill the GPU, where one program per token looping over its key blocks would
+leave most SMs idle. Tokens are the fast grid axis, so the W queries of a request, which read the same key block,
+run close together and share it through L2. A program reads its query's causal length from seq_lens in device
+memory; one whose block lies wholly past that length loads nothing and writes -inf. The grid depends on shapes only,
+so a launch is CUDA-graph capturable and replays with new q / weights / seq_lens / kv_slots copied into the same
+tensors.
+
+Block sizes: BLOCK_N = 64 keys; BLOCK_D = D padded to a power of two (>= 16, tl.dot's smallest K); BLOCK_H = Hi
+padded to a power of two, at least 16 (tl.dot's smallest M; padded heads have q = 0 and weight 0) and at most 64:
+more heads are looped over in blocks of 64, reusing the loaded key tile. num_warps 4, 8 for the larger q tiles
+(BLOCK_H * BLOCK_D > 4096, e.g. DeepSeek-V3.2's Hi = 64, D = 128). `F32_DOT` computes the products in float32: set
+for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9); bf16 / fp16 / fp8 values
+are exact in float32, so it changes nothing but the summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, seq_lens_ptr, out_ptr,
+                         num_heads, head_dim, max_kv,
+                         stride_qt, stride_qh, stride_wt, stride_wh, stride_rs, stride_sc, stride_kvb, stride_kvn,
+                         stride_sl, stride_ob, stride_ow,
+                         W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         HAS_SCALES: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    t = tl.program_id(0)  # query token b * W + i
+    nb = tl.program_id(1)  # key block
+    b = t // W
+    i = t % W
+    seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
+    kv_len = tl.minimum(seq_len - W + i + 1, max_kv)  # this query's causal length
+
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    key_ok = n < kv_len
+    score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    if nb * BLOCK_N < kv_len:  # otherwise the whole block is hidden from this query: -inf, nothing read
+        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+        d_ok = d < head_dim
+        slot = tl.load(kv_slots_ptr + b.to(tl.int64) * stride_kvb + n * stride_kvn, mask=key_ok,
+                       other=0).to(tl.int64)  # [BLOCK_N]
+        k = tl.load(rows_ptr + slot[:, None] * stride_rs + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; fp8 -> q's dtype is exact
+        k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
+        if HAS_SCALES:
+            k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        q_row = q_ptr + t.to(tl.int64) * stride_qt
+        w_row = w_ptr + t.to(tl.int64) * stride_wt
+        for h0 in range(0, num_heads, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+            h_ok = h < num_heads
+            qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                         other=0.0)  # [BLOCK_H, BLOCK_D]
+            s = _dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+            if HAS_SCALES:
+                s = s * k_scale[None, :]
+            wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
+            acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)  # [BLOCK_N]
+        score = tl.where(key_ok, acc, float("-inf"))
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + i * stride_ow + n, score, mask=n < max_kv)
+
+
+def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
+                        kv_slots: torch.Tensor, seq_lens: torch.Tensor, width: int, *, block_n: int = 64,
+                        block_h: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """DSA indexer scores of a fixed-width batch.
+
+    q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
+    weights (scales folded in); rows [slots, D] the index-key cache, q's dtype, or float8_e4m3fn with scales
+    [slots] float32 (key = rows.float() * scales); kv_slots [bs, max_kv] int64; seq_lens [bs] int64 (device)
+    -> out [bs, width, max_kv] float32, -inf where a query may not see the key (position >= its causal length).
+    Launch shape from host ints and tensor shapes only: capturable. block_n: keys per program (power of two >= 16);
+    block_h: heads per tl.dot (power of two >= 16; default Hi padded, at most 64)."""
+    num_tokens, num_heads, dim = q.shape
+    bs, max_kv = kv_slots.shape
+    assert num_tokens == bs * width and seq_lens.shape == (bs,) and rows.shape[1] == dim
+    assert weights.shape == (num_tokens, num_heads) and weights.dtype == torch.float32
+    if scales is None:
+        assert rows.dtype == q.dtype
+    else:
+        assert rows.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+        assert scales.shape == (rows.shape[0],)
+    assert q.stride(-1) == 1 and rows.stride(-1) == 1
+    if out is None:
+        out = torch.empty((bs, width, max_kv), dtype=torch.float32, device=q.device)
+    assert out.shape == (bs, width, max_kv) and out.dtype == torch.float32 and out.stride(-1) == 1
+    if num_tokens == 0 or max_kv == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(dim))
+    if block_h is None:
+        block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    sc, sc_stride = (rows, 0) if scales is None else (scales, scales.stride(0))  # rows: an unused pointer
+    f32_dot = not q.is_cuda
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
+    _index_scores_kernel[(num_tokens, triton.cdiv(max_kv, block_n))](
+        q, weights, rows, sc, kv_slots, seq_lens, out, num_heads, dim, max_kv,
+        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), rows.stride(0), sc_stride,
+        kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0), out.stride(0), out.stride(1),
+        W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SCALES=scales is not None,
+        F32_DOT=f32_dot, PRECISION=precision,
+        num_warps=4 if block_h * block_d <= 4096 else 8, num_stages=2,
+    )
+    return out

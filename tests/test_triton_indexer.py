@@ -1,0 +1,156 @@
+"""The DSA indexer-score kernel (kernels/triton_indexer.py) against a plain torch reference (float32 einsums over the
+dequantised keys, -inf past each query's causal length): float32 and bfloat16 q / cache, and fp8 (e4m3) caches with
+a float32 scale per row under bfloat16 and float32 q; widths 1 and 4; Hi = 2 and 32 index heads; D = 16 and 128;
+up to 5 requests of different lengths including padded ones (seq_lens == width, slots 0) and lengths that end on
+and across key-block edges, over 150 keys (three 64-key blocks, the last partial). Keys past a request's length
+point at NaN-poisoned cache rows (and NaN scales: the interpreter reads an fp8 NaN as 480), so reading one shows up;
+q, weights, the cache and kv_slots are strided views, as slices of larger buffers. On a GPU, the kernel captured in
+a CUDA graph and replayed with new queries, lengths and slots. On CPU the kernels run under Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py does the same)
+pytest.importorskip("triton")
+
+from specserve.kernels.triton_indexer import index_scores_triton  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FP8 = torch.float8_e4m3fn
+# bf16 / fp8 inputs are exact in float32 and both sides accumulate in float32, so only the summation order differs;
+# compared against the scores' scale all the same (the sum over heads mixes signs).
+BF16_SCALE_TOL = 1e-3
+MAX_KV = 150
+NUM_SLOTS = 400  # live cache rows; the rows past them are NaN-poisoned
+POISON = 8
+
+
+def reference(q, weights, rows, scales, kv_slots, seq_lens, width):
+    """q [bs * w, Hi, D]; weights [bs * w, Hi]; rows [S, D]; scales None or [S]; kv_slots [bs, kv]; seq_lens [bs]
+    -> [bs, w, kv] float32, -inf where hidden."""
+    bs, kv = kv_slots.shape
+    pos = torch.arange(kv, device=q.device)
+    flat = kv_slots.reshape(-1)
+    keys = rows.index_select(0, flat).float()  # [bs * kv, D]
+    if scales is not None:
+        keys = keys * scales.index_select(0, flat)[:, None]
+    keys = keys.view(bs, kv, -1)
+    keys = torch.where((pos[None, :] < seq_lens[:, None])[..., None], keys, 0.0)  # past the length: unread
+    qq = q.float().view(bs, width, q.shape[1], -1)  # [bs, w, Hi, D]
+    s = torch.einsum("bwhd,bkd->bwhk", qq, keys).relu()  # [bs, w, Hi, kv]
+    scores = torch.einsum("bwh,bwhk->bwk", weights.view(bs, width, -1), s)
+    q_len = seq_lens[:, None] - width + torch.arange(width, device=q.device)[None, :] + 1  # [bs, w]
+    allowed = pos[None, None, :] < q_len[:, :, None]  # [bs, w, kv]
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def _quantise(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [S, D] float -> (fp8 rows [S, D], float32 scales [S]), the way TorchIndexBackend.select stores them."""
+    scale = keys.float().abs().amax(dim=-1).clamp_min(1e-12) / torch.finfo(FP8).max
+    return (keys.float() / scale[:, None]).to(FP8), scale
+
+
+def _batch(seq_lens: list[int], width: int, heads: int, dim: int, q_dtype: torch.dtype, cache: str,
+           g: torch.Generator):
+    """cache: "q" (q's dtype) or "fp8" -> (q, weights, rows, scales, kv_slots, seq_lens) on DEV; q, weights, rows
+    and kv_slots are strided views."""
+    bs = len(seq_lens)
+    base = torch.randn((bs * width, heads, dim + 3), generator=g)
+    q = base.to(q_dtype).to(DEV)[..., 1:1 + dim]  # [T, Hi, D], a slice of a fused buffer
+    wbuf = torch.randn((bs * width, heads + 2), generator=g) * (heads * dim) ** -0.5
+    weights = wbuf.to(DEV)[:, :heads]  # [T, Hi], row stride Hi + 2
+    keys = torch.randn((NUM_SLOTS + POISON, dim + 5), generator=g)
+    if cache == "fp8":
+        stored = torch.zeros((NUM_SLOTS + POISON, dim + 5), dtype=FP8)
+        stored[:, :dim], scale = _quantise(keys[:, :dim])
+        stored[NUM_SLOTS:] = float("nan")
+        scale[NUM_SLOTS:] = float("nan")
+        rows, scales = stored.to(DEV)[:, :dim], scale.to(DEV)  # [S, D] fp8, row stride D + 5; [S] float32
+    else:
+        keys[NUM_SLOTS:] = float("nan")
+        rows, scales = keys.to(q_dtype).to(DEV)[:, :dim], None  # [S, D], row stride D + 5
+    table = torch.zeros((bs + 2, MAX_KV + 6), dtype=torch.int64)  # a graph buffer wider than the batch
+    for b, s in enumerate(seq_lens):
+        if s > width:  # padded requests (s == width) keep slot 0
+            table[b, :s] = torch.randperm(NUM_SLOTS, generator=g)[:s]
+        table[b, s:] = NUM_SLOTS + torch.randint(0, POISON, (MAX_KV + 6 - s,), generator=g)  # never read
+    kv_slots = table.to(DEV)[:bs, :MAX_KV]  # [bs, max_kv], row stride MAX_KV + 6
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
+    return q, weights, rows, scales, kv_slots, lens
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, exact_f32: bool) -> None:
+    assert got.shape == want.shape and got.dtype == torch.float32
+    hidden = torch.isneginf(want)
+    assert torch.equal(torch.isneginf(got), hidden)  # -inf exactly where a query may not see the key
+    assert torch.isfinite(got[~hidden]).all()
+    if exact_f32:
+        torch.testing.assert_close(got[~hidden], want[~hidden], atol=1e-5, rtol=1e-4)
+    else:
+        scale = want[~hidden].abs().max().item()
+        torch.testing.assert_close(got[~hidden], want[~hidden], atol=BF16_SCALE_TOL * scale, rtol=0)
+
+
+@pytest.mark.parametrize("q_dtype,cache", [(torch.float32, "q"), (torch.bfloat16, "q"), (torch.bfloat16, "fp8"),
+                                           (torch.float32, "fp8")])
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("heads", [2, 32])
+@pytest.mark.parametrize("dim", [16, 128])
+def test_index_scores_match_reference(q_dtype, cache, width, heads, dim):
+    g = torch.Generator().manual_seed(width * 1000 + heads * 10 + dim + (1 if cache == "fp8" else 0))
+    # block edges at 64 and 128: lengths ending on them, and widths-4 requests whose queries straddle them
+    seq_lens = [MAX_KV, width, 64, 65, width] if width == 1 else [width, 66, MAX_KV, 9, 130]
+    q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, width, heads, dim, q_dtype, cache, g)
+    got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width)
+    _check(got, reference(q, weights, rows, scales, kv_slots, lens, width), q_dtype == torch.float32)
+    assert torch.equal(index_scores_triton(q, weights, rows, scales, kv_slots, lens, width), got)  # deterministic
+
+
+def test_head_blocks_small_key_blocks_and_out_buffer():
+    """Hi = 40 over 16-head blocks (three, the last partial), BLOCK_N = 16 (ten key blocks), written into a given
+    strided output buffer."""
+    g = torch.Generator().manual_seed(7)
+    q, weights, rows, scales, kv_slots, lens = _batch([MAX_KV, 2, 40], 2, 40, 48, torch.float32, "fp8", g)
+    buf = torch.full((3, 2, MAX_KV + 4), float("nan"), device=DEV)
+    out = buf[..., :MAX_KV]
+    got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, 2, block_n=16, block_h=16, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    _check(out, reference(q, weights, rows, scales, kv_slots, lens, 2), True)
+    assert torch.isnan(buf[..., MAX_KV:]).all()  # nothing written past max_kv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["q", "fp8"])
+def test_index_scores_cuda_graph_replay(cache):
+    """Captured once with fixed shapes; replays with new q, weights, seq_lens and kv_slots copied into the same
+    tensors equal the reference. DeepSeek-V3.2's indexer: Hi = 64, D = 128, bfloat16 queries."""
+    width, heads, dim = 2, 64, 128
+    g = torch.Generator().manual_seed(0)
+    q, weights, rows, scales, kv_slots, lens = _batch([MAX_KV, width, 30], width, heads, dim, torch.bfloat16,
+                                                      cache, g)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles) outside the capture
+        index_scores_triton(q, weights, rows, scales, kv_slots, lens, width)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width)
+    for seed in range(4):
+        g.manual_seed(100 + seed)
+        new_lens = [int(x) for x in torch.randint(width, MAX_KV + 1, (3,), generator=g)]
+        new_lens[seed % 3] = width  # a padded request
+        q2, w2, _, _, slots2, lens2 = _batch(new_lens, width, heads, dim, torch.bfloat16, cache, g)
+        q.copy_(q2)
+        weights.copy_(w2)
+        kv_slots.copy_(slots2)
+        lens.copy_(lens2)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, reference(q, weights, rows, scales, kv_slots, lens, width), False)
