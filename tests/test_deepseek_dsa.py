@@ -257,3 +257,22 @@ def test_triton_mla_backend_equals_the_reference(dsa, greedy_plain, key):
     assert isinstance(backends[CacheKind.INDEX_KEYS], TritonIndexBackend)
     reqs = run_greedy(sched, prompts[:3], 8)
     assert [r.output_ids for r in reqs] == [o[:8] for o in ref[key][:3]]
+
+
+def test_topk_slots_lists_the_masks_choice():
+    """The per-query slot lists name exactly the keys topk_mask keeps (ties included), valid ones first."""
+    from specserve.attention.torch_mla_backend import topk_slots
+
+    g = torch.Generator().manual_seed(0)
+    bs, w, kv, k = 3, 4, 12, 5
+    scores = torch.randint(0, 3, (bs, w, kv), generator=g).float()  # many exact ties
+    lens = torch.tensor([12, 4, 7])
+    valid = torch.arange(kv)[None, None, :] < (lens[:, None] - w + torch.arange(w)[None, :] + 1)[..., None]
+    kv_slots = torch.randint(1, 100, (bs, kv), generator=g)
+    mask = topk_mask(scores, valid, k)
+    sel = topk_slots(scores, valid, kv_slots, k)
+    for b in range(bs):
+        for i in range(w):
+            row = sel.slots[b * w + i, :int(sel.counts[b * w + i])]
+            assert sorted(row.tolist()) == sorted(kv_slots[b][mask[b, i]].tolist())
+            assert int(sel.counts[b * w + i]) == int(mask[b, i].sum())

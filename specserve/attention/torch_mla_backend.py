@@ -11,6 +11,8 @@ MHA reference; variable-length batches read their lengths on the host (CPU stati
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -125,13 +127,39 @@ class TritonMLABackend(TorchMLABackend):
 
         rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
         rows[fb.out_cache_loc] = latent.to(rows.dtype)
+        if isinstance(selection, SparseSelection):  # each query token alone over its chosen rows
+            return mla_decode_triton(q.contiguous(), rows, selection.slots, selection.counts, 1, layer.scaling,
+                                     layer.kv_lora_rank)
         return mla_decode_triton(q.contiguous(), rows, meta.kv_slots, fb.seq_lens, meta.mask.shape[2],
                                  layer.scaling, layer.kv_lora_rank, selection)
 
 
+@dataclass
+class SparseSelection:
+    """The indexer's choice as per-query key lists, for attention that reads only the chosen rows: every query token
+    is its own row with its own length (fixed shapes under a graph)."""
+
+    slots: torch.Tensor  # [T, K] cache slots of the chosen keys, the valid ones first (then slot 0)
+    counts: torch.Tensor  # [T] int64 valid entries of each row (>= 1)
+
+
+def topk_slots(scores: torch.Tensor, valid: torch.Tensor, kv_slots: torch.Tensor, k: int) -> SparseSelection:
+    """The same choice as topk_mask (stable descending sort: equal scores keep the earlier key), as slot lists.
+    scores, valid [bs, w, kv]; kv_slots [bs, kv] -> rows of bs * w queries."""
+    bs, w, kv = scores.shape
+    k = min(k, kv)
+    order = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=-1, descending=True, stable=True).indices
+    chosen = order[..., :k]  # [bs, w, K] key positions, the valid ones first
+    counts = valid.sum(dim=-1).clamp(max=k).clamp(min=1)  # [bs, w]
+    slots = kv_slots[:, None, :].expand(bs, w, kv).gather(-1, chosen)  # [bs, w, K]
+    live = torch.arange(k, device=scores.device) < counts[..., None]
+    return SparseSelection(torch.where(live, slots, 0).reshape(bs * w, k), counts.reshape(bs * w))
+
+
 class TritonIndexBackend(TorchIndexBackend):
-    """Fixed-width batches score the paged index keys with the Triton kernel (kernels/triton_indexer.py); the top-k
-    mask and prefill batches as the reference. With --attention-backend triton, like TritonMLABackend."""
+    """Fixed-width batches score the paged index keys with the Triton kernel (kernels/triton_indexer.py) and hand the
+    MLA backend per-query slot lists (SparseSelection): attention then reads index_topk rows per query, not the whole
+    context. Prefill batches as the reference. With --attention-backend triton, like TritonMLABackend."""
 
     def select(self, iq, indexer, fb: ForwardBatch):
         meta = self.meta
@@ -145,5 +173,5 @@ class TritonIndexBackend(TorchIndexBackend):
         scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                      None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
                                      meta.mask.shape[2])  # [bs, w, kv], -inf where unseen
-        self.last = topk_mask(scores, meta.mask[:, 0], indexer.topk)[:, None]  # [bs, 1, w, kv]
+        self.last = topk_slots(scores, meta.mask[:, 0], meta.kv_slots, indexer.topk)
         return self.last
