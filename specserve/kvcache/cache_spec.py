@@ -59,7 +59,7 @@ class RecurrentStateSpec:
     """The state of one linear-attention layer per request row and slot: a causal-conv window and an SSM state.
     Its dtypes belong to the model (e.g. `mamba_ssm_dtype`), not to --kv-cache-dtype."""
 
-    conv_shape: tuple[int, ...]  # e.g. (conv_dim, kernel_size - 1)
+    conv_shape: tuple[int, ...]  # e.g. (kernel_size - 1, conv_dim): the window, oldest input first (layers/gdn.py)
     ssm_shape: tuple[int, ...]  # e.g. (num_v_heads, head_k_dim, head_v_dim)
     conv_dtype: torch.dtype = torch.bfloat16
     ssm_dtype: torch.dtype = torch.float32
