@@ -55,7 +55,7 @@ class SamplingBatch:
 
     def repeat(self, n: int) -> SamplingBatch:
         """Each row repeated n times (verify: one row per request x position)."""
-        r = lambda x: x.repeat_interleave(n, dim=0)
+        r = lambda x: x[:, None].expand(-1, n).reshape(-1)  # [bs] -> [bs * n]; no host sync (graph-safe)
         return SamplingBatch(r(self.temperature), r(self.top_p), r(self.top_k), r(self.min_p), r(self.seeds),
                              r(self.greedy), self.all_greedy, self.need_filter)
 
