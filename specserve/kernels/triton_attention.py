@@ -26,15 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.triton_dot import dot
+
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free
-
-
-@triton.jit
-def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -48,7 +43,7 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :], mask=kv_mask,
                 other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-    s = _dot(q, tl.trans(k), F32_DOT, PRECISION) * qk_scale  # [M, BLOCK_N]
+    s = dot(q, tl.trans(k), F32_DOT, PRECISION) * qk_scale  # [M, BLOCK_N]
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
@@ -57,7 +52,7 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :], mask=kv_mask,
                 other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, F32_DOT, PRECISION)
+    acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, F32_DOT, PRECISION)
     return m_new, l_i, acc
 
 

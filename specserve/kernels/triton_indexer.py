@@ -43,12 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+from specserve.kernels.triton_dot import dot
 
 
 @triton.jit
@@ -86,7 +81,7 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, seq_l
             h_ok = h < num_heads
             qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                          other=0.0)  # [BLOCK_H, BLOCK_D]
-            s = _dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+            s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
             if HAS_SCALES:
                 s = s * k_scale[None, :]
             wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32

@@ -36,15 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.triton_dot import dot
+
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free
-
-
-@triton.jit
-def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -85,11 +80,11 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out
         row = rows_ptr + slot[:, None] * stride_rs  # [BLOCK_N, 1]
         # the latent rows' c part, loaded once: the key's first C dims for every head, then the value
         kc = tl.load(row + c[None, :], mask=key_ok[:, None] & c_ok[None, :], other=0.0).to(q_c.dtype)
-        s = _dot(q_c, tl.trans(kc), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N]
+        s = dot(q_c, tl.trans(kc), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N]
         if HAS_ROPE:
             kr = tl.load(row + kv_lora_rank + r[None, :], mask=key_ok[:, None] & r_ok[None, :],
                          other=0.0).to(q_c.dtype)  # [BLOCK_N, BLOCK_R]
-            s += _dot(q_r, tl.trans(kr), F32_DOT, PRECISION)
+            s += dot(q_r, tl.trans(kr), F32_DOT, PRECISION)
         visible = key_ok
         if HAS_SEL:
             sel = tl.load(sel_ptr + b.to(tl.int64) * stride_sb + i * stride_sw + n * stride_sn, mask=key_ok,
@@ -100,7 +95,7 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]; 0 where hidden
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(q_c.dtype), kc, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_C]
+        acc = acc * alpha[:, None] + dot(p.to(q_c.dtype), kc, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_C]
         m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

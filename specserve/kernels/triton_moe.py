@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.triton_dot import dot
+
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
 
 
@@ -98,13 +100,6 @@ def _place_kernel(ids_ptr, offs_ptr, pad_end_ptr, num_padded_ptr, sorted_ptr, bl
 
 
 @triton.jit
-def _dot(a, b, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    if F32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden, inter,
                     stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
@@ -127,8 +122,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pad
             k_ok = k0 + k < hidden
             a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = k_ok[:, None] & n_ok[None, :]
-            acc_g += _dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
-            acc_u += _dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+            acc_g += dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+            acc_u += dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
         dt = act_ptr.dtype.element_ty
         gate = acc_g.to(dt).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
@@ -156,7 +151,7 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded
         for k0 in range(0, inter, BLOCK_K):
             k_ok = k0 + k < inter
             a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += _dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), F32_DOT, PRECISION)
+            acc += dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), F32_DOT, PRECISION)
         # each expert's product rounded to x's dtype, as the reference does before its weighted sum
         tl.store(y_ptr + rows[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
