@@ -20,7 +20,7 @@ from torch import nn
 from specserve.batch import CacheKind, ForwardBatch
 from specserve.kernels import ops
 from specserve.kvcache.cache_spec import RecurrentStateSpec
-from specserve.layers.linear import Linear, MergedLinear
+from specserve.layers.linear import Linear, MergedLinear, copy_checked
 from specserve.layers.norm import GatedRMSNorm
 
 
@@ -101,18 +101,12 @@ class GatedDeltaNet(nn.Module):
             self.in_proj.load_shard("a", a.reshape(-1, a.shape[-1]))
             return "in_proj.weight"
         if rest == "conv1d.weight":  # [C, 1, K]
-            _copy(self.conv_weight, tensor.reshape(self.conv_dim, -1), "conv1d.weight")
+            copy_checked(self.conv_weight, tensor.reshape(self.conv_dim, -1), "conv1d.weight")
             return "conv_weight"
         params = {"dt_bias": self.dt_bias, "A_log": self.A_log, "norm.weight": self.norm.weight,
                   "out_proj.weight": self.out_proj.weight}
         if rest in params:
-            _copy(params[rest], tensor, rest)
+            copy_checked(params[rest], tensor, rest)
             return rest
         return None
 
-
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"{name}: parameter shape {tuple(param.shape)} != checkpoint shape {tuple(tensor.shape)}")
-    with torch.no_grad():
-        param.copy_(tensor)

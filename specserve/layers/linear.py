@@ -105,3 +105,12 @@ class MergedLinear(Linear):
             raise ValueError(f"shard {shard!r}: expected {size} rows, checkpoint has {tuple(tensor.shape)}")
         with torch.no_grad():
             target[off:off + size].copy_(tensor)
+
+
+def copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    """Copy a checkpoint tensor into a parameter (or a slice of one) of the same shape, casting dtype and moving
+    device as needed; a clear error naming `what` otherwise."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(f"{what}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)

@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.kernels import ops
 from specserve.layers.activation import silu_and_mul
-from specserve.layers.linear import Linear, MergedLinear
+from specserve.layers.linear import Linear, MergedLinear, copy_checked
 
 ROUTERS = ("softmax", "grouped_sigmoid")
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -51,13 +51,6 @@ def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, correction_bias: torc
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # HF's epsilon, kept for parity
     return weights * routed_scaling_factor, ids
-
-
-def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
-    if tuple(tensor.shape) != tuple(target.shape):
-        raise ValueError(f"{what}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
-    with torch.no_grad():
-        target.copy_(tensor)  # casts dtype and moves device as needed
 
 
 class FusedMoE(nn.Module):
@@ -97,7 +90,7 @@ class FusedMoE(nn.Module):
             target, param = self.w2[expert], "w2"
         else:
             raise ValueError(f"unknown expert projection {proj!r} (expected one of {_EXPERT_PROJS})")
-        _copy_checked(target, tensor, f"experts.{expert}.{proj}")
+        copy_checked(target, tensor, f"experts.{expert}.{proj}")
         self.pending[param].discard((expert, proj))
 
     def load_fused(self, name: str, tensor: torch.Tensor) -> None:
@@ -110,7 +103,7 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"unknown fused expert tensor {name!r} (expected 'gate_up_proj' or 'down_proj')")
         n = tensor.shape[0]
-        _copy_checked(getattr(self, param)[:n], tensor, f"experts.{name}")
+        copy_checked(getattr(self, param)[:n], tensor, f"experts.{name}")
         self.pending[param] -= {(i, p) for i in range(n) for p in projs}
 
     def loaded_param_names(self) -> set[str]:
@@ -257,12 +250,12 @@ class SparseMoEBlock(nn.Module):
         return False
 
     def _load_piece(self, name: str, piece: str, target: torch.Tensor, tensor: torch.Tensor) -> bool:
-        _copy_checked(target, tensor, f"{name} ({piece})")
+        copy_checked(target, tensor, f"{name} ({piece})")
         self.pending[name].discard(piece)
         return True
 
     def _load_whole(self, name: str, param: torch.Tensor, tensor: torch.Tensor) -> bool:
-        _copy_checked(param, tensor, name)
+        copy_checked(param, tensor, name)
         self.pending[name].clear()
         return True
 
