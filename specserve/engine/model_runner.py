@@ -147,13 +147,19 @@ class ModelRunner:
             return TritonAttentionBackend
         return TorchAttentionBackend
 
+    def _token_backend_classes(self) -> dict[CacheKind, type]:
+        """The backend class of each token-indexed cache kind (MLA and index keys: the torch reference unless
+        --attention-backend triton asks for the Triton kernels)."""
+        triton = self.args.attention_backend == "triton"
+        return {CacheKind.MHA: self._backend_class(),
+                CacheKind.MLA: TritonMLABackend if triton else TorchMLABackend,
+                CacheKind.INDEX_KEYS: TritonIndexBackend if triton else TorchIndexBackend}
+
     def backend_factory(self, caches: ModelCaches):
         """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
         twice: for its graph metadata and for its eager path)."""
         chunked = self.args.linear_attn_prefill == "chunked"
-        triton = self.args.attention_backend == "triton"
-        classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TritonMLABackend if triton else TorchMLABackend,
-                   CacheKind.INDEX_KEYS: TritonIndexBackend if triton else TorchIndexBackend,
+        classes = {**self._token_backend_classes(),
                    CacheKind.RECURRENT: lambda table, pool: RecurrentStateBackend(table, pool, chunked)}
         missing = [k.value for k in caches.kinds if k not in classes]
         if missing:
@@ -167,8 +173,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             # every token-indexed kind must capture variable-length attention (the MLA reference cannot yet)
             kinds = set(self.caches.kinds) | (set(s.kind for s in self.draft.cache_specs()) if self.draft else set())
-            classes = {CacheKind.MHA: self._backend_class(), CacheKind.MLA: TorchMLABackend,
-                       CacheKind.INDEX_KEYS: TorchIndexBackend}
+            classes = self._token_backend_classes()
             if not all(classes[k].captures_varlen for k in kinds if k in classes):
                 if asked:
                     raise ValueError("--cuda-graph-max-prefill-tokens needs an attention backend that captures "
