@@ -118,13 +118,18 @@ class TritonMLABackend(TorchMLABackend):
     torch reference. Chosen by --attention-backend triton; `auto` keeps the torch reference for MLA until the
     kernel has been measured on the GPU."""
 
+    def __init__(self, req_to_token, kv_pool):
+        super().__init__(req_to_token, kv_pool)
+        from specserve.kernels.triton_mla import mla_decode_triton  # triton only where this backend is chosen
+
+        self._kernel = mla_decode_triton
+
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
         meta = self.meta
         if not isinstance(meta, _FixedMeta):
             return super().forward(q, latent, layer, fb, selection)
-        from specserve.kernels.triton_mla import mla_decode_triton
-
+        mla_decode_triton = self._kernel
         rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
         rows[fb.out_cache_loc] = latent.to(rows.dtype)
         if isinstance(selection, SparseSelection):  # each query token alone over its chosen rows
@@ -161,12 +166,17 @@ class TritonIndexBackend(TorchIndexBackend):
     MLA backend per-query slot lists (SparseSelection): attention then reads index_topk rows per query, not the whole
     context. Prefill batches as the reference. With --attention-backend triton, like TritonMLABackend."""
 
+    def __init__(self, req_to_token, kv_pool):
+        super().__init__(req_to_token, kv_pool)
+        from specserve.kernels.triton_indexer import index_scores_triton  # triton only where chosen
+
+        self._kernel = index_scores_triton
+
     def select(self, iq, indexer, fb: ForwardBatch):
         meta = self.meta
         if not isinstance(meta, _FixedMeta):
             return super().select(iq, indexer, fb)
-        from specserve.kernels.triton_indexer import index_scores_triton
-
+        index_scores_triton = self._kernel
         i = indexer.cache_index
         self._store(iq, i, fb)
         pool = self.kv_pool
