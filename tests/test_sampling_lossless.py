@@ -67,8 +67,8 @@ def _exact_joint(path, params) -> np.ndarray:
     return joint
 
 
-def _greedy(path) -> list[int]:
-    sched, _ = build_scheduler(path, max_total_tokens=4096)
+def _greedy(path, device: str = "cpu") -> list[int]:
+    sched, _ = build_scheduler(path, max_total_tokens=4096, device=device)
     r = Req("g", list(PROMPT), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), seed=0)
     sched.add_request(r)
     while sched.has_work:
@@ -76,14 +76,15 @@ def _greedy(path) -> list[int]:
     return r.output_ids
 
 
-def _samples(path, params, graphed_steps: list | None = None, **spec) -> np.ndarray:
+def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu", **spec) -> np.ndarray:
     """graphed_steps: if a list, receives the one-graph spec step's (greedy, sampled, filtered) replay counts."""
     temperature, top_k, top_p = params
     draft = None
     if spec:
-        seq = PROMPT + _greedy(path)
+        seq = PROMPT + _greedy(path, device)
         draft = OracleDraft(32, {row: seq for row in range(1, 65)}, wrong_every=None, vocab=V)
-    sched, _ = build_scheduler(path, draft=draft, max_total_tokens=1 << 15, max_running_requests=64, **spec)
+    sched, _ = build_scheduler(path, draft=draft, max_total_tokens=1 << 15, max_running_requests=64, device=device,
+                               **spec)
     reqs = [Req(f"r{i}", list(PROMPT), SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k,
                                                       top_p=top_p, ignore_eos=True), seed=1000 + i)
             for i in range(NUM)]
@@ -136,14 +137,35 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_model, params):
     for name, spec in cases.items():
         graphed: list[int] = []
         s = _samples(small_vocab_model, params, graphed_steps=graphed, **spec)
-        if name == "spec3_one_graph":  # the sampled steps ran as the one-graph step, with the filter iff asked
-            kind = 2 if params[1] < V or params[2] < 1.0 else 1
-            assert graphed[kind] > 0 and graphed[3 - kind] == 0 and graphed[0] == 0, graphed
-        for pos in range(3):
-            marg = joint.sum(axis=tuple(i for i in range(3) if i != pos))
-            p = _gof(s[:, pos], marg)
-            assert p > 1e-3, (name, pos, p)
-        for a, b in itertools.combinations(range(3), 2):
-            pair = joint.sum(axis=3 - a - b)
-            p = _gof(s[:, a] * V + s[:, b], pair)
-            assert p > 1e-3, (name, (a, b), p)
+        if name == "spec3_one_graph":
+            _assert_graph_set(graphed, params)
+        _assert_fits(joint, s, name)
+
+
+def _assert_graph_set(graphed: list[int], params) -> None:
+    """The sampled steps ran as the one-graph spec step, with the filter iff the params ask for one."""
+    kind = 2 if params[1] < V or params[2] < 1.0 else 1
+    assert graphed[kind] > 0 and graphed[3 - kind] == 0 and graphed[0] == 0, graphed
+
+
+def _assert_fits(joint: np.ndarray, s: np.ndarray, name: str) -> None:
+    for pos in range(3):
+        marg = joint.sum(axis=tuple(i for i in range(3) if i != pos))
+        p = _gof(s[:, pos], marg)
+        assert p > 1e-3, (name, pos, p)
+    for a, b in itertools.combinations(range(3), 2):
+        pair = joint.sum(axis=3 - a - b)
+        p = _gof(s[:, a] * V + s[:, b], pair)
+        assert p > 1e-3, (name, (a, b), p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [(1.0, V, 1.0), (0.7, 6, 0.9)], ids=["t1", "t0.7-k6-p0.9"])
+def test_spec_sampling_one_graph_exact_on_gpu(small_vocab_model, params):
+    """The sampled one-graph spec step captured and replayed as CUDA graphs (float32) samples the exact joint."""
+    joint = _exact_joint(small_vocab_model, params)
+    graphed: list[int] = []
+    s = _samples(small_vocab_model, params, graphed_steps=graphed, device="cuda", speculative_algorithm="MTP",
+                 speculative_num_steps=3, cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64])
+    _assert_graph_set(graphed, params)
+    _assert_fits(joint, s, "cuda_one_graph")

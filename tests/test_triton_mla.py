@@ -110,10 +110,34 @@ def test_small_key_blocks_and_out_buffer():
     assert torch.isnan(buf[..., 48:]).all()  # nothing written past C
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("selection", [None, "sparse"])
+def test_key_splits_match_reference(dtype, num_splits, selection):
+    """Keys split over the grid and merged by the combine kernel: 2, 3 and 7 runs of 16-key blocks, so short
+    queries leave whole splits empty (and a sparse selection hides some splits' every key); heads 40 (a partial
+    head block)."""
+    g = torch.Generator().manual_seed(num_splits)
+    q, rows, kv_slots, lens, sel = _batch([MAX_KV, 3, 33, 50], 3, 40, 48, 16, dtype, g, selection)
+    want = reference(q, rows, kv_slots, lens, 3, 0.1, 48, sel)
+    got = mla_decode_triton(q, rows, kv_slots, lens, 3, 0.1, 48, sel, block_n=16, num_splits=num_splits)
+    _assert_close(got, want)
+
+
+def test_split_count_from_shapes():
+    from specserve.kernels.triton_mla import num_key_splits
+
+    assert num_key_splits(4, 32768, 32, 264) == 66  # batch 1: split until about 2 programs per SM
+    assert num_key_splits(4, 2048, 32, 264) == 16  # capped at one split per 4 key blocks
+    assert num_key_splits(4, 64, 64, 264) == 1
+    assert num_key_splits(512, 32768, 32, 264) == 1  # the batch fills the GPU by itself
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sparse", [False, True])
-def test_mla_decode_cuda_graph_replay(dtype, sparse):
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mla_decode_cuda_graph_replay(dtype, sparse, num_splits):
     """Captured once with fixed shapes; replays with new seq_lens, kv_slots (and selections) copied into the same
     tensors equal the reference. DeepSeek's row width: C = 512, R = 64."""
     width, heads, c, r = 2, 16, 512, 64
@@ -124,11 +148,11 @@ def test_mla_decode_cuda_graph_replay(dtype, sparse):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compiles) outside the capture
-        mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel)
+        mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel, num_splits=num_splits)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel)
+        out = mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel, num_splits=num_splits)
     for seed in range(4):
         g.manual_seed(100 + seed)
         new_lens = [int(x) for x in torch.randint(width, MAX_KV + 1, (3,), generator=g)]

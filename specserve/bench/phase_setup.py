@@ -68,6 +68,16 @@ PRESETS: dict[str, dict] = {
         vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-5, tie_word_embeddings=False,
         first_k_dense_replace=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # The same shapes with dense MLA (DeepSeek-V3 layout, no indexer): the dense side of the sparse-vs-dense figure.
+    "glm-5-dense-mla": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=6144, intermediate_size=12288,
+        moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=4, first_k_dense_replace=1,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
@@ -160,12 +170,9 @@ def fake_requests(mr: ModelRunner, bs: int, prefix: int, seed: int = 0) -> list[
         r.seq_len = prefix
         r.prefill_len = prefix
         reqs.append(r)
-    for pool in (mr.caches.kv, mr.spec.caches.kv if mr.spec else None):
-        if pool is None:
-            continue
-        for k, v in zip(pool.k, pool.v):
-            k.normal_()
-            v.normal_()
+    for caches in (mr.caches, mr.spec.caches if mr.spec else None):
+        if caches is not None:
+            randomize_token_caches(caches)
     rows = torch.tensor([r.kv.row for r in reqs], device=mr.device)
     mr.last_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
     if mr.spec is not None:
@@ -173,6 +180,21 @@ def fake_requests(mr: ModelRunner, bs: int, prefix: int, seed: int = 0) -> list[
         st.draft_token[rows] = torch.randint(10, hi, (bs,), device=mr.device)
         st.draft_hidden[rows] = torch.randn(bs, mr.cfg.hidden_size, device=mr.device).to(st.draft_hidden.dtype)
     return reqs
+
+
+def randomize_token_caches(caches) -> None:
+    """Normal(0, 1) rows in every token-indexed cache (MHA K/V, MLA latents, indexer keys; 8-bit ones through a
+    bfloat16 draw), so attention and the indexer's top-k see spread scores rather than all-equal zeros."""
+    for kind, pool in caches.pools.items():
+        if kind is CacheKind.MHA:
+            for t in (*pool.k, *pool.v):
+                t.normal_()
+        elif kind.token_indexed:
+            for t in pool.rows:
+                if t.dtype.itemsize == 1:
+                    t.copy_(torch.randn(t.shape, device=t.device, dtype=torch.bfloat16))
+                else:
+                    t.normal_()
 
 
 def release(mr: ModelRunner, reqs: list[Req]) -> None:
@@ -203,6 +225,18 @@ def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:
     return total
 
 
-def kv_bytes_per_token(mr: ModelRunner) -> int:
-    pool = mr.caches.kv
-    return 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * torch.empty((), dtype=pool.dtype).element_size()
+def cache_bytes_read(mr: ModelRunner, context: int) -> int:
+    """Bytes of token caches one decode token reads at `context` cached tokens: every K/V, latent and indexer-key
+    row, except that a DSA model's attention reads only its `index_topk` chosen latent rows (its indexer still
+    reads every key)."""
+    topk = getattr(mr.cfg, "index_topk", 0)
+    total = 0
+    for kind, pool in mr.caches.pools.items():
+        if kind is CacheKind.MHA:
+            total += context * sum(t[0].numel() * t.element_size() for t in (*pool.k, *pool.v))
+        elif kind.token_indexed:
+            rows = min(context, topk) if kind is CacheKind.MLA and topk else context
+            per = sum(t[0].numel() * t.element_size() for t in pool.rows)
+            per += 4 * len(pool.rows) if pool.scales is not None else 0
+            total += rows * per
+    return total

@@ -17,8 +17,8 @@ import torch
 
 from specserve.bench.phase_setup import (
     PRESETS,
+    cache_bytes_read,
     fake_requests,
-    kv_bytes_per_token,
     make_runners,
     random_draft,
     random_models,
@@ -27,6 +27,7 @@ from specserve.bench.phase_setup import (
 )
 from specserve.engine.steps import run_decode, run_spec_step
 from specserve.graphs.padding import LiveInputs
+from specserve.server_args import ATTENTION_BACKENDS
 
 
 def timeit(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-len", type=int, default=512, help="KV tokens already cached per request")
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="as the server's flag (triton: the Triton MLA and indexer kernels, sparse rows per query)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--idle-steps", type=int, default=50)
     p.add_argument("--prefill-tokens", type=int, default=512,
@@ -212,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             draft = random_draft(cfg, target, dtype, dev, max_pos)  # timing only: weights do not matter
         label = args.model_path or "embedded SmolLM2-135M-Instruct"
     pair = make_runners(target, draft, cfg, dtype, dev, args.speculative_num_steps, max(bss), args.context_length,
-                        disable_graphs=False, capture_bs=bss, prefill_graph_tokens=args.prefill_tokens)
-    result: dict = {"model": label, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                        disable_graphs=False, attention_backend=args.attention_backend, capture_bs=bss,
+                        prefill_graph_tokens=args.prefill_tokens)
+    result: dict = {"model": label, "attention_backend": args.attention_backend,
+                    "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "N": args.speculative_num_steps, "prefix_len": args.prefix_len, "batches": []}
     if dev.type == "cuda":
         result["copy_bw_GBps"] = copy_bandwidth(dev)
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             for a in (float(x) for x in args.project_accept_lengths.split(",")) for b in result["batches"]]
     b1 = next((b for b in result["batches"] if b["bs"] == 1), None)
     if b1 is not None and b1["decode"]["graph_ms"]:
-        moved = weight_bytes(target) + kv_bytes_per_token(pair.plain) * (args.prefix_len + 1)
+        moved = weight_bytes(target) + cache_bytes_read(pair.plain, args.prefix_len + 1)
         bw = moved / (b1["decode"]["graph_ms"] * 1e-3) / 1e9
         result["decode_bs1"] = {"bytes": moved, "ms": b1["decode"]["graph_ms"], "GBps": bw}
         if "copy_bw_GBps" in result:

@@ -23,6 +23,17 @@ nearly twice the loads and products), the row is handled as two tiles, c [BLOCK_
 [BLOCK_N, BLOCK_R], each padded to its own power of two with masks; the score is the sum of the two dots and the
 value tile is the already-loaded c.
 
+Key splits (flash decoding). A decode batch has few programs (bs * W * H / BLOCK_H: 4 at batch 1 with 64 heads)
+against a GPU of 132 SMs, and each would walk thousands of keys alone. So the grid has a third axis of NUM_SPLITS:
+split s of a query takes the s-th of NUM_SPLITS equal runs (whole key blocks) of that query's own causal length,
+read from seq_lens on the device (so the work per split follows the live length, not the padded max_kv, and the
+grid still depends on shapes only). With more than one split each program writes its unnormalised float32
+accumulator with its running max and sum to a workspace, and a second kernel (`_mla_combine_kernel`, one program
+per (query token, head block)) merges the splits by the usual rescaling: m = max_s m_s, l = sum_s l_s 2^(m_s - m),
+o = sum_s acc_s 2^(m_s - m) / l. A split past its query's length keeps m = -1e30, l = 0 and adds nothing. The host
+picks NUM_SPLITS from shapes only: enough programs for about two per SM, at most one split per 4 key blocks of
+max_kv; one split (no workspace, no second kernel) once the batch alone fills the GPU.
+
 Block sizes: BLOCK_H = 16 by default (tl.dot's smallest M; fewer heads are masked), BLOCK_N = 64 keys (32 when the
 row is wider than 256, to bound the c tile's registers), num_warps 4 (8 when BLOCK_C > 256, where the [BLOCK_H,
 BLOCK_C] float32 accumulator and the c tile dominate). `F32_DOT` computes the products in float32: set for CPU
@@ -43,19 +54,23 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max:
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out_ptr, qk_scale,
-                       num_heads, max_kv, kv_lora_rank, rope_dim,
+def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
+                       qk_scale, num_heads, max_kv, kv_lora_rank, rope_dim,
                        stride_qt, stride_qh, stride_rs, stride_kvb, stride_kvn, stride_sl,
                        stride_sb, stride_sw, stride_sn, stride_ot, stride_oh,
                        W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_SEL: tl.constexpr,
-                       F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                       BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr,
+                       HAS_SEL: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     hb = tl.program_id(1)  # head block
+    split = tl.program_id(2)  # run of key blocks
     b = t // W
     i = t % W
     seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
     kv_len = tl.minimum(seq_len - W + i + 1, max_kv)  # this query's causal length (>= 1)
+    run = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N  # keys per split, whole blocks
+    n_lo = split * run
+    n_hi = tl.minimum(n_lo + run, kv_len)
 
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     h_ok = h < num_heads
@@ -73,9 +88,9 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     slots_row = kv_slots_ptr + b.to(tl.int64) * stride_kvb
-    for n0 in range(0, kv_len, BLOCK_N):
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        key_ok = n < kv_len
+        key_ok = n < n_hi
         slot = tl.load(slots_row + n * stride_kvn, mask=key_ok, other=0).to(tl.int64)  # [BLOCK_N]
         row = rows_ptr + slot[:, None] * stride_rs  # [BLOCK_N, 1]
         # the latent rows' c part, loaded once: the key's first C dims for every head, then the value
@@ -98,21 +113,71 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out
         acc = acc * alpha[:, None] + dot(p.to(q_c.dtype), kc, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_C]
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + c[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
+    else:  # workspace [tokens, NUM_SPLITS, H, C] float32 and [tokens, NUM_SPLITS, 2, H] (max, sum)
+        part = t.to(tl.int64) * NUM_SPLITS + split
+        tl.store(ws_acc_ptr + (part * num_heads + h[:, None]) * kv_lora_rank + c[None, :], acc,
+                 mask=h_ok[:, None] & c_ok[None, :])
+        tl.store(ws_ml_ptr + part * 2 * num_heads + h, m_i, mask=h_ok)
+        tl.store(ws_ml_ptr + part * 2 * num_heads + num_heads + h, l_i, mask=h_ok)
+
+
+@triton.jit
+def _mla_combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, num_heads, kv_lora_rank, stride_ot, stride_oh,
+                        NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0)  # query token
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    h_ok = h < num_heads
+    c = tl.arange(0, BLOCK_C)
+    ok = h_ok[:, None] & (c < kv_lora_rank)[None, :]
+    m = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    for split in range(NUM_SPLITS):
+        part = t.to(tl.int64) * NUM_SPLITS + split
+        m_s = tl.load(ws_ml_ptr + part * 2 * num_heads + h, mask=h_ok, other=_NEG_BIG)
+        l_s = tl.load(ws_ml_ptr + part * 2 * num_heads + num_heads + h, mask=h_ok, other=0.0)
+        a_s = tl.load(ws_acc_ptr + (part * num_heads + h[:, None]) * kv_lora_rank + c[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.math.exp2(m - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        l_sum = l_sum * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m = m_new
+    o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + c[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :])
+             o.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def num_key_splits(num_programs: int, max_kv: int, block_n: int, target_programs: int) -> int:
+    """Key splits for a launch of `num_programs` (query token, head block) programs: enough for about
+    `target_programs` programs in all, at most one per 4 key blocks of max_kv, at least 1. Shapes only."""
+    if num_programs >= target_programs:
+        return 1
+    most = max(1, triton.cdiv(max_kv, 4 * block_n))
+    return max(1, min(most, triton.cdiv(target_programs, num_programs)))
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: a few splits, so CPU tests run the split path too
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tensor, seq_lens: torch.Tensor,
                       width: int, scale: float, kv_lora_rank: int, selection: torch.Tensor | None = None, *,
-                      block_h: int = 16, block_n: int | None = None, out: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+                      block_h: int = 16, block_n: int | None = None, num_splits: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA attention of a fixed-width batch.
 
     q [bs * width, H, C + R] (latent-absorbed nope part | rope part); rows [slots, C + R] the latent cache;
     kv_slots [bs, max_kv] int64; seq_lens [bs] int64 (device); selection None or [bs, 1, width, max_kv] bool
     -> out [bs * width, H, C] in q's dtype. Launch shape from host ints and tensor shapes only: capturable.
-    block_h: heads per program (power of two >= 16); block_n: keys per step (default from the row width)."""
+    block_h: heads per program (power of two >= 16); block_n: keys per step (default from the row width);
+    num_splits: key splits per query (default from the launch size, `num_key_splits`)."""
     num_tokens, num_heads, dim = q.shape
     bs, max_kv = kv_slots.shape
     c, rope = kv_lora_rank, dim - kv_lora_rank
@@ -135,12 +200,25 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         sel, sel_strides = kv_slots, (0, 0, 0)  # unused
     f32_dot = not q.is_cuda
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
-    _mla_decode_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        q, rows, kv_slots, seq_lens, sel, out, scale * _LOG2E, num_heads, max_kv, c, rope,
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        num_splits = num_key_splits(num_tokens * head_blocks, max_kv, block_n, _target_programs(q.device))
+    if num_splits > 1:
+        ws_acc = torch.empty((num_tokens, num_splits, num_heads, c), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((num_tokens, num_splits, 2, num_heads), dtype=torch.float32, device=q.device)
+    else:
+        ws_acc = ws_ml = out  # unused
+    num_warps = 4 if block_c <= 256 else 8
+    _mla_decode_kernel[(num_tokens, head_blocks, num_splits)](
+        q, rows, kv_slots, seq_lens, sel, out, ws_acc, ws_ml, scale * _LOG2E, num_heads, max_kv, c, rope,
         q.stride(0), q.stride(1), rows.stride(0), kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0),
         *sel_strides, out.stride(0), out.stride(1),
-        W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, HAS_ROPE=rope > 0,
-        HAS_SEL=selection is not None, F32_DOT=f32_dot, PRECISION=precision,
-        num_warps=4 if block_c <= 256 else 8, num_stages=2,
+        W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, NUM_SPLITS=num_splits,
+        HAS_ROPE=rope > 0, HAS_SEL=selection is not None, F32_DOT=f32_dot, PRECISION=precision,
+        num_warps=num_warps, num_stages=2,
     )
+    if num_splits > 1:
+        _mla_combine_kernel[(num_tokens, head_blocks)](
+            ws_acc, ws_ml, out, num_heads, c, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_C=block_c, num_warps=num_warps)
     return out
