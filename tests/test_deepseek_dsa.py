@@ -70,6 +70,21 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("kv,k", [(40, 5), (300, 64), (7, 10)])
+def test_ranked_topk_is_the_stable_sorts_first_k(kv, k):
+    """The int64-key top-k == the first k of a stable descending sort: many exact ties, +0.0 and -0.0 (a tie),
+    negative, huge and -inf scores, hidden keys."""
+    from specserve.attention.torch_mla_backend import ranked_topk
+
+    g = torch.Generator().manual_seed(kv)
+    pool = torch.tensor([0.0, -0.0, 1.5, -2.0, 3e38, -3e38, 1e-40, float("-inf"), 7.0])
+    scores = pool[torch.randint(0, len(pool), (6, kv), generator=g)]
+    valid = torch.rand((6, kv), generator=g) < 0.8
+    want = torch.sort((scores.masked_fill(~valid, float("-inf")) + 0.0), dim=-1, descending=True,
+                      stable=True).indices[:, :min(k, kv)]
+    assert torch.equal(ranked_topk(scores, valid, k), want)
+
+
 def test_topk_mask_tie_break_and_bounds():
     scores = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0, 1.0]])
     valid = torch.tensor([[True, True, True, True, True, False]])

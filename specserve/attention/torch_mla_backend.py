@@ -54,12 +54,28 @@ class TorchMLABackend(TorchAttentionBackend):
         return out
 
 
+def ranked_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the min(k, kv) best keys along the last dim, best first, hidden keys (valid False) last; equal
+    scores rank the earlier key first: exactly the first k of a stable descending sort, in every phase.
+
+    Each score becomes one int64 that no other key shares: its float32 bits mapped to an order-preserving int32 in
+    the high half (-0.0 counted as +0.0), (kv - 1 - position) in the low half. With every value distinct, torch.topk
+    (a radix select, far cheaper than sorting 32k keys per query) has one answer, the stable sort's.
+    scores [..., kv] float32; valid [..., kv] bool -> [..., min(k, kv)] int64."""
+    kv = scores.shape[-1]
+    s = scores.float().masked_fill(~valid, float("-inf")) + 0.0  # + 0.0: -0.0 -> +0.0, a tie as in a sort
+    bits = s.view(torch.int32)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)  # monotonic in the float's value
+    pos = torch.arange(kv, device=scores.device)
+    key = (ordered << 32) | (kv - 1 - pos)
+    return kv - 1 - (torch.topk(key, min(k, kv), dim=-1).values & 0xFFFFFFFF)
+
+
 def topk_mask(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """The `k` best of the valid keys along the last dim, as a mask; equal scores keep the earlier key (a stable
-    descending sort), in every phase. scores [..., kv] float32; valid [..., kv] bool -> [..., kv] bool."""
-    order = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=-1, descending=True, stable=True).indices
-    kept = (torch.arange(scores.shape[-1], device=scores.device) < k).expand_as(order)  # rank < k
-    return torch.zeros_like(valid).scatter(-1, order, kept) & valid
+    """The `k` best of the valid keys along the last dim, as a mask; equal scores keep the earlier key (ranked_topk),
+    in every phase. scores [..., kv] float32; valid [..., kv] bool -> [..., kv] bool."""
+    chosen = ranked_topk(scores, valid, k)
+    return torch.zeros_like(valid).scatter(-1, chosen, True) & valid
 
 
 class TorchIndexBackend(TorchAttentionBackend):
@@ -149,12 +165,11 @@ class SparseSelection:
 
 
 def topk_slots(scores: torch.Tensor, valid: torch.Tensor, kv_slots: torch.Tensor, k: int) -> SparseSelection:
-    """The same choice as topk_mask (stable descending sort: equal scores keep the earlier key), as slot lists.
+    """The same choice as topk_mask (ranked_topk: equal scores keep the earlier key), as slot lists.
     scores, valid [bs, w, kv]; kv_slots [bs, kv] -> rows of bs * w queries."""
     bs, w, kv = scores.shape
     k = min(k, kv)
-    order = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=-1, descending=True, stable=True).indices
-    chosen = order[..., :k]  # [bs, w, K] key positions, the valid ones first
+    chosen = ranked_topk(scores, valid, k)  # [bs, w, K] key positions, the valid ones first
     counts = valid.sum(dim=-1).clamp(max=k).clamp(min=1)  # [bs, w]
     slots = kv_slots[:, None, :].expand(bs, w, kv).gather(-1, chosen)  # [bs, w, K]
     live = torch.arange(k, device=scores.device) < counts[..., None]
