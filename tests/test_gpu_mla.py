@@ -86,7 +86,8 @@ def test_triton_mla_backend_equals_reference_gpu(models, key):
 
     prompts = _prompts()
     kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32)
-    ref = [r.output_ids for r in run_greedy(build_scheduler(models[key], **kw)[0], prompts, NEW)]
+    ref = [r.output_ids for r in run_greedy(build_scheduler(models[key], attention_backend="torch", **kw)[0],
+                                            prompts, NEW)]
     plain, _ = build_scheduler(models[key], attention_backend="triton", **kw)
     assert [r.output_ids for r in run_greedy(plain, prompts, NEW)] == ref
     spec, _ = build_scheduler(models[key], attention_backend="triton", speculative_algorithm="MTP",

@@ -4,11 +4,13 @@
 #            (chi-square on CUDA), then the attention / MoE kernels again (they share kernels/triton_dot.py);
 #   kernels  scripts/gpu/bench_mla.py (MLA dense and sparse, indexer; GLM-5 shapes, one layer);
 #   phases   bench-phases on GLM-5 shapes (4 layers + MTP) at a 4k prefix, Triton backends, then the torch reference;
-#   32k      sparse (GLM-5, DSA top 2048) against dense MLA (same shapes, no indexer) at a 32k prefix, Triton.
+#   32k      sparse (GLM-5, DSA top 2048) against dense MLA (same shapes, no indexer) at a 32k prefix, Triton;
+#   round2   32k, then GLM-5 at full depth (78 layers, 8 routed experts) at 4k, the torch reference at batch 1 and a
+#            kernel profile of decode / verify at batch 1.
 # Random bf16 weights built on the GPU; nothing carried.
 . scripts/gpu/env.sh
 phases() {  # preset backend prefix context batch-sizes iters tag
-  timeout 290 python3 -m specserve.cli bench-phases --preset "$1" --attention-backend "$2" --batch-sizes "$5" \
+  timeout "${TLIM:-290}" python3 -m specserve.cli bench-phases --preset "$1" --attention-backend "$2" --batch-sizes "$5" \
     --prefix-len "$3" --context-length "$4" --iters "$6" --idle-steps 0 --prefill-tokens 0 \
     --project-accept-lengths 2.5,3.0 --output-file "$OUT/phases_$7.jsonl" 2>&1 | tee "$OUT/phases_$7.log" \
     | grep -v -i warn | tail -34
@@ -31,5 +33,13 @@ case "${1:-}" in
     phases glm-5 triton 32000 32768 1,8,32 6 glm5_triton_32k
     phases glm-5-dense-mla triton 32000 32768 1,8,32 6 glm5dense_triton_32k
     ;;
-  *) echo "usage: $0 tests|kernels|phases|32k" >&2; exit 2 ;;
+  round2)
+    TLIM=150 phases glm-5 triton 32000 32768 1,8,32 6 glm5_triton_32k
+    TLIM=150 phases glm-5-dense-mla triton 32000 32768 1,8,32 6 glm5dense_triton_32k
+    TLIM=170 phases glm-5-78l-e8 triton 4096 8192 1,8 8 glm5full_4k
+    TLIM=60 phases glm-5 torch 4096 8192 1 6 glm5_torch_4k
+    timeout 60 python3 scripts/gpu/profile_phase.py --preset glm-5 --phases decode,target_verify,draft_decode \
+      --bs 1 --top 14 2>&1 | tee "$OUT/profile_glm5.log" | grep -v -i warn | tail -50
+    ;;
+  *) echo "usage: $0 tests|kernels|phases|32k|round2" >&2; exit 2 ;;
 esac

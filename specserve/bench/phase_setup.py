@@ -68,6 +68,19 @@ PRESETS: dict[str, dict] = {
         vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-5, tie_word_embeddings=False,
         first_k_dense_replace=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # GLM-5 at its full depth, 78 layers (3 dense), with 8 routed experts per MoE layer instead of 256 (top 8 kept, so
+    # a decode token reads the same expert bytes as in the real model; a batch or a verify reads at most 8 distinct
+    # experts per layer where the real model reads up to 8 per token): ~85 GB with the MTP layer.
+    "glm-5-78l-e8": dict(
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", hidden_size=6144, intermediate_size=12288,
+        moe_intermediate_size=2048, n_routed_experts=8, num_experts_per_tok=8, n_shared_experts=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=78,
+        mlp_layer_types=["dense"] * 3 + ["sparse"] * 75, indexer_types=["full"] * 78,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, index_topk=2048, index_head_dim=128, index_n_heads=32,
+        vocab_size=154880, max_position_embeddings=202752, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        first_k_dense_replace=3, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     # The same shapes with dense MLA (DeepSeek-V3 layout, no indexer): the dense side of the sparse-vs-dense figure.
     "glm-5-dense-mla": dict(
         architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=6144, intermediate_size=12288,

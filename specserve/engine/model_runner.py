@@ -148,10 +148,12 @@ class ModelRunner:
         return TorchAttentionBackend
 
     def _token_backend_classes(self) -> dict[CacheKind, type]:
-        """The backend class of each token-indexed cache kind (MLA and index keys: the torch reference unless
-        --attention-backend triton asks for the Triton kernels)."""
-        triton = self.args.attention_backend == "triton"
-        return {CacheKind.MHA: self._backend_class(),
+        """The backend class of each token-indexed cache kind: the Triton kernels where --attention-backend is
+        triton, or auto on CUDA (MLA and index keys too: measured on the H200, BENCHMARKS.md); else the torch
+        reference."""
+        mha = self._backend_class()
+        triton = mha is not TorchAttentionBackend
+        return {CacheKind.MHA: mha,
                 CacheKind.MLA: TritonMLABackend if triton else TorchMLABackend,
                 CacheKind.INDEX_KEYS: TritonIndexBackend if triton else TorchIndexBackend}
 

@@ -177,7 +177,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     q [bs * width, H, C + R] (latent-absorbed nope part | rope part); rows [slots, C + R] the latent cache;
     kv_slots [bs, max_kv] int64; seq_lens [bs] int64 (device); selection None or [bs, 1, width, max_kv] bool
     -> out [bs * width, H, C] in q's dtype. Launch shape from host ints and tensor shapes only: capturable.
-    block_h: heads per program (power of two >= 16; default 32 for more than 16 heads, else 16); block_n: keys per step (default from the row width);
+    block_h: heads per program (power of two >= 16; default 32 for more than 16 heads, else 16); block_n: keys
+    per step (default from the row width);
     num_splits: key splits per query (default from the launch size, `num_key_splits`)."""
     num_tokens, num_heads, dim = q.shape
     bs, max_kv = kv_slots.shape
