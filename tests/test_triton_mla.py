@@ -113,14 +113,15 @@ def test_small_key_blocks_and_out_buffer():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 @pytest.mark.parametrize("selection", [None, "sparse"])
-def test_key_splits_match_reference(dtype, num_splits, selection):
+@pytest.mark.parametrize("c", [48, 160])
+def test_key_splits_match_reference(dtype, num_splits, selection, c):
     """Keys split over the grid and merged by the combine kernel: 2, 3 and 7 runs of 16-key blocks, so short
     queries leave whole splits empty (and a sparse selection hides some splits' every key); heads 40 (a partial
-    head block)."""
+    head block); C = 160: the combine's 128-dim programs, the second one partial."""
     g = torch.Generator().manual_seed(num_splits)
-    q, rows, kv_slots, lens, sel = _batch([MAX_KV, 3, 33, 50], 3, 40, 48, 16, dtype, g, selection)
-    want = reference(q, rows, kv_slots, lens, 3, 0.1, 48, sel)
-    got = mla_decode_triton(q, rows, kv_slots, lens, 3, 0.1, 48, sel, block_n=16, num_splits=num_splits)
+    q, rows, kv_slots, lens, sel = _batch([MAX_KV, 3, 33, 50], 3, 40, c, 16, dtype, g, selection)
+    want = reference(q, rows, kv_slots, lens, 3, 0.1, c, sel)
+    got = mla_decode_triton(q, rows, kv_slots, lens, 3, 0.1, c, sel, block_n=16, num_splits=num_splits)
     _assert_close(got, want)
 
 

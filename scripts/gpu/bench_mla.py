@@ -20,6 +20,7 @@ from bench_gdn import bench_graph, copy_bw
 from specserve.attention.torch_mla_backend import topk_slots
 from specserve.kernels.triton_indexer import index_scores_triton
 from specserve.kernels.triton_mla import mla_decode_triton
+from specserve.kernels.triton_topk import index_topk_triton
 
 H, C, R, HI, DI, TOPK = 64, 512, 64, 32, 128, 2048
 DEV = torch.device("cuda")
@@ -97,19 +98,24 @@ def sparse_rows(bw: float) -> None:
         print(f"{tokens:>6} | {t['h16']:9.4f} {t['h16_1']:9.4f} {t['h32']:9.4f} | {floor:7.4f}")
 
 
-def indexer_row(bs: int, w: int, kv: int, bw: float) -> None:
+def indexer_row(bs: int, w: int, kv: int, bw: float, live: int | None = None) -> None:
+    """live: the requests' length when shorter than the graph's key width kv."""
     g = torch.Generator(device=DEV).manual_seed(bs)
     rows = torch.randn((bs * kv + 16, DI), device=DEV, dtype=BF, generator=g)
     kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
-    lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
+    lens = torch.full((bs,), live or kv, dtype=torch.int64, device=DEV)
     q = torch.randn((bs * w, HI, DI), device=DEV, dtype=BF, generator=g)
     wts = torch.randn((bs * w, HI), device=DEV, generator=g)
-    valid = torch.ones((bs, w, kv), dtype=torch.bool, device=DEV)
+    valid = torch.arange(kv, device=DEV)[None, None, :] < (live or kv) - w + 1 + torch.arange(w, device=DEV)[None, :,
+                                                                                                              None]
 
     def scores():
         return index_scores_triton(q, wts, rows, None, kv_slots, lens, w)
 
     def with_topk():
+        return index_topk_triton(scores(), lens, kv_slots, w, TOPK)
+
+    def with_torch_topk():
         return topk_slots(scores(), valid, kv_slots, TOPK)
 
     def torch_scores():
@@ -117,23 +123,29 @@ def indexer_row(bs: int, w: int, kv: int, bw: float) -> None:
         s = torch.einsum("bwhd,bkd->bwhk", q.view(bs, w, HI, DI).float(), keys).relu()
         return torch.einsum("bwh,bwhk->bwk", wts.view(bs, w, HI), s)
 
-    a, b = bench_graph(scores), bench_graph(with_topk, reps=5)
+    a, b, b2 = bench_graph(scores), bench_graph(with_topk, reps=5), bench_graph(with_torch_topk, reps=5)
     try:
         c = bench_graph(torch_scores, reps=5)
     except torch.OutOfMemoryError:
         c = float("nan")
     floor = bs * kv * DI * 2 / bw * 1e3
-    print(f"{bs:>3} {w:>2} {kv:>6} | {a:8.4f} {b:8.4f} | {c:8.4f} | {floor:7.4f}")
+    label = f"{kv}" if live is None else f"{live}/{kv}"
+    print(f"{bs:>3} {w:>2} {label:>11} | {a:8.4f} {b:8.4f} {b2:8.4f} | {c:8.4f} | {floor:7.4f}")
 
 
 def indexer_rows(bw: float) -> None:
-    print("\n--- DSA indexer (ms per layer): Triton scores, + stable top-k slot lists; torch einsum scores ---")
-    print(f"{'bs':>3} {'w':>2} {'kv':>6} | {'scores':>8} {'+top-k':>8} | {'torch':>8} | {'floor':>7}")
-    for kv in (4096, 32768):
+    print("\n--- DSA indexer (ms per layer): Triton scores; + Triton top-k (kernels/triton_topk.py); + torch top-k "
+          "(topk_slots); torch einsum scores ---")
+    print(f"{'bs':>3} {'w':>2} {'kv':>11} | {'scores':>8} {'+tri k':>8} {'+torch k':>8} | {'torch':>8} | "
+          f"{'floor':>7}")
+    for kv in (2048, 4096, 32768, 131072):
         for bs in (1, 8, 32):
             for w in (1, 4):
-                indexer_row(bs, w, kv, bw)
+                if bs * kv <= 32 * 32768:
+                    indexer_row(bs, w, kv, bw)
                 torch.cuda.empty_cache()
+    for bs in (1, 8):  # a graph captured for 32k keys serving 1k-token requests
+        indexer_row(bs, 4, 32768, bw, live=1024)
 
 
 def main() -> None:

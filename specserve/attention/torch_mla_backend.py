@@ -131,8 +131,7 @@ class TorchIndexBackend(TorchAttentionBackend):
 class TritonMLABackend(TorchMLABackend):
     """Fixed-width batches (decode, verify, the draft phases) through the Triton absorbed-MLA kernel
     (kernels/triton_mla.py; each key's latent row read once for a block of heads), prefill batches through the
-    torch reference. Chosen by --attention-backend triton; `auto` keeps the torch reference for MLA until the
-    kernel has been measured on the GPU."""
+    torch reference. Chosen by --attention-backend triton, and by auto on CUDA."""
 
     def __init__(self, req_to_token, kv_pool):
         super().__init__(req_to_token, kv_pool)
@@ -160,7 +159,7 @@ class SparseSelection:
     """The indexer's choice as per-query key lists, for attention that reads only the chosen rows: every query token
     is its own row with its own length (fixed shapes under a graph)."""
 
-    slots: torch.Tensor  # [T, K] cache slots of the chosen keys, the valid ones first (then slot 0)
+    slots: torch.Tensor  # [T, K] cache slots of the chosen keys, the valid ones first (then slot 0 or -1)
     counts: torch.Tensor  # [T] int64 valid entries of each row (>= 1)
 
 
@@ -177,15 +176,18 @@ def topk_slots(scores: torch.Tensor, valid: torch.Tensor, kv_slots: torch.Tensor
 
 
 class TritonIndexBackend(TorchIndexBackend):
-    """Fixed-width batches score the paged index keys with the Triton kernel (kernels/triton_indexer.py) and hand the
-    MLA backend per-query slot lists (SparseSelection): attention then reads index_topk rows per query, not the whole
-    context. Prefill batches as the reference. With --attention-backend triton, like TritonMLABackend."""
+    """Fixed-width batches score the paged index keys with the Triton kernel (kernels/triton_indexer.py), choose
+    the top-k with kernels/triton_topk.py and hand the MLA backend per-query slot lists (SparseSelection):
+    attention then reads index_topk rows per query, not the whole context. Prefill batches as the reference. With
+    --attention-backend triton (or auto on CUDA), like TritonMLABackend."""
 
     def __init__(self, req_to_token, kv_pool):
         super().__init__(req_to_token, kv_pool)
         from specserve.kernels.triton_indexer import index_scores_triton  # triton only where chosen
+        from specserve.kernels.triton_topk import index_topk_triton
 
         self._kernel = index_scores_triton
+        self._topk = index_topk_triton
 
     def select(self, iq, indexer, fb: ForwardBatch):
         meta = self.meta
@@ -198,5 +200,6 @@ class TritonIndexBackend(TorchIndexBackend):
         scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                      None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
                                      meta.mask.shape[2])  # [bs, w, kv], -inf where unseen
-        self.last = topk_slots(scores, meta.mask[:, 0], meta.kv_slots, indexer.topk)
+        slots, counts = self._topk(scores, fb.seq_lens, meta.kv_slots, meta.mask.shape[2], indexer.topk)
+        self.last = SparseSelection(slots, counts)  # topk_slots' choice, in position order
         return self.last

@@ -23,16 +23,16 @@ nearly twice the loads and products), the row is handled as two tiles, c [BLOCK_
 [BLOCK_N, BLOCK_R], each padded to its own power of two with masks; the score is the sum of the two dots and the
 value tile is the already-loaded c.
 
-Key splits (flash decoding). A decode batch has few programs (bs * W * H / BLOCK_H: 4 at batch 1 with 64 heads)
+Key splits (flash decoding). A decode batch has few programs (bs * W * H / BLOCK_H: 2 at batch 1 with 64 heads)
 against a GPU of 132 SMs, and each would walk thousands of keys alone. So the grid has a third axis of NUM_SPLITS:
 split s of a query takes the s-th of NUM_SPLITS equal runs (whole key blocks) of that query's own causal length,
 read from seq_lens on the device (so the work per split follows the live length, not the padded max_kv, and the
 grid still depends on shapes only). With more than one split each program writes its unnormalised float32
 accumulator with its running max and sum to a workspace, and a second kernel (`_mla_combine_kernel`, one program
-per (query token, head block)) merges the splits by the usual rescaling: m = max_s m_s, l = sum_s l_s 2^(m_s - m),
-o = sum_s acc_s 2^(m_s - m) / l. A split past its query's length keeps m = -1e30, l = 0 and adds nothing. The host
-picks NUM_SPLITS from shapes only: enough programs for about two per SM, at most one split per 4 key blocks of
-max_kv; one split (no workspace, no second kernel) once the batch alone fills the GPU.
+per (query token, head block, 128 latent dims)) merges the splits by the usual rescaling: m = max_s m_s,
+l = sum_s l_s 2^(m_s - m), o = sum_s acc_s 2^(m_s - m) / l. A split past its query's length keeps m = -1e30,
+l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: enough programs for about two per SM, at most
+one split per 4 key blocks of max_kv; one split (no workspace, no second kernel) once the batch alone fills the GPU.
 
 Block sizes: BLOCK_H = 32 for more than 16 heads, else 16 (tl.dot's smallest M; fewer heads are masked; 32 is
 faster on the H200 from batch 8 on: BENCHMARKS.md), BLOCK_N = 64 keys (32 when the
@@ -132,7 +132,7 @@ def _mla_combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, num_heads, kv_lora_rank,
     t = tl.program_id(0)  # query token
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     h_ok = h < num_heads
-    c = tl.arange(0, BLOCK_C)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # this program's latent dims
     ok = h_ok[:, None] & (c < kv_lora_rank)[None, :]
     m = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -222,7 +222,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:
-        _mla_combine_kernel[(num_tokens, head_blocks)](
+        combine_c = min(block_c, 128)  # dims per combine program: more programs for the serial walk over splits
+        _mla_combine_kernel[(num_tokens, head_blocks, triton.cdiv(c, combine_c))](
             ws_acc, ws_ml, out, num_heads, c, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_C=block_c, num_warps=num_warps)
+            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_C=combine_c, num_warps=4)
     return out

@@ -1,0 +1,198 @@
+"""Graph-safe DSA top-k in Triton: each query's `k` best index scores as a list of cache slots (oracle:
+attention/torch_mla_backend.py, topk_slots / ranked_topk).
+
+Input: the indexer's scores of a fixed-width batch, [bs, W, max_kv] float32 (kernels/triton_indexer.py), where
+query i of request b sees key positions < seq_lens[b] - W + i + 1 (its causal length, read on the device). Output:
+slots [bs * W, K] (K = min(k, max_kv)) holding the kv_slots of the chosen positions in increasing position order, then
+-1; counts [bs * W] = min(k, causal length). The choice is the reference's: the k largest scores, equal scores keep
+the earlier position, -0.0 equal to +0.0. Where a query sees no more than k keys it takes them all (no selection
+runs: the common case early in a request, which torch.topk over the padded graph width cannot skip).
+
+Selection is an exact radix select over a 32-bit order-preserving key of each score (the float's bits with the
+negative ones flipped), 8 bits a pass, most significant first:
+
+1. four histogram passes (`_hist_kernel`, grid (rows, chunks of CHUNK positions)): pass p counts, over the keys
+   whose top 8p bits equal the prefix found so far, their next 8 bits into 256 bins, and adds the chunk's counts
+   to the row's histogram with integer atomics (integer sums: the same totals in any order, so deterministic).
+   Each program first re-derives the prefix and the number still to take from the earlier passes' histograms
+   (`_prefix`: the largest digit whose count of keys at or above it reaches what is still needed). After four
+   passes the prefix is the k-th largest key T itself and `need` is how many keys equal to T to take;
+2. `_count_kernel` counts per chunk the keys above T and the keys equal to T;
+3. `_write_kernel`: each chunk takes its keys above T and the ties of lowest position up to `need` (the ties before
+   it, from the earlier chunks' counts, come first), and writes their slots at its offset: the sum of what the
+   earlier chunks take. Chunk 0 also writes counts and the -1 tail.
+
+Grids and workspaces depend on shapes only (the causal lengths are read on the device), so the launches are CUDA-
+graph capturable; a chunk wholly past its query's length returns at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 2048  # positions per program
+BLOCK = 1024  # positions per step of a program
+_BINS = 512  # 256 digits + a bin for the keys outside the prefix (tl.histogram wants a power of two)
+
+
+@triton.jit
+def _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W: tl.constexpr):
+    b = row // W
+    i = row % W
+    seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
+    return tl.minimum(seq_len - W + i + 1, max_kv)
+
+
+@triton.jit
+def _keys(scores_ptr, n, ok):
+    """Scores at positions n -> int64 keys in [0, 2^32), ordered as the floats (-0.0 as +0.0)."""
+    s = tl.load(scores_ptr + n, mask=ok, other=0.0)
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return ordered.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _prefix(hist_row_ptr, k, PASS: tl.constexpr):
+    """(prefix of the top 8 * PASS key bits, keys still to take at or below it) from passes < PASS."""
+    d_idx = tl.arange(0, _BINS)
+    prefix = tl.zeros([], tl.int64)
+    rem = tl.zeros([], tl.int32) + k
+    for p in tl.static_range(PASS):
+        h = tl.load(hist_row_ptr + p * _BINS + d_idx, mask=d_idx < 256, other=0)  # [_BINS] int32
+        ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this digit or a larger one
+        d = tl.max(tl.where((ge >= rem) & (d_idx < 256), d_idx, -1), axis=0)
+        rem = rem - tl.sum(tl.where(d_idx > d, h, 0), axis=0)
+        prefix = (prefix << 8) | d.to(tl.int64)
+    return prefix, rem
+
+
+@triton.jit
+def _hist_kernel(scores_ptr, seq_lens_ptr, hist_ptr, k, max_kv, stride_sr, stride_sl,
+                 W: tl.constexpr, PASS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    lo = tl.program_id(1) * CHUNK
+    kv_len = _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W)
+    hi = tl.minimum(lo + CHUNK, kv_len)
+    if (kv_len > k) & (lo < hi):
+        hist_row = hist_ptr + row.to(tl.int64) * 4 * _BINS
+        prefix, rem = _prefix(hist_row, k, PASS)
+        scores_row = scores_ptr + row.to(tl.int64) * stride_sr
+        acc = tl.zeros([_BINS], tl.int32)
+        for n0 in range(lo, hi, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            ok = n < hi
+            u = _keys(scores_row, n, ok)
+            match = ok & ((u >> (32 - 8 * PASS)) == prefix)
+            digit = tl.where(match, (u >> (24 - 8 * PASS)) & 255, 256).to(tl.int32)
+            acc += tl.histogram(digit, _BINS)
+        d_idx = tl.arange(0, _BINS)
+        tl.atomic_add(hist_row + PASS * _BINS + d_idx, acc, mask=(d_idx < 256) & (acc > 0))
+
+
+@triton.jit
+def _threshold(hist_ptr, row, k, kv_len):
+    """(T, need): take keys > T and the first `need` keys == T. A query seeing <= k keys takes all (T = -1)."""
+    prefix, rem = _prefix(hist_ptr + row.to(tl.int64) * 4 * _BINS, k, 4)
+    big = kv_len > k
+    return tl.where(big, prefix, -1), tl.where(big, rem, 0)
+
+
+@triton.jit
+def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num_chunks, stride_sr, stride_sl,
+                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    lo = chunk * CHUNK
+    kv_len = _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W)
+    hi = tl.minimum(lo + CHUNK, kv_len)
+    t, need = _threshold(hist_ptr, row, k, kv_len)
+    scores_row = scores_ptr + row.to(tl.int64) * stride_sr
+    gt = tl.zeros([], tl.int32)
+    eq = tl.zeros([], tl.int32)
+    for n0 in range(lo, hi, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        ok = n < hi
+        u = _keys(scores_row, n, ok)
+        gt += tl.sum((ok & (u > t)).to(tl.int32), axis=0)
+        eq += tl.sum((ok & (u == t)).to(tl.int32), axis=0)
+    base = counts_ptr + (row.to(tl.int64) * num_chunks + chunk) * 2
+    tl.store(base, gt)
+    tl.store(base + 1, eq)
+
+
+@triton.jit
+def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, out_ptr, out_counts_ptr,
+                  k, max_kv, num_chunks, out_k, stride_sr, stride_sl, stride_kvb, stride_kvn, stride_or,
+                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    lo = chunk * CHUNK
+    kv_len = _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W)
+    hi = tl.minimum(lo + CHUNK, kv_len)
+    t, need = _threshold(hist_ptr, row, k, kv_len)
+    # what the earlier chunks take: their keys above T and their share of the first `need` ties
+    c = tl.arange(0, MAX_CHUNKS)
+    before = c < chunk
+    base = counts_ptr + row.to(tl.int64) * num_chunks * 2
+    gt_c = tl.load(base + 2 * c, mask=before, other=0)
+    eq_c = tl.load(base + 2 * c + 1, mask=before, other=0)
+    eq_prior = tl.cumsum(eq_c, axis=0) - eq_c  # ties in the chunks before each one
+    taken_c = gt_c + tl.minimum(tl.maximum(need - eq_prior, 0), eq_c)
+    offset = tl.sum(taken_c, axis=0)
+    eq_seen = tl.sum(eq_c, axis=0)
+    scores_row = scores_ptr + row.to(tl.int64) * stride_sr
+    slots_row = kv_slots_ptr + (row // W).to(tl.int64) * stride_kvb
+    out_row = out_ptr + row.to(tl.int64) * stride_or
+    for n0 in range(lo, hi, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        ok = n < hi
+        u = _keys(scores_row, n, ok)
+        tie = ok & (u == t)
+        tie_rank = eq_seen + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        take = (ok & (u > t)) | (tie & (tie_rank < need))
+        idx = offset + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        slot = tl.load(slots_row + n * stride_kvn, mask=take, other=0)
+        tl.store(out_row + idx, slot, mask=take)
+        offset += tl.sum(take.to(tl.int32), axis=0)
+        eq_seen += tl.sum(tie.to(tl.int32), axis=0)
+    if chunk == 0:
+        total = tl.minimum(kv_len, k)
+        tl.store(out_counts_ptr + row, total.to(tl.int64))
+        for f0 in range(total, out_k, BLOCK):
+            f = f0 + tl.arange(0, BLOCK)
+            tl.store(out_row + f, tl.full([BLOCK], -1, tl.int64), mask=f < out_k)
+
+
+def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor, width: int, k: int, *,
+                      chunk: int = CHUNK, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [bs, width, max_kv] float32 (the indexer's; positions past a query's causal length are ignored);
+    seq_lens [bs] int64 (device); kv_slots [bs, max_kv] int64 -> (slots [bs * width, K] int64: the chosen
+    positions' slots in position order, then -1; counts [bs * width] int64), K = min(k, max_kv). Capturable.
+    chunk: positions per program; block: positions per step (powers of two, block <= chunk)."""
+    bs, w, max_kv = scores.shape
+    assert w == width and kv_slots.shape == (bs, max_kv) and seq_lens.shape == (bs,) and k > 0
+    assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and scores.stride(0) == w * scores.stride(1)
+    rows, out_k = bs * w, min(k, max_kv)
+    dev = scores.device
+    out = torch.empty((rows, out_k), dtype=torch.int64, device=dev)
+    out_counts = torch.empty((rows,), dtype=torch.int64, device=dev)
+    if rows == 0:
+        return out, out_counts
+    num_chunks = triton.cdiv(max_kv, chunk)
+    hist = torch.zeros((rows, 4, _BINS), dtype=torch.int32, device=dev)
+    counts = torch.empty((rows, num_chunks, 2), dtype=torch.int32, device=dev)
+    grid = (rows, num_chunks)
+    common = dict(W=width, CHUNK=chunk, BLOCK=block, num_warps=4)
+    stride_sr = scores.stride(1)
+    for p in range(4):
+        _hist_kernel[grid](scores, seq_lens, hist, k, max_kv, stride_sr, seq_lens.stride(0), PASS=p, **common)
+    _count_kernel[grid](scores, seq_lens, hist, counts, k, max_kv, num_chunks, stride_sr, seq_lens.stride(0),
+                        **common)
+    _write_kernel[grid](scores, seq_lens, hist, counts, kv_slots, out, out_counts, k, max_kv, num_chunks, out_k,
+                        stride_sr, seq_lens.stride(0), kv_slots.stride(0), kv_slots.stride(1), out.stride(0),
+                        MAX_CHUNKS=max(2, triton.next_power_of_2(num_chunks)), **common)
+    return out, out_counts
