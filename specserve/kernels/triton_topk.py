@@ -34,7 +34,7 @@ import triton.language as tl
 
 CHUNK = 2048  # positions per program
 BLOCK = 1024  # positions per step of a program
-_BINS = 512  # 256 digits + a bin for the keys outside the prefix (tl.histogram wants a power of two)
+_BINS = tl.constexpr(512)  # 256 digits + a bin for the keys outside the prefix (tl.histogram wants a power of two)
 
 
 @triton.jit
