@@ -8,10 +8,12 @@ one layer, bf16, timed as CUDA-graph replays (the kernels without the host launc
 - the indexer: the Triton scores over every key plus the stable top-k (topk_slots), against the torch reference's
   einsum scores.
 
-    python3 scripts/gpu/bench_mla.py
+    python3 scripts/gpu/bench_mla.py [sparse] [mla] [indexer]     (default: all three)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +108,8 @@ def indexer_row(bs: int, w: int, kv: int, bw: float, live: int | None = None) ->
     lens = torch.full((bs,), live or kv, dtype=torch.int64, device=DEV)
     q = torch.randn((bs * w, HI, DI), device=DEV, dtype=BF, generator=g)
     wts = torch.randn((bs * w, HI), device=DEV, generator=g)
-    valid = torch.arange(kv, device=DEV)[None, None, :] < (live or kv) - w + 1 + torch.arange(w, device=DEV)[None, :,
-                                                                                                              None]
+    q_len = (live or kv) - w + 1 + torch.arange(w, device=DEV)  # [w] each query's causal length
+    valid = (torch.arange(kv, device=DEV)[None, :] < q_len[:, None]).expand(bs, w, kv)
 
     def scores():
         return index_scores_triton(q, wts, rows, None, kv_slots, lens, w)
@@ -149,11 +151,12 @@ def indexer_rows(bw: float) -> None:
 
 
 def main() -> None:
+    parts = sys.argv[1:] or ["sparse", "mla", "indexer"]
     bw = copy_bw()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s")
-    sparse_rows(bw)
-    mla_rows(bw)
-    indexer_rows(bw)
+    for name, fn in (("sparse", sparse_rows), ("mla", mla_rows), ("indexer", indexer_rows)):
+        if name in parts:
+            fn(bw)
 
 
 if __name__ == "__main__":
