@@ -34,12 +34,12 @@ l = sum_s l_s 2^(m_s - m), o = sum_s acc_s 2^(m_s - m) / l. A split past its que
 l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: enough programs for about two per SM, at most
 one split per 4 key blocks of max_kv; one split (no workspace, no second kernel) once the batch alone fills the GPU.
 
-Block sizes: BLOCK_H = 32 for more than 16 heads, else 16 (tl.dot's smallest M; fewer heads are masked; 32 is
-faster on the H200 from batch 8 on: BENCHMARKS.md), BLOCK_N = 64 keys (32 when the
-row is wider than 256, to bound the c tile's registers), num_warps 4 (8 when BLOCK_C > 256, where the [BLOCK_H,
-BLOCK_C] float32 accumulator and the c tile dominate). `F32_DOT` computes the products in float32: set for CPU
-tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9); probabilities are still rounded
-to the value dtype first, as on the GPU.
+Block sizes: BLOCK_H = 32 for more than 16 heads and 4 or more query tokens, else 16 (tl.dot's smallest M; fewer
+heads are masked; on the H200 32 is faster from 4 tokens on, 16 for a single token: BENCHMARKS.md), BLOCK_N = 64
+keys (32 when the row is wider than 256, to bound the c tile's registers), num_warps 4 (8 when BLOCK_C > 256, where
+the [BLOCK_H, BLOCK_C] float32 accumulator and the c tile dominate). `F32_DOT` computes the products in float32:
+set for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9); probabilities are
+still rounded to the value dtype first, as on the GPU.
 """
 
 from __future__ import annotations
@@ -177,8 +177,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     q [bs * width, H, C + R] (latent-absorbed nope part | rope part); rows [slots, C + R] the latent cache;
     kv_slots [bs, max_kv] int64; seq_lens [bs] int64 (device); selection None or [bs, 1, width, max_kv] bool
     -> out [bs * width, H, C] in q's dtype. Launch shape from host ints and tensor shapes only: capturable.
-    block_h: heads per program (power of two >= 16; default 32 for more than 16 heads, else 16); block_n: keys
-    per step (default from the row width);
+    block_h: heads per program (power of two >= 16; default 32 for more than 16 heads and 4 or more tokens, else
+    16); block_n: keys per step (default from the row width);
     num_splits: key splits per query (default from the launch size, `num_key_splits`)."""
     num_tokens, num_heads, dim = q.shape
     bs, max_kv = kv_slots.shape
@@ -190,8 +190,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     assert out.shape == (num_tokens, num_heads, c) and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0:
         return out
-    if block_h is None:
-        block_h = 32 if num_heads > 16 else 16
+    if block_h is None:  # 16 for one to three query tokens (latency: more, smaller programs), else 32 if it fits
+        block_h = 32 if num_heads > 16 and num_tokens >= 4 else 16
     block_c = max(16, triton.next_power_of_2(c))
     block_r = max(16, triton.next_power_of_2(rope)) if rope > 0 else 16
     if block_n is None:
