@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 16 on the H200: `specserve serve` on SmolLM2-135M (the GGUF joined from its two parts, see env.sh) with the
+# shipped MTP head, a KV pool small enough to retract, then `specserve soak` against it (mixed routes, streaming,
+# aborts, bad inputs, greedy re-runs, pool back to idle, RSS). Needs .smollm2-parts/b and wheels carried, and
+# /tmp/keep/part00 left by an earlier call on the same warm machine.
+#   bash scripts/gpu/soak_server.sh [num-requests] [concurrency]
+. scripts/gpu/env.sh
+N=${1:-2000}
+C=${2:-16}
+python3 -c "import fastapi, uvicorn, aiohttp, gguf, pydantic" || exit 3
+python3 -m specserve.cli serve --model-path /tmp/smollm2.gguf --speculative-algorithm MTP \
+  --speculative-draft-model-path specserve/assets/smollm2-135m-mtp --speculative-num-steps 3 --port 30000 \
+  --max-total-tokens 1200 --context-length 256 --max-running-requests 16 --schedule-conservativeness 0 \
+  > "$OUT/server.log" 2>&1 &
+PID=$!
+for _ in $(seq 1 150); do
+  curl -sf http://127.0.0.1:30000/health >/dev/null 2>&1 && break
+  kill -0 $PID 2>/dev/null || { tail -30 "$OUT/server.log"; exit 4; }
+  sleep 1
+done
+timeout 400 python3 -m specserve.cli soak --base-url http://127.0.0.1:30000 --num-requests "$N" --concurrency "$C" \
+  --seed 1 --server-pid $PID --output-file "$OUT/soak.json" 2>&1 | tail -25
+rc=${PIPESTATUS[0]}
+curl -s http://127.0.0.1:30000/get_server_info | head -c 1500; echo
+kill $PID; wait $PID 2>/dev/null
+grep -v -i warn "$OUT/server.log" | tail -5
+exit $rc
