@@ -14,14 +14,14 @@ python3 -m specserve.cli serve --model-path /tmp/smollm2.gguf --speculative-algo
   > "$OUT/server.log" 2>&1 &
 PID=$!
 for _ in $(seq 1 150); do
-  curl -sf http://127.0.0.1:30000/health >/dev/null 2>&1 && break
+  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health', timeout=2)" 2>/dev/null && break
   kill -0 $PID 2>/dev/null || { tail -30 "$OUT/server.log"; exit 4; }
   sleep 1
 done
 timeout 400 python3 -m specserve.cli soak --base-url http://127.0.0.1:30000 --num-requests "$N" --concurrency "$C" \
   --seed 1 --server-pid $PID --output-file "$OUT/soak.json" 2>&1 | tail -25
 rc=${PIPESTATUS[0]}
-curl -s http://127.0.0.1:30000/get_server_info | head -c 1500; echo
+python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/get_server_info').read()[:1500])"
 kill $PID; wait $PID 2>/dev/null
 grep -v -i warn "$OUT/server.log" | tail -5
 exit $rc
