@@ -141,7 +141,8 @@ class ServerArgs:
             raise ValueError("--speculative-ngram-confidence must be in [0, 1], got "
                              f"{self.speculative_ngram_confidence}")
         if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size} is not supported yet: specserve runs on one device (tp 1)")
+            raise ValueError(f"--tp-size {self.tp_size} is not supported by the engine yet: specserve serves on one "
+                             "device (tp 1); the dense families' tensor-parallel layers exist at the model level only")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.dtype not in DTYPES:

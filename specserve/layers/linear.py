@@ -1,6 +1,6 @@
 """Linear layers with shard-aware weight loading (fused QKV and gate/up projections).
 
-Only tensor-parallel size 1 is implemented; the shard bookkeeping is where TP would split the weights.
+Tensor-parallel variants (a rank's slice of each weight) are in layers/parallel.py.
 
 On CPU in float32, small row counts run through oneDNN with a prepacked copy of the weight (`PackedWeight`), see
 `packed_cpu_linear`; everything else (GPU, other dtypes, training, large row counts) is plain F.linear.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.distributed.tp import TP1, TPGroup
 from specserve.layers.rotary import rope_parameters
 
 
@@ -56,6 +57,8 @@ class ModelConfig:
     aux_hidden_layers: list[int] = field(default_factory=list)
     # rope: the fraction of each head's dims that rotate (top-level or in rope_parameters, as the config has it)
     partial_rotary_factor: float = 1.0
+    # the tensor-parallel group the model is built for (distributed/tp.py; size 1: one device)
+    tp: TPGroup = field(default=TP1, repr=False, compare=False)
 
     @staticmethod
     def core_fields(hf_config, architecture: str) -> dict:

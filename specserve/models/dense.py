@@ -19,6 +19,12 @@ from specserve.layers.attention import PagedAttention
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
 from specserve.models.config import ModelConfig, optional, require, text_config
 
@@ -73,13 +79,25 @@ def make_rotary(cfg: DenseConfig, max_positions: int) -> RotaryEmbedding:
 
 class DenseAttention(nn.Module):
     def __init__(self, cfg: DenseConfig, layer_id: int, rotary: RotaryEmbedding):
+        """Under tensor parallelism (cfg.tp.size > 1) this rank keeps its query heads and its KV heads (replicated
+        when there are fewer KV heads than ranks); o_proj sums the ranks' partial outputs."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        tp, d = cfg.tp, cfg.head_dim
+        self.head_dim = d
+        if tp.size == 1:
+            self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+            self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d,
+                                                           "v": cfg.num_kv_heads * d}, bias=cfg.qkv_bias)
+            self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
+        else:
+            self.num_heads = tp.split(cfg.num_heads, "attention heads")
+            self.qkv_proj = MergedColumnParallelLinear(
+                cfg.hidden_size, {"q": (cfg.num_heads * d, d), "k": (cfg.num_kv_heads * d, d),
+                                  "v": (cfg.num_kv_heads * d, d)}, tp, bias=cfg.qkv_bias)
+            self.num_kv_heads = self.qkv_proj.shard_offsets["k"][1] // d
+            self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, bias=cfg.o_bias)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -108,10 +126,16 @@ class DenseAttention(nn.Module):
 
 class DenseMLP(nn.Module):
     def __init__(self, cfg: DenseConfig):
+        """Under tensor parallelism each rank keeps a slice of the intermediate features."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": cfg.intermediate_size,
-                                                           "up": cfg.intermediate_size})
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        tp, inter = cfg.tp, cfg.intermediate_size
+        if tp.size == 1:
+            self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": inter, "up": inter})
+            self.down_proj = Linear(inter, cfg.hidden_size)
+        else:
+            self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": (inter, 1), "up": (inter, 1)},
+                                                           tp)
+            self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
@@ -163,7 +187,8 @@ class DenseModel(nn.Module):
     def __init__(self, cfg: DenseConfig, max_positions: int, family: type[DenseForCausalLM]):
         """family: the model class whose hooks build the decoder layers, the rotary table and the norms."""
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if cfg.tp.size == 1
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.tp))
         self.rotary = family.make_rotary(cfg, max_positions)
         self.layers = nn.ModuleList([family.make_layer(cfg, i, self.rotary) for i in range(cfg.num_layers)])
         self.norm = family.make_norm(cfg, cfg.hidden_size)
@@ -197,9 +222,12 @@ class DenseForCausalLM(nn.Module):
 
     def __init__(self, cfg: DenseConfig, max_positions: int):
         super().__init__()
+        if cfg.tp.size > 1 and type(self).make_layer.__func__ is not DenseForCausalLM.make_layer.__func__:
+            raise ValueError(f"tensor parallelism covers the dense families so far, not {cfg.architecture}")
         self.config = cfg
         self.model = DenseModel(cfg, max_positions, type(self))
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = (LMHead(cfg.vocab_size, cfg.hidden_size) if cfg.tp.size == 1
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.tp))
         self.tie_weights()
 
     # ------------------------------------------------------------------ family hooks
@@ -306,6 +334,11 @@ def load_dense_tensor(root: nn.Module, params: dict[str, nn.Parameter], name: st
         module = root.get_submodule(mod_name)
         module.load_shard(shard, tensor, is_bias=parts[-1] == "bias")
         return f"{mod_name}.{parts[-1]}"
+    if len(parts) >= 2 and name in params:
+        module = root.get_submodule(".".join(parts[:-1]))
+        if hasattr(module, "load_full"):  # a tensor-parallel layer: it keeps its rank's slice
+            module.load_full(tensor, is_bias=parts[-1] == "bias")
+            return name
     return copy_param(params, name, tensor)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from specserve.distributed.tp import TP1, TPGroup
 from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
 from specserve.models.registry import model_class
@@ -145,9 +146,11 @@ def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, d
 
 
 def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
-                hf_config=None) -> LoadedTarget:
+                hf_config=None, tp: TPGroup = TP1) -> LoadedTarget:
+    """tp: the tensor-parallel group this rank belongs to (its slice of each weight is loaded)."""
     hf_config = hf_config or load_hf_config(src)
     cfg = ModelConfig.from_hf(hf_config)
+    cfg.tp = tp
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions)

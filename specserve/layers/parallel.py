@@ -1,0 +1,105 @@
+"""Tensor-parallel layers (Megatron layout) over a TPGroup (distributed/tp.py), each loading its rank's slice of a
+full checkpoint tensor (`load_full` / `load_shard`), so the loaders stay the same for every size:
+
+- ColumnParallelLinear: a slice of the output features (weight rows), the output stays sharded;
+- MergedColumnParallelLinear: q|k|v or gate|up, each part sliced on its own; a part of fewer units (KV heads) than
+  ranks is replicated: rank r keeps unit r * units // size;
+- RowParallelLinear: a slice of the input features (weight columns); the partial products are summed over the
+  ranks (all-reduce), then the full bias is added once;
+- VocabParallelEmbedding: a slice of the vocabulary; ids outside it give zeros, summed over the ranks;
+- ParallelLMHead: a slice of the vocabulary's logits, gathered to the full [T, V] on every rank.
+
+Only built when the group's size is above 1 (the models keep the plain layers at size 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.distributed.tp import TPGroup
+from specserve.layers.embedding import LMHead, VocabEmbedding
+from specserve.layers.linear import Linear, MergedLinear, copy_checked
+
+
+class ColumnParallelLinear(Linear):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__(in_features, tp.split(out_features, "output features"), bias)
+        self.tp = tp
+
+    def load_full(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        target = self.bias if is_bias else self.weight
+        copy_checked(target, self.tp.shard(tensor, 0, "output features"), "column-parallel linear")
+
+
+class RowParallelLinear(Linear):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__(tp.split(in_features, "input features"), out_features, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in / size] -> [T, out]
+        y = F.linear(x, self.weight)
+        self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def load_full(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        if is_bias:
+            copy_checked(self.bias, tensor, "row-parallel bias")
+        else:
+            copy_checked(self.weight, self.tp.shard(tensor, 1, "input features"), "row-parallel linear")
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, int]], tp: TPGroup, bias: bool = False):
+        """parts: name -> (full output rows, rows per unit), e.g. {"q": (H * D, D), "k": (KV * D, D), ...}: each part
+        is split over the ranks in whole units (heads), or replicated unit by unit when it has fewer units than
+        ranks (the count must then divide the ranks)."""
+        self.tp = tp
+        self.unit_ranges: dict[str, tuple[int, int]] = {}  # name -> (first full row, rows) kept by this rank
+        local = {}
+        for name, (rows, unit) in parts.items():
+            units = rows // unit
+            if units * unit != rows:
+                raise ValueError(f"part {name!r}: {rows} rows are not whole units of {unit}")
+            if units >= tp.size:
+                per = tp.split(units, f"units of part {name!r}")
+                self.unit_ranges[name] = (tp.rank * per * unit, per * unit)
+            elif tp.size % units == 0:
+                self.unit_ranges[name] = (tp.rank * units // tp.size * unit, unit)  # replicated unit
+            else:
+                raise ValueError(f"part {name!r}: {units} units cannot be replicated over {tp.size} ranks")
+            local[name] = self.unit_ranges[name][1]
+        super().__init__(in_features, local, bias)
+
+    def load_shard(self, shard: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        start, rows = self.unit_ranges[shard]
+        super().load_shard(shard, tensor.narrow(0, start, rows), is_bias)
+
+
+class VocabParallelEmbedding(VocabEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__(tp.split(vocab_size, "vocabulary size"), hidden_size)
+        self.tp = tp
+        self.start = tp.rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        n = self.weight.shape[0]
+        local = ids - self.start
+        inside = (local >= 0) & (local < n)
+        out = F.embedding(local.clamp(0, n - 1), self.weight) * inside[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+    def load_full(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        copy_checked(self.weight, self.tp.shard(tensor, 0, "vocabulary size"), "vocab-parallel embedding")
+
+
+class ParallelLMHead(LMHead):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__(tp.split(vocab_size, "vocabulary size"), hidden_size)
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, V] float32, on every rank
+        return self.tp.all_gather(super().forward(hidden), dim=-1)
+
+    def load_full(self, tensor: torch.Tensor, is_bias: bool = False) -> None:
+        copy_checked(self.weight, self.tp.shard(tensor, 0, "vocabulary size"), "parallel lm-head")

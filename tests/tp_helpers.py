@@ -1,0 +1,59 @@
+"""Tensor-parallel test helpers: one rank's run of a tiny checkpoint (load its slice, prefill a few prompts, greedy
+decode steps through the model runner) and the process entry point for torch.multiprocessing.spawn (gloo)."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.distributed.tp import TP1, TPGroup, init_tp
+from specserve.graphs.padding import ExtendBatch, LiveInputs
+from specserve.models.loader import ModelSource, load_target
+from specserve.server_args import ServerArgs
+
+
+def run_model(path: str, tp: TPGroup, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """[prefill logits [T, V], then one [bs, V] per greedy decode step] for `prompts`, on this rank."""
+    from specserve.engine.model_runner import ModelRunner
+    from specserve.kvcache.manager import KVHandle
+
+    cpu = torch.device("cpu")
+    t = load_target(ModelSource.resolve(path), torch.float32, cpu, 600, tp=tp)
+    args = ServerArgs(model_path=path, max_total_tokens=2048, max_running_requests=8)
+    mr = ModelRunner(args, t.model, t.config, None, cpu, torch.float32, 512)
+    handles = [KVHandle() for _ in prompts]
+    for h, p in zip(handles, prompts):
+        assert mr.kv.assign_row(h) and mr.kv.ensure([h], [len(p) + steps + 1])
+    ids = torch.tensor(sum(prompts, []))
+    pos = torch.tensor(sum([list(range(len(p))) for p in prompts], []))
+    table = mr.req_to_token.table
+    loc = torch.cat([table[h.row, :len(p)] for h, p in zip(handles, prompts)])
+    lens = [len(p) for p in prompts]
+    with torch.inference_mode():
+        hidden = mr.prefill.run(ExtendBatch(ids, pos, loc, [h.row for h in handles], lens, lens))
+        out = [t.model.compute_logits(hidden)]
+        ends = torch.tensor(lens).cumsum(0) - 1
+        nxt = out[0][ends].argmax(-1)
+        rows = torch.tensor([h.row for h in handles])
+        s = torch.tensor(lens)
+        for _ in range(steps):
+            live = LiveInputs(len(prompts), nxt, s, rows, s + 1, int(s.max()) + 1)
+            logits = mr.runners["decode"].run(live)["logits"]
+            out.append(logits)
+            nxt = logits.argmax(-1)
+            s = s + 1
+    return out
+
+
+def rank_main(rank: int, size: int, port: int, path: str, prompts: list[list[int]], steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    tp = init_tp(rank, size, f"tcp://127.0.0.1:{port}", "gloo")
+    try:
+        logits = run_model(path, tp, prompts, steps)
+        if rank == 0:
+            torch.save(logits, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def single(path: str, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    return run_model(path, TP1, prompts, steps)
