@@ -52,6 +52,9 @@ class ServerArgs:
     speculative_ngram_lookup: bool = False  # draft from n-gram continuations in the context (speculative/ngram.py)
     speculative_ngram_confidence: float = 0.5  # ... when the head's top probability is below this
     speculative_draft_model_quantization: str | None = None  # "int8": weight-only int8 draft on CPU (layers/quant.py)
+    # per step, speculate or take a plain step, whichever the measured costs and accept rate say is faster
+    # (engine/adaptive_spec.py); None: on on a GPU, off on a CPU (step times there are too noisy to steer by)
+    speculative_adaptive: bool | None = None
     # graphs and kernels
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
@@ -259,13 +262,17 @@ class ServerArgs:
         a("--speculative-draft-model-quantization", choices=QUANTIZATIONS, default=None,
           help="int8: the draft's weights as weight-only int8 on CPU, a quarter of the bytes each draft step "
                "streams (lossless: verification is unchanged); default none, int8 for the embedded model on a CPU")
+        a("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
+          help="per decode step, speculate or take a plain step (no drafts; the draft kept in step) from the "
+               "measured step times per batch size and the running accept length, so that speculation is not "
+               "slower than plain decoding at any concurrency (default: on on a GPU, off on a CPU)")
         a("--cuda-graph-max-bs", type=int, default=None,
           help="largest batch captured as CUDA graphs (default 64 on a GPU, bounded by --max-running-requests)")
         a("--cuda-graph-bs", type=int, nargs="+", default=None, help="the batch sizes to capture (default: a ladder)")
         a("--disable-cuda-graph", action="store_true", help="run every phase eagerly (no CUDA graphs at all)")
         a("--disable-spec-step-graph", action="store_true",
-          help="run greedy speculative steps phase by phase (each phase its own graph, host glue between) instead "
-               "of as one CUDA graph per batch size (sampled batches always run phase by phase)")
+          help="run speculative steps phase by phase (each phase its own graph, host glue between) instead of as "
+               "one CUDA graph per batch size")
         a("--cuda-graph-max-prefill-tokens", type=int, default=None,
           help="run prefill batches of up to this many tokens (and 16 requests) as CUDA graphs, padded up a ladder "
                "of token counts; larger ones run eagerly. 0: eager prefill. Default 2048 on a GPU; on a CPU 0 (a "

@@ -101,3 +101,19 @@ def build_scheduler(path: str, draft: nn.Module | None = None, draft_path: str |
     mr = ModelRunner(args, t.model, t.config, draft, dev, dtype, ctx)
     mr.capture_graphs()
     return Scheduler(mr, StopChecker(None, {2}), args.chunked_prefill_size), t
+
+
+class ForcedSteps:
+    """Stands in for the scheduler's adaptive-speculation policy (engine/adaptive_spec.py): plain (True) or
+    speculative (False) steps in the given repeating pattern; `recorded` keeps what the scheduler reported."""
+
+    def __init__(self, pattern: list[bool]):
+        self.pattern, self.i, self.recorded = pattern, 0, []
+
+    def choose_plain(self, bs: int) -> bool:
+        self.i += 1
+        return self.pattern[(self.i - 1) % len(self.pattern)]
+
+    def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float) -> None:
+        self.recorded.append((bs, plain, tokens_per_request))
+

@@ -10,7 +10,7 @@
 
 import pytest
 import torch
-from spec_fixtures import OracleDraft, build_scheduler
+from spec_fixtures import ForcedSteps, OracleDraft, build_scheduler
 from test_prefill_graph import check_padded_prefill, prefill_runner
 from test_runners import _inputs, check_one_graph_step, token_caches
 from test_spec_greedy import _hf_greedy, _prompts, _run
@@ -152,3 +152,20 @@ def test_graphs_on_and_off_give_same_tokens(tiny_models):
         runners = eng.core.model_runner.spec.runners.values()
         assert all(bool(r.graphs) != off for r in runners)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("pattern", [[True, False], [True]])
+def test_adaptive_plain_steps_gpu(tiny_models, pattern):
+    """Adaptive speculation is on by default on CUDA: the plain-step runners are captured, and plain steps
+    interleaved with speculative ones (forced) give transformers' greedy tokens."""
+    prompts = _prompts()
+    ref = _hf_greedy(tiny_models["llama_mtp"], prompts)
+    spec, _ = build_scheduler(tiny_models["llama_mtp"], device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE,
+                              speculative_algorithm="MTP", speculative_num_steps=3)
+    mr = spec.mr
+    assert mr.adaptive_spec and mr.runners["target_decode"].graphs and mr.spec.plain.runners["draft_extend"].graphs
+    spec.adaptive = ForcedSteps(pattern)
+    assert [r.output_ids for r in _run(spec, prompts)] == ref
+    assert spec.stats.spec_plain_steps > 0 and mr.runners["target_decode"].replays > 0
+    spec.check_idle_invariants()
+

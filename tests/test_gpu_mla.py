@@ -11,7 +11,7 @@
 import pytest
 import torch
 from deepseek_helpers import build_tiny_deepseek, build_tiny_dsa
-from spec_fixtures import build_scheduler, run_greedy
+from spec_fixtures import ForcedSteps, build_scheduler, run_greedy
 from test_deepseek_dsa import _with_mtp
 from test_gpu import CAPTURE, _cuda_spec_runner, _to
 from test_qwen3_next import _hf_greedy
@@ -97,3 +97,17 @@ def test_triton_mla_backend_equals_reference_gpu(models, key):
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
     assert spec.mr.spec.spec_step.replays > 0
     spec.check_idle_invariants()
+
+
+def test_adaptive_plain_steps_gpu(models):
+    """Plain steps (forced, interleaved) through the Triton MLA / DSA backends at width 1 == plain decoding."""
+    prompts = _prompts()
+    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32)
+    ref = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], **kw)[0], prompts, NEW)]
+    spec, _ = build_scheduler(models["glm"], speculative_algorithm="MTP", speculative_num_steps=3, **kw)
+    assert spec.mr.runners["target_decode"].graphs
+    spec.adaptive = ForcedSteps([True, False, False])
+    assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
+    assert spec.stats.spec_plain_steps > 0
+    spec.check_idle_invariants()
+

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import build_tiny_model
 from scipy.stats import chisquare
-from spec_fixtures import OracleDraft, build_scheduler
+from spec_fixtures import ForcedSteps, OracleDraft, build_scheduler
 
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
@@ -76,8 +76,10 @@ def _greedy(path, device: str = "cpu") -> list[int]:
     return r.output_ids
 
 
-def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu", **spec) -> np.ndarray:
-    """graphed_steps: if a list, receives the one-graph spec step's (greedy, sampled, filtered) replay counts."""
+def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu", force_plain: list | None = None,
+             **spec) -> np.ndarray:
+    """graphed_steps: if a list, receives the one-graph spec step's (greedy, sampled, filtered) replay counts;
+    force_plain: a repeating pattern of plain (True) and speculative steps (adaptive speculation)."""
     temperature, top_k, top_p = params
     draft = None
     if spec:
@@ -85,6 +87,8 @@ def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu
         draft = OracleDraft(32, {row: seq for row in range(1, 65)}, wrong_every=None, vocab=V)
     sched, _ = build_scheduler(path, draft=draft, max_total_tokens=1 << 15, max_running_requests=64, device=device,
                                **spec)
+    if force_plain is not None:
+        sched.adaptive = ForcedSteps(force_plain)
     reqs = [Req(f"r{i}", list(PROMPT), SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k,
                                                       top_p=top_p, ignore_eos=True), seed=1000 + i)
             for i in range(NUM)]
@@ -140,6 +144,11 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_model, params):
         if name == "spec3_one_graph":
             _assert_graph_set(graphed, params)
         _assert_fits(joint, s, name)
+    # adaptive speculation: plain and speculative steps interleaved (the first decode step plain)
+    for pattern in ([True, False], [True, True, False]):
+        s = _samples(small_vocab_model, params, force_plain=pattern, speculative_algorithm="MTP",
+                     speculative_num_steps=3, speculative_adaptive=True)
+        _assert_fits(joint, s, f"adaptive {pattern}")
 
 
 def _assert_graph_set(graphed: list[int], params) -> None:

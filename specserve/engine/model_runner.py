@@ -25,7 +25,13 @@ from specserve.attention.torch_mla_backend import (
     TritonMLABackend,
 )
 from specserve.batch import CacheKind, ForwardMode
-from specserve.graphs.phase_runners import DecodeRunner, PhaseRunner, RunnerContext, TargetVerifyRunner
+from specserve.graphs.phase_runners import (
+    DecodeRunner,
+    PhaseRunner,
+    RunnerContext,
+    TargetDecodeRunner,
+    TargetVerifyRunner,
+)
 from specserve.graphs.prefill import PrefillRunner
 from specserve.kvcache.allocator import PageAllocator
 from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token
@@ -120,11 +126,16 @@ class ModelRunner:
         max_prefill = self._max_prefill_graph_tokens()
         prefill_rows = min(self.max_running, _PREFILL_GRAPH_ROWS)
         self.spec: SpecWorker | None = None  # the speculative worker: draft model, pools, runners, state
+        self.adaptive_spec = False  # plain steps may replace speculative ones (resolved below when speculating)
         if draft is None:
             self.runners["decode"] = DecodeRunner(tctx, 1, capture, self.use_graphs)
         else:
             n = self.num_steps
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
+            self.adaptive_spec = (args.speculative_adaptive if args.speculative_adaptive is not None
+                                  else device.type == "cuda")
+            if self.adaptive_spec:  # plain steps in a speculating engine (engine/adaptive_spec.py)
+                self.runners["target_decode"] = TargetDecodeRunner(tctx, 1, capture, self.use_graphs)
             self.spec = SpecWorker(draft, tctx, self.runners["target_verify"], self.last_token, self.caches.state,
                                    self.num_slots, kv_dtype, self.backend_factory, WorkerSettings(
                                        num_steps=n, capture_bs=capture, use_graphs=self.use_graphs,
@@ -132,7 +143,7 @@ class ModelRunner:
                                        ngram_lookup=args.speculative_ngram_lookup,
                                        lookup_confidence=args.speculative_ngram_confidence,
                                        prefill_graph_tokens=max_prefill, prefill_graph_rows=prefill_rows,
-                                       kind_dtypes=self.kind_dtypes))
+                                       kind_dtypes=self.kind_dtypes), self.runners.get("target_decode"))
         # prefill: the target's extend (the draft's over the same positions is the worker's)
         self.prefill = PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs)
 
@@ -216,6 +227,18 @@ class ModelRunner:
             return max(int(budget // per_tok), 0)
         return int(min(budget // per_tok, 1 << 20))
 
+    def _plain_step_runners(self) -> list:
+        """The width-1 runners of a speculating engine's plain steps (none when adaptive speculation is off)."""
+        if not self.adaptive_spec or self.spec is None or self.spec.plain is None:
+            return []
+        return [self.runners["target_decode"], self.spec.plain.runners["draft_extend"]]
+
+    def _drop_plain_steps(self) -> None:
+        self.adaptive_spec = False
+        self.runners.pop("target_decode", None)
+        if self.spec is not None:
+            self.spec.plain = None
+
     def capture_graphs(self) -> None:
         if not (self.use_graphs and self.device.type == "cuda"):
             return
@@ -223,6 +246,7 @@ class ModelRunner:
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
         items = list(self.runners.values()) + [self.prefill] + (self.spec.graph_runners() if self.spec else [])
+        plain = {id(r) for r in self._plain_step_runners()}
         # No garbage collection during capture: a collected cycle that frees CUDA tensors of an earlier runner
         # makes the allocator query events, which invalidates the capture.
         gc.collect()
@@ -230,7 +254,14 @@ class ModelRunner:
         try:
             for r in tqdm(items, desc=f"Capturing CUDA graphs (bs {self.capture_bs[0]}..{self.capture_bs[-1]})",
                           unit="runner", disable=None):
-                pool = r.capture(pool)
+                if id(r) not in plain:
+                    pool = r.capture(pool)
+                elif self.adaptive_spec:  # the optional plain-step graphs: on failure, speculate every step
+                    try:
+                        pool = r.capture(pool)
+                    except Exception:
+                        logger.exception("capturing %s failed: adaptive speculation is off", r.name)
+                        self._drop_plain_steps()
         finally:
             gc.enable()
         torch.cuda.synchronize()

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from specserve.engine.adaptive_spec import AdaptiveSpeculation
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req, ReqState
 from specserve.engine.steps import Chunk, run_decode, run_prefill, run_spec_step
@@ -43,6 +44,7 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
+    spec_plain_steps: int = 0  # plain steps a speculating engine took (adaptive speculation)
     finished: int = 0
     recent_accept: deque = field(default_factory=lambda: deque(maxlen=256))
 
@@ -64,6 +66,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
+        # speculate or take a plain step, per step (engine/adaptive_spec.py); any object with choose_plain(bs) and
+        # record(bs, plain, seconds, tokens_per_request) may stand in (tests force patterns)
+        self.adaptive = AdaptiveSpeculation() if mr.spec is not None and mr.adaptive_spec else None
         self.initial_free_pages = mr.allocator.num_free_pages
         self.conservativeness = mr.args.schedule_conservativeness
         self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
@@ -203,14 +208,21 @@ class Scheduler:
                 req.seq_len += 1
                 self._append(req, [t])
             return
-        res = run_spec_step(self.mr, reqs)
+        plain = self.adaptive is not None and self.adaptive.choose_plain(len(reqs))
+        t0 = time.perf_counter()
+        res = run_spec_step(self.mr, reqs, plain)
+        if self.adaptive is not None:
+            self.adaptive.record(len(reqs), plain, time.perf_counter() - t0, 1 + sum(res.accept_len) / len(reqs))
+        if plain:
+            self.stats.spec_plain_steps += 1
         for req, k, toks in zip(reqs, res.accept_len, res.tokens):
             req.seq_len += k + 1
-            req.spec_verify_ct += 1
-            req.spec_accepted_drafts += k
-            self.stats.spec_verify_ct += 1
-            self.stats.spec_accepted_drafts += k
-            self.stats.recent_accept.append(k + 1)
+            if not plain:  # a plain step verifies nothing: acceptance counts speculative steps only
+                req.spec_verify_ct += 1
+                req.spec_accepted_drafts += k
+                self.stats.spec_verify_ct += 1
+                self.stats.spec_accepted_drafts += k
+                self.stats.recent_accept.append(k + 1)
             self._append(req, toks)
 
     def _ensure_decode_capacity(self) -> None:

@@ -111,10 +111,12 @@ def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
 
 
 @torch.inference_mode()
-def run_spec_step(mr: ModelRunner, reqs: list[Req]) -> SpecStepResult:
-    """One speculative step for every running request, by the worker (DESIGN §1)."""
-    return mr.spec.step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
-                        [r.seq_len + r.mrope_delta for r in reqs], sampling_batch(mr, reqs))
+def run_spec_step(mr: ModelRunner, reqs: list[Req], plain: bool = False) -> SpecStepResult:
+    """One speculative step for every running request, by the worker (DESIGN §1); plain: the worker's plain step
+    instead (one token each, the draft kept in step; adaptive speculation)."""
+    step = mr.spec.plain_step if plain else mr.spec.step
+    return step([r.kv.row for r in reqs], [r.seq_len for r in reqs], [r.seq_len + r.mrope_delta for r in reqs],
+                sampling_batch(mr, reqs))
 
 
 def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:

@@ -161,3 +161,11 @@ class TargetVerifyRunner(PhaseRunner):
         logits = self.ctx.model.compute_logits(hidden)
         w = self.width
         return {"logits": logits.view(-1, w, logits.shape[-1]), "hidden": hidden.view(-1, w, hidden.shape[-1])}
+
+
+class TargetDecodeRunner(TargetVerifyRunner):
+    """A speculative engine's plain step on the target: the verify pass at width 1 (the last token alone) ->
+    logits [bs, 1, V] and the features [bs, 1, F] the draft needs to stay in step (speculative/worker.py)."""
+
+    name = "target_decode"
+

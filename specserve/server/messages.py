@@ -84,6 +84,8 @@ class EngineStats:
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
     recent_accept_length: float = 0.0  # mean over the last few hundred verifies (0 without speculation)
+    spec_plain_steps: int = 0  # plain steps of a speculating engine (adaptive speculation)
+    spec_adaptive: dict | None = None  # AdaptiveSpeculation.summary() (None: adaptive speculation off)
 
     @property
     def spec_accept_length(self) -> float:

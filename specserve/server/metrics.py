@@ -49,6 +49,9 @@ class ServerMetrics:
                              labels, registry=r)
         self._accept_recent = Gauge(PREFIX + "spec_accept_length_recent",
                                     "Mean tokens per verify over the last few hundred verifies", labels, registry=r)
+        self._plain_steps = Gauge(PREFIX + "spec_plain_steps",
+                                  "Plain steps a speculating engine took since start (adaptive speculation)", labels,
+                                  registry=r)
         self._healthy = Gauge(PREFIX + "engine_healthy", "1 while the model process is alive", labels, registry=r)
         self.model_name = model_name
 
@@ -77,6 +80,7 @@ class ServerMetrics:
         self._kv_usage.labels(m).set(used / total if total else 0.0)
         self._accept.labels(m).set(stats.spec_accept_length)
         self._accept_recent.labels(m).set(stats.recent_accept_length)
+        self._plain_steps.labels(m).set(stats.spec_plain_steps)
         self._healthy.labels(m).set(1 if healthy else 0)
 
     def render(self) -> bytes:

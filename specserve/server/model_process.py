@@ -155,4 +155,6 @@ class EngineLoop:
             spec_verify_ct=s.spec_verify_ct,
             spec_accepted_drafts=s.spec_accepted_drafts,
             recent_accept_length=sum(recent) / len(recent) if recent else 0.0,
+            spec_plain_steps=s.spec_plain_steps,
+            spec_adaptive=self.sched.adaptive.summary() if self.sched.adaptive is not None else None,
         )

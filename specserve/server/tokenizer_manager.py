@@ -403,6 +403,8 @@ class TokenizerManager:
             "spec_accept_length": s.spec_accept_length,
             "avg_spec_accept_length": s.spec_accept_length,  # SGLang's name
             "spec_accept_length_recent": s.recent_accept_length,
+            "spec_plain_steps": s.spec_plain_steps,  # adaptive speculation's plain steps
+            "speculative_adaptive": s.spec_adaptive,  # its step counts and estimates per batch-size bucket
             "load_time": i.load_time,
             "default_sampling_params": dict(i.default_sampling),  # what a request that sets nothing gets
             "default_chat_max_tokens": i.default_max_tokens,

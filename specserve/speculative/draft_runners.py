@@ -67,3 +67,11 @@ class DraftExtendRunner(PhaseRunner):
         last = t.seq_lens - self.width + t.accept_len + 1
         hist = self.chooser.history_rows(t.req_pool_indices)
         return {"tokens": self.chooser.draft_tokens(sel, hist, last), "hidden": self.ctx.model.chained(sel)}
+
+
+class DraftExtendPlainRunner(DraftExtendRunner):
+    """The draft extend of a plain step: one position (the token the target just consumed, with its features) ->
+    next d1 and draft hidden state."""
+
+    name = "draft_extend_plain"
+

@@ -28,7 +28,7 @@ import torch
 
 from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import LiveInputs, stage_step
-from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits
+from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits, sample
 from specserve.speculative.accept import verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
@@ -44,7 +44,9 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     token, not yet in the KV, sits at index S); pos0 [bs] is the rope position of index S; max_s bounds s.
 
     Returns (accept_len [bs] in 0..N, verified [bs, N+1]): the tokens at S+1..S+accept_len+1 are new. No host
-    sync."""
+    sync. N = 0 (the worker's plain step) is a plain decode step that keeps the draft in step: the target over the
+    last token alone (its features kept), the token plain decoding samples, the draft extend over that one position
+    (the draft KV at S, the next d1 and draft hidden state)."""
     n = w.num_steps
     bs = rows.shape[0]
     dev = rows.device
@@ -57,7 +59,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
         more = phase("draft_decode", live)["tokens"]  # [bs, N-1]
         drafts = torch.cat((d1[:, None], more), dim=1)  # [bs, N]
     else:
-        drafts = d1[:, None]
+        drafts = d1[:, None][:, :n]  # [bs, N], N = 1 or 0 (a plain step: no drafts)
 
     # 2. target verify over [last, d1..dN] at sequence indices S..S+N
     width = n + 1
@@ -68,7 +70,10 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     logits, hidden = out["logits"], out["hidden"]  # [bs, width, V], [bs, width, F]
 
     # 3. accept
-    if sb.all_greedy:
+    if n == 0:  # a plain step: the token plain decoding would sample (same noise), nothing to accept
+        verified = sample(logits[:, 0], sb, s + 1)[:, None]  # [bs, 1]
+        accept_len = torch.zeros(bs, dtype=torch.int64, device=dev)
+    elif sb.all_greedy:
         accept_len, verified = verify_greedy(drafts, logits)
     else:
         probs = probs_from_logits(logits.reshape(bs * width, -1), sb.repeat(width)).view(bs, width, -1)

@@ -12,6 +12,10 @@ Per step, for the whole running batch:
 
 Batches that fit the captured sizes, greedy, sampled or mixed, run all of it as one graph (spec_step.SpecStepRunner);
 larger ones run the phases' own graphs with the glue in between (spec_step_device).
+
+With adaptive speculation (engine/adaptive_spec.py) the worker also takes plain steps: the same device function at
+N = 0 (target over the last token with its features, plain sampling, the draft extend over that one position), so
+the draft's KV, d1 and hidden state stay in step and the next step may speculate again.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from specserve.graphs.prefill import PrefillRunner
 from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import SamplingBatch
-from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
+from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendPlainRunner, DraftExtendRunner
 from specserve.speculative.draft_state import DraftChooser, DraftState
 from specserve.speculative.spec_step import SpecStepRunner, spec_step_device
 
@@ -37,6 +41,18 @@ from specserve.speculative.spec_step import SpecStepRunner, spec_step_device
 class SpecStepResult:
     accept_len: list[int]  # accepted drafts per request (0..N)
     tokens: list[list[int]]  # the accept_len + 1 new tokens per request
+
+
+@dataclass
+class PlainStepView:
+    """What spec_step_device reads of a worker, for its plain step (N = 0): the worker's row state, last tokens and
+    target state, with the width-1 runners under the phase names."""
+
+    state: DraftState
+    last_token: torch.Tensor
+    target_state: StatePool | None
+    runners: dict[str, PhaseRunner]  # "target_verify": the target at width 1, "draft_extend": the draft at width 1
+    num_steps: int = 0
 
 
 @dataclass(kw_only=True)
@@ -55,12 +71,14 @@ class WorkerSettings:
 class SpecWorker:
     def __init__(self, draft: torch.nn.Module, target_ctx: RunnerContext, target_verify: PhaseRunner,
                  last_token: torch.Tensor, target_state: StatePool | None, num_slots: int, kv_dtype: torch.dtype,
-                 make_backends: Callable[[ModelCaches], Callable[[], dict]], s: WorkerSettings):
+                 make_backends: Callable[[ModelCaches], Callable[[], dict]], s: WorkerSettings,
+                 target_decode: PhaseRunner | None = None):
         """draft: the MTP/EAGLE model; target_ctx, target_verify: the target's runner context and verify runner
         (owned by the model runner); last_token [rows]: the target's per-row newest token (shared); target_state:
         the target's recurrent-state pool (None without recurrent layers), whose current slots the accept commit
         sets; num_slots: token slots of each draft pool (sized with the target's from one budget);
-        make_backends(caches): the backend factory over a set of caches."""
+        make_backends(caches): the backend factory over a set of caches; target_decode: the target's width-1 verify
+        runner (owned by the model runner) for plain steps, or None when the worker always speculates."""
         self.draft = draft
         self.num_steps = s.num_steps
         self.device = target_ctx.device
@@ -87,6 +105,11 @@ class SpecWorker:
         self.runners["target_verify"] = target_verify
         self.runners["draft_extend"] = DraftExtendRunner(self.ctx, self.chooser, n + 1, s.capture_bs, s.use_graphs)
         self.spec_step = SpecStepRunner(self, s.capture_bs, s.use_graphs) if s.spec_step_graph else None
+        self.plain: PlainStepView | None = None
+        if target_decode is not None:
+            self.plain = PlainStepView(self.state, last_token, target_state, {
+                "target_verify": target_decode,
+                "draft_extend": DraftExtendPlainRunner(self.ctx, self.chooser, 1, s.capture_bs, s.use_graphs)})
         self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, s.prefill_graph_tokens,
                                      s.prefill_graph_rows, s.use_graphs, hidden_width=draft.feature_size)
 
@@ -94,6 +117,8 @@ class SpecWorker:
     def graph_runners(self) -> list:
         """The runners this worker captures (the target's verify runner is the model runner's to capture)."""
         own = [r for name, r in self.runners.items() if name != "target_verify"]
+        if self.plain is not None:
+            own.append(self.plain.runners["draft_extend"])
         return own + ([self.spec_step] if self.spec_step is not None else []) + [self.prefill]
 
     # ------------------------------------------------------------------ prefill
@@ -137,3 +162,20 @@ class SpecWorker:
         # the one host sync of the step: accept lengths and verified tokens in one copy
         res = out.tolist()  # [bs, 1 + N + 1]
         return SpecStepResult([r[0] for r in res], [r[1:r[0] + 2] for r in res])
+
+    @torch.inference_mode()
+    def plain_step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
+                   sb: SamplingBatch) -> SpecStepResult:
+        """One plain decode step for the running rows that keeps the draft in step (accept_len 0, one token each):
+        the token is the one plain decoding samples (same noise), so a plain step is lossless by construction."""
+        view = self.plain
+        if view is None:
+            raise RuntimeError("plain steps need the target's width-1 runner (adaptive speculation is off)")
+        dev = self.device
+        rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
+        s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)
+        pos0 = torch.tensor(pos0_host, dtype=torch.int64).to(dev, non_blocking=True)
+        _, verified = spec_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
+                                       max(s_host), sb)
+        toks = verified[:, 0].tolist()  # the step's one host sync
+        return SpecStepResult([0] * len(toks), [[t] for t in toks])

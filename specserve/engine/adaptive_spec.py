@@ -1,0 +1,76 @@
+"""Adaptive speculation: per decode step, speculate (N drafts) or take a plain step (no drafts; the worker keeps
+the draft in step), whichever gives more tokens per second at the running batch size.
+
+Estimates, per batch-size bucket (the batch size rounded up to a power of two):
+- the wall time of a speculative step and of a plain step (exponential moving averages of what the scheduler
+  measures around each step, host sync included: the real cost, graphs or not);
+- tokens per speculative step per request (accepted drafts + 1), one moving average over all buckets (acceptance
+  depends on the text, not the batch size).
+
+A plain step is taken when 1 / t_plain > tokens_per_spec_step / t_spec. A bucket measures speculation first, then
+one plain step; after that every `probe_every`-th step there takes the mode not chosen, so both estimates follow
+load, contexts and acceptance as they change. Greedy outputs do not depend on the choice (both modes are lossless);
+sampled outputs are samples of the same distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def bucket(bs: int) -> int:
+    """Batch size -> its bucket: the next power of two."""
+    return 1 << max(bs - 1, 0).bit_length()
+
+
+@dataclass
+class AdaptiveSpeculation:
+    probe_every: int = 32  # every this many steps in a bucket, one step of the mode not chosen
+    alpha: float = 0.2  # weight of a new measurement in the moving averages
+    spec_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per speculative step
+    plain_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per plain step
+    tokens_per_spec: float | None = None  # accepted drafts + 1 per request per speculative step
+    steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps decided there
+    num_plain: int = 0
+    num_spec: int = 0
+
+    def plain_is_faster(self, bs: int) -> bool | None:
+        """Whether the estimates favour a plain step at this batch size (None: not both measured yet)."""
+        b = bucket(bs)
+        if b not in self.spec_s or b not in self.plain_s or self.tokens_per_spec is None:
+            return None
+        return 1.0 / self.plain_s[b] > self.tokens_per_spec / self.spec_s[b]
+
+    def choose_plain(self, bs: int) -> bool:
+        """Decide the next step of a batch of `bs` requests: True for a plain step."""
+        b = bucket(bs)
+        if b not in self.spec_s:
+            return False
+        if b not in self.plain_s:
+            return True
+        n = self.steps.get(b, 0) + 1
+        self.steps[b] = n
+        plain = bool(self.plain_is_faster(bs))
+        return (not plain) if n % self.probe_every == 0 else plain
+
+    def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float) -> None:
+        """A finished step: its wall time and (speculative steps) its mean tokens per request."""
+        b = bucket(bs)
+        table = self.plain_s if plain else self.spec_s
+        old = table.get(b)
+        table[b] = seconds if old is None else old + self.alpha * (seconds - old)
+        if plain:
+            self.num_plain += 1
+        else:
+            self.num_spec += 1
+            t = self.tokens_per_spec
+            self.tokens_per_spec = tokens_per_request if t is None else t + self.alpha * (tokens_per_request - t)
+
+    def summary(self) -> dict:
+        """For /get_server_info: the step counts and the estimates per bucket (milliseconds)."""
+        return {"plain_steps": self.num_plain, "spec_steps": self.num_spec,
+                "tokens_per_spec_step": self.tokens_per_spec,
+                "buckets": {b: {"spec_ms": 1e3 * self.spec_s[b] if b in self.spec_s else None,
+                                "plain_ms": 1e3 * self.plain_s[b] if b in self.plain_s else None,
+                                "plain_is_faster": self.plain_is_faster(b)}
+                            for b in sorted(set(self.spec_s) | set(self.plain_s))}}

@@ -1,0 +1,145 @@
+"""Adaptive speculation (engine/adaptive_spec.py) and the worker's plain step (speculative/worker.py): a plain step
+in a speculating engine samples what plain decoding would and keeps the draft in step, so any interleaving of
+plain and speculative steps gives plain decoding's greedy tokens — on a dense target, the hybrid family (recurrent
+state slots) and GLM-5 with truly sparse attention; the width-1 runners' static replay equals their eager forward
+with shrinking and growing batches; the policy measures both modes per batch-size bucket, picks the faster, probes
+the other, and follows the accept rate; it is off by default on a CPU. The sampled interleavings are checked
+against the exact distribution in test_sampling_lossless.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepseek_helpers import build_tiny_dsa
+from hybrid_helpers import build_tiny_hybrid
+from spec_fixtures import ForcedSteps, build_scheduler, run_greedy
+from test_deepseek_dsa import _with_mtp
+from test_runners import _requests
+from test_spec_greedy import _prompts
+
+from specserve.engine.adaptive_spec import AdaptiveSpeculation, bucket
+from specserve.graphs.padding import LiveInputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 20
+PATTERNS = [[True, False], [False, False, True, True, True], [True]]
+SPEC = dict(speculative_algorithm="MTP", speculative_num_steps=3, speculative_adaptive=True)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    return {"llama": tiny_models["llama_mtp"],
+            "qwen3_next": build_tiny_hybrid(str(root / "next"), "qwen3_next", seed=41, mtp=True),
+            "glm": _with_mtp(build_tiny_dsa(str(root / "glm"), "glm_moe_dsa", seed=42, index_topk=5), 43)}
+
+
+@pytest.fixture(scope="module")
+def plain_ref(models):
+    prompts = _prompts()
+    return prompts, {k: [r.output_ids for r in run_greedy(build_scheduler(p, max_total_tokens=4096)[0], prompts,
+                                                          NEW)] for k, p in models.items()}
+
+
+def test_bucket():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_policy_measures_both_picks_the_faster_and_probes():
+    a = AdaptiveSpeculation(probe_every=4)
+    assert not a.choose_plain(3)  # nothing measured: speculate first
+    a.record(3, False, 0.010, 2.0)  # 2 tokens per request in 10 ms: 200 tokens/s
+    assert a.choose_plain(3)  # then one plain step
+    a.record(3, True, 0.004, 1.0)  # 250 tokens/s: plain is faster
+    assert a.plain_is_faster(3) is True
+    assert [a.choose_plain(4) for _ in range(8)] == [True, True, True, False] * 2  # every 4th step probes
+    assert not a.choose_plain(20)  # another bucket measures for itself
+    for _ in range(30):  # acceptance rises to 4 tokens a step: 400 tokens/s, speculation wins again
+        a.record(3, False, 0.010, 4.0)
+    assert a.plain_is_faster(3) is False and not a.choose_plain(3)
+    s = a.summary()
+    assert s["plain_steps"] == 1 and s["spec_steps"] == 31 and s["buckets"][4]["plain_is_faster"] is False
+    assert s["buckets"][4]["plain_ms"] == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("key", ["llama", "qwen3_next", "glm"])
+@pytest.mark.parametrize("pattern", PATTERNS, ids=["alternate", "spec-first", "all-plain"])
+def test_plain_steps_keep_greedy_lossless(models, plain_ref, key, pattern):
+    prompts, ref = plain_ref
+    sched, _ = build_scheduler(models[key], max_total_tokens=4096, chunked_prefill_size=16, **SPEC)
+    sched.adaptive = ForcedSteps(pattern)
+    assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
+    assert sched.stats.spec_plain_steps > 0
+    assert (sched.stats.spec_verify_ct > 0) == (False in pattern)
+    sched.check_idle_invariants()
+
+
+def test_plain_runners_replay_equals_eager(models):
+    """The target's width-1 verify runner and the plain draft extend: padded static replay == eager."""
+    mr = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)[0].mr
+    runners = [mr.runners["target_decode"], mr.spec.plain.runners["draft_extend"]]
+    assert all(r.width == 1 for r in runners) and runners[1] in mr.spec.graph_runners()
+    for runner in runners:
+        for i, bs in enumerate([7, 3, 1, 5, 8, 2]):
+            handles, rows, s = _requests(mr, bs, 3, seed=i)
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, 256, (bs,), generator=g)
+            if runner is runners[0]:
+                live = LiveInputs(bs, ids, s, rows, s + 1, int(s.max()) + 1)
+            else:
+                live = LiveInputs(bs, ids, s, rows, s + 1, int(s.max()) + 1, accept_len=torch.zeros(bs,
+                                  dtype=torch.int64), hidden=torch.randn(bs, mr.draft.feature_size, generator=g))
+            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
+            before = runner.replays
+            out = runner.run(live)
+            assert runner.replays == before + 1
+            for k in eager:
+                torch.testing.assert_close(out[k], eager[k], rtol=1e-5, atol=1e-5, msg=f"{runner.name} bs={bs}")
+            for h in handles:
+                mr.kv.release(h)
+
+
+def test_off_by_default_on_cpu(models):
+    sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, speculative_algorithm="MTP",
+                               speculative_num_steps=3)
+    assert sched.adaptive is None and not sched.mr.adaptive_spec and "target_decode" not in sched.mr.runners
+    with pytest.raises(RuntimeError, match="adaptive speculation is off"):
+        sched.mr.spec.plain_step([1], [4], [4], None)
+
+
+def test_the_policy_in_the_engine(models, plain_ref):
+    """The real policy on a CPU: it measures both modes, reports them, and the tokens stay plain decoding's."""
+    prompts, ref = plain_ref
+    sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)
+    assert isinstance(sched.adaptive, AdaptiveSpeculation)
+    assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref["llama"]
+    s = sched.adaptive.summary()
+    assert s["plain_steps"] >= 1 and s["spec_steps"] >= 1 and s["plain_steps"] == sched.stats.spec_plain_steps
+    assert any(b["spec_ms"] and b["plain_ms"] for b in s["buckets"].values())
+    sched.check_idle_invariants()
+
+
+def test_plain_steps_keep_the_draft_in_step(models):
+    """After k plain steps the draft's next token and hidden state are what a fresh prefill of the same tokens
+    gives (its draft extend over the whole sequence): the draft KV and state followed every plain step."""
+    from specserve.engine.request import Req
+    from specserve.engine.sampling_params import SamplingParams
+
+    path, prompt, k = models["llama"], _prompts()[0], 5
+
+    def start(ids, until):
+        sched, _ = build_scheduler(path, max_total_tokens=4096, **SPEC)
+        sched.adaptive = ForcedSteps([True])
+        r = Req("r", list(ids), SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True), seed=0)
+        sched.add_request(r)
+        while len(r.output_ids) < until:
+            sched.step()
+        st = sched.mr.spec.state
+        return r.output_ids, int(st.draft_token[r.kv.row]), st.draft_hidden[r.kv.row].clone()
+
+    out, d1, hidden = start(prompt, k + 1)  # t0 from the prefill, then k plain steps
+    assert len(out) == k + 1
+    out2, d1_fresh, hidden_fresh = start(prompt + out[:-1], 1)  # prefill the same tokens; t0 = the last one
+    assert out2 == out[-1:]
+    assert d1 == d1_fresh
+    torch.testing.assert_close(hidden, hidden_fresh, rtol=1e-4, atol=1e-4)
