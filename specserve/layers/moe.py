@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.distributed.tp import TP1, TPGroup
 from specserve.kernels import ops
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.linear import Linear, MergedLinear, copy_checked
@@ -144,7 +145,9 @@ class SparseMoEBlock(nn.Module):
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int, *,
                  renormalize: bool, router: str = "softmax", n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, shared_expert_intermediate_size: int = 0,
-                 shared_expert_gated: bool = False):
+                 shared_expert_gated: bool = False, ep: TPGroup = TP1):
+        """ep: the expert-parallel group; above one rank each rank keeps num_experts / size routed experts (the
+        router, and the shared expert on rank 0, whole) and the ranks' partial outputs are summed (all-reduce)."""
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r} (expected one of {ROUTERS})")
@@ -160,16 +163,19 @@ class SparseMoEBlock(nn.Module):
         self.router, self.renormalize = router, renormalize
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.shared_expert_gated = shared_expert_gated
+        self.ep = ep
+        local = ep.split(num_experts, "routed experts")  # this rank's experts: expert_start .. + local
+        self.expert_start = ep.rank * local
         # A sigmoid-gated shared expert as wide as a routed one (Qwen3-Next, Qwen3.5-MoE) runs as one more expert,
         # E, inside the grouped GEMM, its gate as router row E: one kernel chain instead of two GEMMs, an
-        # activation, a gate GEMM and three elementwise kernels beside the routed experts.
+        # activation, a gate GEMM and three elementwise kernels beside the routed experts (one rank only).
         self.fused_shared = (router == "softmax" and shared_expert_gated
-                             and shared_expert_intermediate_size == moe_intermediate_size)
+                             and shared_expert_intermediate_size == moe_intermediate_size and ep.size == 1)
         extra = int(self.fused_shared)
         self.gate = Linear(hidden_size, num_experts + extra)  # [E (+ 1), H] router (+ the shared expert's gate)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts)) if router == "grouped_sigmoid"
                                         else None)  # [E]; a Parameter so the loader's all-loaded check covers it
-        self.experts = FusedMoE(num_experts + extra, hidden_size, moe_intermediate_size)
+        self.experts = FusedMoE(local + extra, hidden_size, moe_intermediate_size)
         self.shared_expert = (GatedMLP(hidden_size, shared_expert_intermediate_size)
                               if shared_expert_intermediate_size > 0 and not self.fused_shared else None)
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gated and not self.fused_shared else None
@@ -192,13 +198,19 @@ class SparseMoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
+        ep = self.ep
+        if ep.size > 1:  # this rank's experts only: the others' choices get weight 0 (on local expert 0)
+            local_ids = topk_ids - self.expert_start
+            inside = (local_ids >= 0) & (local_ids < self.experts.num_experts)
+            topk_weights = torch.where(inside, topk_weights, 0.0)
+            topk_ids = torch.where(inside, local_ids, 0)
         out = self.experts(x, topk_weights, topk_ids)  # [T, H]
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and ep.rank == 0:
             shared = self.shared_expert(x)  # [T, H]
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # [T, 1] gate per token
             out = out + shared
-        return out
+        return ep.all_reduce(out)
 
     def load_weight(self, rest: str, tensor: torch.Tensor) -> bool:
         """Copy one HF tensor named below the block (`model.layers.N.mlp.` stripped); False for a name this block
@@ -228,12 +240,16 @@ class SparseMoEBlock(nn.Module):
             return self._load_whole("shared_expert_gate.weight", self.shared_expert_gate.weight, tensor)
         if parts[0] == "experts":
             if len(parts) == 2 and parts[1] in ("gate_up_proj", "down_proj"):
-                self.experts.load_fused(parts[1], tensor)
+                local = self.experts.num_experts - int(self.fused_shared)
+                self.experts.load_fused(parts[1], tensor[self.expert_start:self.expert_start + local]
+                                        if self.ep.size > 1 else tensor)
                 return True
             if len(parts) == 4 and parts[1].isdigit() and parts[2] in _EXPERT_PROJS and parts[3] == "weight":
                 if int(parts[1]) >= e:  # (a fused shared expert's index is ours, not the checkpoint's)
                     raise ValueError(f"expert {parts[1]} outside the layer's {e} experts")
-                self.experts.load_expert(int(parts[1]), parts[2], tensor)
+                j = int(parts[1]) - self.expert_start
+                if 0 <= j < self.experts.num_experts - int(self.fused_shared):  # another rank's expert: skipped
+                    self.experts.load_expert(j, parts[2], tensor)
                 return True
             return False
         if parts[0] in ("shared_expert", "shared_experts") and len(parts) == 3 and parts[2] == "weight":

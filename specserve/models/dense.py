@@ -219,11 +219,14 @@ class DenseForCausalLM(nn.Module):
     attention and MLP kind), make_rotary, make_norm, checkpoint_name and load_tensor (HF names -> parameters)."""
 
     config_class = DenseConfig
+    # built for a tensor-parallel group above one rank (cfg.tp); a family declares it itself (not inherited)
+    tensor_parallel = True
 
     def __init__(self, cfg: DenseConfig, max_positions: int):
         super().__init__()
-        if cfg.tp.size > 1 and type(self).make_layer.__func__ is not DenseForCausalLM.make_layer.__func__:
-            raise ValueError(f"tensor parallelism covers the dense families so far, not {cfg.architecture}")
+        if cfg.tp.size > 1 and not type(self).__dict__.get("tensor_parallel", False):
+            raise ValueError(f"tensor parallelism covers the dense and Qwen3-MoE families so far, not "
+                             f"{cfg.architecture}")
         self.config = cfg
         self.model = DenseModel(cfg, max_positions, type(self))
         self.lm_head = (LMHead(cfg.vocab_size, cfg.hidden_size) if cfg.tp.size == 1

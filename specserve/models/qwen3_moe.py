@@ -54,11 +54,12 @@ class Qwen3MoeConfig(DenseConfig):
 
 def moe_block(cfg: Qwen3MoeConfig) -> SparseMoEBlock:
     return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                          renormalize=cfg.norm_topk_prob, router="softmax")
+                          renormalize=cfg.norm_topk_prob, router="softmax", ep=cfg.tp)
 
 
 class Qwen3MoeForCausalLM(DenseForCausalLM):
     config_class = Qwen3MoeConfig
+    tensor_parallel = True  # attention and dense MLPs split as dense models, experts split over the same ranks
 
     @classmethod
     def make_layer(cls, cfg: Qwen3MoeConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
