@@ -143,9 +143,8 @@ class ServerArgs:
         if not 0.0 <= self.speculative_ngram_confidence <= 1.0:
             raise ValueError("--speculative-ngram-confidence must be in [0, 1], got "
                              f"{self.speculative_ngram_confidence}")
-        if self.tp_size != 1:
-            raise ValueError(f"--tp-size {self.tp_size} is not supported by the engine yet: specserve serves on one "
-                             "device (tp 1); the dense families' tensor-parallel layers exist at the model level only")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.dtype not in DTYPES:
@@ -222,7 +221,9 @@ class ServerArgs:
         a("--context-length", type=int, default=None,
           help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
         a("--trust-remote-code", action="store_true", help="let transformers run a checkpoint's own config code")
-        a("--tp-size", "--tp", dest="tp_size", type=int, default=1, help="tensor parallel size (1 only for now)")
+        a("--tp-size", "--tp", dest="tp_size", type=int, default=1,
+          help="tensor-parallel ranks (one process each; GPUs 0..N-1, or CPU over gloo): attention heads, MLPs, "
+               "vocabulary and MoE experts split over them (dense and Qwen3-MoE families)")
         a("--page-size", type=int, default=d["page_size"].default, help="KV tokens per page of the page table")
         a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache dtype (auto: --dtype's)")
         a("--mem-fraction-static", type=float, default=None,

@@ -58,7 +58,7 @@ def test_bad_batch_is_rejected_whole(engine):
     (dict(speculative_algorithm="MTP", speculative_num_steps=3, speculative_num_draft_tokens=8), "num-draft-tokens"),
     # a model of one's own needs the algorithm (the embedded one speculates by default: its flags tune that)
     (dict(model_path="/m", speculative_num_steps=3), "needs --speculative-algorithm"),
-    (dict(tp_size=2), "tp-size"),
+    (dict(tp_size=0), "tp-size"),
     (dict(page_size=0), "page-size"),
     (dict(dtype="int4"), "dtype"),
     (dict(mem_fraction_static=1.5), "mem-fraction-static"),

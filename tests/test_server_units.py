@@ -122,7 +122,7 @@ def test_parse_args_defaults_and_errors(capsys):
     assert (a.host, a.port, a.model_path) == ("127.0.0.1", 30000, None)
     a = parse_args(["--model-path", "/x", "--port", "31000", "--skip-warmup", "--served-model-name", "m"])
     assert (a.model_path, a.port, a.skip_warmup, a.served_model_name) == ("/x", 31000, True, "m")
-    for bad, needle in ((["--no-such-flag"], "--no-such-flag"), (["--tp-size", "2"], "tp-size"),
+    for bad, needle in ((["--no-such-flag"], "--no-such-flag"), (["--tp-size", "0"], "tp-size"),
                         (["--port", "abc"], "port"),
                         (["--model-path", "/x", "--speculative-num-steps", "2"], "speculative-algorithm"),
                         (["--speculative-eagle-topk", "4"], "eagle-topk"),  # the embedded model speculates

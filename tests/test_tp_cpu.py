@@ -68,3 +68,85 @@ def test_tp_refuses_other_families_and_bad_sizes(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="not divisible"):
         load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, torch.device("cpu"), 64,
                     tp=TPGroup(0, 3))
+
+
+# ---------------------------------------------------------------------- the engine over ranks (engine/tp_ranks.py)
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+ENGINE = dict(max_total_tokens=2048, max_running_requests=8, dtype="float32")
+ENGINE_PROMPTS = [[5, 17, 99, 3, 250], [7, 7, 120, 8], list(range(3, 40)), [9] * 21]
+
+
+def _generate(path: str, params=GREEDY, **kw) -> list[list[int]]:
+    from specserve import Engine
+
+    with Engine(model_path=path, **{**ENGINE, **kw}) as e:
+        if e.core.tp_leader is not None:
+            procs = e.core.tp_leader.procs
+        out = [o["output_ids"] for o in e.generate(input_ids=ENGINE_PROMPTS, sampling_params=params)]
+        e.core.scheduler.check_idle_invariants()
+    if kw.get("tp_size", 1) > 1:
+        assert [p.returncode for p in procs] == [0] * (kw["tp_size"] - 1)  # the other ranks stopped cleanly
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("key,spec", [("llama_mtp", None), ("llama_mtp", 3), ("qwen3_moe", None)])
+def test_engine_tp2_equals_one_rank(tiny_models, key, spec):
+    """rank 0 schedules and broadcasts each step; greedy tokens equal one rank's, with MTP speculation (the draft
+    split like the target) and adaptive plain steps interleaved, and for Qwen3-MoE (experts split)."""
+    kw = dict(speculative_algorithm="MTP", speculative_num_steps=spec, speculative_adaptive=True) if spec else {}
+    ref = _generate(tiny_models[key])
+    assert _generate(tiny_models[key], tp_size=2, **kw) == ref
+
+
+@pytest.mark.timeout(240)
+def test_engine_tp2_retraction_and_sampling(tiny_models):
+    """A pool small enough to retract (re-prefills with new slots, sent to the other ranks), mixed greedy and
+    sampled requests: greedy ones equal one rank's, sampled ones finish with their token counts."""
+    from test_kv_accounting import _workload
+
+    from specserve import Engine
+
+    prompts, params = _workload()
+    kw = dict(model_path=tiny_models["llama"], context_length=128, chunked_prefill_size=32, max_running_requests=8,
+              schedule_conservativeness=0.0, dtype="float32", max_total_tokens=200)
+    with Engine(**kw) as e:
+        ref = e.generate(input_ids=prompts, sampling_params=params)
+    with Engine(tp_size=2, **kw) as e:
+        got = e.generate(input_ids=prompts, sampling_params=params)
+        assert e.core.scheduler.stats.num_retractions > 0
+        e.core.scheduler.check_idle_invariants()
+    for a, b, p in zip(got, ref, params):
+        assert len(a["output_ids"]) == len(b["output_ids"]) or p.get("stop") or p.get("stop_token_ids") or \
+            not p.get("ignore_eos")
+        if p["temperature"] == 0.0:
+            assert a["output_ids"] == b["output_ids"]
+
+
+@pytest.mark.timeout(240)
+def test_engine_stops_when_a_rank_dies(tiny_models):
+    from specserve import Engine
+
+    with Engine(model_path=tiny_models["llama"], tp_size=2, **ENGINE) as e:
+        proc = e.core.tp_leader.procs[0]
+        proc.kill()
+        proc.wait()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            e.generate(input_ids=ENGINE_PROMPTS[:1], sampling_params=GREEDY)
+
+
+@pytest.mark.timeout(300)
+def test_live_server_tp2_answers_the_openai_client(tiny_models, tmp_path):
+    from openai import OpenAI
+    from server_fixtures import start_server
+
+    srv = start_server(["--model-path", tiny_models["llama"], "--tp-size", "2", "--max-total-tokens", "2048",
+                        "--dtype", "float32"], str(tmp_path / "server.log"))
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="hello there", max_tokens=8, temperature=0.0)
+        assert out.usage.completion_tokens == 8
+        assert srv.server_info()["tp_size"] == 2
+    finally:
+        assert srv.terminate() == 0, srv.log()

@@ -8,6 +8,7 @@ NCCL on GPUs, gloo on CPUs: whatever backend the process group was created with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,12 +53,15 @@ class TPGroup:
 TP1 = TPGroup()
 
 
-def init_tp(rank: int, size: int, init_method: str, backend: str | None = None) -> TPGroup:
+def init_tp(rank: int, size: int, init_method: str, backend: str | None = None,
+            timeout: timedelta | None = None) -> TPGroup:
     """Join (or create) the default process group of `size` ranks and return this rank's TPGroup. backend: "nccl"
-    or "gloo" (default: nccl when CUDA is available, else gloo)."""
+    or "gloo" (default: nccl when CUDA is available, else gloo); timeout: how long a collective may wait for a
+    rank before it fails (torch's default otherwise)."""
     if size == 1:
         return TP1
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+        kw = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kw)
     return TPGroup(rank, size, None)

@@ -13,17 +13,27 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specserve.defaults import EMBEDDED_GENERATION_CONFIG, embedded_draft_path, embedded_model_path
+from specserve.distributed.tp import TP1, TPGroup
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker, output_text
+from specserve.engine.tp_ranks import TPLeader
 from specserve.layers.quant import quantize_draft
-from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
+from specserve.models.loader import (
+    LoadedTarget,
+    ModelSource,
+    load_hf_config,
+    load_mtp_draft,
+    load_target,
+    resolve_dtype,
+)
 from specserve.server_args import ServerArgs
 from specserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -38,42 +48,75 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+@dataclass
+class LoadedModels:
+    src: ModelSource
+    target: LoadedTarget
+    draft: torch.nn.Module | None
+    dtype: torch.dtype
+    context_len: int
+
+
+def load_models(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> LoadedModels:
+    """The target (and draft, when speculating) of resolved args, this rank's slice under tensor parallelism."""
+    model_path = args.model_path or embedded_model_path()
+    draft_path = args.speculative_draft_model_path
+    if args.spec_enabled and draft_path is None and args.model_path is None:
+        draft_path = embedded_draft_path()
+        if draft_path is None:
+            raise ValueError("this build ships no MTP head for the embedded model; pass "
+                             "--speculative-draft-model-path")
+    src = ModelSource.resolve(model_path)
+    hf_config = load_hf_config(src)
+    dtype = resolve_dtype(args.dtype, hf_config, device)
+    cfg_ctx = getattr(getattr(hf_config, "text_config", None) or hf_config, "max_position_embeddings", 4096)
+    context_len = args.context_length or cfg_ctx
+    max_positions = max(context_len, cfg_ctx) + args.num_draft_steps + 2
+    torch.manual_seed(args.random_seed)
+    target = load_target(src, dtype, device, max_positions, hf_config, tp=tp)
+    draft = None
+    if args.spec_enabled:
+        draft = load_mtp_draft(target, draft_path, dtype, device, max_positions)
+        quantize_draft(draft, args.speculative_draft_model_quantization, device)
+    return LoadedModels(src, target, draft, dtype, context_len)
+
+
+def build_model_runner(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> ModelRunner:
+    """Models, pools and captured graphs of resolved args (a tensor-parallel follower rank's whole engine)."""
+    m = load_models(args, device, tp)
+    mr = ModelRunner(args, m.target.model, m.target.config, m.draft, device, m.dtype, m.context_len)
+    mr.capture_graphs()
+    return mr
+
+
 class EngineCore:
-    """Model, tokenizer, memory and scheduler in one process."""
+    """Model, tokenizer, memory and scheduler in one process (rank 0 of a tensor-parallel engine, whose other
+    ranks it starts and drives: engine/tp_ranks.py)."""
 
     def __init__(self, args: ServerArgs):
         t_start = time.perf_counter()
         self.device = resolve_device(args.device)
         args = args.with_embedded_defaults(embedded_draft_path(), self.device.type)
         self.args = args
-        model_path = args.model_path or embedded_model_path()
-        draft_path = args.speculative_draft_model_path
-        if args.spec_enabled and draft_path is None and args.model_path is None:
-            draft_path = embedded_draft_path()
-            if draft_path is None:
-                raise ValueError("this build ships no MTP head for the embedded model; pass "
-                                 "--speculative-draft-model-path")
-        self.model_path = model_path
-        src = ModelSource.resolve(model_path)
-        hf_config = load_hf_config(src)
-        self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
-        cfg_ctx = getattr(getattr(hf_config, "text_config", None) or hf_config, "max_position_embeddings", 4096)
-        self.context_len = args.context_length or cfg_ctx
-        max_positions = max(self.context_len, cfg_ctx) + args.num_draft_steps + 2
-        torch.manual_seed(args.random_seed)
-        target = load_target(src, self.dtype, self.device, max_positions, hf_config)
-        self.model_config = target.config
-        draft = None
-        if args.spec_enabled:
-            draft = load_mtp_draft(target, draft_path, self.dtype, self.device, max_positions)
-            quantize_draft(draft, args.speculative_draft_model_quantization, self.device)
-        self.tokenizer = load_tokenizer(src, args.tokenizer_path, args.chat_template)
-        self.generation_config = _generation_config(src, embedded=args.model_path is None)
-        eos = eos_token_ids(self.tokenizer, target.config.eos_token_ids, self.generation_config)
-        self.model_runner = ModelRunner(args, target.model, target.config, draft, self.device, self.dtype,
-                                        self.context_len)
-        self.model_runner.capture_graphs()
+        self.model_path = args.model_path or embedded_model_path()
+        self.tp_leader = TPLeader(args, self.device) if args.tp_size > 1 else None
+        try:
+            m = load_models(args, self.device, self.tp_leader.tp if self.tp_leader else TP1)
+            src, target, draft, self.dtype, self.context_len = m.src, m.target, m.draft, m.dtype, m.context_len
+            self.model_config = target.config
+            self.tokenizer = load_tokenizer(src, args.tokenizer_path, args.chat_template)
+            self.generation_config = _generation_config(src, embedded=args.model_path is None)
+            eos = eos_token_ids(self.tokenizer, target.config.eos_token_ids, self.generation_config)
+            self.model_runner = ModelRunner(args, target.model, target.config, draft, self.device, self.dtype,
+                                            self.context_len)
+            self.model_runner.capture_graphs()
+            if self.tp_leader is not None:
+                self.tp_leader.check_same_pools(self.model_runner)
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(self.model_runner, StopChecker(self.tokenizer, eos), args.chunked_prefill_size)
+        self.scheduler.mirror = self.tp_leader
         self.default_sampling = self._default_sampling()
         self._rng = random.Random(args.random_seed)
         self.load_time = time.perf_counter() - t_start
@@ -87,6 +130,11 @@ class EngineCore:
             else "no speculation",
             "off" if args.disable_cuda_graph else f"bs<={self.model_runner.capture_bs[-1]}", self.load_time,
         )
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank). Idempotent."""
+        if getattr(self, "tp_leader", None) is not None:
+            self.tp_leader.stop()
 
     def _default_sampling(self) -> dict:
         if self.args.sampling_defaults != "model":
@@ -219,6 +267,7 @@ class Engine:
         for rid in list(sched.reqs):
             sched.abort(rid)
         del sched  # (a live local would keep the whole engine through the collection below)
+        self.core.close()
         self.core = None
         self.tokenizer = None
         # The runners and the speculative worker refer to each other (the whole-step graph holds its worker): only

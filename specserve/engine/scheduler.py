@@ -26,6 +26,7 @@ from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req, ReqState
 from specserve.engine.steps import Chunk, run_decode, run_prefill, run_spec_step
 from specserve.engine.stop import StopChecker
+from specserve.engine.tp_ranks import TPLeader, decode_message, prefill_message
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class Scheduler:
         # speculate or take a plain step, per step (engine/adaptive_spec.py); any object with choose_plain(bs) and
         # record(bs, plain, seconds, tokens_per_request) may stand in (tests force patterns)
         self.adaptive = AdaptiveSpeculation() if mr.spec is not None and mr.adaptive_spec else None
+        # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
+        self.mirror: TPLeader | None = None
         self.initial_free_pages = mr.allocator.num_free_pages
         self.conservativeness = mr.args.schedule_conservativeness
         self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
@@ -175,6 +178,8 @@ class Scheduler:
 
     def _run_prefill(self, chunks: list[Chunk]) -> None:
         self.stats.num_prefill_steps += 1
+        if self.mirror is not None:
+            self.mirror.send(prefill_message(self.mr, chunks))
         t0s = run_prefill(self.mr, chunks)
         now = time.perf_counter()
         for c, tok in zip(chunks, t0s):
@@ -203,6 +208,8 @@ class Scheduler:
         self.stats.num_decode_steps += 1
         reqs = list(self.running)
         if self.n == 0:
+            if self.mirror is not None:
+                self.mirror.send(decode_message(self.mr, "decode", reqs))
             toks = run_decode(self.mr, reqs)
             for req, t in zip(reqs, toks):
                 req.seq_len += 1
@@ -210,6 +217,8 @@ class Scheduler:
             return
         plain = self.adaptive is not None and self.adaptive.choose_plain(len(reqs))
         t0 = time.perf_counter()
+        if self.mirror is not None:
+            self.mirror.send(decode_message(self.mr, "plain" if plain else "spec", reqs))
         res = run_spec_step(self.mr, reqs, plain)
         if self.adaptive is not None:
             self.adaptive.record(len(reqs), plain, time.perf_counter() - t0, 1 + sum(res.accept_len) / len(reqs))

@@ -1,0 +1,218 @@
+"""The tensor-parallel ranks of one engine (`--tp-size N`): rank 0 runs the scheduler; ranks 1..N-1 follow.
+
+Rank 0 (`TPLeader`, owned by the EngineCore) starts the other ranks as processes of their own (`python -m
+specserve.engine.tp_ranks`: a daemonic model process may not fork multiprocessing children), joins them in one
+torch.distributed group (NCCL on GPUs, gloo on CPUs; distributed/tp.py), and before every forward step broadcasts a
+`StepMessage` over a gloo control group: what the step runs (prefill chunks, a plain decode, a speculative or an
+adaptive plain step) with the requests' host data, and the page-table entries the step writes. A follower (`follow`)
+has the same model runner over its slice of every weight, but no scheduler and no allocator: it writes those table
+entries and runs the same step function (engine/steps.py). Every rank gathers the full logits and samples with the
+same counter-based noise, so every rank produces the same tokens and keeps the same last-token and draft state
+without further messages.
+
+A rank that dies takes the engine down: rank 0 checks its followers before each broadcast and raises with the
+rank's exit code; a follower whose leader is gone fails its next receive and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from specserve.distributed.tp import TPGroup, init_tp
+from specserve.engine.request import Req
+from specserve.engine.steps import Chunk, run_decode, run_prefill, run_spec_step
+from specserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+TIMEOUT = timedelta(seconds=120)  # a collective waiting longer on a rank fails instead of hanging
+
+
+@dataclass
+class StepMessage:
+    kind: str  # "prefill" | "decode" | "spec" | "plain" | "stop"
+    rows: list[int] = field(default_factory=list)  # page-table entries the step writes: (rows[i], cols[i]) ->
+    cols: list[int] = field(default_factory=list)  # slots[i]
+    slots: list[int] = field(default_factory=list)
+    items: list[dict] = field(default_factory=list)  # per chunk (prefill) or per request (decode steps)
+
+
+def _table_entries(mr, rows: list[int], cols: list[int]) -> list[int]:
+    if not rows:
+        return []
+    table = mr.req_to_token.table
+    return table[torch.tensor(rows, device=table.device), torch.tensor(cols, device=table.device)].tolist()
+
+
+def prefill_message(mr, chunks: list[Chunk]) -> StepMessage:
+    rows, cols, items = [], [], []
+    for c in chunks:
+        r = c.req
+        rows += [r.kv.row] * (c.end - c.start)
+        cols += list(range(c.start, c.end))
+        items.append(dict(rid=r.rid, fill=r.fill_ids[:c.end + 1], start=c.start, end=c.end,
+                          prefill_len=r.prefill_len, row=r.kv.row, sampling=r.sampling, seed=r.seed,
+                          mrope_delta=r.mrope_delta))
+    return StepMessage("prefill", rows, cols, _table_entries(mr, rows, cols), items)
+
+
+def decode_message(mr, kind: str, reqs: list[Req]) -> StepMessage:
+    """kind: "decode" (one new position a request), "spec" (N + 1) or "plain" (one)."""
+    width = mr.num_steps + 1 if kind == "spec" else 1
+    rows = [r.kv.row for r in reqs for _ in range(width)]
+    cols = [r.seq_len + j for r in reqs for j in range(width)]
+    items = [dict(row=r.kv.row, seq_len=r.seq_len, mrope_delta=r.mrope_delta, sampling=r.sampling, seed=r.seed)
+             for r in reqs]
+    return StepMessage(kind, rows, cols, _table_entries(mr, rows, cols), items)
+
+
+def _request(item: dict) -> Req:
+    r = Req(rid=item.get("rid", ""), origin_input_ids=list(item.get("fill", [])), sampling=item["sampling"],
+            seed=item["seed"])
+    r.kv.row = item["row"]
+    r.mrope_delta = item["mrope_delta"]
+    r.seq_len = item.get("seq_len", 0)
+    r.prefill_len = item.get("prefill_len", 0)
+    return r
+
+
+def apply(mr, msg: StepMessage) -> None:
+    """Run on a follower the step rank 0 runs."""
+    if msg.rows:
+        table = mr.req_to_token.table
+        dev = table.device
+        table[torch.tensor(msg.rows, device=dev), torch.tensor(msg.cols, device=dev)] = torch.tensor(
+            msg.slots, dtype=table.dtype, device=dev)
+    if msg.kind == "prefill":
+        run_prefill(mr, [Chunk(_request(i), i["start"], i["end"]) for i in msg.items])
+    elif msg.kind == "decode":
+        run_decode(mr, [_request(i) for i in msg.items])
+    elif msg.kind in ("spec", "plain"):
+        run_spec_step(mr, [_request(i) for i in msg.items], plain=msg.kind == "plain")
+    else:
+        raise ValueError(f"unknown step {msg.kind!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _control_group():
+    return dist.new_group(backend="gloo", timeout=TIMEOUT)
+
+
+class TPLeader:
+    """Rank 0's side: the follower processes, the group, the broadcasts."""
+
+    def __init__(self, args: ServerArgs, device: torch.device):
+        size = args.tp_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        payload = json.dumps(dataclasses.asdict(args))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "specserve.engine.tp_ranks", "--rank", str(r),
+                                        "--size", str(size), "--init-method", init_method, "--device",
+                                        device.type, "--args", payload]) for r in range(1, size)]
+        try:
+            self.tp: TPGroup = init_tp(0, size, init_method, timeout=TIMEOUT)
+            self.ctrl = _control_group()
+        except BaseException:
+            self.kill()
+            raise
+        self.stopped = False
+
+    def check_alive(self) -> None:
+        for r, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                raise RuntimeError(f"tensor-parallel rank {r} exited (code {code}); the engine stops")
+
+    def send(self, msg: StepMessage) -> None:
+        self.check_alive()
+        dist.broadcast_object_list([msg], src=0, group=self.ctrl)
+
+    def check_same_pools(self, mr) -> None:
+        """Every rank must have sized its pools alike (rank 0 allocates the slots all ranks write)."""
+        mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
+        seen = [torch.zeros_like(mine) for _ in range(self.tp.size)]
+        dist.all_gather(seen, mine, group=self.ctrl)
+        if any(not torch.equal(s, mine) for s in seen):
+            raise RuntimeError(f"tensor-parallel ranks sized their pools differently ({[s.tolist() for s in seen]}"
+                               " slots, rows); pass --max-total-tokens and --max-running-requests")
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            self.send(StepMessage("stop"))
+            for p in self.procs:
+                p.wait(timeout=60)
+        except Exception as e:  # a rank already gone: make sure none is left behind
+            logger.warning("stopping the tensor-parallel ranks: %s", e)
+        finally:
+            self.kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def follow(mr, ctrl) -> None:
+    """A follower's loop: receive each step and run it, until "stop"."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=ctrl)
+        msg = box[0]
+        if msg.kind == "stop":
+            return
+        apply(mr, msg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specserve.engine.tp_ranks",
+                                description="one follower rank of a tensor-parallel engine (started by rank 0)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    p.add_argument("--args", required=True, help="rank 0's resolved ServerArgs as JSON")
+    a = p.parse_args(argv)
+    args = ServerArgs(**json.loads(a.args))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format=f"[%(asctime)s rank {a.rank} %(levelname)s] %(message)s", datefmt="%H:%M:%S")
+    if a.device == "cuda":
+        torch.cuda.set_device(a.rank)
+        device = torch.device("cuda", a.rank)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // a.size))
+        device = torch.device("cpu")
+    from specserve.engine.engine import build_model_runner
+
+    tp = init_tp(a.rank, a.size, a.init_method, timeout=TIMEOUT)
+    ctrl = _control_group()
+    try:
+        mr = build_model_runner(args, device, tp)
+        mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
+        dist.all_gather([torch.zeros_like(mine) for _ in range(a.size)], mine, group=ctrl)
+        follow(mr, ctrl)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
