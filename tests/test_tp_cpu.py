@@ -39,6 +39,15 @@ def tied_llama(tmp_path_factory):
     return build_tiny_model(str(tmp_path_factory.mktemp("tied") / "m"), "llama", seed=9, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    from hybrid_helpers import build_tiny_hybrid
+
+    root = tmp_path_factory.mktemp("tp_hybrid")
+    return {kind: build_tiny_hybrid(str(root / kind), kind, seed=51 + i, mtp=True)
+            for i, kind in enumerate(("qwen3_next", "qwen3_5"))}
+
+
 @pytest.mark.parametrize("arch,size", [("llama", 2), ("qwen2", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)])
 def test_tp_logits_equal_one_rank(tiny_models, arch, size, tmp_path):
     """qwen2: q/k/v biases (sliced with their heads) and no o-proj bias; qwen3: per-head q/k norms, and 4 ranks
@@ -48,6 +57,16 @@ def test_tp_logits_equal_one_rank(tiny_models, arch, size, tmp_path):
     got = _tp_logits(tiny_models[arch], size, tmp_path)
     assert len(got) == len(want)
     for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_tp_hybrid_logits_equal_one_rank(hybrids, kind, tmp_path):
+    """The hybrid family at 2 ranks: gated-delta-net key / value heads (their conv channels, gates and state), gated
+    attention heads and the experts split; Qwen3-Next's interleaved fused projections de-interleaved, then sliced;
+    Qwen3.5's split projections."""
+    want = single(hybrids[kind], PROMPTS, STEPS)
+    for g, w in zip(_tp_logits(hybrids[kind], 2, tmp_path), want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
@@ -90,25 +109,31 @@ def _generate(path: str, params=GREEDY, **kw) -> list[list[int]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("key,spec", [("llama_mtp", None), ("llama_mtp", 3), ("qwen3_moe", None)])
-def test_engine_tp2_equals_one_rank(tiny_models, key, spec):
+@pytest.mark.parametrize("key,spec", [("llama_mtp", None), ("llama_mtp", 3), ("qwen3_moe", None),
+                                      ("qwen3_next", 3)])
+def test_engine_tp2_equals_one_rank(tiny_models, hybrids, key, spec):
     """rank 0 schedules and broadcasts each step; greedy tokens equal one rank's, with MTP speculation (the draft
-    split like the target) and adaptive plain steps interleaved, and for Qwen3-MoE (experts split)."""
+    split like the target) and adaptive plain steps interleaved, for Qwen3-MoE (experts split) and Qwen3-Next (the
+    recurrent-state rows rank 0 allocates, zeroed and bound on the other ranks; the reference's TP2 / EP2 shape)."""
+    path = hybrids[key] if key in hybrids else tiny_models[key]
     kw = dict(speculative_algorithm="MTP", speculative_num_steps=spec, speculative_adaptive=True) if spec else {}
-    ref = _generate(tiny_models[key])
-    assert _generate(tiny_models[key], tp_size=2, **kw) == ref
+    ref = _generate(path)
+    assert _generate(path, tp_size=2, **kw) == ref
 
 
 @pytest.mark.timeout(240)
-def test_engine_tp2_retraction_and_sampling(tiny_models):
-    """A pool small enough to retract (re-prefills with new slots, sent to the other ranks), mixed greedy and
-    sampled requests: greedy ones equal one rank's, sampled ones finish with their token counts."""
+@pytest.mark.parametrize("key", ["llama", "qwen3_next"])
+def test_engine_tp2_retraction_and_sampling(tiny_models, hybrids, key):
+    """A pool small enough to retract (re-prefills with new slots and, for the hybrid, fresh state rows, sent to
+    the other ranks), rows reused by later requests, mixed greedy and sampled requests: greedy ones equal one
+    rank's, sampled ones finish with their token counts."""
     from test_kv_accounting import _workload
 
     from specserve import Engine
 
     prompts, params = _workload()
-    kw = dict(model_path=tiny_models["llama"], context_length=128, chunked_prefill_size=32, max_running_requests=8,
+    path = hybrids[key] if key in hybrids else tiny_models[key]
+    kw = dict(model_path=path, context_length=128, chunked_prefill_size=32, max_running_requests=8,
               schedule_conservativeness=0.0, dtype="float32", max_total_tokens=200)
     with Engine(**kw) as e:
         ref = e.generate(input_ids=prompts, sampling_params=params)

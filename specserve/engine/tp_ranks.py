@@ -6,7 +6,8 @@ torch.distributed group (NCCL on GPUs, gloo on CPUs; distributed/tp.py), and bef
 `StepMessage` over a gloo control group: what the step runs (prefill chunks, a plain decode, a speculative or an
 adaptive plain step) with the requests' host data, and the page-table entries the step writes. A follower (`follow`)
 has the same model runner over its slice of every weight, but no scheduler and no allocator: it writes those table
-entries and runs the same step function (engine/steps.py). Every rank gathers the full logits and samples with the
+entries (and, for a request's first prefill chunk, zeroes and binds the recurrent-state row rank 0 gave it) and runs
+the same step function (engine/steps.py). Every rank gathers the full logits and samples with the
 same counter-based noise, so every rank produces the same tokens and keeps the same last-token and draft state
 without further messages.
 
@@ -62,7 +63,9 @@ def prefill_message(mr, chunks: list[Chunk]) -> StepMessage:
         cols += list(range(c.start, c.end))
         items.append(dict(rid=r.rid, fill=r.fill_ids[:c.end + 1], start=c.start, end=c.end,
                           prefill_len=r.prefill_len, row=r.kv.row, sampling=r.sampling, seed=r.seed,
-                          mrope_delta=r.mrope_delta))
+                          mrope_delta=r.mrope_delta,
+                          # a request's first chunk: the zeroed recurrent-state row rank 0 gave it
+                          state_row=r.kv.state_row if c.start == 0 else 0))
     return StepMessage("prefill", rows, cols, _table_entries(mr, rows, cols), items)
 
 
@@ -94,6 +97,11 @@ def apply(mr, msg: StepMessage) -> None:
         table[torch.tensor(msg.rows, device=dev), torch.tensor(msg.cols, device=dev)] = torch.tensor(
             msg.slots, dtype=table.dtype, device=dev)
     if msg.kind == "prefill":
+        pool = mr.caches.state
+        for i in msg.items:
+            if pool is not None and i["state_row"]:
+                pool.reset(i["state_row"])
+                pool.bind(i["row"], i["state_row"])
         run_prefill(mr, [Chunk(_request(i), i["start"], i["end"]) for i in msg.items])
     elif msg.kind == "decode":
         run_decode(mr, [_request(i) for i in msg.items])

@@ -51,10 +51,15 @@ class StatePool:
         if not self._free:
             return None
         row = self._free.pop()
+        self.reset(row)
+        return row
+
+    def reset(self, row: int) -> None:
+        """Zero state row `row` and make slot 0 current (alloc's; a tensor-parallel follower mirrors rank 0's
+        allocation with it, engine/tp_ranks.py)."""
         self.conv[:, row].zero_()
         self.ssm[:, row].zero_()
         self.current[row] = 0
-        return row
 
     def free(self, row: int) -> None:
         if not 0 < row <= self.max_rows:

@@ -18,6 +18,7 @@ from specserve.distributed.tp import TP1, TPGroup
 from specserve.kernels import ops
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.linear import Linear, MergedLinear, copy_checked
+from specserve.layers.parallel import MergedColumnParallelLinear, RowParallelLinear
 
 ROUTERS = ("softmax", "grouped_sigmoid")
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -115,10 +116,16 @@ class GatedMLP(nn.Module):
     """A dense SiLU-gated MLP (the shared expert): fused gate|up projection, then down, like models/dense DenseMLP
     but sized by arguments rather than a model config."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = TP1):
+        """tp: above one rank, each keeps a slice of the intermediate features (the down projection sums them)."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        inter = intermediate_size
+        if tp.size == 1:
+            self.gate_up_proj = MergedLinear(hidden_size, {"gate": inter, "up": inter})
+            self.down_proj = Linear(inter, hidden_size)
+        else:
+            self.gate_up_proj = MergedColumnParallelLinear(hidden_size, {"gate": (inter, 1), "up": (inter, 1)}, tp)
+            self.down_proj = RowParallelLinear(inter, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, H]

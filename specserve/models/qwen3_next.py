@@ -29,6 +29,7 @@ from specserve.layers.gdn import GatedDeltaNet
 from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import MergedColumnParallelLinear, RowParallelLinear
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
 from specserve.models.config import ModelConfig, optional, require, text_config
 from specserve.models.dense import PreNormDecoderLayer
@@ -140,13 +141,24 @@ class GatedAttention(nn.Module):
     """Full attention with an output gate, per-head zero-centred q/k norms and partial rotary."""
 
     def __init__(self, cfg: HybridConfig, cache_index: int, rotary: RotaryEmbedding):
+        """Under tensor parallelism (cfg.tp) this rank keeps its query heads (with their gates) and KV heads."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        tp, d = cfg.tp, cfg.head_dim
+        self.head_dim = d
         # q_proj: per head, the query's head_dim rows then the gate's (checkpoint order), 2 q_size in all
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * self.q_size, "k": self.kv_size, "v": self.kv_size},
-                                     bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        if tp.size == 1:
+            self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+            self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * cfg.num_heads * d, "k": cfg.num_kv_heads * d,
+                                                           "v": cfg.num_kv_heads * d}, bias=cfg.attention_bias)
+            self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
+        else:
+            self.num_heads = tp.split(cfg.num_heads, "attention heads")
+            self.qkv_proj = MergedColumnParallelLinear(
+                cfg.hidden_size, {"q": (2 * cfg.num_heads * d, 2 * d), "k": (cfg.num_kv_heads * d, d),
+                                  "v": (cfg.num_kv_heads * d, d)}, tp, bias=cfg.attention_bias)
+            self.num_kv_heads = self.qkv_proj.shard_offsets["k"][1] // d
+            self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, bias=cfg.attention_bias)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.q_norm = _norm(cfg, self.head_dim)
         self.k_norm = _norm(cfg, self.head_dim)
         self.rotary = rotary  # shared module
@@ -171,11 +183,11 @@ class GatedAttention(nn.Module):
 
 def _mlp(cfg: HybridConfig, sparse: bool) -> nn.Module:
     if not sparse:
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.tp)
     return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                           renormalize=cfg.norm_topk_prob, router="softmax",
                           shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-                          shared_expert_gated=cfg.shared_expert_intermediate_size > 0)
+                          shared_expert_gated=cfg.shared_expert_intermediate_size > 0, ep=cfg.tp)
 
 
 class HybridDecoderLayer(PreNormDecoderLayer):
@@ -189,7 +201,8 @@ class HybridDecoderLayer(PreNormDecoderLayer):
         if kind == LINEAR:
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                              cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                             cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, cache_index, cfg.ssm_dtype)
+                                             cfg.linear_conv_kernel_dim, cfg.rms_norm_eps, cache_index, cfg.ssm_dtype,
+                                             cfg.tp)
         else:
             self.self_attn = GatedAttention(cfg, cache_index, rotary)
         self.mlp = _mlp(cfg, sparse)
@@ -205,6 +218,7 @@ class HybridForCausalLM(Qwen3MoeForCausalLM):
     """The family's model class (hooks of models/dense.py DenseForCausalLM; MoE loading from models/qwen3_moe.py)."""
 
     config_class = HybridConfig
+    tensor_parallel = True  # GDN and attention heads, dense MLPs split; experts split over the same ranks
 
     @classmethod
     def make_layer(cls, cfg: HybridConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
