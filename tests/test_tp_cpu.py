@@ -70,6 +70,25 @@ def test_tp_hybrid_logits_equal_one_rank(hybrids, kind, tmp_path):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def mla_models(tmp_path_factory):
+    from deepseek_helpers import build_tiny_deepseek, build_tiny_dsa
+    from test_deepseek_dsa import _with_mtp
+
+    root = tmp_path_factory.mktemp("tp_mla")
+    return {"v3": build_tiny_deepseek(str(root / "v3"), seed=81, mtp=True),
+            "glm": _with_mtp(build_tiny_dsa(str(root / "glm"), "glm_moe_dsa", seed=82, index_topk=5), 83)}
+
+
+@pytest.mark.parametrize("key", ["v3", "glm"])
+def test_tp_mla_logits_equal_one_rank(mla_models, key, tmp_path):
+    """DeepSeek-V3 and GLM-5 (truly sparse top-k) at 2 ranks: MLA heads (q_b / kv_b rows, o_proj columns), the
+    dense MLP and the grouped-sigmoid experts split; the latent cache and the indexer whole on every rank."""
+    want = single(mla_models[key], PROMPTS, STEPS)
+    for g, w in zip(_tp_logits(mla_models[key], 2, tmp_path), want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_tp_tied_embeddings(tied_llama, tmp_path):
     want = single(tied_llama, PROMPTS, STEPS)
     for g, w in zip(_tp_logits(tied_llama, 2, tmp_path), want):
@@ -110,12 +129,12 @@ def _generate(path: str, params=GREEDY, **kw) -> list[list[int]]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("key,spec", [("llama_mtp", None), ("llama_mtp", 3), ("qwen3_moe", None),
-                                      ("qwen3_next", 3)])
-def test_engine_tp2_equals_one_rank(tiny_models, hybrids, key, spec):
+                                      ("qwen3_next", 3), ("glm", 3)])
+def test_engine_tp2_equals_one_rank(tiny_models, hybrids, mla_models, key, spec):
     """rank 0 schedules and broadcasts each step; greedy tokens equal one rank's, with MTP speculation (the draft
     split like the target) and adaptive plain steps interleaved, for Qwen3-MoE (experts split) and Qwen3-Next (the
     recurrent-state rows rank 0 allocates, zeroed and bound on the other ranks; the reference's TP2 / EP2 shape)."""
-    path = hybrids[key] if key in hybrids else tiny_models[key]
+    path = {**tiny_models, **hybrids, **mla_models}[key]
     kw = dict(speculative_algorithm="MTP", speculative_num_steps=spec, speculative_adaptive=True) if spec else {}
     ref = _generate(path)
     assert _generate(path, tp_size=2, **kw) == ref

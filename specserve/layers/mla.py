@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from specserve.batch import CacheKind, ForwardBatch
+from specserve.distributed.tp import TP1, TPGroup
 from specserve.kvcache.cache_spec import LatentCacheSpec
 from specserve.layers.linear import Linear
 from specserve.layers.norm import RMSNorm
+from specserve.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from specserve.layers.rotary import RotaryEmbedding
 
 
@@ -34,10 +36,14 @@ class MLAAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, eps: float, scaling: float,
                  rope_interleave: bool, bias: bool, cache_index: int, rotary: RotaryEmbedding,
-                 indexer: nn.Module | None = None, shared_index: bool = False):
+                 indexer: nn.Module | None = None, shared_index: bool = False, tp: TPGroup = TP1):
         """indexer: a DSA indexer (layers/dsa_indexer.py) restricting attention to its top-k keys; shared_index:
-        reuse the previous indexed layer's selection instead (GLM-5's "shared" layers)."""
+        reuse the previous indexed layer's selection instead (GLM-5's "shared" layers); tp: above one rank each
+        keeps num_heads / size heads (their q_b / kv_b rows, o_proj columns); the latent (one head for all) and
+        the indexer are computed and cached whole on every rank."""
         super().__init__()
+        full_heads = num_heads
+        num_heads = tp.split(num_heads, "attention heads")
         if (indexer is not None or shared_index) and not q_lora_rank:
             raise ValueError("sparse attention's indexer reads the q-LoRA residual: it needs q_lora_rank")
         self.indexer = indexer
@@ -49,16 +55,22 @@ class MLAAttention(nn.Module):
         self.rope_interleave = rope_interleave
         self.cache_index = cache_index
         self.q_lora_rank = q_lora_rank
+        def heads_out(in_features: int, per_head: int) -> Linear:  # rows grouped by head: a rank's heads
+            if tp.size == 1:
+                return Linear(in_features, full_heads * per_head)
+            return ColumnParallelLinear(in_features, full_heads * per_head, tp)
+
         if q_lora_rank:
             self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
-            self.q_b_proj = Linear(q_lora_rank, num_heads * self.qk_head_dim)
+            self.q_b_proj = heads_out(q_lora_rank, self.qk_head_dim)
         else:
-            self.q_proj = Linear(hidden_size, num_heads * self.qk_head_dim)
+            self.q_proj = heads_out(hidden_size, self.qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.kv_b_proj = heads_out(kv_lora_rank, qk_nope_head_dim + v_head_dim)
+        self.o_proj = (Linear(num_heads * v_head_dim, hidden_size, bias=bias) if tp.size == 1
+                       else RowParallelLinear(full_heads * v_head_dim, hidden_size, tp, bias=bias))
         self.rotary = rotary  # shared module, over the rope dims
 
     def cache_specs(self) -> list[LatentCacheSpec]:

@@ -24,7 +24,7 @@ from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config, rope_parameters
 from specserve.models.config import ModelConfig, optional, require, text_config
-from specserve.models.dense import PreNormDecoderLayer, copy_param
+from specserve.models.dense import PreNormDecoderLayer, load_param
 from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _SELF_ATTN = ".self_attn."
@@ -94,7 +94,8 @@ def _moe(cfg: DeepseekV3Config) -> SparseMoEBlock:
     return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
                           renormalize=cfg.norm_topk_prob, router="grouped_sigmoid", n_group=cfg.n_group,
                           topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                          shared_expert_intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size)
+                          shared_expert_intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size,
+                          ep=cfg.tp)
 
 
 class MLADecoderLayer(PreNormDecoderLayer):
@@ -108,9 +109,9 @@ class MLADecoderLayer(PreNormDecoderLayer):
         self.self_attn = MLAAttention(cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
                                       cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps,
                                       cfg.attn_scaling, cfg.rope_interleave, cfg.attention_bias, cache_index, rotary,
-                                      indexer=indexer, shared_index=shared_index)
+                                      indexer=indexer, shared_index=shared_index, tp=cfg.tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = _moe(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = _moe(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.tp)
 
     def cache_specs(self) -> list[CacheSpec]:
         return self.self_attn.cache_specs()
@@ -123,6 +124,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     """The family's model class (hooks of models/dense.py DenseForCausalLM; MoE loading from models/qwen3_moe.py)."""
 
     config_class = DeepseekV3Config
+    tensor_parallel = True  # MLA heads and dense MLPs split, experts over the same ranks (latent and indexer whole)
 
     @classmethod
     def make_layer(cls, cfg: DeepseekV3Config, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
@@ -142,5 +144,5 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
                     tensor: torch.Tensor) -> str | None:
         """MLA projections are copied by name (not the dense family's fused q/k/v shards); the rest as Qwen3-MoE."""
         if _SELF_ATTN in name:
-            return copy_param(params, name, tensor)
+            return load_param(root, params, name, tensor)
         return super().load_tensor(root, params, name, tensor)

@@ -70,6 +70,7 @@ def _indexed_layer(cfg: DSAConfig, mla_index: int, index_index: int | None, rota
 
 class DSAForCausalLM(DeepseekV3ForCausalLM):
     config_class = DSAConfig
+    tensor_parallel = True  # as DeepSeek-V3; each rank runs the whole indexer
 
     @classmethod
     def make_layer(cls, cfg: DSAConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:

@@ -337,9 +337,15 @@ def load_dense_tensor(root: nn.Module, params: dict[str, nn.Parameter], name: st
         module = root.get_submodule(mod_name)
         module.load_shard(shard, tensor, is_bias=parts[-1] == "bias")
         return f"{mod_name}.{parts[-1]}"
+    return load_param(root, params, name, tensor)
+
+
+def load_param(root: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+    """copy_param, except that a tensor-parallel layer (layers/parallel.py) keeps only its rank's slice."""
+    parts = name.split(".")
     if len(parts) >= 2 and name in params:
         module = root.get_submodule(".".join(parts[:-1]))
-        if hasattr(module, "load_full"):  # a tensor-parallel layer: it keeps its rank's slice
+        if hasattr(module, "load_full"):
             module.load_full(tensor, is_bias=parts[-1] == "bias")
             return name
     return copy_param(params, name, tensor)
