@@ -33,6 +33,9 @@ class ServerArgs:
     trust_remote_code: bool = False
     # memory and scheduling
     tp_size: int = 1
+    nnodes: int = 1  # machines the tp_size ranks spread over (tp_size / nnodes each)
+    node_rank: int = 0  # this machine's index; 0 runs the scheduler and the HTTP server
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous (needed when nnodes > 1)
     page_size: int = 1
     kv_cache_dtype: str = "auto"
     mem_fraction_static: float | None = None
@@ -145,6 +148,12 @@ class ServerArgs:
                              f"{self.speculative_ngram_confidence}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must be >= 1 and divide --tp-size {self.tp_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not (self.dist_init_addr and self.dist_init_addr.rpartition(":")[2].isdigit()):
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's rendezvous address)")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.dtype not in DTYPES:
@@ -224,6 +233,10 @@ class ServerArgs:
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1,
           help="tensor-parallel ranks (one process each; GPUs 0..N-1, or CPU over gloo): attention heads, MLPs, "
                "vocabulary and MoE experts split over them (dense and Qwen3-MoE families)")
+        a("--nnodes", type=int, default=1, help="machines the --tp-size ranks spread over (tp-size / nnodes each)")
+        a("--node-rank", type=int, default=0,
+          help="this machine's index (0: the scheduler and the HTTP server; others only run their ranks)")
+        a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous (needed with --nnodes > 1)")
         a("--page-size", type=int, default=d["page_size"].default, help="KV tokens per page of the page table")
         a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache dtype (auto: --dtype's)")
         a("--mem-fraction-static", type=float, default=None,

@@ -122,8 +122,8 @@ def _generate(path: str, params=GREEDY, **kw) -> list[list[int]]:
             procs = e.core.tp_leader.procs
         out = [o["output_ids"] for o in e.generate(input_ids=ENGINE_PROMPTS, sampling_params=params)]
         e.core.scheduler.check_idle_invariants()
-    if kw.get("tp_size", 1) > 1:
-        assert [p.returncode for p in procs] == [0] * (kw["tp_size"] - 1)  # the other ranks stopped cleanly
+    if kw.get("tp_size", 1) > 1:  # this machine's other ranks stopped cleanly
+        assert [p.returncode for p in procs] == [0] * (kw["tp_size"] // kw.get("nnodes", 1) - 1)
     return out
 
 
@@ -194,3 +194,35 @@ def test_live_server_tp2_answers_the_openai_client(tiny_models, tmp_path):
         assert srv.server_info()["tp_size"] == 2
     finally:
         assert srv.terminate() == 0, srv.log()
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_on_one_machine(tiny_models, tmp_path):
+    """--nnodes 2: node 1 (`specserve serve --node-rank 1`, no HTTP server) runs its rank and joins node 0's
+    rendezvous at --dist-init-addr; the engine on node 0 gives one rank's tokens and, on shutdown, node 1 exits 0."""
+    import subprocess
+    import sys
+
+    path = tiny_models["llama"]
+    ref = _generate(path)
+    addr = f"127.0.0.1:{_free_port()}"
+    multi = dict(tp_size=2, nnodes=2, dist_init_addr=addr)
+    node1 = subprocess.Popen([sys.executable, "-m", "specserve.launch_server", "--model-path", path, "--tp-size", "2",
+                              "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--max-total-tokens",
+                              "2048", "--max-running-requests", "8", "--dtype", "float32"],
+                             stdout=open(tmp_path / "node1.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    try:
+        assert _generate(path, **multi) == ref
+        assert node1.wait(timeout=60) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_multi_node_flags_are_checked():
+    from specserve.server_args import ServerArgs
+
+    for kw, needle in ((dict(tp_size=3, nnodes=2), "divide"), (dict(tp_size=2, nnodes=2), "dist-init-addr"),
+                       (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "node-rank")):
+        with pytest.raises(ValueError, match=needle):
+            ServerArgs(**kw)

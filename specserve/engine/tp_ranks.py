@@ -1,7 +1,9 @@
 """The tensor-parallel ranks of one engine (`--tp-size N`): rank 0 runs the scheduler; ranks 1..N-1 follow.
 
-Rank 0 (`TPLeader`, owned by the EngineCore) starts the other ranks as processes of their own (`python -m
-specserve.engine.tp_ranks`: a daemonic model process may not fork multiprocessing children), joins them in one
+Rank 0 (`TPLeader`, owned by the EngineCore) starts the other ranks of its machine as processes of their own
+(`python -m specserve.engine.tp_ranks`: a daemonic model process may not fork multiprocessing children); with
+`--nnodes M` each other machine runs `specserve serve --node-rank k` (no HTTP server there: `run_node` starts its
+ranks, which join node 0's rendezvous at `--dist-init-addr`). Rank 0 joins all of them in one
 torch.distributed group (NCCL on GPUs, gloo on CPUs; distributed/tp.py), and before every forward step broadcasts a
 `StepMessage` over a gloo control group: what the step runs (prefill chunks, a plain decode, a speculative or an
 adaptive plain step) with the requests' host data, and the page-table entries the step writes. A follower (`follow`)
@@ -111,6 +113,33 @@ def apply(mr, msg: StepMessage) -> None:
         raise ValueError(f"unknown step {msg.kind!r}")
 
 
+def rendezvous(args: ServerArgs) -> str:
+    """The group's init method: node 0's --dist-init-addr across machines, else a free local port."""
+    if args.nnodes > 1:
+        return f"tcp://{args.dist_init_addr}"
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def start_local_ranks(args: ServerArgs, device: torch.device, init_method: str, first: int) -> list:
+    """This machine's ranks from global rank node_rank * per_node + first on, each its own process."""
+    per_node = args.tp_size // args.nnodes
+    base = args.node_rank * per_node
+    payload = json.dumps(dataclasses.asdict(args))
+    return [subprocess.Popen([sys.executable, "-m", "specserve.engine.tp_ranks", "--rank", str(base + i),
+                              "--local-rank", str(i), "--size", str(args.tp_size), "--init-method", init_method,
+                              "--device", device.type, "--args", payload]) for i in range(first, per_node)]
+
+
+def run_node(args: ServerArgs, device: torch.device) -> int:
+    """A machine of node rank > 0: start its ranks (they join node 0's group and follow its steps) and wait for
+    them; the exit code is the first non-zero one of theirs."""
+    procs = start_local_ranks(args, device, rendezvous(args), first=0)
+    logger.info("node %d: ranks %d..%d started, following node 0 at %s", args.node_rank,
+                args.node_rank * len(procs), (args.node_rank + 1) * len(procs) - 1, args.dist_init_addr)
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,11 +155,8 @@ class TPLeader:
 
     def __init__(self, args: ServerArgs, device: torch.device):
         size = args.tp_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        payload = json.dumps(dataclasses.asdict(args))
-        self.procs = [subprocess.Popen([sys.executable, "-m", "specserve.engine.tp_ranks", "--rank", str(r),
-                                        "--size", str(size), "--init-method", init_method, "--device",
-                                        device.type, "--args", payload]) for r in range(1, size)]
+        init_method = rendezvous(args)
+        self.procs = start_local_ranks(args, device, init_method, first=1)
         try:
             self.tp: TPGroup = init_tp(0, size, init_method, timeout=TIMEOUT)
             self.ctrl = _control_group()
@@ -193,7 +219,8 @@ def follow(mr, ctrl) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specserve.engine.tp_ranks",
                                 description="one follower rank of a tensor-parallel engine (started by rank 0)")
-    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True, help="global rank")
+    p.add_argument("--local-rank", type=int, required=True, help="rank on this machine (its GPU)")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--init-method", required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
@@ -203,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format=f"[%(asctime)s rank {a.rank} %(levelname)s] %(message)s", datefmt="%H:%M:%S")
     if a.device == "cuda":
-        torch.cuda.set_device(a.rank)
-        device = torch.device("cuda", a.rank)
+        torch.cuda.set_device(a.local_rank)
+        device = torch.device("cuda", a.local_rank)
     else:
-        torch.set_num_threads(max(1, torch.get_num_threads() // a.size))
+        torch.set_num_threads(max(1, torch.get_num_threads() // (a.size // args.nnodes)))
         device = torch.device("cpu")
     from specserve.engine.engine import build_model_runner
 

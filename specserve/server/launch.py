@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="[%(asctime)s %(levelname)s] %(message)s", datefmt="%H:%M:%S")
+    if args.node_rank > 0:  # another machine of a multi-node engine: only its tensor-parallel ranks
+        from specserve.engine.engine import resolve_device
+        from specserve.engine.tp_ranks import run_node
+
+        return run_node(args, resolve_device(args.device))
     return asyncio.run(serve(args))
 
 
