@@ -155,6 +155,10 @@ class TPLeader:
 
     def __init__(self, args: ServerArgs, device: torch.device):
         size = args.tp_size
+        per_node = size // args.nnodes
+        if device.type == "cuda" and torch.cuda.device_count() < per_node:
+            raise ValueError(f"--tp-size {size} over {args.nnodes} node(s) needs {per_node} GPUs on this machine; "
+                             f"it has {torch.cuda.device_count()}")
         init_method = rendezvous(args)
         self.procs = start_local_ranks(args, device, init_method, first=1)
         try:
