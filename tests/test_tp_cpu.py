@@ -226,3 +226,44 @@ def test_multi_node_flags_are_checked():
                        (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "node-rank")):
         with pytest.raises(ValueError, match=needle):
             ServerArgs(**kw)
+
+
+@pytest.mark.timeout(300)
+def test_live_server_under_torchrun(tiny_models, tmp_path):
+    """torchrun --nproc-per-node 2 -m specserve.launch_server --tp-size 2: rank 0 serves, rank 1 follows."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from server_fixtures import free_port
+
+    port = free_port()
+    log = open(tmp_path / "torchrun.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(_free_port()), "-m", "specserve.launch_server", "--model-path",
+                             tiny_models["llama"], "--tp-size", "2", "--port", str(port), "--max-total-tokens", "2048",
+                             "--max-running-requests", "8", "--dtype", "float32", "--skip-warmup"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 150
+        while True:
+            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, (tmp_path / "torchrun.log").read_text()
+            time.sleep(0.5)
+        r = httpx.post(url + "/generate", json={"input_ids": ENGINE_PROMPTS[0], "sampling_params": GREEDY},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == _generate(tiny_models["llama"])[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -3,7 +3,8 @@
 Rank 0 (`TPLeader`, owned by the EngineCore) starts the other ranks of its machine as processes of their own
 (`python -m specserve.engine.tp_ranks`: a daemonic model process may not fork multiprocessing children); with
 `--nnodes M` each other machine runs `specserve serve --node-rank k` (no HTTP server there: `run_node` starts its
-ranks, which join node 0's rendezvous at `--dist-init-addr`). Rank 0 joins all of them in one
+ranks, which join node 0's rendezvous at `--dist-init-addr`); under torchrun every rank is torchrun's process
+(rank 0 serves, the others follow: server/launch.py). Rank 0 joins all of them in one
 torch.distributed group (NCCL on GPUs, gloo on CPUs; distributed/tp.py), and before every forward step broadcasts a
 `StepMessage` over a gloo control group: what the step runs (prefill chunks, a plain decode, a speculative or an
 adaptive plain step) with the requests' host data, and the page-table entries the step writes. A follower (`follow`)
@@ -23,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -159,8 +161,14 @@ class TPLeader:
         if device.type == "cuda" and torch.cuda.device_count() < per_node:
             raise ValueError(f"--tp-size {size} over {args.nnodes} node(s) needs {per_node} GPUs on this machine; "
                              f"it has {torch.cuda.device_count()}")
-        init_method = rendezvous(args)
-        self.procs = start_local_ranks(args, device, init_method, first=1)
+        launched = torchrun_env()
+        if launched is not None:  # torchrun started every rank: nothing to start, rendezvous from its env
+            if launched[2] != size:
+                raise ValueError(f"torchrun started {launched[2]} processes; --tp-size is {size}")
+            init_method, self.procs = "env://", []
+        else:
+            init_method = rendezvous(args)
+            self.procs = start_local_ranks(args, device, init_method, first=1)
         try:
             self.tp: TPGroup = init_tp(0, size, init_method, timeout=TIMEOUT)
             self.ctrl = _control_group()
@@ -220,6 +228,40 @@ def follow(mr, ctrl) -> None:
         apply(mr, msg)
 
 
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) when torchrun started this process (its RANK / LOCAL_RANK / WORLD_SIZE
+    contract; the rendezvous is then env://), else None."""
+    try:
+        return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+
+
+def run_follower(rank: int, local_rank: int, size: int, init_method: str, device_type: str,
+                 args: ServerArgs) -> int:
+    """A follower rank's whole life: its model runner over its slice, then every step rank 0 sends, until stop."""
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format=f"[%(asctime)s rank {rank} %(levelname)s] %(message)s", datefmt="%H:%M:%S")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // (size // args.nnodes)))
+        device = torch.device("cpu")
+    from specserve.engine.engine import build_model_runner
+
+    tp = init_tp(rank, size, init_method, timeout=TIMEOUT)
+    ctrl = _control_group()
+    try:
+        mr = build_model_runner(args, device, tp)
+        mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
+        dist.all_gather([torch.zeros_like(mine) for _ in range(size)], mine, group=ctrl)
+        follow(mr, ctrl)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specserve.engine.tp_ranks",
                                 description="one follower rank of a tensor-parallel engine (started by rank 0)")
@@ -230,27 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
     p.add_argument("--args", required=True, help="rank 0's resolved ServerArgs as JSON")
     a = p.parse_args(argv)
-    args = ServerArgs(**json.loads(a.args))
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format=f"[%(asctime)s rank {a.rank} %(levelname)s] %(message)s", datefmt="%H:%M:%S")
-    if a.device == "cuda":
-        torch.cuda.set_device(a.local_rank)
-        device = torch.device("cuda", a.local_rank)
-    else:
-        torch.set_num_threads(max(1, torch.get_num_threads() // (a.size // args.nnodes)))
-        device = torch.device("cpu")
-    from specserve.engine.engine import build_model_runner
-
-    tp = init_tp(a.rank, a.size, a.init_method, timeout=TIMEOUT)
-    ctrl = _control_group()
-    try:
-        mr = build_model_runner(args, device, tp)
-        mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
-        dist.all_gather([torch.zeros_like(mine) for _ in range(a.size)], mine, group=ctrl)
-        follow(mr, ctrl)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run_follower(a.rank, a.local_rank, a.size, a.init_method, a.device, ServerArgs(**json.loads(a.args)))
 
 
 if __name__ == "__main__":
