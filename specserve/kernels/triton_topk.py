@@ -102,14 +102,20 @@ def _threshold(hist_ptr, row, k, kv_len):
 
 
 @triton.jit
-def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num_chunks, stride_sr, stride_sl,
-                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's (row, chunk, chunk start, chunk end, causal length, T, need) after the histogram passes."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     lo = chunk * CHUNK
     kv_len = _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W)
-    hi = tl.minimum(lo + CHUNK, kv_len)
     t, need = _threshold(hist_ptr, row, k, kv_len)
+    return row, chunk, lo, tl.minimum(lo + CHUNK, kv_len), kv_len, t, need
+
+
+@triton.jit
+def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num_chunks, stride_sr, stride_sl,
+                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row, chunk, lo, hi, kv_len, t, need = _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W, CHUNK)
     scores_row = scores_ptr + row.to(tl.int64) * stride_sr
     gt = tl.zeros([], tl.int32)
     eq = tl.zeros([], tl.int32)
@@ -128,12 +134,7 @@ def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num
 def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, out_ptr, out_counts_ptr,
                   k, max_kv, num_chunks, out_k, stride_sr, stride_sl, stride_kvb, stride_kvn, stride_or,
                   W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    lo = chunk * CHUNK
-    kv_len = _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W)
-    hi = tl.minimum(lo + CHUNK, kv_len)
-    t, need = _threshold(hist_ptr, row, k, kv_len)
+    row, chunk, lo, hi, kv_len, t, need = _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W, CHUNK)
     # what the earlier chunks take: their keys above T and their share of the first `need` ties
     c = tl.arange(0, MAX_CHUNKS)
     before = c < chunk
