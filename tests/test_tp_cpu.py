@@ -95,14 +95,20 @@ def test_tp_tied_embeddings(tied_llama, tmp_path):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-def test_tp_refuses_other_families_and_bad_sizes(tiny_models, tmp_path):
-    from hybrid_helpers import build_tiny_hybrid
+def test_tp_refuses_undeclared_families_and_bad_sizes(tiny_models):
+    """A family class that does not declare tensor_parallel itself (here a subclass of the dense one) refuses a
+    group of more than one rank; sizes that do not divide are refused with the size named."""
+    from specserve.models.config import ModelConfig
+    from specserve.models.dense import DenseForCausalLM
+    from specserve.models.loader import ModelSource, load_hf_config, load_target
 
-    from specserve.models.loader import ModelSource, load_target
+    class Undeclared(DenseForCausalLM):
+        pass
 
-    qwen3_next = build_tiny_hybrid(str(tmp_path / "next"), "qwen3_next", seed=5)
-    with pytest.raises(ValueError, match="dense and Qwen3-MoE families"):
-        load_target(ModelSource.resolve(qwen3_next), torch.float32, torch.device("cpu"), 64, tp=TPGroup(0, 2))
+    cfg = ModelConfig.from_hf(load_hf_config(ModelSource.resolve(tiny_models["llama"])))
+    cfg.tp = TPGroup(0, 2)
+    with torch.device("meta"), pytest.raises(ValueError, match="declares no tensor-parallel layers"):
+        Undeclared(cfg, 64)
     with pytest.raises(ValueError, match="not divisible"):
         load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, torch.device("cpu"), 64,
                     tp=TPGroup(0, 3))

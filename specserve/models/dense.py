@@ -225,8 +225,8 @@ class DenseForCausalLM(nn.Module):
     def __init__(self, cfg: DenseConfig, max_positions: int):
         super().__init__()
         if cfg.tp.size > 1 and not type(self).__dict__.get("tensor_parallel", False):
-            raise ValueError(f"tensor parallelism covers the dense and Qwen3-MoE families so far, not "
-                             f"{cfg.architecture}")
+            raise ValueError(f"{type(self).__name__} ({cfg.architecture}) declares no tensor-parallel layers: "
+                             "it runs on one rank only")
         self.config = cfg
         self.model = DenseModel(cfg, max_positions, type(self))
         self.lm_head = (LMHead(cfg.vocab_size, cfg.hidden_size) if cfg.tp.size == 1
