@@ -28,7 +28,8 @@ def _free_port() -> int:
 
 def _tp_logits(path: str, size: int, tmp_path) -> list[torch.Tensor]:
     out = str(tmp_path / f"tp{size}.pt")
-    mp.spawn(rank_main, args=(size, _free_port(), path, PROMPTS, STEPS, out), nprocs=size, join=True)
+    rendezvous = f"file://{tmp_path / f'rdzv{size}'}"
+    mp.spawn(rank_main, args=(size, rendezvous, path, PROMPTS, STEPS, out), nprocs=size, join=True)
     return torch.load(out)
 
 

@@ -44,15 +44,17 @@ def run_model(path: str, tp: TPGroup, prompts: list[list[int]], steps: int) -> l
     return out
 
 
-def rank_main(rank: int, size: int, port: int, path: str, prompts: list[list[int]], steps: int, out: str) -> None:
+def rank_main(rank: int, size: int, rendezvous: str, path: str, prompts: list[list[int]], steps: int,
+              out: str) -> None:
+    """rendezvous: a file:// init method (no store server in rank 0 that could go away before another rank's
+    teardown)."""
     torch.set_num_threads(1)
-    tp = init_tp(rank, size, f"tcp://127.0.0.1:{port}", "gloo")
-    try:
-        logits = run_model(path, tp, prompts, steps)
-        if rank == 0:
-            torch.save(logits, out)
-    finally:
-        torch.distributed.destroy_process_group()
+    tp = init_tp(rank, size, rendezvous, "gloo")
+    logits = run_model(path, tp, prompts, steps)
+    if rank == 0:
+        torch.save(logits, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def single(path: str, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:

@@ -202,6 +202,7 @@ class TPLeader:
         self.stopped = True
         try:
             self.send(StepMessage("stop"))
+            dist.barrier(group=self.ctrl)  # every rank has its stop: none needs the rendezvous any more
             for p in self.procs:
                 p.wait(timeout=60)
         except Exception as e:  # a rank already gone: make sure none is left behind
@@ -252,14 +253,25 @@ def run_follower(rank: int, local_rank: int, size: int, init_method: str, device
 
     tp = init_tp(rank, size, init_method, timeout=TIMEOUT)
     ctrl = _control_group()
-    try:
-        mr = build_model_runner(args, device, tp)
-        mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
-        dist.all_gather([torch.zeros_like(mine) for _ in range(size)], mine, group=ctrl)
-        follow(mr, ctrl)
-    finally:
-        dist.destroy_process_group()
+    mr = build_model_runner(args, device, tp)
+    mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
+    dist.all_gather([torch.zeros_like(mine) for _ in range(size)], mine, group=ctrl)
+    follow(mr, ctrl)
+    dist.barrier(group=ctrl)
     return 0
+
+
+def exit_follower(code_fn) -> None:
+    """Run a follower and leave the process at once: no process-group teardown at exit, which would race rank 0
+    tearing down the rendezvous it hosts (gloo then aborts the process)."""
+    try:
+        code = code_fn()
+    except BaseException:
+        logger.exception("tensor-parallel rank failed")
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
     p.add_argument("--args", required=True, help="rank 0's resolved ServerArgs as JSON")
     a = p.parse_args(argv)
-    return run_follower(a.rank, a.local_rank, a.size, a.init_method, a.device, ServerArgs(**json.loads(a.args)))
+    exit_follower(lambda: run_follower(a.rank, a.local_rank, a.size, a.init_method, a.device,
+                                       ServerArgs(**json.loads(a.args))))
+    return 0  # not reached
 
 
 if __name__ == "__main__":

@@ -85,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp_size > 1:
         from specserve.defaults import embedded_draft_path
         from specserve.engine.engine import resolve_device
-        from specserve.engine.tp_ranks import run_follower, run_node, torchrun_env
+        from specserve.engine.tp_ranks import exit_follower, run_follower, run_node, torchrun_env
 
         launched = torchrun_env()
         if launched is not None and launched[0] > 0:  # torchrun's rank k > 0: follow rank 0 (which serves)
             rank, local_rank, world = launched
             device = resolve_device(args.device)
             resolved = args.with_embedded_defaults(embedded_draft_path(), device.type)  # as rank 0's engine
-            return run_follower(rank, local_rank, world, "env://", device.type, resolved)
+            exit_follower(lambda: run_follower(rank, local_rank, world, "env://", device.type, resolved))
         if args.node_rank > 0:  # another machine of a multi-node engine: only its tensor-parallel ranks
             return run_node(args, resolve_device(args.device))
     return asyncio.run(serve(args))
