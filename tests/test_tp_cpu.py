@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tp_helpers import rank_main, single
+from tp_helpers import build_hybrids, build_mla, rank_main, single
 
 from specserve.distributed.tp import TPGroup
 
@@ -42,11 +42,7 @@ def tied_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
-    from hybrid_helpers import build_tiny_hybrid
-
-    root = tmp_path_factory.mktemp("tp_hybrid")
-    return {kind: build_tiny_hybrid(str(root / kind), kind, seed=51 + i, mtp=True)
-            for i, kind in enumerate(("qwen3_next", "qwen3_5"))}
+    return build_hybrids(tmp_path_factory.mktemp("tp_hybrid"))
 
 
 @pytest.mark.parametrize("arch,size", [("llama", 2), ("qwen2", 2), ("qwen3", 4), ("qwen3_moe", 2), ("qwen3_moe", 4)])
@@ -73,12 +69,7 @@ def test_tp_hybrid_logits_equal_one_rank(hybrids, kind, tmp_path):
 
 @pytest.fixture(scope="module")
 def mla_models(tmp_path_factory):
-    from deepseek_helpers import build_tiny_deepseek, build_tiny_dsa
-    from test_deepseek_dsa import _with_mtp
-
-    root = tmp_path_factory.mktemp("tp_mla")
-    return {"v3": build_tiny_deepseek(str(root / "v3"), seed=81, mtp=True),
-            "glm": _with_mtp(build_tiny_dsa(str(root / "glm"), "glm_moe_dsa", seed=82, index_topk=5), 83)}
+    return build_mla(tmp_path_factory.mktemp("tp_mla"))
 
 
 @pytest.mark.parametrize("key", ["v3", "glm"])

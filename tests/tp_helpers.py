@@ -59,3 +59,21 @@ def rank_main(rank: int, size: int, rendezvous: str, path: str, prompts: list[li
 
 def single(path: str, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
     return run_model(path, TP1, prompts, steps)
+
+
+def build_hybrids(root) -> dict[str, str]:
+    """Tiny Qwen3-Next and Qwen3.5 checkpoints with MTP layers, under root."""
+    from hybrid_helpers import build_tiny_hybrid
+
+    return {kind: build_tiny_hybrid(str(root / kind), kind, seed=51 + i, mtp=True)
+            for i, kind in enumerate(("qwen3_next", "qwen3_5"))}
+
+
+def build_mla(root) -> dict[str, str]:
+    """Tiny DeepSeek-V3 and GLM-5 (sparse top-k 5) checkpoints with MTP layers, under root."""
+    from deepseek_helpers import build_tiny_deepseek, build_tiny_dsa
+    from test_deepseek_dsa import _with_mtp
+
+    return {"v3": build_tiny_deepseek(str(root / "v3"), seed=81, mtp=True),
+            "glm": _with_mtp(build_tiny_dsa(str(root / "glm"), "glm_moe_dsa", seed=82, index_topk=5), 83)}
+
