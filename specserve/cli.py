@@ -63,6 +63,7 @@ COMMANDS = {
     "generate": ("specserve.cli", "cmd_generate"),
     "serve": ("specserve.server.launch", "main"),
     "bench": ("specserve.bench.serving", "main"),
+    "bench-compare": ("specserve.bench.compare", "main"),
     "eval": ("specserve.bench.eval_cli", "main"),
     "train-mtp": ("specserve.train.cli", "main"),
     "bench-phases": ("specserve.bench.phases", "main"),
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
               "  generate      offline generation with the engine\n"
               "  serve         OpenAI-compatible HTTP server (SGLang-style flags)\n"
               "  bench         serving benchmark client\n"
+              "  bench-compare speculation vs plain through two servers, input lengths x concurrency\n"
               "  eval          accuracy evals (gsm8k)\n"
               "  train-mtp     train an MTP draft head by self-distillation\n"
               "  bench-phases  per-phase GPU timings, eager vs CUDA graph\n"
