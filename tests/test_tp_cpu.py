@@ -141,9 +141,9 @@ def test_engine_tp2_equals_one_rank(tiny_models, hybrids, mla_models, key, spec)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("key", ["llama", "qwen3_next"])
 def test_engine_tp2_retraction_and_sampling(tiny_models, hybrids, key):
-    """A pool small enough to retract (re-prefills with new slots and, for the hybrid, fresh state rows, sent to
-    the other ranks), rows reused by later requests, mixed greedy and sampled requests: greedy ones equal one
-    rank's, sampled ones finish with their token counts."""
+    """A pool of 16-token pages small enough to retract (re-prefills with new slots and, for the hybrid, fresh state
+    rows, sent to the other ranks), rows reused by later requests, mixed greedy and sampled requests: greedy ones
+    equal one rank's, sampled ones finish with their token counts."""
     from test_kv_accounting import _workload
 
     from specserve import Engine
@@ -151,7 +151,7 @@ def test_engine_tp2_retraction_and_sampling(tiny_models, hybrids, key):
     prompts, params = _workload()
     path = hybrids[key] if key in hybrids else tiny_models[key]
     kw = dict(model_path=path, context_length=128, chunked_prefill_size=32, max_running_requests=8,
-              schedule_conservativeness=0.0, dtype="float32", max_total_tokens=200)
+              schedule_conservativeness=0.0, dtype="float32", max_total_tokens=200, page_size=16)
     with Engine(**kw) as e:
         ref = e.generate(input_ids=prompts, sampling_params=params)
     with Engine(tp_size=2, **kw) as e:

@@ -52,25 +52,27 @@ class StepMessage:
     items: list[dict] = field(default_factory=list)  # per chunk (prefill) or per request (decode steps)
 
 
-def _table_entries(mr, rows: list[int], cols: list[int]) -> list[int]:
-    if not rows:
-        return []
-    table = mr.req_to_token.table
-    return table[torch.tensor(rows, device=table.device), torch.tensor(cols, device=table.device)].tolist()
+def _slots(req: Req, cols: range, page_size: int) -> list[int]:
+    """The KV slots of a request's sequence positions, from its pages on the host (what KVManager.ensure wrote into
+    the page table): no read of the device table, so no sync in the step."""
+    pages = req.kv.pages
+    return [pages[c // page_size] * page_size + c % page_size for c in cols]
 
 
 def prefill_message(mr, chunks: list[Chunk]) -> StepMessage:
-    rows, cols, items = [], [], []
+    rows, cols, slots, items = [], [], [], []
+    ps = mr.page_size
     for c in chunks:
         r = c.req
         rows += [r.kv.row] * (c.end - c.start)
-        cols += list(range(c.start, c.end))
+        cols += range(c.start, c.end)
+        slots += _slots(r, range(c.start, c.end), ps)
         items.append(dict(rid=r.rid, fill=r.fill_ids[:c.end + 1], start=c.start, end=c.end,
                           prefill_len=r.prefill_len, row=r.kv.row, sampling=r.sampling, seed=r.seed,
                           mrope_delta=r.mrope_delta,
                           # a request's first chunk: the zeroed recurrent-state row rank 0 gave it
                           state_row=r.kv.state_row if c.start == 0 else 0))
-    return StepMessage("prefill", rows, cols, _table_entries(mr, rows, cols), items)
+    return StepMessage("prefill", rows, cols, slots, items)
 
 
 def decode_message(mr, kind: str, reqs: list[Req]) -> StepMessage:
@@ -78,9 +80,10 @@ def decode_message(mr, kind: str, reqs: list[Req]) -> StepMessage:
     width = mr.num_steps + 1 if kind == "spec" else 1
     rows = [r.kv.row for r in reqs for _ in range(width)]
     cols = [r.seq_len + j for r in reqs for j in range(width)]
+    slots = [x for r in reqs for x in _slots(r, range(r.seq_len, r.seq_len + width), mr.page_size)]
     items = [dict(row=r.kv.row, seq_len=r.seq_len, mrope_delta=r.mrope_delta, sampling=r.sampling, seed=r.seed)
              for r in reqs]
-    return StepMessage(kind, rows, cols, _table_entries(mr, rows, cols), items)
+    return StepMessage(kind, rows, cols, slots, items)
 
 
 def _request(item: dict) -> Req:
