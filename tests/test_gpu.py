@@ -50,15 +50,20 @@ def test_graph_replay_equals_eager_every_phase(tiny_models, n, page_size, models
     """Also with an aux-layer draft (feature-wide verify output and draft-extend input)."""
     target, draft = models
     mr = _cuda_spec_runner(tiny_models[target], n, page_size, draft_path=draft and tiny_models[draft])
+    check_phase_replay_gpu(mr, seed=n)
+
+
+def check_phase_replay_gpu(mr, seed: int = 0, sizes=(13, 9, 5, 3, 1, 2, 7, 16), tol: float = 2e-4) -> None:
+    """Every speculative phase captured; each one's graph replay == its eager forward, shrinking then growing."""
     assert all(r.graphs for r in mr.spec.runners.values()), "every phase must be captured"
     for name, runner in mr.spec.runners.items():
-        for i, bs in enumerate([13, 9, 5, 3, 1, 2, 7, 16]):
-            handles, live = _inputs(mr, name, bs, seed=100 * i + n)
+        for i, bs in enumerate(sizes):
+            handles, live = _inputs(mr, name, bs, seed=100 * i + seed)
             live = _to(live, mr.device)
             eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
             out = runner.run(live)
             for k in eager:
-                torch.testing.assert_close(out[k], eager[k], rtol=2e-4, atol=2e-4, msg=f"{name} bs={bs} {k}")
+                torch.testing.assert_close(out[k], eager[k], rtol=tol, atol=tol, msg=f"{name} bs={bs} {k}")
             for h in handles:
                 mr.kv.release(h)
 

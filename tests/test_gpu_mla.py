@@ -13,9 +13,9 @@ import torch
 from deepseek_helpers import build_tiny_deepseek, build_tiny_dsa
 from spec_fixtures import ForcedSteps, build_scheduler, run_greedy
 from test_deepseek_dsa import _with_mtp
-from test_gpu import CAPTURE, _cuda_spec_runner, _to
+from test_gpu import CAPTURE, _cuda_spec_runner, check_phase_replay_gpu
 from test_qwen3_next import _hf_greedy
-from test_runners import _inputs, check_one_graph_step
+from test_runners import check_one_graph_step
 from test_spec_greedy import _prompts
 
 pytestmark = pytest.mark.gpu
@@ -32,17 +32,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("key", ["v3", "glm"])
 def test_graph_replay_equals_eager_every_phase(models, key):
     mr = _cuda_spec_runner(models[key], 3, 1)
-    assert all(r.graphs for r in mr.spec.runners.values()), "every phase must be captured"
-    for name, runner in mr.spec.runners.items():
-        for i, bs in enumerate([13, 9, 5, 3, 1, 2, 7, 16]):
-            handles, live = _inputs(mr, name, bs, seed=100 * i)
-            live = _to(live, mr.device)
-            eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
-            out = runner.run(live)
-            for k in eager:
-                torch.testing.assert_close(out[k], eager[k], rtol=2e-4, atol=2e-4, msg=f"{name} bs={bs} {k}")
-            for h in handles:
-                mr.kv.release(h)
+    check_phase_replay_gpu(mr)
     check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
 
 

@@ -7,7 +7,7 @@ engine."""
 import pytest
 import torch
 from test_tp_cpu import ENGINE_PROMPTS, GREEDY
-from tp_helpers import build_hybrids, build_mla
+from tp_helpers import build_hybrids, build_mla, check_dying_rank_stops_engine
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -43,11 +43,4 @@ def test_engine_tp2_equals_one_gpu(tiny_models, hybrids, mla_models, key, spec):
 
 @pytest.mark.timeout(300)
 def test_dying_rank_stops_the_gpu_engine(tiny_models):
-    from specserve import Engine
-
-    with Engine(model_path=tiny_models["llama"], tp_size=2, **KW) as e:
-        proc = e.core.tp_leader.procs[0]
-        proc.kill()
-        proc.wait()
-        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
-            e.generate(input_ids=ENGINE_PROMPTS[:1], sampling_params=GREEDY)
+    check_dying_rank_stops_engine(tiny_models["llama"], ENGINE_PROMPTS[:1], GREEDY, **KW)

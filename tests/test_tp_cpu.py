@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tp_helpers import build_hybrids, build_mla, rank_main, single
+from tp_helpers import build_hybrids, build_mla, check_dying_rank_stops_engine, rank_main, single
 
 from specserve.distributed.tp import TPGroup
 
@@ -167,14 +167,7 @@ def test_engine_tp2_retraction_and_sampling(tiny_models, hybrids, key):
 
 @pytest.mark.timeout(240)
 def test_engine_stops_when_a_rank_dies(tiny_models):
-    from specserve import Engine
-
-    with Engine(model_path=tiny_models["llama"], tp_size=2, **ENGINE) as e:
-        proc = e.core.tp_leader.procs[0]
-        proc.kill()
-        proc.wait()
-        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
-            e.generate(input_ids=ENGINE_PROMPTS[:1], sampling_params=GREEDY)
+    check_dying_rank_stops_engine(tiny_models["llama"], ENGINE_PROMPTS[:1], GREEDY, **ENGINE)
 
 
 @pytest.mark.timeout(300)

@@ -77,3 +77,17 @@ def build_mla(root) -> dict[str, str]:
     return {"v3": build_tiny_deepseek(str(root / "v3"), seed=81, mtp=True),
             "glm": _with_mtp(build_tiny_dsa(str(root / "glm"), "glm_moe_dsa", seed=82, index_topk=5), 83)}
 
+
+def check_dying_rank_stops_engine(path: str, prompts: list[list[int]], params: dict, **engine_kw) -> None:
+    """Kill rank 1 of a TP2 engine: the next generate raises, naming the rank."""
+    import pytest
+
+    from specserve import Engine
+
+    with Engine(model_path=path, tp_size=2, **engine_kw) as e:
+        proc = e.core.tp_leader.procs[0]
+        proc.kill()
+        proc.wait()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            e.generate(input_ids=prompts, sampling_params=params)
+

@@ -44,6 +44,8 @@ still rounded to the value dtype first, as on the GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -165,7 +167,12 @@ def num_key_splits(num_programs: int, max_kv: int, block_n: int, target_programs
 def _target_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: a few splits, so CPU tests run the split path too
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:  # asked once per device, not per layer per eager forward
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tensor, seq_lens: torch.Tensor,
