@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specserve.bench.spec_speed import main
+from specserve.bench.spec_speed import Bench, SpeedConfig, build_parser, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,3 +46,33 @@ def test_bench_spec_tables_and_lossless_check(tiny_models, tmp_path, lookup, cap
         if r["N"]:
             assert r["same_as_plain"] == 3  # float32 CPU: speculative greedy text is plain greedy text
     assert "3/3 outputs = plain" in capsys.readouterr().out
+
+
+def test_bench_spec_sampled(tiny_models, tmp_path, capsys):
+    """--temperature / --top-p reach every run (the same prompts sampled give other outputs than greedy, plain and
+    speculative alike), and no lossless text comparison is claimed (sampled speculation is lossless in
+    distribution only)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in ("abc abc abc", "hello there", "x y z")))
+    out = tmp_path / "res.jsonl"
+    base = ["--model-path", tiny_models["llama"], "--speculative-draft-model-path", tiny_models["llama_draft"],
+            "--prompts", str(prompts), "--prompts-per-file", "3", "--max-new-tokens", "12", "--accept-steps", "2",
+            "--speed-steps", "2", "--concurrency", "2", "--speed-prompts", "3", "--context-length", "256",
+            "--device", "cpu", "--output-file", str(out), "--repeats", "1"]
+    assert main(base) == 0
+    assert main(base + ["--temperature", "0.8", "--top-p", "0.9"]) == 0
+    greedy, sampled = (json.loads(line) for line in out.read_text().splitlines())
+    assert greedy["sampling"]["temperature"] == 0.0
+    assert sampled["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": -1, "min_p": 0.0}
+    prompt_ids = [[5, 6, 7, 8], [9, 10, 11]]
+    for n in (0, 2):
+        outs = []
+        for extra in ([], ["--temperature", "0.8", "--top-p", "0.9"]):
+            b = Bench(build_parser().parse_args(base + extra))
+            outs.append([r.output_ids for r in b.run(b.scheduler(SpeedConfig(n), 2), prompt_ids, 12).reqs])
+        assert outs[0] != outs[1]
+    for r in sampled["speed"]:
+        assert "same_as_plain" not in r and r["output_tokens"] > 0
+        if r["N"]:
+            assert 1.0 <= r["accept_length"] <= 3.0 and r["spec_plain_steps"] == 0  # adaptive is off on a CPU
+    assert "sampled: temperature 0.8" in capsys.readouterr().out

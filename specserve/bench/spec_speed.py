@@ -3,9 +3,10 @@ loaded once:
 
   * acceptance: greedy mean accept length (accepted drafts + 1 per verify) per prompt file for N in a list;
   * speed: output tokens/s of plain decoding and of speculative decoding (N in a list) at each concurrency,
-    on the same chat-templated prompts, greedy, with the speculative/plain ratio end to end (prefill included, the
-    number to quote) and over the time outside prefill steps (what the decode steps alone gain), and the share of
-    the wall time spent in prefill steps.
+    on the same chat-templated prompts, greedy by default (or sampled: --temperature, --top-p, --top-k, --min-p,
+    the same for every configuration, a seed per prompt), with the speculative/plain ratio end to end (prefill
+    included, the number to quote) and over the time outside prefill steps (what the decode steps alone gain), and
+    the share of the wall time spent in prefill steps.
 
     specserve bench-spec --model-path M --speculative-draft-model-path D --prompts qa.jsonl sum.jsonl \
         --accept-steps 1,2,3,4,5 --speed-steps 3,4 --concurrency 1,8
@@ -131,7 +132,9 @@ class Bench:
         return Scheduler(mr, self.stop, sa.chunked_prefill_size)
 
     def run(self, sched: Scheduler, prompts: list[list[int]], max_new: int) -> Run:
-        reqs = [Req(f"b{i}", p, SamplingParams(max_new_tokens=max_new, temperature=0.0), seed=i)
+        a = self.args
+        sp = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p)
+        reqs = [Req(f"b{i}", p, SamplingParams(max_new_tokens=max_new, **sp), seed=i)
                 for i, p in enumerate(prompts)]
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -173,7 +176,7 @@ def load_prompt_sets(b: Bench, files: list[str], per_file: int, max_new: int) ->
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench-spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
@@ -205,8 +208,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-prefill-graph", action="store_true",
                    help="also time plain and each N with eager prefill (--cuda-graph-max-prefill-tokens 0), "
                         "interleaved with the rest; their speed-ups are against plain with eager prefill")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling of every run, acceptance and speed (0: greedy; sampled speculation is lossless in "
+                        "distribution, so outputs are compared with plain only when greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    greedy = args.temperature == 0.0
+    mode = "greedy" if greedy else (f"sampled: temperature {args.temperature}, top-p {args.top_p}, "
+                                    f"top-k {args.top_k}, min-p {args.min_p}")
     steps = [int(x) for x in args.accept_steps.split(",") if x]
     speed_steps = [int(x) for x in args.speed_steps.split(",") if x]
     conc = [int(x) for x in args.concurrency.split(",") if x]
@@ -217,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"model": b.model_path, "draft": b.draft_path, "draft_quantization": b.draft_quantization,
                     "device": str(b.device),
                     "dtype": str(b.dtype).replace("torch.", ""), "max_new_tokens": args.max_new_tokens,
+                    "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                 "min_p": args.min_p},
                     "acceptance": {}, "speed": []}
     if steps:
-        print(f"\n=== acceptance (greedy, {args.max_new_tokens} new tokens) ===")
+        print(f"\n=== acceptance ({mode}, {args.max_new_tokens} new tokens) ===")
         print(f"{'file':<28} " + " ".join(f"N={n:<5}" for n in steps))
         big = max(len(v) for v in sets.values())
         for name, prompts in sets.items():
@@ -236,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if speed_steps and conc:
         pool = [x for v in sets.values() for x in v]
         prompts = [pool[i * len(pool) // args.speed_prompts] for i in range(min(args.speed_prompts, len(pool)))]
-        print(f"\n=== speed: output tokens/s, {len(prompts)} prompts, greedy, {args.max_new_tokens} new tokens ===")
+        print(f"\n=== speed: output tokens/s, {len(prompts)} prompts, {mode}, {args.max_new_tokens} new tokens ===")
         for c in conc:
             # Every configuration is built and warmed up first, then the runs are interleaved (plain, N=.., plain,
             # N=.., ...) `--repeats` times and each configuration reports its median: a shared or thermally drifting
@@ -271,16 +290,19 @@ def main(argv: list[str] | None = None) -> int:
                        "prefill_share": round(statistics.median(r.prefill / r.wall for r in runs[cfg]), 3),
                        "accept_length": round(accept_length(reqs), 3)}
                 row["prefill_graph"] = cfg.prefill_graph
-                if n:  # lossless check: greedy speculative text == greedy plain text (bf16 ties may flip a few)
-                    row["spec_step_graph"] = cfg.one_graph
-                    row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization
+                if n and greedy:  # lossless check: greedy speculative text == greedy plain (bf16 ties may flip a few)
                     row["same_as_plain"] = min(sum(r.output_ids == o for r, o in zip(run.reqs, plain_out))
                                                for run in runs[cfg])
                 row["speedup_vs_plain"] = round(row["tok_per_s"] / base, 3)
                 row["decode_speedup_vs_plain"] = round(decode / base_decode, 3)
+                if n:
+                    row["spec_step_graph"] = cfg.one_graph
+                    row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization
+                    row["spec_plain_steps"] = scheds[cfg].stats.spec_plain_steps  # adaptive: steps taken plain
                 result["speed"].append(row)
-                acc = (f", accept {row['accept_length']:.2f}, {row['same_as_plain']}/{len(reqs)} outputs = plain"
-                       if n else "")
+                acc = f", accept {row['accept_length']:.2f}" if n else ""
+                if "same_as_plain" in row:
+                    acc += f", {row['same_as_plain']}/{len(reqs)} outputs = plain"
                 spread = f" (runs {min(rates):.0f}..{max(rates):.0f})" if len(rates) > 1 else ""
                 print(f"concurrency {c:>3} | {cfg.label:<18} | {row['tok_per_s']:9.1f} tok/s{spread} | "
                       f"x{row['speedup_vs_plain']:.2f} (outside prefill x{row['decode_speedup_vs_plain']:.2f}, "
