@@ -16,21 +16,6 @@ Capturable with fixed shapes: nothing is read back to the host and every buffer 
     so the result is deterministic run to run (it may differ from the reference's expert-order float32 sum in the
     last bit).
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
-
-Small batches (`path="small"`, what "auto" picks while T*K <= SMALL_PAIRS, see `moe_path`) skip the alignment: a
-decode step's few pairs would each pad a 16-row block for one real row, and the three alignment launches are a good
-part of its time. Instead two GEMV kernels take one program per (pair, BLOCK_N output rows), the pair's expert read
-from topk_ids on the device:
-  * `_gate_up_gemv_kernel`, grid (T*K, cdiv(I, BLOCK_N)): the gate and the up rows of w13[e] times x[pair // K],
-    [BLOCK_N, BLOCK_K] weight tiles contiguous along H, multiplied elementwise in float32 into [BLOCK_N, BLOCK_K]
-    accumulators that are summed along K once after the loop (no tl.dot: one row; no cross-lane reduction per
-    step); the same epilogue rounding as `_gate_up_kernel`, written to act [T*K, I].
-  * `_down_gemv_kernel`, grid (T*K, cdiv(H, BLOCK_N)): act[pair] @ w2[e]^T likewise, rounded to x's dtype, into
-    y [T*K, H]; then `_sum_k_kernel` as above (deterministic).
-At one token of Qwen3-30B-A3B (8 pairs, I 768, H 2048) the default tiles give 8 * 48 gate/up and 8 * 64 down
-programs, a few per multiprocessor of an H200 (132), each streaming 128 KB / 48 KB of weights. A pair reads its
-expert's weights even when another pair of the batch chose the same expert, which is why the path is for a few
-pairs only.
 """
 
 from __future__ import annotations
@@ -42,14 +27,6 @@ import triton.language as tl
 from specserve.kernels.triton_dot import dot
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
-# The small (alignment-free) path's bound: T*K pairs up to this go to the GEMV kernels under path="auto". 32 is
-# decode of 1..4 tokens at top-8; past it the GEMVs' re-reading of an expert shared by several pairs (and one
-# program's work per pair) start to lose to the grouped GEMM, which reads each chosen expert once.
-SMALL_PAIRS = 32
-# The small path's (gate/up, down) tiles for 16-bit inputs; float32 halves BLOCK_K (as the aligned path does).
-SMALL_CONFIGS = (dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=2),
-                 dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=2))
-MOE_PATHS = ("auto", "aligned", "small")
 
 
 @triton.jit
@@ -181,52 +158,6 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)  # the pair's expert, on the device
-    tok = (pair // TOP_K).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < inter
-    k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok * stride_xt + k  # [K]
-    g_ptrs = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [N, K] gate rows, along H
-    u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = k0 + k < hidden
-        a = tl.load(x_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, K]
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(g_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * a
-        acc_u += tl.load(u_ptrs + k0, mask=w_mask, other=0.0).to(tl.float32) * a
-    dt = act_ptr.dtype.element_ty
-    gate = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)  # [N]; the rounding of _gate_up_kernel's epilogue
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
-    tl.store(act_ptr + pair.to(tl.int64) * inter + n, act.to(dt), mask=n_ok)
-
-
-@triton.jit
-def _down_gemv_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, hidden, inter, stride_we, stride_wn, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    row = pair.to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < hidden
-    k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + row * inter + k  # [K]
-    w_ptrs = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :]  # [N, K] along I
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = k0 + k < inter
-        a = tl.load(a_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, K]
-        acc += tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
-    # each expert's product rounded to x's dtype, as in _down_kernel
-    tl.store(y_ptr + row * hidden + n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -289,48 +220,21 @@ def _gemm_configs(block_m: int) -> tuple[dict, dict]:
             dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3))
 
 
-def moe_path(n_pairs: int, path: str = "auto") -> str:
-    """The kernels fused_moe runs for n_pairs = T*K (token, k) pairs: "small" (the alignment-free GEMVs) while
-    n_pairs <= SMALL_PAIRS, else "aligned" (the grouped GEMM); an explicit "aligned" or "small" is kept. A function
-    of shapes only, so a captured graph's kernels are fixed by its shapes."""
-    if path not in MOE_PATHS:
-        raise ValueError(f"fused_moe path {path!r} is not one of {MOE_PATHS}")
-    if path != "auto":
-        return path
-    return "small" if n_pairs <= SMALL_PAIRS else "aligned"
-
-
-def _small_configs(dtype: torch.dtype) -> tuple[dict, dict]:
-    """The small path's default (gate/up, down) tiles: SMALL_CONFIGS, BLOCK_K halved for 32-bit inputs."""
-    if dtype.itemsize > 2:
-        return tuple({**c, "BLOCK_K": c["BLOCK_K"] // 2} for c in SMALL_CONFIGS)
-    return SMALL_CONFIGS
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, path: str = "auto",
-              small_configs: tuple[dict, dict] | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
-    int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable.
-
-    path: "auto" (see `moe_path`), "aligned" or "small", to compare the two. small_configs: the small path's
-    (gate/up, down) launch settings, dicts of BLOCK_N, BLOCK_K (powers of two), num_warps, num_stages (None: the
-    defaults, `_small_configs`); for benchmark sweeps."""
+    int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     assert w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
     assert w13.dtype == x.dtype == w2.dtype and w13.stride(-1) == 1 and w2.stride(-1) == 1
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, H]
-    n_pairs = num_tokens * top_k
-    small = moe_path(n_pairs, path) == "small"
-    if n_pairs == 0:
+    if num_tokens == 0 or top_k == 0:
         return out.zero_()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if small:
-        _small_moe(x, w13, w2, topk_weights, topk_ids, out, small_configs or _small_configs(x.dtype))
-        return out
+    n_pairs = num_tokens * top_k
     block_m = moe_block_m(n_pairs, num_experts)
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
     max_blocks = block_expert.shape[0]
@@ -347,33 +251,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _down_kernel[(max_blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))](
         act, w2, y, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
         BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, **cfg_down)
-    _sum_k(y, topk_weights, out)
-    return out
-
-
-def _sum_k(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, H] = the weighted k-sum of y [T*K, H] (deterministic, _sum_k_kernel)."""
-    num_tokens, top_k = topk_weights.shape
-    hidden = out.shape[1]
     block = min(1024, triton.next_power_of_2(hidden))
     _sum_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, topk_weights.reshape(-1), out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
-
-
-def _small_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, out: torch.Tensor, configs: tuple[dict, dict]) -> None:
-    """The alignment-free path into out [T, H]: gate/up GEMV -> act [T*K, I], down GEMV -> y [T*K, H], k-sum.
-    x has a unit last stride; grids and buffers from (T, K, H, I) only."""
-    num_tokens, hidden = x.shape
-    inter = w2.shape[2]
-    n_pairs = topk_ids.numel()
-    ids = topk_ids.reshape(-1)  # [T*K] pair t*K + k -> its expert
-    cfg_gu, cfg_down = configs
-    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=x.device)  # [T*K, I]
-    y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*K, H]
-    _gate_up_gemv_kernel[(n_pairs, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
-        x, w13, act, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), TOP_K=topk_ids.shape[1],
-        **cfg_gu)
-    _down_gemv_kernel[(n_pairs, triton.cdiv(hidden, cfg_down["BLOCK_N"]))](
-        act, w2, y, ids, hidden, inter, w2.stride(0), w2.stride(1), **cfg_down)
-    _sum_k(y, topk_weights, out)
+    return out
