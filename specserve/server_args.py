@@ -15,6 +15,7 @@ SPEC_OFF = "NONE"  # explicit "no speculation" (the embedded default model specu
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")  # of a draft's weights (layers/quant.py)
+DRAFT_SAMPLING = ("argmax", "sample")  # how sampled requests' drafts are chosen (speculative/draft_state.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-attention layers (layers/gdn.py)
 INDEXER_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the sparse-attention indexer's key cache (auto: --kv-cache-dtype)
@@ -55,6 +56,8 @@ class ServerArgs:
     speculative_ngram_lookup: bool = False  # draft from n-gram continuations in the context (speculative/ngram.py)
     speculative_ngram_confidence: float = 0.5  # ... when the head's top probability is below this
     speculative_draft_model_quantization: str | None = None  # "int8": weight-only int8 draft on CPU (layers/quant.py)
+    # sampled requests' drafts: the head's argmax (one-hot draft) or drawn from the head's own distribution
+    speculative_draft_sampling: str = "argmax"
     # per step, speculate or take a plain step, whichever the measured costs and accept rate say is faster
     # (engine/adaptive_spec.py); None: on on a GPU, off on a CPU (step times there are too noisy to steer by)
     speculative_adaptive: bool | None = None
@@ -143,6 +146,9 @@ class ServerArgs:
             raise ValueError("--speculative-draft-model-quantization needs --speculative-algorithm MTP/EAGLE/NEXTN")
         if q == "int8" and self.device == "cuda":
             raise ValueError("--speculative-draft-model-quantization int8 is implemented for CPU serving only")
+        if self.speculative_draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"--speculative-draft-sampling must be one of {DRAFT_SAMPLING}, got "
+                             f"{self.speculative_draft_sampling!r}")
         if not 0.0 <= self.speculative_ngram_confidence <= 1.0:
             raise ValueError("--speculative-ngram-confidence must be in [0, 1], got "
                              f"{self.speculative_ngram_confidence}")
@@ -276,6 +282,11 @@ class ServerArgs:
         a("--speculative-draft-model-quantization", choices=QUANTIZATIONS, default=None,
           help="int8: the draft's weights as weight-only int8 on CPU, a quarter of the bytes each draft step "
                "streams (lossless: verification is unchanged); default none, int8 for the embedded model on a CPU")
+        a("--speculative-draft-sampling", choices=DRAFT_SAMPLING, default=d["speculative_draft_sampling"].default,
+          help="drafts of sampled requests: argmax (the head's greedy token, verified as a one-hot draft: accepted "
+               "with probability p(d)) or sample (drawn from the head's distribution under the request's "
+               "temperature and filters, accepted with probability min(1, p/q)); both lossless. Greedy requests "
+               "always take the argmax")
         a("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
           help="per decode step, speculate or take a plain step (no drafts; the draft kept in step) from the "
                "measured step times per batch size and the running accept length, so that speculation is not "

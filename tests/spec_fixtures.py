@@ -36,7 +36,9 @@ class OracleDraft(nn.Module):
         self.hidden_size = hidden_size
         self.aux_layers: list[int] = []  # reads the target's final hidden state only
         self.feature_size = hidden_size
+        self.vocab = vocab
         self.calls = 0
+        self.logit_calls = 0  # draft_logits calls (sampled drafting)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self.calls += 1
@@ -64,6 +66,14 @@ class OracleDraft(nn.Module):
         rows = hidden[:, 0].long().clamp(0, self.table.shape[0] - 1)
         idx = (hidden[:, 1].long() + 2).clamp(0, self.table.shape[1] - 1)  # draft at p predicts index p + 2
         return self.table[rows, idx]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A soft oracle for sampled drafting: logit 2 on the oracle's token, 0 elsewhere -> [T, V] float32 (at
+        temperature 1 and V = 12 the oracle's token gets q = 0.40, so drafts are often other tokens)."""
+        self.logit_calls += 1
+        tokens = self.draft_tokens(hidden)
+        out = torch.zeros((tokens.shape[0], self.vocab), dtype=torch.float32, device=tokens.device)
+        return out.scatter_(1, tokens[:, None] % self.vocab, 2.0)
 
     def cache_specs(self) -> list:
         return []  # the oracle attends to nothing, so it keeps no cache

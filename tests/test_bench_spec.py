@@ -60,7 +60,7 @@ def test_bench_spec_sampled(tiny_models, tmp_path, capsys):
             "--speed-steps", "2", "--concurrency", "2", "--speed-prompts", "3", "--context-length", "256",
             "--device", "cpu", "--output-file", str(out), "--repeats", "1"]
     assert main(base) == 0
-    assert main(base + ["--temperature", "0.8", "--top-p", "0.9"]) == 0
+    assert main(base + ["--temperature", "0.8", "--top-p", "0.9", "--compare-draft-sampling"]) == 0
     greedy, sampled = (json.loads(line) for line in out.read_text().splitlines())
     assert greedy["sampling"]["temperature"] == 0.0
     assert sampled["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": -1, "min_p": 0.0}
@@ -71,6 +71,7 @@ def test_bench_spec_sampled(tiny_models, tmp_path, capsys):
             b = Bench(build_parser().parse_args(base + extra))
             outs.append([r.output_ids for r in b.run(b.scheduler(SpeedConfig(n), 2), prompt_ids, 12).reqs])
         assert outs[0] != outs[1]
+    assert [(r["N"], r.get("draft_sampling")) for r in sampled["speed"]] == [(0, None), (2, "argmax"), (2, "sample")]
     for r in sampled["speed"]:
         assert "same_as_plain" not in r and r["output_tokens"] > 0
         if r["N"]:

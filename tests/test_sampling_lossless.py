@@ -77,9 +77,10 @@ def _greedy(path, device: str = "cpu") -> list[int]:
 
 
 def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu", force_plain: list | None = None,
-             **spec) -> np.ndarray:
+             drafts_drawn: list | None = None, **spec) -> np.ndarray:
     """graphed_steps: if a list, receives the one-graph spec step's (greedy, sampled, filtered) replay counts;
-    force_plain: a repeating pattern of plain (True) and speculative steps (adaptive speculation)."""
+    force_plain: a repeating pattern of plain (True) and speculative steps (adaptive speculation); drafts_drawn: if
+    a list, receives how often the drafter's distribution was sampled (draft_logits calls)."""
     temperature, top_k, top_p = params
     draft = None
     if spec:
@@ -100,6 +101,8 @@ def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu
     if spec:
         acc = sched.stats.spec_accept_length
         assert acc > 1.3, f"drafts are rarely accepted ({acc}); the test would not exercise acceptance"
+    if drafts_drawn is not None:
+        drafts_drawn.append(draft.logit_calls)
     if graphed_steps is not None and sched.mr.spec is not None and sched.mr.spec.spec_step is not None:
         one = sched.mr.spec.spec_step
         graphed_steps += [one.ladder.replays, one.sampled.replays, one.filtered.replays]
@@ -144,6 +147,20 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_model, params):
         if name == "spec3_one_graph":
             _assert_graph_set(graphed, params)
         _assert_fits(joint, s, name)
+    # drafts drawn from the drafter's own (soft) distribution, verified with min(1, p/q) and max(0, p - q): in the
+    # one-graph step; with context lookup (one-hot q where a continuation wins); and with batches too large for
+    # the one-graph step (phase graphs: one-hot drafts), whose d1 distributions the next steps read
+    one_graph = [1, 2, 4, 8, 16, 32, 64]
+    sampled_drafts = {"q": {"cuda_graph_bs": one_graph}, "q_lookup": {"cuda_graph_bs": one_graph,
+                                                                     "speculative_ngram_lookup": True},
+                      "q_mixed_paths": {"cuda_graph_bs": [1, 2, 4, 8, 16, 32]}}
+    for name, extra in sampled_drafts.items():
+        graphed, drawn = [], []
+        s = _samples(small_vocab_model, params, graphed_steps=graphed, drafts_drawn=drawn,
+                     speculative_algorithm="MTP", speculative_num_steps=3, speculative_draft_sampling="sample",
+                     **extra)
+        assert drawn[0] > 0 and sum(graphed[1:]) > 0, (name, drawn, graphed)
+        _assert_fits(joint, s, name)
     # adaptive speculation: plain and speculative steps interleaved (the first decode step plain)
     for pattern in ([True, False], [True, True, False]):
         s = _samples(small_vocab_model, params, force_plain=pattern, speculative_algorithm="MTP",
@@ -169,12 +186,55 @@ def _assert_fits(joint: np.ndarray, s: np.ndarray, name: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("draft_sampling", ["argmax", "sample"])
 @pytest.mark.parametrize("params", [(1.0, V, 1.0), (0.7, 6, 0.9)], ids=["t1", "t0.7-k6-p0.9"])
-def test_spec_sampling_one_graph_exact_on_gpu(small_vocab_model, params):
-    """The sampled one-graph spec step captured and replayed as CUDA graphs (float32) samples the exact joint."""
+def test_spec_sampling_one_graph_exact_on_gpu(small_vocab_model, params, draft_sampling):
+    """The sampled one-graph spec step captured and replayed as CUDA graphs (float32) samples the exact joint, with
+    one-hot drafts and with drafts drawn from the drafter's distribution."""
     joint = _exact_joint(small_vocab_model, params)
     graphed: list[int] = []
     s = _samples(small_vocab_model, params, graphed_steps=graphed, device="cuda", speculative_algorithm="MTP",
-                 speculative_num_steps=3, cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64])
+                 speculative_num_steps=3, cuda_graph_bs=[1, 2, 4, 8, 16, 32, 64],
+                 speculative_draft_sampling=draft_sampling)
     _assert_graph_set(graphed, params)
-    _assert_fits(joint, s, "cuda_one_graph")
+    _assert_fits(joint, s, f"cuda_one_graph_{draft_sampling}")
+
+
+def test_q_rule_with_one_hot_drafts_is_the_one_hot_rule():
+    """accept_sampling_q with one-hot draft distributions gives exactly accept_sampling's tokens (same noise), over
+    many rows of random target distributions with zeros (filtered tokens) and drafts both likely and impossible."""
+    from specserve.speculative.accept import accept_sampling, accept_sampling_q, one_hot_probs
+
+    g = torch.Generator().manual_seed(3)
+    bs, n, v = 512, 3, 7
+    probs = torch.rand(bs, n + 1, v, generator=g) ** 3
+    probs[torch.rand(bs, n + 1, v, generator=g) < 0.3] = 0.0
+    probs[..., 0] += 1e-3  # every row keeps some mass
+    probs /= probs.sum(-1, keepdim=True)
+    drafts = torch.randint(0, v, (bs, n), generator=g)
+    seeds, base = torch.arange(bs) * 7 + 1, torch.randint(0, 100, (bs,), generator=g)
+    a1, v1 = accept_sampling(drafts, probs, seeds, base)
+    a2, v2 = accept_sampling_q(drafts, probs, one_hot_probs(drafts, v), seeds, base)
+    assert torch.equal(a1, a2) and torch.equal(v1, v2)
+    assert (a1 == 0).sum() > 0 and (a1 == n).sum() > 0  # rejections and full acceptance both occurred
+
+
+def test_sampled_drafting_keeps_greedy_rows_greedy(small_vocab_model):
+    """With sampled drafting on, the greedy requests of mixed greedy / sampled batches still emit plain greedy
+    decoding's tokens (their drafts are the argmax; their accept test ignores q)."""
+    want = _greedy(small_vocab_model)
+    seq = PROMPT + want
+    draft = OracleDraft(32, {row: seq for row in range(1, 65)}, wrong_every=3, vocab=V)
+    sched, _ = build_scheduler(small_vocab_model, draft=draft, max_total_tokens=4096, max_running_requests=16,
+                               speculative_algorithm="MTP", speculative_num_steps=3,
+                               speculative_draft_sampling="sample", cuda_graph_bs=[1, 2, 4, 8, 16])
+    reqs = [Req(f"m{i}", list(PROMPT), SamplingParams(max_new_tokens=8, temperature=0.0 if i % 2 else 1.0,
+                                                      ignore_eos=True), seed=i) for i in range(12)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_work:
+        sched.step()
+    sched.check_idle_invariants()
+    assert draft.logit_calls > 0
+    assert all(r.output_ids == want for r in reqs[1::2])
+    assert any(r.output_ids != want for r in reqs[0::2])  # the sampled ones sampled

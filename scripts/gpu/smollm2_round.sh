@@ -5,6 +5,8 @@
 #   join            carry .smollm2-parts/b: env.sh joins the GGUF
 #   spec            carry .smollm2-parts/wheels and .gpu-data: bench-spec greedy and sampled (T 0.7, top-p 0.95),
 #                   plain vs MTP N = 4 with context lookup (the embedded default), concurrency 1 and 8
+#   qspec           carry .smollm2-parts/wheels and .gpu-data: sampled (T 0.7, top-p 0.95) plain vs MTP N = 4 with
+#                   argmax drafts vs drafts drawn from the head (--compare-draft-sampling), concurrency 1 and 8
 #   sweep ISLS CONC carry .smollm2-parts/wheels: a speculating and a plain server side by side, then
 #                   `specserve bench-compare` over input lengths ISLS x concurrency CONC (output 512, 2 x conc prompts)
 . scripts/gpu/env.sh
@@ -27,6 +29,14 @@ case "${1:-}" in
         --speed-prompts 16 --repeats 3 --context-length 4096 $samp --output-file "$OUT/bench_spec.jsonl" 2>&1 \
         | grep -v -i warn | tail -8
     done
+    ;;
+  qspec)
+    timeout 400 python3 -m specserve.cli bench-spec --model-path /tmp/smollm2.gguf \
+      --speculative-draft-model-path specserve/assets/smollm2-135m-mtp --speculative-ngram-lookup \
+      --prompts $D/gsm8k_test.jsonl $D/qa_question.jsonl $D/sum_question.jsonl $D/humaneval_question.jsonl \
+      --prompts-per-file 40 --max-new-tokens 256 --accept-steps "" --speed-steps 4 --concurrency 1,8 \
+      --speed-prompts 16 --repeats 3 --context-length 4096 --temperature 0.7 --top-p 0.95 --compare-draft-sampling \
+      --output-file "$OUT/bench_qspec.jsonl" 2>&1 | grep -v -i warn | tail -8
     ;;
   sweep)
     ISLS=${2:-1024,4096}
@@ -59,5 +69,5 @@ case "${1:-}" in
     kill $SPEC $PLAIN; wait 2>/dev/null
     exit $rc
     ;;
-  *) echo "usage: $0 keep|join|spec|sweep [ISLS] [CONC]" >&2; exit 2 ;;
+  *) echo "usage: $0 keep|join|spec|qspec|sweep [ISLS] [CONC]" >&2; exit 2 ;;
 esac

@@ -31,7 +31,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker
 from specserve.layers.quant import quantize_draft
 from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
-from specserve.server_args import QUANTIZATIONS, ServerArgs, embedded_draft_quantization
+from specserve.server_args import DRAFT_SAMPLING, QUANTIZATIONS, ServerArgs, embedded_draft_quantization
 from specserve.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -43,6 +43,7 @@ class SpeedConfig:
     one_graph: bool = True  # greedy spec steps as one CUDA graph (False: phase by phase)
     float_draft: bool = False  # the head without its int8 weights (when the bench quantizes it)
     prefill_graph: bool = True  # prefill as CUDA graphs (False: eager, --cuda-graph-max-prefill-tokens 0)
+    draft_sampling: str = "argmax"  # sampled requests' drafts (--speculative-draft-sampling)
 
     @property
     def label(self) -> str:
@@ -50,7 +51,7 @@ class SpeedConfig:
         if self.n == 0:
             return "plain" + eager
         return (f"MTP N={self.n}" + ("" if self.one_graph else " phases") + (" float" if self.float_draft else "")
-                + eager)
+                + (" q-drafts" if self.draft_sampling == "sample" else "") + eager)
 
     @property
     def baseline(self) -> SpeedConfig:
@@ -125,7 +126,8 @@ class Bench:
                         cuda_graph_max_prefill_tokens=None if cfg.prefill_graph else 0,
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
                         speculative_ngram_lookup=a.speculative_ngram_lookup and bool(n),
-                        speculative_ngram_confidence=a.speculative_ngram_confidence)
+                        speculative_ngram_confidence=a.speculative_ngram_confidence,
+                        speculative_draft_sampling=cfg.draft_sampling)
         mr = ModelRunner(sa, self.target.model, self.target.config, draft, self.device, self.dtype,
                          self.context_len)
         mr.capture_graphs()
@@ -208,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-prefill-graph", action="store_true",
                    help="also time plain and each N with eager prefill (--cuda-graph-max-prefill-tokens 0), "
                         "interleaved with the rest; their speed-ups are against plain with eager prefill")
+    p.add_argument("--speculative-draft-sampling", choices=DRAFT_SAMPLING, default="argmax",
+                   help="sampled requests' drafts: the head's argmax or drawn from its distribution")
+    p.add_argument("--compare-draft-sampling", action="store_true",
+                   help="also time each N with the other --speculative-draft-sampling, interleaved with the rest")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling of every run, acceptance and speed (0: greedy; sampled speculation is lossless in "
                         "distribution, so outputs are compared with plain only when greedy)")
@@ -244,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, prompts in sets.items():
             row = {}
             for n in steps:
-                sched = b.scheduler(SpeedConfig(n), min(big, 64))
+                sched = b.scheduler(SpeedConfig(n, draft_sampling=args.speculative_draft_sampling), min(big, 64))
                 row[str(n)] = round(accept_length(b.run(sched, prompts, args.max_new_tokens).reqs), 3)
                 del sched
             result["acceptance"][name] = row
@@ -261,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
             # N=.., ...) `--repeats` times and each configuration reports its median: a shared or thermally drifting
             # machine then moves all of them alike, and one-off costs (a first Triton compile) do not land on one.
             plain = SpeedConfig(0)
-            configs = [plain] + [SpeedConfig(n) for n in speed_steps]
+            ds = args.speculative_draft_sampling
+            configs = [plain] + [SpeedConfig(n, draft_sampling=ds) for n in speed_steps]
+            if args.compare_draft_sampling:
+                other = "sample" if ds == "argmax" else "argmax"
+                configs += [SpeedConfig(n, draft_sampling=other) for n in speed_steps]
             if args.compare_spec_step_graph:
                 configs += [SpeedConfig(n, one_graph=False) for n in speed_steps]
             if args.compare_draft_quantization:
@@ -299,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["spec_step_graph"] = cfg.one_graph
                     row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization
                     row["spec_plain_steps"] = scheds[cfg].stats.spec_plain_steps  # adaptive: steps taken plain
+                    row["draft_sampling"] = cfg.draft_sampling
                 result["speed"].append(row)
                 acc = f", accept {row['accept_length']:.2f}" if n else ""
                 if "same_as_plain" in row:

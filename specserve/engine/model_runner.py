@@ -143,7 +143,9 @@ class ModelRunner:
                                        ngram_lookup=args.speculative_ngram_lookup,
                                        lookup_confidence=args.speculative_ngram_confidence,
                                        prefill_graph_tokens=max_prefill, prefill_graph_rows=prefill_rows,
-                                       kind_dtypes=self.kind_dtypes), self.runners.get("target_decode"))
+                                       kind_dtypes=self.kind_dtypes,
+                                       draft_sampling=args.speculative_draft_sampling == "sample"),
+                                   self.runners.get("target_decode"))
         # prefill: the target's extend (the draft's over the same positions is the worker's)
         self.prefill = PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs)
 

@@ -73,6 +73,9 @@ class LiveInputs:
     max_seq_len: int  # host upper bound on seq_lens (+ steps for the draft loop)
     accept_len: torch.Tensor | None = None  # [bs]
     hidden: torch.Tensor | None = None  # [bs * w, H]
+    # draft phases run inline in the one-graph spec step: the rows' sampling, to draw drafts from the head's own
+    # distribution (layers/sampler.py SamplingBatch; None: deterministic drafts). Never staged into a phase graph.
+    draft_sampling: object | None = None
 
 
 def stage(buf: StaticBuffers, live: LiveInputs, pbs: int, width: int) -> None:

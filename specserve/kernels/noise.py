@@ -8,6 +8,7 @@ import torch
 
 SALT_SAMPLE = 0  # the token drawn at a position (plain sampling, verify's residual or bonus draw)
 SALT_ACCEPT = 1  # verify's accept test at a position
+SALT_DRAFT = 2  # a draft token sampled from the draft's own distribution (--speculative-draft-sampling sample)
 
 _M1 = -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
 _M2 = -7723592293110705685  # 0x94d049bb133111eb

@@ -85,9 +85,10 @@ def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return out / out.sum(dim=-1, keepdim=True)
 
 
-def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                      salt: int = SALT_SAMPLE) -> torch.Tensor:
     """Exponential race: argmax(p / E). probs [R, V]; seeds, positions [R] -> [R] int64."""
-    u = uniform_noise(seeds, positions, SALT_SAMPLE, probs.shape[-1])
+    u = uniform_noise(seeds, positions, salt, probs.shape[-1])
     return (probs / -torch.log(u)).argmax(dim=-1)
 
 

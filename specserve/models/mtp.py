@@ -129,6 +129,15 @@ class MTPDraftModel(nn.Module):
             hidden = hidden[..., :h].contiguous()
         return (self.lm_head or self._shared[1])(hidden)
 
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits over the target vocabulary: hidden [T, H] -> [T, V] float32, -inf outside a reduced
+        draft vocabulary (the distribution sampled drafts are drawn from)."""
+        logits = self.compute_logits(hidden)  # [T, Vd]
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_vocab, logits)
+
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft token ids (target vocabulary) for hidden [T, H] -> [T]. Drafts are deterministic: the
         verifier treats the draft distribution as one-hot (DESIGN §1)."""

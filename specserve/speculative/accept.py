@@ -1,9 +1,14 @@
 """Verification: which drafts the target accepts, and the token that follows them (torch reference).
 
-Drafts are deterministic, so the draft distribution is one-hot (DESIGN §1): accept draft d at a position with
-probability p(d); on the first rejection draw from p with d removed and renormalised; if all N are accepted draw a
-bonus token from the last position's p. The output tokens are then distributed exactly as plain sampling from p.
-Greedy rows use one-hot p, which reduces to "accept while draft == argmax".
+Drafts chosen deterministically (the head's argmax, a context-lookup continuation) have a one-hot draft
+distribution (DESIGN §1): accept draft d at a position with probability p(d); on the first rejection draw from p
+with d removed and renormalised; if all N are accepted draw a bonus token from the last position's p. The output
+tokens are then distributed exactly as plain sampling from p. Greedy rows use one-hot p, which reduces to "accept
+while draft == argmax".
+
+Drafts sampled from the draft's own distribution q (`--speculative-draft-sampling sample`) use the standard rule
+(`accept_sampling_q`): accept d with probability min(1, p(d) / q(d)), on the first rejection draw from
+max(0, p - q) renormalised. A one-hot q gives exactly the rule above, token for token.
 """
 
 from __future__ import annotations
@@ -52,6 +57,40 @@ def accept_sampling(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tens
     verified = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)  # [bs, N+1]
     verified[ar, accept_len] = new_tok
     return accept_len, verified
+
+
+def accept_sampling_q(drafts: torch.Tensor, probs: torch.Tensor, q: torch.Tensor, seeds: torch.Tensor,
+                      base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling with the draft distributions. drafts [bs, N]; probs [bs, N+1, V] (the target's, filtered);
+    q [bs, N, V] the distribution each draft was drawn from (one-hot for deterministic drafts); seeds [bs];
+    base_index [bs] = S. Returns (accept_len [bs], verified [bs, N+1]) as accept_sampling does, with the same noise:
+    for one-hot q the two give the same tokens. Fixed-shape device ops only (graph-safe)."""
+    bs, n = drafts.shape
+    ar = torch.arange(bs, device=drafts.device)
+    j = torch.arange(n, device=drafts.device)
+    p_draft = probs[:, :n].gather(-1, drafts[..., None]).squeeze(-1)  # [bs, N]
+    q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)  # [bs, N]
+    u = uniform_noise(seeds[:, None].expand(bs, n), base_index[:, None] + j[None, :] + 1, SALT_ACCEPT, None)
+    accepted = (u * q_draft < p_draft).to(torch.int64)  # u < p/q without the division
+    accept_len = accepted.cumprod(dim=1).sum(dim=1)  # [bs]
+    pk = probs[ar, accept_len]  # [bs, V] distribution at the first rejected (or bonus) position
+    qk = q[ar, accept_len.clamp(max=n - 1)]  # [bs, V]
+    rejected = (accept_len < n)[:, None]
+    residual = torch.where(rejected, (pk - qk).clamp_min(0.0), pk)
+    total = residual.sum(dim=-1, keepdim=True)
+    # A rejection implies p(d) < q(d), so p - q has positive mass somewhere; the guard only absorbs rounding.
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), pk)
+    new_tok = sample_from_probs(residual, seeds, base_index + accept_len + 1)
+    verified = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)  # [bs, N+1]
+    verified[ar, accept_len] = new_tok
+    return accept_len, verified
+
+
+def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """tokens [...] -> [..., V] float32 one-hot: the draft distribution of a deterministic draft (scatter, no host
+    check of the indices: graph-safe)."""
+    out = torch.zeros((*tokens.shape, vocab_size), dtype=torch.float32, device=tokens.device)
+    return out.scatter_(-1, tokens[..., None], 1.0)
 
 
 def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,17 +32,25 @@ class DraftDecodeRunner(PhaseRunner):
         if hist is not None:
             p2, p1, _ = history_tail(hist, last)
             pattern = (p2, p1, ids)  # (x_{S-1}, x_S, d1): the next draft continues it
-        tokens = []
+        sb = t.draft_sampling
+        tokens, probs = [], []
         for i in range(self.num_steps):
             fb = self.make_batch(self.mode, t, ids, t.positions + i, t.seq_lens + i, hidden, backends, graph_mode,
                                  t.max_seq_len)
             out = self.ctx.model(fb)
-            ids = self.chooser.draft_tokens(out, hist, last, pattern)
+            if sb is None:
+                ids = self.chooser.draft_tokens(out, hist, last, pattern)
+            else:  # the draft at sequence index S + 2 + i, drawn from the head's distribution
+                ids, q = self.chooser.sample_drafts(out, hist, last, sb, t.seq_lens + 1 + i, pattern)
+                probs.append(q)
             hidden = self.ctx.model.chained(out)  # [bs, H] into the next step
             if pattern is not None:
                 pattern = (pattern[1], pattern[2], ids)
             tokens.append(ids)
-        return {"tokens": torch.stack(tokens, dim=1)}
+        res = {"tokens": torch.stack(tokens, dim=1)}
+        if probs:
+            res["probs"] = torch.stack(probs, dim=1)  # [bs, N-1, V]
+        return res
 
 
 class DraftExtendRunner(PhaseRunner):
@@ -66,7 +74,10 @@ class DraftExtendRunner(PhaseRunner):
         # committed tokens now end at S + accept_len + 1 (seq_lens = S + width here; the history holds them)
         last = t.seq_lens - self.width + t.accept_len + 1
         hist = self.chooser.history_rows(t.req_pool_indices)
-        return {"tokens": self.chooser.draft_tokens(sel, hist, last), "hidden": self.ctx.model.chained(sel)}
+        if t.draft_sampling is None:
+            return {"tokens": self.chooser.draft_tokens(sel, hist, last), "hidden": self.ctx.model.chained(sel)}
+        tokens, q = self.chooser.sample_drafts(sel, hist, last, t.draft_sampling, last + 1)  # next d1 at last + 1
+        return {"tokens": tokens, "probs": q, "hidden": self.ctx.model.chained(sel)}
 
 
 class DraftExtendPlainRunner(DraftExtendRunner):

@@ -29,7 +29,7 @@ import torch
 from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import LiveInputs, stage_step
 from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits, sample
-from specserve.speculative.accept import verify_greedy, verify_sampling
+from specserve.speculative.accept import accept_sampling_q, one_hot_probs, verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
     from specserve.speculative.worker import SpecWorker
@@ -39,24 +39,33 @@ logger = logging.getLogger(__name__)
 
 
 def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch.Tensor, pos0: torch.Tensor,
-                     max_s: int, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                     max_s: int, sb: SamplingBatch, draft_sb: SamplingBatch | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative step for page-table rows [bs] whose committed sequences have length S = s [bs] (the last
     token, not yet in the KV, sits at index S); pos0 [bs] is the rope position of index S; max_s bounds s.
 
     Returns (accept_len [bs] in 0..N, verified [bs, N+1]): the tokens at S+1..S+accept_len+1 are new. No host
     sync. N = 0 (the worker's plain step) is a plain decode step that keeps the draft in step: the target over the
     last token alone (its features kept), the token plain decoding samples, the draft extend over that one position
-    (the draft KV at S, the next d1 and draft hidden state)."""
+    (the draft KV at S, the next d1 and draft hidden state).
+
+    draft_sb: sb again when the draft phases run inline (the one-graph step) and draw sampled rows' drafts from the
+    head's distribution (--speculative-draft-sampling sample); None: deterministic drafts. With sampled drafting on
+    (the row state keeps d1's distribution) a sampled batch verifies with the draft distributions (one-hot where a
+    draft was deterministic: the phases' own graphs, context lookup, prefill)."""
     n = w.num_steps
     bs = rows.shape[0]
     dev = rows.device
     row_state = w.state
+    q_mode = row_state.draft_probs is not None and not sb.all_greedy
 
     # 1. draft decode: d2..dN from (g, d1) at sequence indices S .. S+N-2
     d1 = row_state.draft_token[rows]  # [bs]
     if n > 1:
-        live = LiveInputs(bs, d1, pos0, rows, s + 1, max_s + n - 1, hidden=row_state.draft_hidden[rows])
-        more = phase("draft_decode", live)["tokens"]  # [bs, N-1]
+        live = LiveInputs(bs, d1, pos0, rows, s + 1, max_s + n - 1, hidden=row_state.draft_hidden[rows],
+                          draft_sampling=draft_sb)
+        dd = phase("draft_decode", live)
+        more = dd["tokens"]  # [bs, N-1]
         drafts = torch.cat((d1[:, None], more), dim=1)  # [bs, N]
     else:
         drafts = d1[:, None][:, :n]  # [bs, N], N = 1 or 0 (a plain step: no drafts)
@@ -77,7 +86,14 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
         accept_len, verified = verify_greedy(drafts, logits)
     else:
         probs = probs_from_logits(logits.reshape(bs * width, -1), sb.repeat(width)).view(bs, width, -1)
-        accept_len, verified = verify_sampling(drafts, probs, sb.seeds, s)
+        if q_mode:  # the distributions the drafts were drawn from: d1's kept from the last step, then the loop's
+            vocab = probs.shape[-1]
+            qs = [row_state.draft_probs[rows][:, None]]  # [bs, 1, V]
+            if n > 1:
+                qs.append(dd["probs"] if "probs" in dd else one_hot_probs(more, vocab))  # [bs, N-1, V]
+            accept_len, verified = accept_sampling_q(drafts, probs, torch.cat(qs, dim=1), sb.seeds, s)
+        else:
+            accept_len, verified = verify_sampling(drafts, probs, sb.seeds, s)
 
     if w.target_state is not None:  # the accept commit: the state after the last accepted token is current
         w.target_state.commit(w.target_state.row_state[rows], accept_len)
@@ -87,9 +103,12 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
 
     # 4. draft extend over the same N+1 positions with the verified tokens, row accept_len -> next d1, g
     live = LiveInputs(bs, verified.reshape(-1), verify_pos, rows, s + width, max_s + width, accept_len=accept_len,
-                      hidden=hidden.reshape(bs * width, -1))
+                      hidden=hidden.reshape(bs * width, -1), draft_sampling=draft_sb)
     ext = phase("draft_extend", live)
-    row_state.draft_token[rows] = ext["tokens"]
+    if q_mode:
+        row_state.set_d1(rows, ext["tokens"], ext.get("probs"))
+    else:
+        row_state.draft_token[rows] = ext["tokens"]
     row_state.draft_hidden[rows] = ext["hidden"].to(row_state.draft_hidden.dtype)
     w.last_token[rows] = verified[torch.arange(bs, device=dev), accept_len]
     return accept_len, verified
@@ -147,7 +166,9 @@ class SpecStepRunner(LadderRunner):
             r = runners[name]
             return r.forward_phase(live, r.backends, graph_mode=True)
 
-        accept_len, verified = spec_step_device(self.worker, phase, inputs[0], inputs[1], inputs[2], max_s, sb)
+        draft_sb = sb if self.worker.draft_sampling and not sb.all_greedy else None
+        accept_len, verified = spec_step_device(self.worker, phase, inputs[0], inputs[1], inputs[2], max_s, sb,
+                                                draft_sb)
         return torch.cat((accept_len[:, None], verified), dim=1)
 
     def _ladder(self, sb: SamplingBatch) -> GraphLadder:

@@ -66,6 +66,9 @@ class WorkerSettings:
     prefill_graph_tokens: int  # largest prefill batch run as a graph (0: eager)
     prefill_graph_rows: int
     kind_dtypes: dict = field(default_factory=dict)  # cache kinds kept in another dtype (fp8 indexer keys)
+    # sampled rows' drafts drawn from the head's own distribution in the one-graph step (verified with
+    # min(1, p/q) and the residual max(0, p - q)); False: the head's argmax (a one-hot draft)
+    draft_sampling: bool = False
 
 
 class SpecWorker:
@@ -91,8 +94,10 @@ class SpecWorker:
         rows = target_ctx.req_to_token.table.shape[0]
         row_width = target_ctx.req_to_token.width
         # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
+        self.draft_sampling = s.draft_sampling
+        vocab = target_ctx.model.config.vocab_size if s.draft_sampling else None
         self.state = DraftState.allocate(rows, target_ctx.hidden_size, target_ctx.dtype, self.device,
-                                         row_width + 1 if s.ngram_lookup else None)
+                                         row_width + 1 if s.ngram_lookup else None, vocab)
         self.chooser = DraftChooser(draft, self.state.tokens, s.lookup_confidence)
         self.ctx = RunnerContext(draft, target_ctx.req_to_token, make_backends(self.caches), self.device,
                                  target_ctx.hidden_size, target_ctx.dtype, target_ctx.mrope,
@@ -139,8 +144,9 @@ class SpecWorker:
         if final_idx is None:
             return
         last = dh[final_idx]
-        self.state.draft_token[final_rows] = self.chooser.draft_tokens(last, self.chooser.history_rows(final_rows),
-                                                                       final_pos)
+        # d1 after a prompt is the head's argmax (one-hot): prefill does not carry the rows' sampling
+        self.state.set_d1(final_rows, self.chooser.draft_tokens(last, self.chooser.history_rows(final_rows),
+                                                                final_pos), None)
         self.state.draft_hidden[final_rows] = self.draft.chained(last).to(self.state.draft_hidden.dtype)
 
     # ------------------------------------------------------------------ decode
