@@ -1,6 +1,8 @@
-"""The softmax router kernel (kernels/triton_router.py) against its torch reference: several expert counts and
-top-k, with and without renormalisation, equal weights (the lower id first); on a GPU, captured in a CUDA graph with
-the fused-MoE kernel and replayed with new inputs. On CPU under Triton's interpreter."""
+"""The softmax router kernels (kernels/triton_router.py) against their torch reference: several expert counts and
+top-k, with and without renormalisation, equal weights (the lower id first); the one-launch router GEMV + top-k
+against F.linear in x's dtype + the reference, called repeatedly (its arrival counter resets itself), and the ops
+dispatch to it; on a GPU, captured in a CUDA graph (with the fused-MoE kernel) and replayed with new inputs. On CPU
+under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -13,8 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py does the same)
 pytest.importorskip("triton")
 
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from specserve.kernels import ops, triton_router  # noqa: E402
 from specserve.kernels import reference as ref  # noqa: E402
-from specserve.kernels.triton_router import softmax_topk_triton  # noqa: E402
+from specserve.kernels.triton_router import router_topk_triton, softmax_topk_triton  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,3 +87,168 @@ def test_decode_kernels_in_a_cuda_graph():
         assert torch.equal(ids, rids)
         want = ref.fused_moe(x, w13, w2, rw, rids).float()
         torch.testing.assert_close(out.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+# ---- the router GEMV and the routing in one launch ----
+
+HID = 80  # not a power of two: the K chunks' masks
+
+
+def exact_inputs(tokens: int, cols: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, HID], w [cols, HID] of multiples of 1/8 in [-1/2, 1/2]: every partial sum of a logit is exact in float32,
+    so F.linear and the kernel get the same float32 logit in any order of accumulation, and the same value once
+    rounded to bfloat16. Many logits are equal (exercising ties), none near-tied."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (tokens, HID), generator=g) / 8
+    w = torch.randint(-4, 5, (cols, HID), generator=g) / 8
+    return x.to(dtype).to(DEV), w.to(dtype).to(DEV)
+
+
+def fused_reference(x, w, top_k, renormalize, shared_gate):
+    return ref.softmax_topk(F.linear(x, w).float().cpu(), top_k, renormalize, shared_gate)
+
+
+def interpreter_config(x, w, shared_gate):
+    """On CPU, where the interpreter runs programs one by one, fewer and larger ones than the GPU's defaults
+    (which the GPU run of these tests checks) once the default grid exceeds 64 programs."""
+    t, cols = x.shape[0], w.shape[0]
+    cfg = triton_router.router_config(t, cols, HID, cols - int(shared_gate))
+    if DEV.type == "cuda" or triton.cdiv(cols, cfg["BLOCK_E"]) * triton.cdiv(t, cfg["T_BLOCK"]) <= 64:
+        return None
+    return triton_router.router_config(t, cols, HID, cols - int(shared_gate),
+                                       block_e=triton.next_power_of_2(max(1, cols // 16)),
+                                       t_block=min(16, triton.next_power_of_2(t)))
+
+
+def check_fused(x, w, top_k, renormalize, shared_gate, config=None):
+    config = config or interpreter_config(x, w, shared_gate)
+    got_w, got_ids = router_topk_triton(x, w, top_k, renormalize, shared_gate, config=config)
+    want_w, want_ids = fused_reference(x, w, top_k, renormalize, shared_gate)
+    assert got_ids.shape == want_ids.shape == (x.shape[0], top_k + int(shared_gate))
+    assert got_w.dtype == torch.float32 and got_ids.dtype == torch.int64
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("experts,top_k,shared_gate", [(8, 2, False), (8, 2, True), (128, 8, False), (60, 4, False),
+                                                       (512, 10, True)])
+def test_fused_router_matches_linear_then_reference(experts, top_k, shared_gate, tokens, dtype):
+    x, w = exact_inputs(tokens, experts + int(shared_gate), dtype, seed=experts * 100 + tokens)
+    for renormalize in (True, False):
+        check_fused(x, w, top_k, renormalize, shared_gate)
+
+
+def test_fused_router_rounds_logits_to_bfloat16():
+    """Logits that need more bits than bfloat16 has: the kernel's are rounded to nearest even, as F.linear's bf16
+    output (unrounded float32 logits give other weights)."""
+    x = torch.zeros(2, HID, dtype=torch.bfloat16, device=DEV)
+    x[:, 0] = 1.0
+    x[:, 1] = 2.0 ** -8
+    w = torch.zeros(6, HID, dtype=torch.bfloat16, device=DEV)
+    w[:, 0] = torch.tensor([1.0, 1.0, 1.5, 0.5, 0.25, 1.0])
+    w[:, 1] = torch.tensor([1.0, 3.0, 0.0, 0.0, 0.0, -1.0])  # logits 1 + 2^-8 (a tie: to even 1), 1 + 3*2^-8, ...
+    check_fused(x, w, 4, False, False)
+    got, _ = router_topk_triton(x, w, 4, False)
+    unrounded = ref.softmax_topk(F.linear(x.float(), w.float()).cpu(), 4, False)[0]
+    assert (got.cpu() - unrounded).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("change", [dict(BLOCK_K=32), dict(BLOCK_E=2, T_BLOCK=4, R_BLOCK=2),
+                                    dict(BLOCK_E=64, T_BLOCK=8, R_BLOCK=8)])
+def test_fused_router_tiles(change):
+    """Several K chunks (the last partial), token blocks (the last partial) routed in row blocks, one program of all
+    columns: other launch configurations than the small tests' defaults."""
+    x, w = exact_inputs(5, 61, torch.float32, seed=7)
+    check_fused(x, w, 4, True, True, config=dict(triton_router.router_config(5, 61, HID, 60), **change))
+
+
+def test_fused_router_equal_logits_lower_id_first():
+    """float32 weight rows built to give exactly equal logits: the lower expert id first."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, HID, generator=g) * 0.1
+    w[[3, 9, 17, 30]] = torch.linspace(0.5, 1.0, HID)  # the four largest logits of every row, all equal
+    x = torch.rand(4, HID, generator=g) + 0.5  # positive: the shared row wins
+    x, w = x.to(DEV), w.to(DEV)
+    for renormalize in (True, False):
+        weights, ids = router_topk_triton(x, w, 6, renormalize)
+        assert ids[:, :4].tolist() == [[3, 9, 17, 30]] * 4
+        assert torch.equal(weights[:, 0], weights[:, 3])
+        check_fused(x, w, 6, renormalize, False)
+    weights, ids = router_topk_triton(x, torch.ones(16, HID, device=DEV), 5, True)  # all equal
+    assert ids.tolist() == [list(range(5))] * 4
+    torch.testing.assert_close(weights.cpu(), torch.full((4, 5), 0.2), atol=1e-6, rtol=0)
+
+
+def test_fused_router_repeated_calls_reset_the_counter():
+    """The last program resets the device's arrival counter: back-to-back calls (other shapes too) stay right."""
+    for i, (tokens, experts, top_k, shared) in enumerate([(3, 128, 8, False), (3, 128, 8, False), (1, 512, 10, True),
+                                                          (16, 8, 2, False)]):
+        x, w = exact_inputs(tokens, experts + int(shared), torch.bfloat16, seed=50 + i)
+        check_fused(x, w, top_k, True, shared)
+        assert not triton_router._COUNTERS[x.device].any()
+
+
+def test_fused_router_many_tokens_and_none(monkeypatch):
+    x, w = exact_inputs(40, 8, torch.float32, seed=9)  # 4 token blocks of 16, the last partial
+    check_fused(x, w, 2, True, False)
+    monkeypatch.setattr(triton_router, "ROUTER_MAX_TOKEN_BLOCKS", 2)  # more blocks than counters: the GEMM path
+    check_fused(x, w, 2, True, False)
+    weights, ids = router_topk_triton(x[:0], w, 2, True)
+    assert weights.shape == ids.shape == (0, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        router_topk_triton(x, w.to(torch.bfloat16), 2, True)
+
+
+def test_router_dispatch_on_cpu_is_linear_then_softmax_topk(monkeypatch):
+    """ops.router_softmax_topk on CPU: F.linear then the reference router; SparseMoEBlock.route on CPU keeps the
+    gate's own forward (prepacked oneDNN for float32) then ops.softmax_topk, bit for bit."""
+    from specserve.layers.moe import SparseMoEBlock
+
+    x, w = exact_inputs(3, 33, torch.float32, seed=11)
+    x, w = x.cpu() + 0.01, w.cpu()
+    got = ops.router_softmax_topk(x, w, 4, True, True)
+    want = ref.softmax_topk(F.linear(x, w), 4, True, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    block = SparseMoEBlock(HID, 16, 32, 4, renormalize=True, router="softmax", shared_expert_intermediate_size=16,
+                           shared_expert_gated=True)
+    with torch.no_grad():
+        block.gate.weight.copy_(w)
+    monkeypatch.setattr(ops, "router_softmax_topk", lambda *a: pytest.fail("fused router on CPU"))
+    got = block.route(x)
+    want = ops.softmax_topk(block.gate(x), 4, True, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+def test_fused_router_dispatch_and_cuda_graph(monkeypatch):
+    """On CUDA: ops.router_softmax_topk takes the fused kernel up to ROUTER_FUSED_MAX_TOKENS tokens, cuBLAS + the
+    router kernel above; the fused kernel replays in a CUDA graph (its counter reset every replay) with new inputs."""
+    from specserve.graphs.capture import capture_graph
+
+    tk = ops.triton_kernels()
+    calls = []
+    real = tk.router_topk_triton
+    monkeypatch.setattr(tk, "router_topk_triton", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for tokens in (1, ops.ROUTER_FUSED_MAX_TOKENS, ops.ROUTER_FUSED_MAX_TOKENS + 1):
+        x, w = exact_inputs(tokens, 513, torch.bfloat16, seed=tokens)
+        got_w, got_ids = ops.router_softmax_topk(x, w, 10, True, True)
+        want_w, want_ids = fused_reference(x, w, 10, True, True)
+        assert torch.equal(got_ids.cpu(), want_ids)
+        torch.testing.assert_close(got_w.cpu(), want_w, atol=1e-6, rtol=1e-5)
+    assert calls == [1, ops.ROUTER_FUSED_MAX_TOKENS]
+
+    x, w = exact_inputs(4, 128, torch.bfloat16, seed=0)
+    graph, (wts, ids), _ = capture_graph(lambda: router_topk_triton(x, w, 8, True), None)
+    for seed in range(3):
+        nx, nw = exact_inputs(4, 128, torch.bfloat16, seed=100 + seed)
+        x.copy_(nx)
+        w.copy_(nw)
+        for _ in range(2):
+            graph.replay()
+        want_w, want_ids = fused_reference(x, w, 8, True, False)
+        assert torch.equal(ids.cpu(), want_ids)
+        torch.testing.assert_close(wts.cpu(), want_w, atol=1e-6, rtol=1e-5)
+    assert not triton_router._COUNTERS[x.device].any()

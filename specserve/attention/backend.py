@@ -9,12 +9,17 @@ buffers: a draft runner's backend can never write a target runner's metadata (DE
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.batch import CacheKind, ForwardBatch
+from specserve.kernels import ops
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.req_to_token import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from specserve.layers.attention import QKPrep
 
 
 class AttentionBackend(abc.ABC):
@@ -48,6 +53,24 @@ class AttentionBackend(abc.ABC):
         May be called several times inside one captured function (the draft-decode loop advances seq_lens)."""
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb: ForwardBatch,
+                prep: QKPrep | None = None) -> torch.Tensor:
         """Store k, v at fb.out_cache_loc in layer.cache_index's K/V, then attend. q [T, Hq, D], k/v [T, Hkv, D]
-        -> [T, Hq, D]."""
+        -> [T, Hq, D]. With prep, q and k first get its norms and rotary, in the same op as the store
+        (store_or_prep)."""
+
+    # The K/V store and its fusion with the q/k norms and rotary (the torch backend dispatches through ops; the
+    # Triton backend calls its kernels directly, also under the interpreter on CPU).
+    store_kv = staticmethod(ops.store_kv)
+    qk_norm_rope_store = staticmethod(ops.qk_norm_rope_store)
+
+    def store_or_prep(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb: ForwardBatch,
+                      prep: QKPrep | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store k, v at fb.out_cache_loc in layer.cache_index's K/V, after prep's norms and rotary on q and k (one
+        op, q and k written in place) when given -> (the q to attend with, k_cache, v_cache) [S, Hkv, D]."""
+        k_cache, v_cache = self.kv_pool.k[layer.cache_index], self.kv_pool.v[layer.cache_index]
+        if prep is None:
+            self.store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
+        else:
+            q, _ = prep.store(q, k, v, k_cache, v_cache, fb.out_cache_loc, self.qk_norm_rope_store)
+        return q, k_cache, v_cache

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from specserve.attention.backend import AttentionBackend
 from specserve.batch import ForwardBatch, extend_starts
-from specserve.kernels import ops
 
 
 @dataclass
@@ -96,10 +95,8 @@ class TorchAttentionBackend(AttentionBackend):
                                 gb["kv_slots"][:bs, :kv], gb["mask"][:bs, :, :fb.width, :kv])
 
     # ---------------------------------------------------------------- attention
-    def forward(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        pool = self.kv_pool
-        k_cache, v_cache = pool.k[layer.cache_index], pool.v[layer.cache_index]
-        ops.store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
+    def forward(self, q, k, v, layer, fb: ForwardBatch, prep=None) -> torch.Tensor:
+        q, k_cache, v_cache = self.store_or_prep(q, k, v, layer, fb, prep)
         meta = self.meta
         if isinstance(meta, _FixedMeta):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]

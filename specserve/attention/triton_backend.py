@@ -24,6 +24,7 @@ from specserve.attention.backend import AttentionBackend
 from specserve.batch import ForwardBatch, extend_starts
 from specserve.kernels.triton_attention import fixed_width_attention, varlen_attention
 from specserve.kernels.triton_kv import store_kv
+from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.req_to_token import ReqToTokenPool
 
@@ -49,6 +50,8 @@ class _VarlenMeta:
 
 class TritonAttentionBackend(AttentionBackend):
     captures_varlen = True
+    store_kv = staticmethod(store_kv)
+    qk_norm_rope_store = staticmethod(qk_norm_rope_store_triton)
 
     def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool, max_kv_splits: int = 32,
                  min_split_keys: int = 256, num_sms: int | None = None, block_n: int = 64, block_m: int = 64):
@@ -112,10 +115,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.meta = _FixedMeta(rows, seq_lens, fb.width, self.num_kv_splits(bs, fb.max_seq_len))
 
     # ---------------------------------------------------------------- attention
-    def forward(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
-        pool = self.kv_pool
-        k_cache, v_cache = pool.k[layer.cache_index], pool.v[layer.cache_index]  # [S, Hkv, D]
-        store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
+    def forward(self, q, k, v, layer, fb: ForwardBatch, prep=None) -> torch.Tensor:
+        q, k_cache, v_cache = self.store_or_prep(q, k, v, layer, fb, prep)  # [S, Hkv, D] caches
         if q.stride(-1) != 1:
             q = q.contiguous()
         table = self.req_to_token.table

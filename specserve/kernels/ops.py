@@ -8,6 +8,7 @@ specserve.train): the kernels have no backward, so those calls take the differen
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specserve.kernels import reference as ref
 from specserve.kernels.availability import triton_kernels
@@ -57,6 +58,22 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     return ref.store_kv(k_cache, v_cache, loc, k, v)
 
 
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, loc: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                       mrope_section: list[int] | None, q_norm_w: torch.Tensor | None = None,
+                       k_norm_w: torch.Tensor | None = None, eps: float = 1e-6,
+                       weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head q/k RMSNorm (weights given), rotary on the first cos_sin_cache.shape[1] dims, K/V store at loc
+    (reference.qk_norm_rope_store): q and k written in place; returns the (q, k) to attend with. One capturable
+    kernel on CUDA (triton_qk_prep.py)."""
+    weights = [w for w in (q_norm_w, k_norm_w) if w is not None]
+    if (tk := _kernels(q, k, v, *weights)) is not None:
+        return tk.qk_norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, cos_sin_cache, positions, mrope_section,
+                                            q_norm_w, k_norm_w, eps, weight_offset)
+    return ref.qk_norm_rope_store(q, k, v, k_cache, v_cache, loc, cos_sin_cache, positions, mrope_section,
+                                  q_norm_w, k_norm_w, eps, weight_offset)
+
+
 def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
              with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [R, V] logits -> (argmax [R], mapped through vocab_map when given; softmax probability at it [R] or
@@ -84,6 +101,22 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
     if (tk := _kernels(logits)) is not None:
         return tk.softmax_topk_triton(logits, top_k, renormalize, shared_gate)
     return ref.softmax_topk(logits, top_k, renormalize, shared_gate)
+
+
+# Token counts up to this route through the one-launch router GEMV + top-k (decode, verify of a few rows); larger
+# batches are GEMM-shaped and take cuBLAS + the router kernel (scripts/gpu/bench_router.py).
+ROUTER_FUSED_MAX_TOKENS = 16
+
+
+def router_softmax_topk(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
+                        shared_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax_topk(F.linear(x, gate_weight), ...): x [T, H], gate_weight [E (+ 1), H] in x's dtype. On CUDA with
+    T <= ROUTER_FUSED_MAX_TOKENS (a shape-only choice: capturable) one kernel computes the logits and routes
+    (triton_router.router_topk_triton); otherwise F.linear and softmax_topk."""
+    if (x.dim() == 2 and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS and x.dtype == gate_weight.dtype
+            and (tk := _kernels(x, gate_weight)) is not None):
+        return tk.router_topk_triton(x, gate_weight, top_k, renormalize, shared_gate)
+    return softmax_topk(F.linear(x, gate_weight), top_k, renormalize, shared_gate)
 
 
 def causal_conv_states(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor,

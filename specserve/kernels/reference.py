@@ -65,6 +65,36 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     v_cache[loc] = v.to(v_cache.dtype)
 
 
+def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, loc: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                       mrope_section: list[int] | None, q_norm_w: torch.Tensor | None = None,
+                       k_norm_w: torch.Tensor | None = None, eps: float = 1e-6,
+                       weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an attention layer does between its qkv projection and the attention, composed of the ops above:
+    rms_norm of each head of q [T, Hq, D] and k [T, Hkv, D] with q_norm_w / k_norm_w [D] (when given), rotary on
+    the first rot_dim = cos_sin_cache.shape[1] dims of each head (the rest unchanged), store_kv(k, v) at loc [T].
+
+    q and k are written back in place (copy_, outside autograd); returns the normed, rotated (q, k) as the ops
+    produce them (new tensors, in the dtype of x * w when the norm weight's dtype differs from x's)."""
+    if q_norm_w is not None:
+        qn, kn = rms_norm(q, q_norm_w, eps, weight_offset), rms_norm(k, k_norm_w, eps, weight_offset)
+    else:
+        qn, kn = q, k
+    rot_dim = cos_sin_cache.shape[1]
+    cos, sin = rope_cos_sin(cos_sin_cache, positions, mrope_section)  # [T, rot_dim / 2]
+    if rot_dim == q.shape[-1]:
+        qn, kn = apply_rope(qn, cos, sin), apply_rope(kn, cos, sin)
+    else:  # partial rotary: the leading dims rotate in place (of q and k themselves when there is no norm)
+        qn[..., :rot_dim] = apply_rope(qn[..., :rot_dim], cos, sin)
+        kn[..., :rot_dim] = apply_rope(kn[..., :rot_dim], cos, sin)
+    store_kv(k_cache, v_cache, loc, kn, v)
+    if qn is not q:
+        with torch.no_grad():  # a side effect for other readers; autograd follows the returned tensors
+            q.copy_(qn)
+            k.copy_(kn)
+    return qn, kn
+
+
 def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
              with_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [R, V] -> (argmax [R] int64, first index on ties, mapped through vocab_map [V] when given; the softmax

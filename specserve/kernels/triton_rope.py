@@ -30,10 +30,9 @@ def _rotate_heads(x_ptr, t, num_heads, stride_t, stride_h, cos, sin, half,
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cache_ptr, pos_ptr, num_q_heads, num_k_heads, half, sec0, sec01,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, stride_pos_row, stride_pos_t,
-                 MROPE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def load_cos_sin(cache_ptr, pos_ptr, t, half, sec0, sec01, stride_cache, stride_pos_row, stride_pos_t,
+                 MROPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's cos, sin [BLOCK_HALF] float32 (0 past half): 1-D positions, or mRoPE rows by the sections."""
     i = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF] frequency band
     i_ok = i < half
     if MROPE:
@@ -45,8 +44,26 @@ def _rope_kernel(q_ptr, k_ptr, cache_ptr, pos_ptr, num_q_heads, num_k_heads, hal
         pos = tl.load(pos_ptr + t * stride_pos_t).to(tl.int64)
     cos = tl.load(cache_ptr + pos * stride_cache + i, mask=i_ok, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_cache + half + i, mask=i_ok, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cache_ptr, pos_ptr, num_q_heads, num_k_heads, half, sec0, sec01,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, stride_pos_row, stride_pos_t,
+                 MROPE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = load_cos_sin(cache_ptr, pos_ptr, t, half, sec0, sec01, stride_cache, stride_pos_row, stride_pos_t,
+                            MROPE, BLOCK_HALF)
     _rotate_heads(q_ptr, t, num_q_heads, stride_qt, stride_qh, cos, sin, half, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr, t, num_k_heads, stride_kt, stride_kh, cos, sin, half, BLOCK_HK, BLOCK_HALF)
+
+
+def mrope_args(positions: torch.Tensor, mrope_section: list[int] | None, half: int) -> tuple[int, int, int]:
+    """(s0, s0 + s1, the positions' row stride) for load_cos_sin; 1-D positions: (half, half, 0)."""
+    if positions.dim() == 1:
+        return half, half, 0
+    assert mrope_section is not None and sum(mrope_section) == half, "mRoPE sections must cover the rotary dim / 2"
+    return mrope_section[0], mrope_section[0] + mrope_section[1], positions.stride(0)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
@@ -58,14 +75,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, position
         return q, k
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "rope works in place and needs a unit stride along head_dim"
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1
+    sec0, sec01, stride_pos_row = mrope_args(positions, mrope_section, half)
     mrope = positions.dim() == 2
-    if mrope:
-        assert mrope_section is not None and sum(mrope_section) == half, "mRoPE sections must cover head_dim / 2"
-        sec0, sec01 = mrope_section[0], mrope_section[0] + mrope_section[1]
-        stride_pos_row = positions.stride(0)
-    else:
-        sec0 = sec01 = half
-        stride_pos_row = 0
     num_k_heads = k.shape[1]
     block_hq, block_hk = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_k_heads)
     block_half = triton.next_power_of_2(half)

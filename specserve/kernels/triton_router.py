@@ -1,43 +1,74 @@
-"""Triton softmax router (reference: kernels/reference.py softmax_topk): one program per token does the softmax
-over its E expert logits, the top-k by k rounds of argmax (equal weights: the lower expert id first), and the
-renormalisation, where torch needs a softmax, a top-k, a sum and a division (four launches per MoE layer). With a
-gated shared expert fused into the routed ones (layers/moe.py) it also writes the shared expert's slot: id E, weight
-sigmoid(the gate logit in column E)."""
+"""Triton softmax router (reference: kernels/reference.py softmax_topk).
+
+`softmax_topk_triton`: one program per token does the softmax over its E expert logits, the top-k by k rounds of
+argmax (equal weights: the lower expert id first), and the renormalisation, where torch needs a softmax, a top-k, a
+sum and a division (four launches per MoE layer). With a gated shared expert fused into the routed ones
+(layers/moe.py) it also writes the shared expert's slot: id E, weight sigmoid(the gate logit in column E).
+
+`router_topk_triton`: the router GEMV (logits = x @ gate_weight^T, rounded to x's dtype as F.linear's output is) and
+the same routing in one launch, for decode and verify batches of a few tokens, where the GEMV reads well under 2 MB
+of weights and the separate launches (cuBLAS's GEMV, its split-K reduce, the router kernel) are mostly launch
+latency. Each program computes a block of logit columns for a block of tokens into a float32 scratch; the program
+that finishes a token block last (a device counter per block, see `_COUNTERS`) routes those tokens from the scratch.
+Both kernels share the routing step, `_route_rows`.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 
 @triton.jit
+def _route_rows(x, gate, rows, row_ok, num_experts, w_ptr, ids_ptr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                E_PAD: tl.constexpr, K_PAD: tl.constexpr, SHARED: tl.constexpr):
+    """Route R tokens at once: x [R, E_PAD] float32 logits (lanes >= num_experts are ignored), gate [R] float32 the
+    shared expert's gate logits (read only with SHARED); writes output rows `rows` [R] (where row_ok) of w_ptr
+    (float32) and ids_ptr (int64), each TOP_K + SHARED wide."""
+    OUT_K: tl.constexpr = TOP_K + SHARED  # output row width
+    R: tl.constexpr = x.shape[0]
+    e = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+    ok = e < num_experts
+    x = tl.where(ok, x, float("-inf"))
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]  # [R, E_PAD] softmax; padding lanes 0
+    p = tl.where(ok, p, -1.0)  # never chosen
+    kk = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]: TOP_K need not be a power of two (Qwen3-Next: 10)
+    wts = tl.zeros([R, K_PAD], dtype=tl.float32)
+    ids = tl.zeros([R, K_PAD], dtype=tl.int32)
+    total = tl.zeros([R], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)  # [R]
+        idx = tl.min(tl.where(p == best[:, None], e, E_PAD), 1)  # [R]: the lowest expert id among equal weights
+        wts = tl.where(kk == j, best[:, None], wts)
+        ids = tl.where(kk == j, idx[:, None], ids)
+        total += best
+        p = tl.where(e == idx[:, None], -1.0, p)
+    if RENORM:
+        wts = wts / total[:, None]
+    out = rows.to(tl.int64)[:, None] * OUT_K + kk
+    mask = row_ok[:, None] & (kk < TOP_K)
+    tl.store(w_ptr + out, wts, mask=mask)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
+    if SHARED:
+        slot = rows.to(tl.int64) * OUT_K + TOP_K
+        tl.store(ids_ptr + slot, tl.zeros_like(rows).to(tl.int64) + num_experts, mask=row_ok)
+        tl.store(w_ptr + slot, 1.0 / (1.0 + tl.exp(-gate)), mask=row_ok)
+
+
+@triton.jit
 def _softmax_topk_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr,
                          RENORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, SHARED: tl.constexpr):
-    OUT_K: tl.constexpr = TOP_K + SHARED  # output row width
-    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # [1]: this program's token
     e = tl.arange(0, E_PAD)
-    ok = e < num_experts
-    x = tl.load(logits_ptr + t * stride_t + e, mask=ok, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)  # [E_PAD] softmax; padding lanes 0
-    p = tl.where(ok, p, -1.0)  # never chosen
-    total = 0.0
-    for j in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        idx = tl.min(tl.where(p == best, e, E_PAD), 0)  # the lowest expert id among equal weights
-        tl.store(ids_ptr + t * OUT_K + j, idx.to(tl.int64))
-        tl.store(w_ptr + t * OUT_K + j, best)
-        total += best
-        p = tl.where(e == idx, -1.0, p)
-    if RENORM:
-        k = tl.arange(0, K_PAD)  # TOP_K need not be a power of two (Qwen3-Next: 10)
-        w = tl.load(w_ptr + t * OUT_K + k, mask=k < TOP_K, other=0.0)
-        tl.store(w_ptr + t * OUT_K + k, w / total, mask=k < TOP_K)
+    x = tl.load(logits_ptr + rows[:, None] * stride_t + e[None, :], mask=(e < num_experts)[None, :],
+                other=float("-inf")).to(tl.float32)  # [1, E_PAD]
+    gate = tl.zeros([1], dtype=tl.float32)
     if SHARED:
-        gate = tl.load(logits_ptr + t * stride_t + num_experts).to(tl.float32)
-        tl.store(ids_ptr + t * OUT_K + TOP_K, num_experts.to(tl.int64))
-        tl.store(w_ptr + t * OUT_K + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+        gate = tl.load(logits_ptr + rows * stride_t + num_experts).to(tl.float32)
+    _route_rows(x, gate, rows, rows >= 0, num_experts, w_ptr, ids_ptr, TOP_K, RENORM, E_PAD, K_PAD, SHARED)
 
 
 def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -55,4 +86,139 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
         _softmax_topk_kernel[(t,)](logits, w, ids, num_experts, logits.stride(0), TOP_K=top_k,
                                    RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
                                    K_PAD=triton.next_power_of_2(top_k), SHARED=shared_gate, num_warps=4)
+    return w, ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The router GEMV and the routing in one launch.
+
+
+@triton.jit
+def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids_ptr, num_tokens, num_cols,
+                             num_experts, stride_xt, stride_we, H: tl.constexpr, BLOCK_E: tl.constexpr,
+                             BLOCK_K: tl.constexpr, T_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr,
+                             TOP_K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                             SHARED: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Grid (cdiv(num_cols, BLOCK_E), cdiv(num_tokens, T_BLOCK)): program (i, b) computes the logit columns
+    i*BLOCK_E .. + BLOCK_E (rows of the weight wt [num_cols, H]) of tokens b*T_BLOCK .. + T_BLOCK into scratch
+    [num_tokens, num_cols] float32. The last program of token block b to finish (counter b) routes its tokens from
+    the scratch and resets counter b to 0: token blocks are routed in parallel."""
+    cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
+    col_ok = cols < num_cols
+    block = tl.program_id(1)
+    tok = block * T_BLOCK + tl.arange(0, T_BLOCK)  # [T_BLOCK]
+    tok_ok = tok < num_tokens
+    w_rows = wt_ptr + cols.to(tl.int64)[None, :, None] * stride_we  # [1, BLOCK_E, 1]
+    x_rows = x_ptr + tok.to(tl.int64)[:, None, None] * stride_xt  # [T_BLOCK, 1, 1]
+    acc = tl.zeros([T_BLOCK, BLOCK_E], dtype=tl.float32)
+    for k0 in tl.static_range(0, H, BLOCK_K):  # unrolled: every chunk's loads can be in flight at once
+        k = k0 + tl.arange(0, BLOCK_K)[None, None, :]  # [1, 1, BLOCK_K]
+        k_ok = k < H
+        wk = tl.load(w_rows + k, mask=col_ok[None, :, None] & k_ok, other=0.0).to(tl.float32)
+        xk = tl.load(x_rows + k, mask=tok_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(xk * wk, 2)  # [T_BLOCK, BLOCK_E]
+    # Rounded to x's dtype, as F.linear's output is. bfloat16: to nearest even by hand, as the GPU's conversion does
+    # (Triton's interpreter truncates instead).
+    if ROUND_BF16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        logits = bits.to(tl.float32, bitcast=True)
+    else:
+        logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(scratch_ptr + tok.to(tl.int64)[:, None] * num_cols + cols[None, :], logits,
+             mask=tok_ok[:, None] & col_ok[None, :])
+    # Last program finishes. The barrier orders every thread's scratch stores before the (one-thread) atomic, whose
+    # release makes them visible at GPU scope to the program that acquires the final count; that program reads the
+    # scratch through L2 (.cg), never a stale L1 line.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        e = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+        for r0 in tl.static_range(0, T_BLOCK, R_BLOCK):
+            rows = block * T_BLOCK + r0 + tl.arange(0, R_BLOCK)  # [R_BLOCK]
+            rows_ok = rows < num_tokens
+            row = scratch_ptr + rows.to(tl.int64) * num_cols  # [R_BLOCK]
+            x = tl.load(row[:, None] + e, mask=rows_ok[:, None] & (e < num_experts), other=0.0, cache_modifier=".cg")
+            gate = tl.zeros([R_BLOCK], dtype=tl.float32)
+            if SHARED:
+                gate = tl.load(row + num_experts, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            _route_rows(x, gate, rows, rows_ok, num_experts, w_ptr, ids_ptr, TOP_K, RENORM, E_PAD, K_PAD, SHARED)
+        tl.store(counter_ptr + block, 0)  # the next launch (or graph replay) counts from 0 again
+
+
+# Zero-initialised int32 arrival counters per device (one per token block), shared by every router_topk_triton call
+# on it: each launch leaves them at 0 again, so they need no reset between calls or graph replays, and the buffer is
+# made once and never replaced (a captured graph keeps its address). Launches that could overlap (several streams,
+# graphs replayed concurrently) would share them and break: the engine runs all layers on one stream, in order.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+ROUTER_MAX_TOKEN_BLOCKS = 1024  # counters per device; batches needing more blocks take F.linear + softmax_topk
+
+ROUTER_TOKEN_BLOCK = 16  # at most this many tokens per program
+_GEMV_TILE = 4096  # elements of one [T_BLOCK, BLOCK_E, BLOCK_K] product tile
+_ROUTE_TILE = 8192  # elements of one [R_BLOCK, E_PAD] routing tile
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, made on first use (which should be eager, not inside a graph capture:
+    graphs/capture.py's warm-up calls run first)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(ROUTER_MAX_TOKEN_BLOCKS, dtype=torch.int32, device=device)
+    return c
+
+
+def router_config(tokens: int, cols: int, hidden: int, num_experts: int, block_e: int | None = None,
+                  t_block: int | None = None, num_warps: int = 4) -> dict[str, int]:
+    """Launch parameters from the shapes alone (unless given), as measured on an H200 (scripts/gpu/bench_router.py
+    --sweep, H 2048, T 1-16). Many small programs win: one weight row each up to 256 columns (E 128: 4 kB in bf16
+    a program), two from 3 tokens at E 512 + 1. T_BLOCK: one token a program where routing a token is costly
+    (E > 256: each token's top-k in its own program, in parallel) or up to 4 tokens; 4 tokens a program above that
+    at E <= 256, which saves GEMV programs. The K chunk fills a _GEMV_TILE-element tile."""
+    if block_e is None:
+        block_e = 1 << max(0, (cols // (512 if tokens <= 2 else 256)).bit_length() - 1)  # a power of two
+    e_pad = triton.next_power_of_2(num_experts)
+    if t_block is None:
+        t_block = 1 if tokens <= 4 or e_pad > 256 else 4
+        # Very long batches (not what ops dispatches here): within ROUTER_TOKEN_BLOCK and the counters.
+        t_block = min(max(t_block, triton.next_power_of_2(triton.cdiv(tokens, ROUTER_MAX_TOKEN_BLOCKS))),
+                      ROUTER_TOKEN_BLOCK)
+    block_k = min(triton.next_power_of_2(hidden), max(32, _GEMV_TILE // (t_block * block_e)))
+    return dict(BLOCK_E=block_e, BLOCK_K=block_k, T_BLOCK=t_block, R_BLOCK=min(t_block, max(1, _ROUTE_TILE // e_pad)),
+                num_warps=num_warps)
+
+
+def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                       shared_gate: bool = False, config: dict[str, int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax_topk_triton(F.linear(x, weight), top_k, renormalize, shared_gate) in one launch: x [T, H], weight
+    [E (+ 1), H] in x's dtype -> (weights [T, K (+ 1)] float32, ids [T, K (+ 1)] int64). The logits are accumulated
+    in float32 and rounded to x's dtype, as F.linear's (up to the order of accumulation). Launch shapes depend on
+    (T, H, E) alone and nothing is read back to the host: capturable in a CUDA graph. One stream at a time (the
+    device's arrival counters are shared, see _COUNTERS). config: router_config's result, to override
+    (benchmarks)."""
+    t, h = x.shape
+    cols = weight.shape[0]
+    if weight.shape[1] != h or weight.dtype != x.dtype:
+        raise ValueError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} "
+                         f"{x.dtype}")
+    num_experts = cols - 1 if shared_gate else cols
+    cfg = config or router_config(t, cols, h, num_experts)
+    if triton.cdiv(t, cfg["T_BLOCK"]) > ROUTER_MAX_TOKEN_BLOCKS:  # prefill-sized: the GEMM path
+        return softmax_topk_triton(F.linear(x, weight), top_k, renormalize, shared_gate)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out_k = top_k + int(shared_gate)
+    w = torch.empty((t, out_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, out_k), dtype=torch.int64, device=x.device)
+    if t == 0:
+        return w, ids
+    # Per call, not cached: inside a CUDA graph capture it is a fixed address of the graph's pool.
+    scratch = torch.empty((t, cols), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(cols, cfg["BLOCK_E"]), triton.cdiv(t, cfg["T_BLOCK"]))
+    _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids, t, cols, num_experts,
+                                   x.stride(0), weight.stride(0), H=h, TOP_K=top_k, RENORM=renormalize,
+                                   E_PAD=triton.next_power_of_2(num_experts), K_PAD=triton.next_power_of_2(top_k),
+                                   SHARED=shared_gate, ROUND_BF16=x.dtype == torch.bfloat16, **cfg)
     return w, ids

@@ -1,12 +1,58 @@
 """The paged MHA/GQA attention layer: projects nothing itself; stores K/V and attends through the forward batch's
-MHA backend, in the K/V cache `cache_index` (its index among the model's MHA layers, kvcache/cache_spec.py)."""
+MHA backend, in the K/V cache `cache_index` (its index among the model's MHA layers, kvcache/cache_spec.py).
+
+What the layer does to q and k before the store (optional per-head RMSNorms, then rotary) travels with the call as a
+`QKPrep`, so the backend can run it and the K/V store as one op (kernels/ops.py qk_norm_rope_store)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from specserve.batch import CacheKind, ForwardBatch
+from specserve.kernels import ops
+from specserve.layers.norm import RMSNorm
+from specserve.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class QKPrep:
+    """Per-head q/k RMSNorms (both or neither; one eps and one kind of weight) and rotary at positions [T] or [3, T]
+    on the first rot_dim = rotary.cos_sin_cache.shape[1] dims of each head."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+
+    def __post_init__(self):
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("QKPrep takes both q and k norms, or neither")
+        if self.q_norm is not None and (self.q_norm.eps, self.q_norm.zero_centered) != (self.k_norm.eps,
+                                                                                        self.k_norm.zero_centered):
+            raise ValueError("the q and k norms must share eps and weight convention")
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused ops, for a backend that keeps no cache: q [T, Hq, D], k [T, Hkv, D] -> normed, rotated."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(self.positions, q, k)
+
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              loc: torch.Tensor, fused: Callable = ops.qk_norm_rope_store) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms and rotary on q, k (written in place), then k, v stored at loc [T], by `fused` (an
+        ops.qk_norm_rope_store signature) -> the (q, k) to attend with."""
+        qw = kw = None
+        eps, offset = 1e-6, 0.0
+        if self.q_norm is not None:
+            qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            offset = 1.0 if self.q_norm.zero_centered else 0.0
+        rotary = self.rotary
+        return fused(q, k, v, k_cache, v_cache, loc, rotary.cos_sin_cache, rotary.table_positions(self.positions),
+                     rotary.mrope_section, qw, kw, eps, offset)
 
 
 class PagedAttention(nn.Module):
@@ -18,7 +64,9 @@ class PagedAttention(nn.Module):
         self.scaling = scaling
         self.cache_index = cache_index
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
-        out = fb.backend(CacheKind.MHA).forward(q, k, v, self, fb)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                prep: QKPrep | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]. With prep, q and k are as projected: the backend applies
+        prep's norms and rotary (fused with its K/V store)."""
+        out = fb.backend(CacheKind.MHA).forward(q, k, v, self, fb, prep)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

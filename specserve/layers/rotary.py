@@ -52,11 +52,15 @@ class RotaryEmbedding(nn.Module):
         cache = cache.to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [P, D] float32
 
+    def table_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [T] or [3, T] as the table is read: a 1-D RoPE model fed mRoPE rows takes row 0 (text rows are
+        identical)."""
+        return positions[0] if positions.dim() == 2 and self.mrope_section is None else positions
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] or [3, T]; q [T, Hq, D]; k [T, Hkv, D]. With a rotary dim (the table's width) below D
         (partial rotary, e.g. Qwen3-Next's 0.25) only the first rotary-dim dims of each head rotate."""
-        if positions.dim() == 2 and self.mrope_section is None:
-            positions = positions[0]  # a 1-D RoPE model fed mRoPE rows: text rows are identical
+        positions = self.table_positions(positions)
         rd = self.head_dim
         if q.shape[-1] == rd:
             return ops.rope(q, k, self.cos_sin_cache, positions, self.mrope_section)

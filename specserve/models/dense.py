@@ -15,7 +15,7 @@ from torch import nn
 from specserve.batch import ForwardBatch, ForwardMode
 from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
 from specserve.layers.activation import silu_and_mul
-from specserve.layers.attention import PagedAttention
+from specserve.layers.attention import PagedAttention, QKPrep
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.norm import RMSNorm
@@ -117,11 +117,9 @@ class DenseAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # per head, read in place from the fused projection ([T, heads, D] views)
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, fb))
+        # per-head norms (Qwen3) and rotary on the [T, heads, D] views of the projection, fused with the K/V store
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        return self.o_proj(self.attn(q, k, v, fb, QKPrep(self.rotary, positions, *norms)))
 
 
 class DenseMLP(nn.Module):

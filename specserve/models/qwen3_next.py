@@ -24,7 +24,7 @@ from torch import nn
 
 from specserve.batch import ForwardBatch
 from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
-from specserve.layers.attention import PagedAttention
+from specserve.layers.attention import PagedAttention, QKPrep
 from specserve.layers.gdn import GatedDeltaNet
 from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.moe import GatedMLP, SparseMoEBlock
@@ -173,11 +173,10 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(h).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t, self.q_size)  # [T, Hq, D], [T, Hq * D]
-        q = self.q_norm(q)  # per head, read in place from the projection ([T, Hq, D] view)
-        k = self.k_norm(k.view(t, self.num_kv_heads, d))
+        k = k.view(t, self.num_kv_heads, d)
         v = v.reshape(t, self.num_kv_heads, d)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, fb)  # [T, Hq * D]
+        # per-head norms and partial rotary on the [T, heads, D] views of the projection, fused with the K/V store
+        out = self.attn(q, k, v, fb, QKPrep(self.rotary, positions, self.q_norm, self.k_norm))  # [T, Hq * D]
         return self.o_proj(out * torch.sigmoid(gate))
 
 

@@ -1,8 +1,8 @@
 """Training attention: dense SDPA over a padded [B, L] batch with an explicit boolean mask and no KV store.
 
 It provides the one method of the attention-backend interface (specserve.attention.backend) that model code calls,
-`forward(q, k, v, layer, fb)`, so the target (no grad) and the draft (with grad) run their own model code unchanged.
-Paging, metadata and graph capture have no meaning here, so it does not derive from AttentionBackend.
+`forward(q, k, v, layer, fb, prep)`, so the target (no grad) and the draft (with grad) run their own model code
+unchanged. Paging, metadata and graph capture have no meaning here, so it does not derive from AttentionBackend.
 
 Chained drafting (DESIGN §1) runs the draft layer once per depth over the whole batch. To give each depth the keys
 inference would see, the backend can keep the keys and values of earlier depths (with their autograd history) and
@@ -59,8 +59,11 @@ class TrainAttentionBackend:
     def set_mask(self, mask: torch.Tensor) -> None:
         self.mask = mask
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb) -> torch.Tensor:
-        """q [B*L, Hq, D], k/v [B*L, Hkv, D] -> [B*L, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb, prep=None) -> torch.Tensor:
+        """q [B*L, Hq, D], k/v [B*L, Hkv, D] -> [B*L, Hq, D]; prep (layers/attention.py QKPrep): q and k's norms and
+        rotary, applied first by the unfused (differentiable) ops, as there is no store to fuse them with."""
+        if prep is not None:
+            q, k = prep.apply(q, k)
         b, n = self.batch_size, self.seq_len
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         qq = q.view(b, n, hq, d).transpose(1, 2)  # [B, Hq, L, D]
