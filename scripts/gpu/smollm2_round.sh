@@ -35,7 +35,7 @@ case "${1:-}" in
       --speculative-draft-model-path specserve/assets/smollm2-135m-mtp --speculative-ngram-lookup \
       --prompts $D/gsm8k_test.jsonl $D/qa_question.jsonl $D/sum_question.jsonl $D/humaneval_question.jsonl \
       --prompts-per-file 40 --max-new-tokens 256 --accept-steps "" --speed-steps 4 --concurrency 1,8 \
-      --speed-prompts 16 --repeats 3 --context-length 4096 --temperature 0.7 --top-p 0.95 --compare-draft-sampling \
+      --speed-prompts 16 --repeats 2 --context-length 4096 --temperature 0.7 --top-p 0.95 --compare-draft-sampling \
       --output-file "$OUT/bench_qspec.jsonl" 2>&1 | grep -v -i warn | tail -8
     ;;
   sweep)
