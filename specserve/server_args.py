@@ -284,9 +284,9 @@ class ServerArgs:
                "streams (lossless: verification is unchanged); default none, int8 for the embedded model on a CPU")
         a("--speculative-draft-sampling", choices=DRAFT_SAMPLING, default=d["speculative_draft_sampling"].default,
           help="drafts of sampled requests: argmax (the head's greedy token, verified as a one-hot draft: accepted "
-               "with probability p(d)) or sample (drawn from the head's distribution under the request's "
-               "temperature and filters, accepted with probability min(1, p/q)); both lossless. Greedy requests "
-               "always take the argmax")
+               "with probability p(d)) or sample (drawn from the head's distribution over its 32 most likely "
+               "tokens under the request's temperature and filters, accepted with probability min(1, p/q)); both "
+               "lossless. Greedy requests always take the argmax")
         a("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
           help="per decode step, speculate or take a plain step (no drafts; the draft kept in step) from the "
                "measured step times per batch size and the running accept length, so that speculation is not "

@@ -38,7 +38,7 @@ class OracleDraft(nn.Module):
         self.feature_size = hidden_size
         self.vocab = vocab
         self.calls = 0
-        self.logit_calls = 0  # draft_logits calls (sampled drafting)
+        self.logit_calls = 0  # draft_candidates calls (sampled drafting)
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self.calls += 1
@@ -67,13 +67,18 @@ class OracleDraft(nn.Module):
         idx = (hidden[:, 1].long() + 2).clamp(0, self.table.shape[1] - 1)  # draft at p predicts index p + 2
         return self.table[rows, idx]
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """A soft oracle for sampled drafting: logit 2 on the oracle's token, 0 elsewhere -> [T, V] float32 (at
-        temperature 1 and V = 12 the oracle's token gets q = 0.40, so drafts are often other tokens)."""
+    def draft_vocab_size(self) -> int:
+        return self.vocab
+
+    def draft_candidates(self, hidden: torch.Tensor, k: int):
+        """A soft oracle for sampled drafting: logit 2 on the oracle's token, 0 elsewhere (at temperature 1 and
+        V = 12 the oracle's token gets q = 0.40, so drafts are often other tokens) -> its k best, as MTPDraftModel's."""
         self.logit_calls += 1
         tokens = self.draft_tokens(hidden)
-        out = torch.zeros((tokens.shape[0], self.vocab), dtype=torch.float32, device=tokens.device)
-        return out.scatter_(1, tokens[:, None] % self.vocab, 2.0)
+        logits = torch.zeros((tokens.shape[0], self.vocab), dtype=torch.float32, device=tokens.device)
+        logits.scatter_(1, tokens[:, None] % self.vocab, 2.0)
+        vals, ids = logits.topk(k, dim=-1)
+        return vals, ids, torch.logsumexp(logits, dim=-1)
 
     def cache_specs(self) -> list:
         return []  # the oracle attends to nothing, so it keeps no cache

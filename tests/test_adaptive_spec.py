@@ -143,3 +143,15 @@ def test_plain_steps_keep_the_draft_in_step(models):
     assert out2 == out[-1:]
     assert d1 == d1_fresh
     torch.testing.assert_close(hidden, hidden_fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_accept_average_weighs_requests_not_steps():
+    """One batch-1 step with a poor accept length moves the accept average little (a sample of one request), a
+    batch-32 step with the same mean much more: single noisy steps do not flip the policy near break-even."""
+    one, many = AdaptiveSpeculation(), AdaptiveSpeculation()
+    for a in (one, many):
+        a.record(1, False, 0.010, 3.0)
+    one.record(1, False, 0.010, 1.0)
+    many.record(32, False, 0.010, 1.0)
+    assert 2.9 < one.tokens_per_spec < 3.0
+    assert many.tokens_per_spec < 2.2

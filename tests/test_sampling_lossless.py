@@ -80,7 +80,7 @@ def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu
              drafts_drawn: list | None = None, **spec) -> np.ndarray:
     """graphed_steps: if a list, receives the one-graph spec step's (greedy, sampled, filtered) replay counts;
     force_plain: a repeating pattern of plain (True) and speculative steps (adaptive speculation); drafts_drawn: if
-    a list, receives how often the drafter's distribution was sampled (draft_logits calls)."""
+    a list, receives how often the drafter's distribution was sampled (draft_candidates calls)."""
     temperature, top_k, top_p = params
     draft = None
     if spec:
@@ -203,7 +203,7 @@ def test_spec_sampling_one_graph_exact_on_gpu(small_vocab_model, params, draft_s
 def test_q_rule_with_one_hot_drafts_is_the_one_hot_rule():
     """accept_sampling_q with one-hot draft distributions gives exactly accept_sampling's tokens (same noise), over
     many rows of random target distributions with zeros (filtered tokens) and drafts both likely and impossible."""
-    from specserve.speculative.accept import accept_sampling, accept_sampling_q, one_hot_probs
+    from specserve.speculative.accept import accept_sampling, accept_sampling_q, one_hot_dist
 
     g = torch.Generator().manual_seed(3)
     bs, n, v = 512, 3, 7
@@ -214,7 +214,7 @@ def test_q_rule_with_one_hot_drafts_is_the_one_hot_rule():
     drafts = torch.randint(0, v, (bs, n), generator=g)
     seeds, base = torch.arange(bs) * 7 + 1, torch.randint(0, 100, (bs,), generator=g)
     a1, v1 = accept_sampling(drafts, probs, seeds, base)
-    a2, v2 = accept_sampling_q(drafts, probs, one_hot_probs(drafts, v), seeds, base)
+    a2, v2 = accept_sampling_q(drafts, probs, *one_hot_dist(drafts, 5), seeds, base)
     assert torch.equal(a1, a2) and torch.equal(v1, v2)
     assert (a1 == 0).sum() > 0 and (a1 == n).sum() > 0  # rejections and full acceptance both occurred
 
@@ -238,3 +238,23 @@ def test_sampled_drafting_keeps_greedy_rows_greedy(small_vocab_model):
     assert draft.logit_calls > 0
     assert all(r.output_ids == want for r in reqs[1::2])
     assert any(r.output_ids != want for r in reqs[0::2])  # the sampled ones sampled
+
+
+def test_candidate_probs_is_the_sampler_filter_over_the_candidates():
+    """With every token a candidate, a sampled draft's distribution (speculative/draft_state.candidate_probs) is
+    the sampler's own (layers/sampler.probs_from_logits) under temperature, top-k, top-p, min-p and greedy rows."""
+    from specserve.layers.sampler import SamplingBatch, probs_from_logits
+    from specserve.speculative.draft_state import candidate_probs
+
+    g = torch.Generator().manual_seed(7)
+    rows, v = 6, 20
+    logits = torch.randn(rows, v, generator=g) * 2
+    f = lambda x, dt=torch.float32: torch.tensor(x, dtype=dt)  # noqa: E731
+    sb = SamplingBatch(f([0.7, 1.0, 1.3, 0.0, 0.9, 0.5]), f([0.9, 1.0, 0.5, 1.0, 1.0, 0.8]),
+                       f([v, 5, v, v, 3, v], torch.int64), f([0.0, 0.0, 0.0, 0.0, 0.0, 0.1]),
+                       f([1, 2, 3, 4, 5, 6], torch.int64), f([False, False, False, True, False, False], torch.bool),
+                       all_greedy=False, need_filter=True)
+    vals, ids = logits.topk(v, dim=-1)
+    dense = torch.zeros(rows, v).scatter_(1, ids, candidate_probs(vals, sb))
+    torch.testing.assert_close(dense, probs_from_logits(logits, sb), atol=1e-6, rtol=1e-5)
+    assert (dense > 0).sum(1).tolist()[3] == 1 and (dense > 0).sum(1).tolist()[4] <= 3  # greedy; top-k 3

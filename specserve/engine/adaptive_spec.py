@@ -5,7 +5,9 @@ Estimates, per batch-size bucket (the batch size rounded up to a power of two):
 - the wall time of a speculative step and of a plain step (exponential moving averages of what the scheduler
   measures around each step, host sync included: the real cost, graphs or not);
 - tokens per speculative step per request (accepted drafts + 1), one moving average over all buckets (acceptance
-  depends on the text, not the batch size).
+  depends on the text, not the batch size) in which every request of a step counts as one sample: at batch 1 one
+  step's accept length (1 to N + 1) is a noisy sample, and a fast average of it let a few short steps hold a
+  policy near break-even on plain steps for whole probe intervals.
 
 A plain step is taken when 1 / t_plain > tokens_per_spec_step / t_spec. A bucket measures speculation first, then
 one plain step; after that every `probe_every`-th step there takes the mode not chosen, so both estimates follow
@@ -26,7 +28,8 @@ def bucket(bs: int) -> int:
 @dataclass
 class AdaptiveSpeculation:
     probe_every: int = 32  # every this many steps in a bucket, one step of the mode not chosen
-    alpha: float = 0.2  # weight of a new measurement in the moving averages
+    alpha: float = 0.2  # weight of a new step time in the moving averages
+    token_alpha: float = 0.02  # weight of one request's tokens of one step in the accept average
     spec_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per speculative step
     plain_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per plain step
     tokens_per_spec: float | None = None  # accepted drafts + 1 per request per speculative step
@@ -54,7 +57,7 @@ class AdaptiveSpeculation:
         return (not plain) if n % self.probe_every == 0 else plain
 
     def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float) -> None:
-        """A finished step: its wall time and (speculative steps) its mean tokens per request."""
+        """A finished step of bs requests: its wall time and (speculative steps) its mean tokens per request."""
         b = bucket(bs)
         table = self.plain_s if plain else self.spec_s
         old = table.get(b)
@@ -64,7 +67,8 @@ class AdaptiveSpeculation:
         else:
             self.num_spec += 1
             t = self.tokens_per_spec
-            self.tokens_per_spec = tokens_per_request if t is None else t + self.alpha * (tokens_per_request - t)
+            a = 1.0 - (1.0 - self.token_alpha) ** max(bs, 1)  # bs samples of weight token_alpha each
+            self.tokens_per_spec = tokens_per_request if t is None else t + a * (tokens_per_request - t)
 
     def summary(self) -> dict:
         """For /get_server_info: the step counts and the estimates per bucket (milliseconds)."""

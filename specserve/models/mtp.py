@@ -129,14 +129,17 @@ class MTPDraftModel(nn.Module):
             hidden = hidden[..., :h].contiguous()
         return (self.lm_head or self._shared[1])(hidden)
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's logits over the target vocabulary: hidden [T, H] -> [T, V] float32, -inf outside a reduced
-        draft vocabulary (the distribution sampled drafts are drawn from)."""
+    def draft_vocab_size(self) -> int:
+        """Vd: the tokens the head can propose (its reduced vocabulary, else the target's)."""
+        return self.draft_vocab.numel() if self.draft_vocab is not None else self.config.vocab_size
+
+    def draft_candidates(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head's k most likely tokens for hidden [T, H] -> (logits [T, k] float32 descending, target ids
+        [T, k], logsumexp of all its logits [T]): what a sampled draft is drawn from (k <= draft_vocab_size())."""
         logits = self.compute_logits(hidden)  # [T, Vd]
-        if self.draft_vocab is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_vocab, logits)
+        vals, idx = logits.topk(k, dim=-1)
+        ids = idx if self.draft_vocab is None else self.draft_vocab[idx]
+        return vals, ids, torch.logsumexp(logits, dim=-1)
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft token ids (target vocabulary) for hidden [T, H] -> [T]. Drafts are deterministic: the

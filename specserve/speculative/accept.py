@@ -59,22 +59,24 @@ def accept_sampling(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tens
     return accept_len, verified
 
 
-def accept_sampling_q(drafts: torch.Tensor, probs: torch.Tensor, q: torch.Tensor, seeds: torch.Tensor,
-                      base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_sampling_q(drafts: torch.Tensor, probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
+                      seeds: torch.Tensor, base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling with the draft distributions. drafts [bs, N]; probs [bs, N+1, V] (the target's, filtered);
-    q [bs, N, V] the distribution each draft was drawn from (one-hot for deterministic drafts); seeds [bs];
-    base_index [bs] = S. Returns (accept_len [bs], verified [bs, N+1]) as accept_sampling does, with the same noise:
-    for one-hot q the two give the same tokens. Fixed-shape device ops only (graph-safe)."""
+    q_ids, q_probs [bs, N, K]: the distribution each draft was drawn from, as K candidate tokens and their
+    probabilities (zero elsewhere; one_hot_dist for deterministic drafts); seeds [bs]; base_index [bs] = S.
+    Returns (accept_len [bs], verified [bs, N+1]) as accept_sampling does, with the same noise: for one-hot
+    distributions the two give the same tokens. Fixed-shape device ops only (graph-safe)."""
     bs, n = drafts.shape
     ar = torch.arange(bs, device=drafts.device)
     j = torch.arange(n, device=drafts.device)
     p_draft = probs[:, :n].gather(-1, drafts[..., None]).squeeze(-1)  # [bs, N]
-    q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)  # [bs, N]
+    q_draft = (q_probs * (q_ids == drafts[..., None])).sum(dim=-1)  # [bs, N]
     u = uniform_noise(seeds[:, None].expand(bs, n), base_index[:, None] + j[None, :] + 1, SALT_ACCEPT, None)
     accepted = (u * q_draft < p_draft).to(torch.int64)  # u < p/q without the division
     accept_len = accepted.cumprod(dim=1).sum(dim=1)  # [bs]
     pk = probs[ar, accept_len]  # [bs, V] distribution at the first rejected (or bonus) position
-    qk = q[ar, accept_len.clamp(max=n - 1)]  # [bs, V]
+    jk = accept_len.clamp(max=n - 1)
+    qk = torch.zeros_like(pk).scatter_add_(1, q_ids[ar, jk], q_probs[ar, jk])  # [bs, V] the rejected draft's q
     rejected = (accept_len < n)[:, None]
     residual = torch.where(rejected, (pk - qk).clamp_min(0.0), pk)
     total = residual.sum(dim=-1, keepdim=True)
@@ -86,11 +88,13 @@ def accept_sampling_q(drafts: torch.Tensor, probs: torch.Tensor, q: torch.Tensor
     return accept_len, verified
 
 
-def one_hot_probs(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """tokens [...] -> [..., V] float32 one-hot: the draft distribution of a deterministic draft (scatter, no host
-    check of the indices: graph-safe)."""
-    out = torch.zeros((*tokens.shape, vocab_size), dtype=torch.float32, device=tokens.device)
-    return out.scatter_(-1, tokens[..., None], 1.0)
+def one_hot_dist(tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft distribution of deterministic drafts tokens [...] as K candidates: (ids [..., K] = the token,
+    probs [..., K] = 1, 0, ..., 0)."""
+    ids = tokens[..., None].expand(*tokens.shape, k).contiguous()
+    probs = torch.zeros(ids.shape, dtype=torch.float32, device=tokens.device)
+    probs[..., 0] = 1.0
+    return ids, probs
 
 
 def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

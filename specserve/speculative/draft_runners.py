@@ -33,7 +33,7 @@ class DraftDecodeRunner(PhaseRunner):
             p2, p1, _ = history_tail(hist, last)
             pattern = (p2, p1, ids)  # (x_{S-1}, x_S, d1): the next draft continues it
         sb = t.draft_sampling
-        tokens, probs = [], []
+        tokens, dists = [], []
         for i in range(self.num_steps):
             fb = self.make_batch(self.mode, t, ids, t.positions + i, t.seq_lens + i, hidden, backends, graph_mode,
                                  t.max_seq_len)
@@ -41,15 +41,16 @@ class DraftDecodeRunner(PhaseRunner):
             if sb is None:
                 ids = self.chooser.draft_tokens(out, hist, last, pattern)
             else:  # the draft at sequence index S + 2 + i, drawn from the head's distribution
-                ids, q = self.chooser.sample_drafts(out, hist, last, sb, t.seq_lens + 1 + i, pattern)
-                probs.append(q)
+                ids, dist = self.chooser.sample_drafts(out, hist, last, sb, t.seq_lens + 1 + i, pattern)
+                dists.append(dist)
             hidden = self.ctx.model.chained(out)  # [bs, H] into the next step
             if pattern is not None:
                 pattern = (pattern[1], pattern[2], ids)
             tokens.append(ids)
         res = {"tokens": torch.stack(tokens, dim=1)}
-        if probs:
-            res["probs"] = torch.stack(probs, dim=1)  # [bs, N-1, V]
+        if dists:  # [bs, N-1, K] each
+            res["q_ids"] = torch.stack([d[0] for d in dists], dim=1)
+            res["q_probs"] = torch.stack([d[1] for d in dists], dim=1)
         return res
 
 
@@ -76,8 +77,9 @@ class DraftExtendRunner(PhaseRunner):
         hist = self.chooser.history_rows(t.req_pool_indices)
         if t.draft_sampling is None:
             return {"tokens": self.chooser.draft_tokens(sel, hist, last), "hidden": self.ctx.model.chained(sel)}
-        tokens, q = self.chooser.sample_drafts(sel, hist, last, t.draft_sampling, last + 1)  # next d1 at last + 1
-        return {"tokens": tokens, "probs": q, "hidden": self.ctx.model.chained(sel)}
+        # the next d1, at sequence index last + 1
+        tokens, (q_ids, q_probs) = self.chooser.sample_drafts(sel, hist, last, t.draft_sampling, last + 1)
+        return {"tokens": tokens, "q_ids": q_ids, "q_probs": q_probs, "hidden": self.ctx.model.chained(sel)}
 
 
 class DraftExtendPlainRunner(DraftExtendRunner):

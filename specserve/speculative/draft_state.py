@@ -4,7 +4,10 @@
 chains into d2, with context lookup the row's token history, and with sampled drafting the distribution d1 was drawn
 from. `DraftChooser` turns draft hidden states into draft tokens: the head's greedy token, or the context lookup's
 continuation (speculative/ngram.py); for sampled rows under `--speculative-draft-sampling sample`, a token drawn
-from the head's own distribution (the row's temperature and filters applied to the head's logits).
+from the head's own distribution over its DRAFT_CANDIDATES most likely tokens (the row's temperature, top-k, top-p
+and min-p applied among them). Any draft distribution keeps verification exact as long as it is the one the draft
+was drawn from; keeping it to a few candidates makes drawing, storing and verifying it cheap (no pass over the
+vocabulary but the head's own top-k).
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.noise import SALT_DRAFT
-from specserve.layers.sampler import SamplingBatch, probs_from_logits, sample_from_probs
-from specserve.speculative.accept import one_hot_probs
+from specserve.layers.sampler import SamplingBatch, sample_from_probs
+from specserve.speculative.accept import one_hot_dist
 from specserve.speculative.ngram import history_tail, lookup_drafts
+
+DRAFT_CANDIDATES = 32  # candidate tokens of a sampled draft's distribution (fewer when the draft vocabulary is)
 
 
 @dataclass
@@ -24,30 +29,39 @@ class DraftState:
     draft_token: torch.Tensor  # [rows] d1 for the next spec step
     draft_hidden: torch.Tensor  # [rows, H] the draft hidden state that chains into d2
     tokens: torch.Tensor | None = None  # [rows, row width + 1] token history (context lookup drafting only)
-    # [rows, V] float32: the distribution d1 was drawn from (sampled drafting only; one-hot for a deterministic d1).
-    # Read by sampled rows only: greedy rows accept exactly when d1 is the argmax whatever q says, so batches of
-    # greedy rows need not keep it.
-    draft_probs: torch.Tensor | None = None
+    # sampled drafting only: the distribution d1 was drawn from, as K candidate ids [rows, K] and probabilities
+    # [rows, K] float32 (one-hot for a deterministic d1). Read by sampled rows only: greedy rows accept exactly when
+    # d1 is the argmax whatever q says, so batches of greedy rows need not keep it.
+    q_ids: torch.Tensor | None = None
+    q_probs: torch.Tensor | None = None
 
     @staticmethod
     def allocate(rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 history_width: int | None, vocab_size: int | None = None) -> DraftState:
-        """history_width: columns of the token history (None: context lookup off); vocab_size: the target's
-        vocabulary when drafts may be sampled (None: drafts are deterministic)."""
+                 history_width: int | None, candidates: int | None = None) -> DraftState:
+        """history_width: columns of the token history (None: context lookup off); candidates: K of a sampled
+        draft's distribution (None: drafts are deterministic)."""
+        k = candidates or 0
         return DraftState(
             draft_token=torch.zeros(rows, dtype=torch.int64, device=device),
             draft_hidden=torch.zeros((rows, hidden_size), dtype=dtype, device=device),
             tokens=(None if history_width is None
                     else torch.full((rows, history_width), -1, dtype=torch.int64, device=device)),
-            draft_probs=(None if vocab_size is None
-                         else torch.zeros((rows, vocab_size), dtype=torch.float32, device=device)),
+            q_ids=torch.zeros((rows, k), dtype=torch.int64, device=device) if k else None,
+            q_probs=torch.zeros((rows, k), dtype=torch.float32, device=device) if k else None,
         )
 
-    def set_d1(self, rows: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
-        """d1 of rows [B] and, with sampled drafting, its distribution (probs [B, V]; None: one-hot)."""
+    @property
+    def sampled_drafting(self) -> bool:
+        return self.q_ids is not None
+
+    def set_d1(self, rows: torch.Tensor, tokens: torch.Tensor,
+               dist: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """d1 of rows [B] and, with sampled drafting, its distribution (ids, probs [B, K]; None: one-hot)."""
         self.draft_token[rows] = tokens
-        if self.draft_probs is not None:
-            self.draft_probs[rows] = probs if probs is not None else one_hot_probs(tokens, self.draft_probs.shape[1])
+        if self.q_ids is not None:
+            ids, probs = dist if dist is not None else one_hot_dist(tokens, self.q_ids.shape[1])
+            self.q_ids[rows] = ids
+            self.q_probs[rows] = probs
 
 
 @dataclass
@@ -57,6 +71,7 @@ class DraftChooser:
     model: torch.nn.Module
     token_history: torch.Tensor | None = None  # [rows, W] (DraftState.tokens)
     lookup_confidence: float = 0.5
+    candidates: int = DRAFT_CANDIDATES  # K of a sampled draft's distribution
 
     def history_rows(self, rows: torch.Tensor) -> torch.Tensor | None:
         """The token history of page-table rows [B] -> [B, W] (None when context lookup is off)."""
@@ -75,22 +90,40 @@ class DraftChooser:
 
     def sample_drafts(self, hidden: torch.Tensor, hist: torch.Tensor | None, last: torch.Tensor, sb: SamplingBatch,
                       positions: torch.Tensor, pattern: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft tokens drawn from the head's own distribution for hidden [B, H] -> (tokens [B], q [B, V]).
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Draft tokens drawn from the head's own distribution for hidden [B, H] -> (tokens [B], (ids, probs)
+        [B, K]: the distribution each was drawn from).
 
-        q is the head's logits (over the target vocabulary) under each row's temperature, top-k, top-p and min-p
-        (sb), one-hot at the argmax for greedy rows; the token at sequence index positions [B] is drawn from q with
-        its own noise (SALT_DRAFT). With context lookup, a row whose continuation wins (the same test as
-        draft_tokens: the head's top probability below the confidence) takes it with a one-hot q."""
-        logits = self.model.draft_logits(hidden)  # [B, V] float32
-        q = probs_from_logits(logits, sb)  # [B, V]
-        tokens = sample_from_probs(q, sb.seeds, positions, SALT_DRAFT)
+        The distribution is the head's K most likely tokens under each row's temperature, top-k, top-p and min-p
+        (candidate_probs; one-hot at the argmax for greedy rows); the token at sequence index positions [B] is drawn
+        with its own noise (SALT_DRAFT). With context lookup, a row whose continuation wins (the same test as
+        draft_tokens: the head's top probability below the confidence) takes it with a one-hot distribution."""
+        vals, ids, lse = self.model.draft_candidates(hidden, self.candidates)  # [B, K] descending, [B]
+        q = candidate_probs(vals, sb)  # [B, K]
+        tokens = ids.gather(1, sample_from_probs(q, sb.seeds, positions, SALT_DRAFT)[:, None]).squeeze(1)  # [B]
         if hist is None:
-            return tokens, q
-        conf = torch.softmax(logits, dim=-1).amax(dim=-1)  # the head's top probability, as draft_tokens uses
+            return tokens, (ids, q)
+        conf = torch.exp(vals[:, 0] - lse)  # the head's top probability, as draft_tokens uses
         pattern = pattern if pattern is not None else history_tail(hist, last)
         cont = lookup_drafts(hist, last, *pattern, torch.full_like(tokens, -1), conf, self.lookup_confidence)
         chosen = cont >= 0  # [B] the continuation won
         tokens = torch.where(chosen, cont, tokens)
-        q = torch.where(chosen[:, None], one_hot_probs(cont.clamp(min=0), q.shape[1]), q)
-        return tokens, q
+        oh_ids, oh_probs = one_hot_dist(tokens, ids.shape[1])
+        return tokens, (torch.where(chosen[:, None], oh_ids, ids), torch.where(chosen[:, None], oh_probs, q))
+
+
+def candidate_probs(vals: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """A sampled draft's distribution over its K candidates: vals [B, K] the head's candidate logits in descending
+    order -> probs [B, K] summing to 1: softmax at the row's temperature, then the row's top-k, top-p and min-p
+    among the candidates (the same rules as layers/sampler.py's filter); one-hot at candidate 0 for greedy rows."""
+    temp = torch.where(sb.greedy, torch.ones_like(sb.temperature), sb.temperature)
+    p = torch.softmax(vals / temp[:, None], dim=-1)  # [B, K], descending like vals
+    ranks = torch.arange(p.shape[1], device=p.device)[None, :]
+    drop = ranks >= sb.top_k[:, None]
+    drop |= (p.cumsum(dim=-1) - p) > sb.top_p[:, None]
+    drop |= p < sb.min_p[:, None] * p[:, :1]
+    drop[:, 0] = False  # the most likely candidate always survives
+    p = p.masked_fill(drop, 0.0)
+    p = p / p.sum(dim=-1, keepdim=True)
+    first = (ranks == 0).to(p.dtype).expand_as(p)
+    return torch.where(sb.greedy[:, None], first, p)

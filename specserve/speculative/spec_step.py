@@ -29,7 +29,7 @@ import torch
 from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import LiveInputs, stage_step
 from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits, sample
-from specserve.speculative.accept import accept_sampling_q, one_hot_probs, verify_greedy, verify_sampling
+from specserve.speculative.accept import accept_sampling_q, one_hot_dist, verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
     from specserve.speculative.worker import SpecWorker
@@ -57,7 +57,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     bs = rows.shape[0]
     dev = rows.device
     row_state = w.state
-    q_mode = row_state.draft_probs is not None and not sb.all_greedy
+    q_mode = row_state.sampled_drafting and not sb.all_greedy
 
     # 1. draft decode: d2..dN from (g, d1) at sequence indices S .. S+N-2
     d1 = row_state.draft_token[rows]  # [bs]
@@ -87,11 +87,14 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     else:
         probs = probs_from_logits(logits.reshape(bs * width, -1), sb.repeat(width)).view(bs, width, -1)
         if q_mode:  # the distributions the drafts were drawn from: d1's kept from the last step, then the loop's
-            vocab = probs.shape[-1]
-            qs = [row_state.draft_probs[rows][:, None]]  # [bs, 1, V]
+            q_ids, q_probs = [row_state.q_ids[rows][:, None]], [row_state.q_probs[rows][:, None]]  # [bs, 1, K]
             if n > 1:
-                qs.append(dd["probs"] if "probs" in dd else one_hot_probs(more, vocab))  # [bs, N-1, V]
-            accept_len, verified = accept_sampling_q(drafts, probs, torch.cat(qs, dim=1), sb.seeds, s)
+                more_ids, more_probs = ((dd["q_ids"], dd["q_probs"]) if "q_ids" in dd
+                                        else one_hot_dist(more, row_state.q_ids.shape[1]))  # [bs, N-1, K]
+                q_ids.append(more_ids)
+                q_probs.append(more_probs)
+            accept_len, verified = accept_sampling_q(drafts, probs, torch.cat(q_ids, dim=1), torch.cat(q_probs, dim=1),
+                                                     sb.seeds, s)
         else:
             accept_len, verified = verify_sampling(drafts, probs, sb.seeds, s)
 
@@ -106,7 +109,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
                       hidden=hidden.reshape(bs * width, -1), draft_sampling=draft_sb)
     ext = phase("draft_extend", live)
     if q_mode:
-        row_state.set_d1(rows, ext["tokens"], ext.get("probs"))
+        row_state.set_d1(rows, ext["tokens"], (ext["q_ids"], ext["q_probs"]) if "q_ids" in ext else None)
     else:
         row_state.draft_token[rows] = ext["tokens"]
     row_state.draft_hidden[rows] = ext["hidden"].to(row_state.draft_hidden.dtype)

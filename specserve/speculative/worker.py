@@ -33,7 +33,7 @@ from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import SamplingBatch
 from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendPlainRunner, DraftExtendRunner
-from specserve.speculative.draft_state import DraftChooser, DraftState
+from specserve.speculative.draft_state import DRAFT_CANDIDATES, DraftChooser, DraftState
 from specserve.speculative.spec_step import SpecStepRunner, spec_step_device
 
 
@@ -95,10 +95,11 @@ class SpecWorker:
         row_width = target_ctx.req_to_token.width
         # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
         self.draft_sampling = s.draft_sampling
-        vocab = target_ctx.model.config.vocab_size if s.draft_sampling else None
+        # candidates of a sampled draft's distribution
+        k = min(DRAFT_CANDIDATES, draft.draft_vocab_size()) if s.draft_sampling else DRAFT_CANDIDATES
         self.state = DraftState.allocate(rows, target_ctx.hidden_size, target_ctx.dtype, self.device,
-                                         row_width + 1 if s.ngram_lookup else None, vocab)
-        self.chooser = DraftChooser(draft, self.state.tokens, s.lookup_confidence)
+                                         row_width + 1 if s.ngram_lookup else None, k if s.draft_sampling else None)
+        self.chooser = DraftChooser(draft, self.state.tokens, s.lookup_confidence, k)
         self.ctx = RunnerContext(draft, target_ctx.req_to_token, make_backends(self.caches), self.device,
                                  target_ctx.hidden_size, target_ctx.dtype, target_ctx.mrope,
                                  target_ctx.graph_max_seq_len)
