@@ -174,3 +174,24 @@ def test_adaptive_plain_steps_gpu(tiny_models, pattern):
     assert spec.stats.spec_plain_steps > 0 and mr.runners["target_decode"].replays > 0
     spec.check_idle_invariants()
 
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_plain_step_graph_gpu(tiny_models, temperature):
+    """Plain decoding on CUDA runs as the one-graph plain step (decode, sampling, last-token update captured
+    together): the same tokens as with CUDA graphs off (sampling noise is counter-based), greedy and sampled with a
+    filter, through shrinking batches (requests of different lengths)."""
+    from specserve import Engine
+
+    prompts = _prompts(5)
+    sp = [{"max_new_tokens": 8 + 3 * i, "temperature": temperature, "top_p": 0.9, "top_k": 50, "ignore_eos": True,
+           "seed": i} for i in range(len(prompts))]
+    outs = []
+    for off in (False, True):
+        eng = Engine(model_path=tiny_models["llama"], max_total_tokens=4096, disable_cuda_graph=off,
+                     cuda_graph_bs=CAPTURE, dtype="float32")
+        outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)])
+        one = eng.core.model_runner.plain_step
+        assert bool(one.graphs) != off and (one.replays > 0) != off
+        eng.core.scheduler.check_idle_invariants()
+    assert outs[0] == outs[1]

@@ -22,7 +22,7 @@ from specserve.kernels import reference as ref
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.manager import KVHandle
 from specserve.kvcache.req_to_token import ReqToTokenPool
-from specserve.layers.sampler import GREEDY
+from specserve.layers.sampler import GREEDY, SamplingBatch, sample
 from specserve.models.dense import DenseForCausalLM
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.server_args import ServerArgs
@@ -353,3 +353,56 @@ def test_one_graph_spec_step_mrope_text(tiny_models):
     mr = ModelRunner(args, m3, cfg3, draft, torch.device("cpu"), torch.float32, 512)
     assert mr.spec.runners["target_verify"].ctx.mrope and mr.spec.runners["draft_extend"].ctx.mrope
     check_one_graph_step(mr, [3, 1, 4], 1e-5)
+
+
+def _plain_runner(path, page_size=1):
+    t = load_target(ModelSource.resolve(path), torch.float32, torch.device("cpu"), 600)
+    args = ServerArgs(model_path=path, page_size=page_size, max_total_tokens=8192, max_running_requests=16,
+                      cuda_graph_bs=CAPTURE)
+    mr = ModelRunner(args, t.model, t.config, None, torch.device("cpu"), torch.float32, 512)
+    g = torch.Generator().manual_seed(0)
+    for cache in token_caches(mr.caches):
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    return mr
+
+
+def _sampling(bs: int, vocab: int, seed: int) -> SamplingBatch:
+    """Mixed rows: greedy, temperature only, and filtered (top-k, top-p, min-p)."""
+    g = torch.Generator().manual_seed(seed)
+    kind = torch.arange(bs) % 3  # 0 greedy, 1 temperature, 2 filtered
+    return SamplingBatch(temperature=torch.where(kind == 0, 0.0, 0.8), top_p=torch.where(kind == 2, 0.9, 1.0),
+                         top_k=torch.where(kind == 2, 20, vocab), min_p=torch.where(kind == 2, 0.05, 0.0),
+                         seeds=torch.randint(0, 1 << 30, (bs,), generator=g), greedy=kind == 0, all_greedy=False,
+                         need_filter=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_plain_step_graph_equals_eager_decode(tiny_models, page_size, sampled):
+    """The plain decode step as one captured function (graphs/step_graph.py PlainStepRunner: a CUDA graph, or
+    static replay on CPU) against the decode runner run eagerly plus sampling: tokens, last tokens and the KV pool
+    (padded rows must not touch a live row), over shrinking then growing batch sizes, greedy or mixed sampling."""
+    mr = _plain_runner(tiny_models["qwen3"], page_size)
+    one, decode = mr.plain_step, mr.runners["decode"]
+    vocab = mr.cfg.vocab_size
+    for i, bs in enumerate([7, 5, 3, 1, 2, 8, 6]):
+        handles, rows, s = _requests(mr, bs, 0, seed=70 + i)
+        mr.last_token[rows] = torch.randint(0, vocab, (bs,), generator=torch.Generator().manual_seed(i))
+        sb = _sampling(bs, vocab, i) if sampled else GREEDY
+        before = [c.clone() for c in token_caches(mr.caches)] + [mr.last_token.clone()]
+        live = LiveInputs(bs, mr.last_token[rows], s, rows, s + 1, int(s.max()) + 1)
+        logits = decode.forward_phase(live, decode.eager_backends, graph_mode=False)["logits"]
+        want = sample(logits, sb, s + 1)
+        want_caches = [c.clone() for c in token_caches(mr.caches)]
+        for c, b in zip(token_caches(mr.caches) + [mr.last_token], before):
+            c.copy_(b)
+        assert one.covers(bs, sb)
+        replays = one.replays
+        got = one.run(rows.tolist(), s.tolist(), s.tolist(), sb)
+        assert one.replays == replays + 1 and (one.filtered if sampled else one.ladder).replays > 0
+        assert torch.equal(got, want), f"bs={bs}"
+        assert torch.equal(mr.last_token[rows], want)
+        for c, w in zip(token_caches(mr.caches), want_caches):
+            torch.testing.assert_close(c[1:], w[1:], rtol=1e-5, atol=1e-5, msg=f"bs={bs}")  # slot 0: padding's
+        for h in handles:
+            mr.kv.release(h)

@@ -33,6 +33,7 @@ from specserve.graphs.phase_runners import (
     TargetVerifyRunner,
 )
 from specserve.graphs.prefill import PrefillRunner
+from specserve.graphs.step_graph import PlainStepRunner
 from specserve.kvcache.allocator import PageAllocator
 from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token
 from specserve.kvcache.caches import ModelCaches
@@ -127,8 +128,10 @@ class ModelRunner:
         prefill_rows = min(self.max_running, _PREFILL_GRAPH_ROWS)
         self.spec: SpecWorker | None = None  # the speculative worker: draft model, pools, runners, state
         self.adaptive_spec = False  # plain steps may replace speculative ones (resolved below when speculating)
+        self.plain_step: PlainStepRunner | None = None  # a plain decode step as one graph (graphs/step_graph.py)
         if draft is None:
             self.runners["decode"] = DecodeRunner(tctx, 1, capture, self.use_graphs)
+            self.plain_step = PlainStepRunner(self.runners["decode"], self.last_token, capture, self.use_graphs)
         else:
             n = self.num_steps
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
@@ -247,7 +250,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
-        items = list(self.runners.values()) + [self.prefill] + (self.spec.graph_runners() if self.spec else [])
+        items = (list(self.runners.values()) + ([self.plain_step] if self.plain_step is not None else [])
+                 + [self.prefill] + (self.spec.graph_runners() if self.spec else []))
         plain = {id(r) for r in self._plain_step_runners()}
         # No garbage collection during capture: a collected cycle that frees CUDA tensors of an earlier runner
         # makes the allocator query events, which invalidates the capture.

@@ -97,7 +97,13 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
 
 @torch.inference_mode()
 def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
-    """Plain decode: one token per request through the decode runner (graph), then sampling."""
+    """Plain decode: one token per request — as one graph (decode, sampling, last-token update) when the batch fits
+    the plain-step graphs, else through the decode runner (graph), then sampling."""
+    sb = sampling_batch(mr, reqs)
+    one = mr.plain_step
+    if one is not None and one.covers(len(reqs), sb):
+        return one.run([r.kv.row for r in reqs], [r.seq_len for r in reqs],
+                       [r.seq_len + r.mrope_delta for r in reqs], sb).tolist()
     dev = mr.device
     rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
     s_host = [r.seq_len for r in reqs]
@@ -105,7 +111,7 @@ def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
     live = LiveInputs(batch_size=len(reqs), input_ids=mr.last_token[rows], positions=s + rope_offsets(reqs, dev),
                       req_pool_indices=rows, seq_lens=s + 1, max_seq_len=max(s_host) + 1)
     logits = mr.runners["decode"].run(live)["logits"]
-    tokens = sample(logits, sampling_batch(mr, reqs), s + 1)
+    tokens = sample(logits, sb, s + 1)
     mr.last_token[rows] = tokens
     return tokens.tolist()
 

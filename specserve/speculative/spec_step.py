@@ -20,14 +20,13 @@ vocabulary per verified position, skipped when no row filters). All three share 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.graphs.capture import GraphLadder, LadderRunner
-from specserve.graphs.padding import LiveInputs, stage_step
+from specserve.graphs.padding import LiveInputs
+from specserve.graphs.step_graph import StepGraphRunner
 from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits, sample
 from specserve.speculative.accept import accept_sampling_q, one_hot_dist, verify_greedy, verify_sampling
 
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from specserve.speculative.worker import SpecWorker
 
 PhaseFn = Callable[[str, LiveInputs], dict[str, torch.Tensor]]
-logger = logging.getLogger(__name__)
 
 
 def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch.Tensor, pos0: torch.Tensor,
@@ -117,47 +115,19 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     return accept_len, verified
 
 
-class SpecStepRunner(LadderRunner):
+class SpecStepRunner(StepGraphRunner):
     """The speculative step as one graph per captured batch size and sampling kind (CPU: the same function run
-    eagerly over the static inputs, as the phase runners' static replay). Output: [bs, 1 + N + 1] = accept_len,
-    verified. `ladder` holds the greedy graphs; `sampled` and `filtered` the sampling ones."""
+    eagerly over the static inputs, as the phase runners' static replay; graphs/step_graph.py). Output:
+    [bs, 1 + N + 1] = accept_len, verified."""
 
     name = "spec_step"
 
     def __init__(self, worker: SpecWorker, capture_bs: list[int], use_graphs: bool):
+        verify_ctx = worker.runners["target_verify"].ctx
+        # the target's vocabulary: it is what is sampled
+        super().__init__(capture_bs, use_graphs, worker.device, verify_ctx.model.config.vocab_size,
+                         verify_ctx.graph_max_seq_len, worker.num_steps + 1)
         self.worker = worker
-        self.graph_max_seq_len = worker.runners["target_verify"].ctx.graph_max_seq_len
-        self.capture_bs = sorted(capture_bs)
-        self.max_bs = self.capture_bs[-1] if self.capture_bs else 0
-        self.use_graphs = use_graphs and self.max_bs > 0
-        dev = worker.device
-        self.ladder = GraphLadder(self.capture_bs, dev, self.use_graphs)
-        self.sampled = GraphLadder(self.capture_bs, dev, self.use_graphs)
-        self.filtered = GraphLadder(self.capture_bs, dev, self.use_graphs)
-        # static inputs: page-table row, S and the rope position of S, per request
-        self.inputs = torch.zeros((3, max(self.max_bs, 1)), dtype=torch.int64, device=dev)
-        vocab = worker.runners["target_verify"].ctx.model.config.vocab_size  # the target's: it is what is sampled
-        self.sampling = _SamplingBuffers(max(self.max_bs, 1), vocab, dev)
-
-    @property
-    def graphs(self) -> dict:
-        """Every captured graph of the three kinds (keyed by (kind, batch size))."""
-        return {(kind, bs): g for kind, lad in (("greedy", self.ladder), ("sampled", self.sampled),
-                                                ("filtered", self.filtered)) for bs, g in lad.graphs.items()}
-
-    @property
-    def replays(self) -> int:
-        return self.ladder.replays + self.sampled.replays + self.filtered.replays
-
-    def covers(self, bs: int, sb: SamplingBatch = GREEDY) -> bool:
-        """Whether a batch of bs requests with this sampling runs as one graph (on CPU: one static replay)."""
-        if not (self.use_graphs and bs <= self.max_bs):
-            return False
-        ladder = self._ladder(sb)
-        return ladder.enabled or not ladder.on_cuda
-
-    def padded_bs(self, bs: int) -> int:
-        return self.ladder.padded(bs)
 
     def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
         """inputs [3, pbs] (rows, S, rope position of S) -> [pbs, N + 2]; each phase's forward with its runner's
@@ -173,74 +143,3 @@ class SpecStepRunner(LadderRunner):
         accept_len, verified = spec_step_device(self.worker, phase, inputs[0], inputs[1], inputs[2], max_s, sb,
                                                 draft_sb)
         return torch.cat((accept_len[:, None], verified), dim=1)
-
-    def _ladder(self, sb: SamplingBatch) -> GraphLadder:
-        return self.ladder if sb.all_greedy else (self.filtered if sb.need_filter else self.sampled)
-
-    @torch.inference_mode()
-    def capture(self, pool):
-        # the key-length bound of every phase is then the graph bound, as in the phase runners' own graphs
-        max_s = self.graph_max_seq_len - (self.worker.num_steps + 1)
-        for kind in (None, False, True):  # greedy, sampled, sampled with the filter
-            def prepare(pbs: int, kind=kind):
-                stage_step(self.inputs, [], [], [], pbs)  # every row padded
-                self.sampling.stage(None, pbs)
-                inputs = self.inputs[:, :pbs]
-                sb = GREEDY if kind is None else self.sampling.batch(pbs, need_filter=kind)
-                return lambda: self.forward(inputs, max_s, sb)
-
-            ladder = self.ladder if kind is None else (self.filtered if kind else self.sampled)
-            try:
-                pool = ladder.capture(prepare, pool)
-            except RuntimeError as e:
-                if kind is None:
-                    raise
-                # The sampling graphs are an optimisation over the phase-by-phase path: a capture failure there
-                # (first seen on a new device or torch) leaves sampled batches on the phases' own graphs.
-                logger.warning("sampled spec-step graphs not captured (%s); sampled batches run phase by phase", e)
-                ladder.sizes, ladder.graphs, ladder.outputs = [], {}, {}
-        return pool
-
-    @torch.inference_mode()
-    def run(self, rows: list[int], seq_lens: list[int], pos0: list[int], sb: SamplingBatch = GREEDY) -> torch.Tensor:
-        """Host lists of the running requests (bs <= max_bs) and their sampling batch -> [bs, N + 2] on the
-        device."""
-        bs = len(rows)
-        pbs = self.padded_bs(bs)
-        stage_step(self.inputs, rows, seq_lens, pos0, pbs)
-        static_sb = GREEDY
-        if not sb.all_greedy:
-            self.sampling.stage(sb, pbs)
-            static_sb = self.sampling.batch(pbs, sb.need_filter)
-        out = self._ladder(sb).replay(pbs, lambda: self.forward(self.inputs[:, :pbs], max(seq_lens), static_sb))
-        return out[:bs]
-
-
-class _SamplingBuffers:
-    """Per-row sampling parameters as static graph inputs. Padded rows are greedy (temperature 1, no filter), so
-    they cost no sampling and can never produce NaNs."""
-
-    def __init__(self, max_bs: int, vocab_size: int, device: torch.device):
-        f = lambda v: torch.full((max_bs,), v, dtype=torch.float32, device=device)
-        self.vocab_size = vocab_size
-        self.temperature, self.top_p, self.min_p = f(1.0), f(1.0), f(0.0)
-        self.top_k = torch.full((max_bs,), vocab_size, dtype=torch.int64, device=device)
-        self.seeds = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.greedy = torch.ones(max_bs, dtype=torch.bool, device=device)
-
-    def stage(self, sb: SamplingBatch | None, pbs: int) -> None:
-        """Copy a live batch's rows in (None: none) and reset rows bs..pbs-1 to the padding values."""
-        bs = 0 if sb is None else sb.temperature.shape[0]
-        if sb is not None:
-            for name in ("temperature", "top_p", "top_k", "min_p", "seeds", "greedy"):
-                getattr(self, name)[:bs].copy_(getattr(sb, name))
-        self.temperature[bs:pbs].fill_(1.0)
-        self.top_p[bs:pbs].fill_(1.0)
-        self.min_p[bs:pbs].fill_(0.0)
-        self.top_k[bs:pbs].fill_(self.vocab_size)
-        self.seeds[bs:pbs].zero_()
-        self.greedy[bs:pbs].fill_(True)
-
-    def batch(self, pbs: int, need_filter: bool) -> SamplingBatch:
-        return SamplingBatch(self.temperature[:pbs], self.top_p[:pbs], self.top_k[:pbs], self.min_p[:pbs],
-                             self.seeds[:pbs], self.greedy[:pbs], all_greedy=False, need_filter=need_filter)
