@@ -2,7 +2,10 @@
 # GPU checks written in a session that had no device time left to run them:
 #   adaptive  the adaptive-speculation plain-step graphs and forced interleavings (on by default on CUDA), dense and
 #             GLM-5, then the dense GPU tests for regressions;
-#   tp        tensor parallelism over NCCL (needs a kind with 2+ GPUs): tests/test_gpu_tp.py.
+#   tp        tensor parallelism over NCCL (needs a kind with 2+ GPUs): tests/test_gpu_tp.py;
+#   gptfast   plain decode at batch 1 against gpt-fast side by side (issue 17 item 2): carry `.gpt-fast/` holding
+#             gpt-fast's model.py (copied from a checkout; the folder is ignored, never committed);
+#   plain     the one-graph plain step on CUDA (tests/test_gpu.py -k plain_step) and the phase benchmark's plain step.
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -13,5 +16,15 @@ case "${1:-}" in
     timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_tp.py 2>&1 | tee "$OUT/gpu_tp.log" \
       | grep -v -i warn | tail -20
     ;;
-  *) echo "usage: $0 adaptive|tp" >&2; exit 2 ;;
+  gptfast)
+    timeout 580 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast --output-file "$OUT/vs_gpt_fast.jsonl" 2>&1 \
+      | grep -v -i warn | tail -6
+    ;;
+  plain)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k "plain_step or graphs_on_and_off" \
+      2>&1 | grep -v -i warn | tail -6
+    timeout 300 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1,32 --iters 30 2>&1 \
+      | grep -v -i warn | tail -20
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain" >&2; exit 2 ;;
 esac
