@@ -37,26 +37,8 @@ def accept_sampling(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tens
     """Rejection sampling. drafts [bs, N]; probs [bs, N+1, V] (already temperature/top-k/top-p/min-p filtered);
     seeds [bs]; base_index [bs] = S, the sequence index of the first verified input token.
 
-    Returns (accept_len [bs], verified [bs, N+1]) as accept_greedy does."""
-    bs, n = drafts.shape
-    ar = torch.arange(bs, device=drafts.device)
-    j = torch.arange(n, device=drafts.device)
-    p_draft = probs[:, :n].gather(-1, drafts[..., None]).squeeze(-1)  # [bs, N]
-    u = uniform_noise(seeds[:, None].expand(bs, n), base_index[:, None] + j[None, :] + 1, SALT_ACCEPT, None)
-    accepted = (u < p_draft).to(torch.int64)
-    accept_len = accepted.cumprod(dim=1).sum(dim=1)  # [bs]
-    pk = probs[ar, accept_len]  # [bs, V] distribution at the first rejected (or bonus) position
-    rejected = accept_len < n
-    d_rej = drafts[ar, accept_len.clamp(max=n - 1)]
-    residual = pk.clone()
-    residual[ar, d_rej] = torch.where(rejected, torch.zeros_like(p_draft[:, 0]), residual[ar, d_rej])
-    total = residual.sum(dim=-1, keepdim=True)
-    # A rejection implies p(d) < 1, so the residual has mass; the guard only absorbs rounding.
-    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), pk)
-    new_tok = sample_from_probs(residual, seeds, base_index + accept_len + 1)
-    verified = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)  # [bs, N+1]
-    verified[ar, accept_len] = new_tok
-    return accept_len, verified
+    Returns (accept_len [bs], verified [bs, N+1]) as accept_greedy does: accept_sampling_q with one-hot drafts."""
+    return accept_sampling_q(drafts, probs, *one_hot_dist(drafts, 1), seeds, base_index)
 
 
 def accept_sampling_q(drafts: torch.Tensor, probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
