@@ -27,8 +27,12 @@ def _generate(path: str, backend: str, **kw) -> list[list[int]]:
     reqs = _run(sched, prompts, new=NEW)  # greedy, ignore_eos; checks the pool is back to its start
     spec = sched.mr.spec
     runners = (spec.runners if spec is not None else sched.mr.runners).values()
-    # the graph-metadata path ran (static replay on CPU): greedy spec steps run every phase inside the one-graph step
-    replayed = [spec.spec_step] if spec is not None and spec.spec_step is not None else list(runners)
+    # the graph-metadata path ran (static replay on CPU): greedy spec steps run every phase inside the one-graph
+    # step, plain decode steps inside the one-graph plain step
+    if spec is None:
+        replayed = [sched.mr.plain_step]
+    else:
+        replayed = [spec.spec_step] if spec.spec_step is not None else list(runners)
     assert all(r.replays > 0 for r in replayed)
     if backend == "triton":
         assert all(isinstance(r.backends[CacheKind.MHA], TritonAttentionBackend) for r in runners)
