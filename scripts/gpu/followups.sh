@@ -5,7 +5,10 @@
 #   tp        tensor parallelism over NCCL (needs a kind with 2+ GPUs): tests/test_gpu_tp.py;
 #   gptfast   plain decode at batch 1 against gpt-fast side by side (issue 17 item 2): carry `.gpt-fast/` holding
 #             gpt-fast's model.py (copied from a checkout; the folder is ignored, never committed);
-#   plain     the one-graph plain step on CUDA (tests/test_gpu.py -k plain_step) and the phase benchmark's plain step.
+#   plain     the one-graph plain step on CUDA (tests/test_gpu.py -k plain_step), the sampled lossless tests on CUDA
+#             (argmax and sampled drafts), and the phase benchmark's plain step on Llama-3.1-8B shapes;
+#   moe       the MoE decode fusions (router GEMV + top-k, q/k norm + RoPE + KV store) at model level: the hybrid and
+#             MoE GPU tests, then bench-phases on Qwen3-30B-A3B and Qwen3-Next shapes at batch 1 and 8.
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -21,10 +24,18 @@ case "${1:-}" in
       | grep -v -i warn | tail -6
     ;;
   plain)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k "plain_step or graphs_on_and_off" \
-      2>&1 | grep -v -i warn | tail -6
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_sampling_lossless.py \
+      -k "plain_step or graphs_on_and_off or one_graph_exact_on_gpu" 2>&1 | grep -v -i warn | tail -6
     timeout 300 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1,32 --iters 30 2>&1 \
       | grep -v -i warn | tail -20
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain" >&2; exit 2 ;;
+  moe)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_hybrid.py tests/test_triton_router.py \
+      tests/test_triton_qk_prep.py 2>&1 | grep -v -i warn | tail -6
+    timeout 170 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1,8 --iters 20 \
+      --idle-steps 0 2>&1 | grep -v -i warn | tail -14
+    timeout 170 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,8 --prefix-len 1024 \
+      --context-length 2048 --iters 20 --idle-steps 0 2>&1 | grep -v -i warn | tail -14
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|moe" >&2; exit 2 ;;
 esac
