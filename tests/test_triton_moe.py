@@ -102,15 +102,17 @@ def _align_reference(ids: list[int], num_experts: int, block_m: int):
 @pytest.mark.parametrize("t,k,kind,block_m,num_e", [(1, 2, "distinct", 16, 8), (17, 2, "some_empty", 16, 8),
                                                     (9, 2, "one_expert", 16, 8), (100, 3, "repeats", 16, 8),
                                                     (70, 2, "repeats", 32, 8), (33, 2, "repeats", 16, 6),
-                                                    (4200, 2, "repeats", 64, 8)])
-def test_moe_align(t, k, kind, block_m, num_e):
+                                                    (4200, 2, "repeats", 64, 8), (16, 8, "distinct", 16, 128),
+                                                    (4, 8, "repeats", 16, 60), (2, 10, "distinct", 16, 512)])
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_moe_align(t, k, kind, block_m, num_e, one_launch):
     """Counts, padded offsets, each (token, k) pair placed exactly once (stably, by expert), padding marked; 100 x 3
     pairs span three alignment chunks, 4200 x 2 more chunks than the offsets kernel reads in one step; 6 experts
-    leave empty histogram bins."""
+    leave empty histogram bins. Batches of one chunk (<= 128 pairs) take one launch, or the three kernels."""
     g = torch.Generator().manual_seed(t + k)
     _, topk_ids = _routing(kind, t, num_e, k, g)
     n = t * k
-    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_e, block_m)
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_e, block_m, one_launch)
     rows, owners = _align_reference(topk_ids.reshape(-1).tolist(), num_e, block_m)
     bound = block_m * ((n + min(num_e, n) * (block_m - 1)) // block_m)
     assert sorted_ids.shape == (bound,) and block_expert.shape == (bound // block_m,)

@@ -31,7 +31,8 @@ case "${1:-}" in
     ;;
   moe)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_hybrid.py tests/test_triton_router.py \
-      tests/test_triton_qk_prep.py 2>&1 | grep -v -i warn | tail -6
+      tests/test_triton_moe.py tests/test_triton_qk_prep.py 2>&1 | grep -v -i warn | tail -6
+    timeout 120 python3 scripts/gpu/bench_moe.py --tokens 1 2 4 8 --iters 100 2>&1 | grep -v -i warn | tail -8
     timeout 170 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1,8 --iters 20 \
       --idle-steps 0 2>&1 | grep -v -i warn | tail -14
     timeout 170 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,8 --prefix-len 1024 \

@@ -100,6 +100,46 @@ def _place_kernel(ids_ptr, offs_ptr, pad_end_ptr, num_padded_ptr, sorted_ptr, bl
 
 
 @triton.jit
+def _align_one_chunk_kernel(ids_ptr, pad_end_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs,
+                            num_experts, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
+    """The three alignment kernels in one program, for batches of at most CHUNK pairs (decode, short verify): the
+    histogram, the padded per-expert runs, the stable placement, the padding rows and the block owners, with the
+    same results as _count_kernel + _offsets_kernel + _place_kernel (one launch instead of three)."""
+    r = tl.arange(0, CHUNK)
+    ok = r < n_pairs
+    e = tl.load(ids_ptr + r, mask=ok, other=num_experts).to(tl.int32)  # [CHUNK]; lanes past the pairs: no expert
+    ex = tl.arange(0, E_PAD)
+    counts = tl.histogram(tl.where(ok, e, 0), E_PAD)
+    counts -= tl.where(ex == 0, CHUNK - tl.sum(ok.to(tl.int32), 0), 0)  # lanes past the last pair counted as 0
+    counts = tl.where(ex < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    pad_end = tl.cumsum(padded, 0)  # experts >= E: the total
+    pad_start = pad_end - padded
+    total = tl.sum(padded, 0)
+    tl.store(pad_end_ptr + ex, pad_end)
+    tl.store(num_padded_ptr, total)
+    # padding rows: each expert's run past its count
+    j = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + (pad_start + counts)[:, None] + j[None, :], n_pairs,
+             mask=j[None, :] < (padded - counts)[:, None])
+    tl.debug_barrier()  # pad_end in memory for every thread of the program
+    # each pair after the same expert's earlier pairs, in its expert's run, which starts where run e - 1 ends
+    before = (e[:, None] == e[None, :]) & (r[None, :] < r[:, None])  # [CHUNK, CHUNK]
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    start = tl.load(pad_end_ptr + e - 1, mask=ok & (e > 0), other=0)
+    tl.store(sorted_ptr + start + rank, r, mask=ok)
+    # block owners (the runs ending at or before the block's first row) and the sentinel past the live total
+    for b0 in range(0, max_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        b_ok = b < max_blocks
+        tl.store(block_expert_ptr + b, tl.sum((pad_end[None, :] <= b[:, None] * BLOCK_M).to(tl.int32), axis=1),
+                 mask=b_ok)
+        tail = b_ok & (b * BLOCK_M >= total)
+        tl.store(sorted_ptr + b[:, None] * BLOCK_M + j[None, :], n_pairs, mask=tail[:, None])
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden, inter,
                     stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
@@ -179,10 +219,12 @@ def moe_block_m(n_pairs: int, num_experts: int) -> int:
     return min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * n_pairs, num_experts))))
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool = True):
     """topk_ids [T, K] -> (sorted_ids [P] int32: pair indices t*K + k grouped by expert, each expert's run padded to
     a multiple of block_m with the sentinel T*K; block_expert [P / block_m] int32; num_padded [1] int32, the live
-    padded total). P = block_m * ((T*K + min(E, T*K) * (block_m - 1)) // block_m) is the bound from shapes."""
+    padded total). P = block_m * ((T*K + min(E, T*K) * (block_m - 1)) // block_m) is the bound from shapes.
+    Batches of one chunk (at most 128 pairs: decode, short verify) take one launch (one_launch; False: the three
+    kernels every larger batch takes, which give the same results)."""
     ids = topk_ids.reshape(-1)  # [T*K]
     n_pairs, dev = ids.numel(), ids.device
     max_blocks = (n_pairs + min(num_experts, n_pairs) * (block_m - 1)) // block_m
@@ -195,11 +237,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)  # [P]
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)  # [P / block_m]
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    block_b = 16
+    if num_chunks == 1 and one_launch:
+        _align_one_chunk_kernel[(1,)](ids, pad_end, sorted_ids, block_expert, num_padded, n_pairs, num_experts,
+                                      max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCK_B=block_b,
+                                      num_warps=4)
+        return sorted_ids, block_expert, num_padded
     _count_kernel[(num_chunks,)](ids, hist, n_pairs, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
     _offsets_kernel[(1,)](hist, offs, pad_end, sorted_ids, num_padded, n_pairs, num_experts, num_chunks,
                           BLOCK_M=block_m, E_PAD=e_pad, BLOCK_C=min(64, triton.next_power_of_2(num_chunks)),
                           num_warps=8)
-    block_b = 16
     _place_kernel[(max(num_chunks, triton.cdiv(max_blocks, block_b)),)](
         ids, offs, pad_end, num_padded, sorted_ids, block_expert, n_pairs, num_experts, num_chunks, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCK_B=block_b, num_warps=4)
