@@ -20,6 +20,7 @@ from specserve.distributed.tp import TP1, TPGroup
 from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
 from specserve.models.registry import model_class
+from specserve.weights.fp8 import Fp8Format, dequantize_stream, fp8_format
 from specserve.weights.gguf_loader import iter_gguf
 from specserve.weights.safetensors_loader import iter_safetensors, tensor_names
 
@@ -86,6 +87,7 @@ class LoadedTarget:
     config: ModelConfig
     source: ModelSource
     mtp_names: list[str] = field(default_factory=list)  # MTP layer tensors inside the target checkpoint (unread)
+    fp8: Fp8Format | None = None  # the checkpoint's FP8 weight format (None: not quantized)
 
     @property
     def has_mtp(self) -> bool:
@@ -145,12 +147,21 @@ def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, d
     return tqdm(it, desc=desc, total=total, unit="tensor", leave=False, disable=None)
 
 
+def _dequantized(tensors, fp8: Fp8Format | None):
+    """The checkpoint's tensors with FP8 weights dequantized as they stream (weights/fp8.py), when it has them."""
+    if fp8 is None:
+        return tensors
+    logger.info("FP8 checkpoint: weights dequantized to the model dtype at load (blocks %s)", fp8.block)
+    return dequantize_stream(tensors, fp8)
+
+
 def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
                 hf_config=None, tp: TPGroup = TP1) -> LoadedTarget:
     """tp: the tensor-parallel group this rank belongs to (its slice of each weight is loaded)."""
     hf_config = hf_config or load_hf_config(src)
     cfg = ModelConfig.from_hf(hf_config)
     cfg.tp = tp
+    fp8 = fp8_format(hf_config)
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions)
@@ -161,17 +172,17 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
     def target_only():
         for name, t in _stream(src, cfg):
             if _is_mtp(name, cfg.num_layers):
-                mtp.append(name)  # read again by load_mtp_draft, only if speculating
+                mtp.append(name)  # read again by load_mtp_draft, only if speculating (FP8 scales included)
                 continue
             yield name, t
 
     with torch.no_grad():
-        loaded = model.load_weights(target_only())
+        loaded = model.load_weights(_dequantized(target_only(), fp8))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
     model.eval().requires_grad_(False)
-    return LoadedTarget(model, cfg, src, mtp)
+    return LoadedTarget(model, cfg, src, mtp, fp8)
 
 
 def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dtype, device: torch.device,
@@ -181,7 +192,9 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
         dsrc = ModelSource.resolve(draft_path)
         if dsrc.is_gguf:
             raise ValueError("a GGUF draft checkpoint is not supported; give a folder with config.json")
-        dcfg = ModelConfig.from_hf(load_hf_config(dsrc))
+        dhf = load_hf_config(dsrc)
+        dcfg = ModelConfig.from_hf(dhf)
+        fp8 = fp8_format(dhf)
         names = set(tensor_names(dsrc.folder))
         layer_index = None
         _check_draft_matches(dcfg, target.config)
@@ -191,7 +204,7 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
                 f"{target.config.architecture} checkpoint has no MTP layer (num_nextn_predict_layers="
                 f"{target.config.num_nextn_predict_layers}); pass --speculative-draft-model-path"
             )
-        dsrc, dcfg, names = target.source, target.config, set(target.mtp_names)
+        dsrc, dcfg, names, fp8 = target.source, target.config, set(target.mtp_names), target.fp8
         layer_index = target.config.num_layers
     own_embed = any(n.endswith("embed_tokens.weight") for n in names)
     own_head = any(n.endswith("shared_head.head.weight") or n == "lm_head.weight" for n in names)
@@ -207,7 +220,7 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
             # A reduced vocabulary without its own head rows: the target's lm-head rows of those tokens.
             rows = vocab.to(device=device, dtype=torch.int64)
             draft.lm_head.weight.copy_(target.model.lm_head.weight[rows])
-        draft.load_weights(_stream(dsrc, dcfg, names, "Loading MTP weights"), layer_index,
+        draft.load_weights(_dequantized(_stream(dsrc, dcfg, names, "Loading MTP weights"), fp8), layer_index,
                            preset={"lm_head.weight"} if head_from_target else set())
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
     draft.eval().requires_grad_(False)

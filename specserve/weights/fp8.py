@@ -1,0 +1,87 @@
+"""FP8 checkpoints (`quantization_config.quant_method == "fp8"`, the format DeepSeek-V3 / GLM / Qwen3 FP8 releases
+ship): each quantized linear weight is float8 (e4m3) with a float32 `weight_scale_inv` beside it, one scale per
+block of `weight_block_size` = [rows, cols] (128 x 128 in those releases) or one per tensor without a block size.
+The real weight is `weight * scale_inv` broadcast over its block.
+
+The loader dequantizes such weights as they stream (`dequantize_stream`), so an FP8 checkpoint loads into the
+model dtype (bfloat16 on a GPU): the weights then take twice the FP8 bytes, and the GEMMs run in bfloat16 (no FP8
+GEMM here yet). A weight and its scale may come in either order and from different shards: the first of the two
+waits (one tensor each) until the other arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv" scales "<name>.weight"
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    block: tuple[int, int] | None  # [rows, cols] of one scale's block; None: one scale per tensor
+
+
+def fp8_format(hf_config) -> Fp8Format | None:
+    """The checkpoint's FP8 weight format from its config (None: not quantized). Other quantization methods are a
+    clear error, never weights read as if they were plain."""
+    q = getattr(hf_config, "quantization_config", None)
+    if not q:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization method {method!r} is not supported (FP8 block-scaled checkpoints are: "
+                         "quant_method 'fp8')")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"FP8 activation scheme {q['activation_scheme']!r} is not supported (only 'dynamic': "
+                         "weights are dequantized at load, activations stay in the model dtype)")
+    block = q.get("weight_block_size")
+    return Fp8Format(tuple(int(b) for b in block) if block else None)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """weight [O, I] float8; scale_inv [ceil(O / bo), ceil(I / bi)] float32 (or one value) -> [O, I] float32."""
+    w = weight.to(torch.float32)
+    s = scale_inv.to(torch.float32)
+    if fmt.block is None or s.numel() == 1:
+        return w * s.reshape(())
+    if w.dim() != 2:
+        raise ValueError(f"a block-scaled FP8 weight must be 2-D, got {tuple(w.shape)}")
+    bo, bi = fmt.block
+    o, i = w.shape
+    want = (-(-o // bo), -(-i // bi))
+    if tuple(s.shape) != want:
+        raise ValueError(f"FP8 scale of shape {tuple(s.shape)} does not fit a {o} x {i} weight in {bo} x {bi} "
+                         f"blocks (expected {want})")
+    return w * s.repeat_interleave(bo, dim=0)[:o].repeat_interleave(bi, dim=1)[:, :i]
+
+
+def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a checkpoint -> the same with every FP8 weight dequantized (float32) and the scales
+    consumed; other tensors pass through. An FP8 weight without its scale (or a scale without its weight) at the
+    end is an error."""
+    weights: dict[str, torch.Tensor] = {}  # FP8 weights waiting for their scale
+    scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight, by the weight's name
+    for name, t in tensors:
+        if name.endswith(SCALE_SUFFIX):
+            wname = name[:-len(SCALE_SUFFIX)]
+            if wname in weights:
+                yield wname, dequantize(weights.pop(wname), t, fmt)
+            else:
+                scales[wname] = t
+        elif t.dtype in _FP8:
+            if name in scales:
+                yield name, dequantize(t, scales.pop(name), fmt)
+            else:
+                weights[name] = t
+        else:
+            yield name, t
+    if weights or scales:
+        left = sorted(weights) + sorted(n + SCALE_SUFFIX for n in scales)
+        raise ValueError(f"FP8 checkpoint: {len(left)} weight(s) without their scale or scale(s) without their "
+                         f"weight, e.g. {left[0]}")

@@ -1,0 +1,142 @@
+"""FP8 block-scaled checkpoints (weights/fp8.py): the dequantization against a block-by-block reference, the
+pairing of weights and scales as they stream, the config checks, and a tiny DeepSeek-V3 with its MTP layer saved
+in FP8 that loads (target and draft) into exactly the parameters of the same checkpoint saved dequantized — which
+the other tests hold to transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from deepseek_helpers import build_tiny_deepseek
+from safetensors.torch import load_file, save_file
+
+from specserve.models.loader import ModelSource, load_mtp_draft, load_target
+from specserve.weights.fp8 import Fp8Format, dequantize, dequantize_stream, fp8_format
+
+FP8 = torch.float8_e4m3fn
+
+
+def _quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] -> (float8 [O, I], scale_inv [ceil(O/bo), ceil(I/bi)]): each block's max to the format's max."""
+    bo, bi = block
+    o, i = w.shape
+    scale = torch.empty((-(-o // bo), -(-i // bi)))
+    q = torch.empty((o, i), dtype=FP8)
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            blk = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi]
+            s = blk.abs().max().clamp_min(1e-12) / torch.finfo(FP8).max
+            scale[r, c] = s
+            q[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] = (blk / s).to(FP8)
+    return q, scale
+
+
+def _dequantize_blockwise(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    bo, bi = block
+    out = q.float()
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            out[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] *= scale[r, c]
+    return out
+
+
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((40, 24), (16, 16)), ((33, 70), (16, 24))])
+def test_dequantize_matches_blockwise_reference(shape, block):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])) * 3
+    q, s = _quantize(w, block)
+    got = dequantize(q, s, Fp8Format(block))
+    assert torch.equal(got, _dequantize_blockwise(q, s, block))
+    torch.testing.assert_close(got, w, rtol=0.07, atol=1e-3 * w.abs().max().item())  # e4m3: 3 mantissa bits
+    with pytest.raises(ValueError, match="does not fit"):
+        dequantize(q, s[:, :-1], Fp8Format(block))
+    assert torch.equal(dequantize(q, torch.tensor(0.5), Fp8Format(None)), q.float() * 0.5)  # one scale a tensor
+
+
+def test_stream_pairs_weights_and_scales_in_any_order():
+    fmt = Fp8Format((16, 16))
+    w1, s1 = _quantize(torch.randn(20, 20), (16, 16))
+    w2, s2 = _quantize(torch.randn(16, 32), (16, 16))
+    plain = torch.randn(3)
+    stream = [("a.weight", w1), ("b.weight_scale_inv", s2), ("norm.weight", plain), ("a.weight_scale_inv", s1),
+              ("b.weight", w2)]
+    out = dict(dequantize_stream(stream, fmt))
+    assert set(out) == {"a.weight", "b.weight", "norm.weight"}
+    assert torch.equal(out["a.weight"], dequantize(w1, s1, fmt))
+    assert torch.equal(out["b.weight"], dequantize(w2, s2, fmt))
+    assert out["norm.weight"] is plain
+    with pytest.raises(ValueError, match="without their scale"):
+        list(dequantize_stream([("a.weight", w1)], fmt))
+    with pytest.raises(ValueError, match="without their"):
+        list(dequantize_stream([("a.weight_scale_inv", s1)], fmt))
+
+
+def test_format_from_config():
+    cfg = lambda q: SimpleNamespace(quantization_config=q)  # noqa: E731
+    assert fp8_format(SimpleNamespace()) is None and fp8_format(cfg(None)) is None
+    fmt = fp8_format(cfg({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}))
+    assert fmt == Fp8Format((128, 128))
+    assert fp8_format(cfg({"quant_method": "fp8"})) == Fp8Format(None)
+    with pytest.raises(ValueError, match="'awq' is not supported"):
+        fp8_format(cfg({"quant_method": "awq"}))
+    with pytest.raises(ValueError, match="activation scheme 'static'"):
+        fp8_format(cfg({"quant_method": "fp8", "activation_scheme": "static"}))
+
+
+def _fp8_copies(src: str, root: str, block: tuple[int, int]) -> tuple[str, str]:
+    """The checkpoint at src twice: its projection and expert weights in FP8 with block scales (and the config's
+    quantization_config), and the same FP8 values dequantized into a plain checkpoint."""
+    fp8_dir, ref_dir = os.path.join(root, "fp8"), os.path.join(root, "dequantized")
+    for d in (fp8_dir, ref_dir):
+        shutil.copytree(src, d)
+    quantized = 0
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors"):
+            continue
+        tensors = load_file(os.path.join(src, name))
+        fp8, ref = {}, {}
+        for k, t in tensors.items():
+            if t.dim() == 2 and k.endswith("proj.weight") and "embed" not in k:
+                q, s = _quantize(t.float(), block)
+                fp8[k], fp8[k + "_scale_inv"] = q, s
+                ref[k] = _dequantize_blockwise(q, s, block).to(t.dtype)
+                quantized += 1
+            else:
+                fp8[k] = ref[k] = t
+        save_file(fp8, os.path.join(fp8_dir, name))
+        save_file(ref, os.path.join(ref_dir, name))
+    assert quantized > 20  # attention, dense MLP, routed and shared experts, the MTP layer
+    index = os.path.join(fp8_dir, "model.safetensors.index.json")
+    if os.path.exists(index):  # scales live in the shard of their weight
+        with open(index) as f:
+            idx = json.load(f)
+        idx["weight_map"].update({k + "_scale_inv": v for k, v in list(idx["weight_map"].items())
+                                  if k.endswith("proj.weight") and "embed" not in k})
+        with open(index, "w") as f:
+            json.dump(idx, f)
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        c = json.load(f)
+    c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": list(block)}
+    with open(os.path.join(fp8_dir, "config.json"), "w") as f:
+        json.dump(c, f)
+    return fp8_dir, ref_dir
+
+
+def test_fp8_deepseek_checkpoint_loads_as_its_dequantized_copy(tmp_path):
+    src = build_tiny_deepseek(str(tmp_path / "m"), seed=3, mtp=True)
+    fp8_dir, ref_dir = _fp8_copies(src, str(tmp_path), (16, 24))
+    dev = torch.device("cpu")
+    got, want = (load_target(ModelSource.resolve(d), torch.float32, dev, 64) for d in (fp8_dir, ref_dir))
+    assert got.fp8 == Fp8Format((16, 24)) and want.fp8 is None
+    assert sorted(got.mtp_names) == sorted(want.mtp_names + [n + "_scale_inv" for n in want.mtp_names
+                                                             if n.endswith("proj.weight")])
+    for (name, a), (_, b) in zip(got.model.state_dict().items(), want.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    drafts = [load_mtp_draft(t, None, torch.float32, dev, 64) for t in (got, want)]
+    for (name, a), (_, b) in zip(drafts[0].state_dict().items(), drafts[1].state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
