@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from deepseek_helpers import build_tiny_deepseek
+from hybrid_helpers import build_tiny_hybrid
 from safetensors.torch import load_file, save_file
 
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
@@ -127,8 +128,14 @@ def _fp8_copies(src: str, root: str, block: tuple[int, int]) -> tuple[str, str]:
     return fp8_dir, ref_dir
 
 
-def test_fp8_deepseek_checkpoint_loads_as_its_dequantized_copy(tmp_path):
-    src = build_tiny_deepseek(str(tmp_path / "m"), seed=3, mtp=True)
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+def test_fp8_checkpoint_loads_as_its_dequantized_copy(tmp_path, family):
+    """DeepSeek-V3 (MLA, MoE with per-expert tensors, MTP at layer L) and Qwen3-Next (the fused interleaved
+    in_proj_qkvz / in_proj_ba de-interleaved at load, a gated shared expert fused into the routed ones, mtp.*)."""
+    if family == "deepseek_v3":
+        src = build_tiny_deepseek(str(tmp_path / "m"), seed=3, mtp=True)
+    else:
+        src = build_tiny_hybrid(str(tmp_path / "m"), "qwen3_next", seed=3, mtp=True)
     fp8_dir, ref_dir = _fp8_copies(src, str(tmp_path), (16, 24))
     dev = torch.device("cpu")
     got, want = (load_target(ModelSource.resolve(d), torch.float32, dev, 64) for d in (fp8_dir, ref_dir))
