@@ -23,10 +23,14 @@ phase the minimal sequence length of its width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.batch import extend_starts
+
+if TYPE_CHECKING:
+    from specserve.layers.sampler import SamplingBatch
 
 DUMMY_ROW = 0  # the page-table row (all slot 0), KV slot and state row that padded rows use; never handed out
 
@@ -75,7 +79,7 @@ class LiveInputs:
     hidden: torch.Tensor | None = None  # [bs * w, H]
     # draft phases run inline in the one-graph spec step: the rows' sampling, to draw drafts from the head's own
     # distribution (layers/sampler.py SamplingBatch; None: deterministic drafts). Never staged into a phase graph.
-    draft_sampling: object | None = None
+    draft_sampling: SamplingBatch | None = None
 
 
 def stage(buf: StaticBuffers, live: LiveInputs, pbs: int, width: int) -> None:
