@@ -9,6 +9,9 @@
 #             (argmax and sampled drafts), and the phase benchmark's plain step on Llama-3.1-8B shapes;
 #   moe       the MoE decode fusions (router GEMV + top-k, q/k norm + RoPE + KV store) at model level: the hybrid and
 #             MoE GPU tests, then bench-phases on Qwen3-30B-A3B and Qwen3-Next shapes at batch 1 and 8.
+# Order for a fresh lease (30 device-minutes): plain (~4 min), moe (~8 min), then the SmolLM2 calls of
+# smollm2_round.sh (keep, join, qspec: ~4 min), gptfast last (torch.compile with coordinate descent is slow to
+# compile on 8B shapes; --no-coordinate-descent if time is short).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
