@@ -147,12 +147,13 @@ def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, d
     return tqdm(it, desc=desc, total=total, unit="tensor", leave=False, disable=None)
 
 
-def _dequantized(tensors, fp8: Fp8Format | None):
-    """The checkpoint's tensors with FP8 weights dequantized as they stream (weights/fp8.py), when it has them."""
+def _dequantized(tensors, fp8: Fp8Format | None, device: torch.device):
+    """The checkpoint's tensors with FP8 weights dequantized as they stream (weights/fp8.py, on the model's device),
+    when it has them."""
     if fp8 is None:
         return tensors
     logger.info("FP8 checkpoint: weights dequantized to the model dtype at load (blocks %s)", fp8.block)
-    return dequantize_stream(tensors, fp8)
+    return dequantize_stream(tensors, fp8, device)
 
 
 def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
@@ -177,7 +178,7 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
             yield name, t
 
     with torch.no_grad():
-        loaded = model.load_weights(_dequantized(target_only(), fp8))
+        loaded = model.load_weights(_dequantized(target_only(), fp8, device))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
@@ -220,7 +221,7 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
             # A reduced vocabulary without its own head rows: the target's lm-head rows of those tokens.
             rows = vocab.to(device=device, dtype=torch.int64)
             draft.lm_head.weight.copy_(target.model.lm_head.weight[rows])
-        draft.load_weights(_dequantized(_stream(dsrc, dcfg, names, "Loading MTP weights"), fp8), layer_index,
+        draft.load_weights(_dequantized(_stream(dsrc, dcfg, names, "Loading MTP weights"), fp8, device), layer_index,
                            preset={"lm_head.weight"} if head_from_target else set())
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
     draft.eval().requires_grad_(False)

@@ -43,10 +43,13 @@ def fp8_format(hf_config) -> Fp8Format | None:
     return Fp8Format(tuple(int(b) for b in block) if block else None)
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """weight [O, I] float8; scale_inv [ceil(O / bo), ceil(I / bi)] float32 (or one value) -> [O, I] float32."""
-    w = weight.to(torch.float32)
-    s = scale_inv.to(torch.float32)
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,
+               device: torch.device | None = None) -> torch.Tensor:
+    """weight [O, I] float8; scale_inv [ceil(O / bo), ceil(I / bi)] float32 (or one value) -> [O, I] float32, computed
+    on `device` (default: the weight's; the loader passes the model's, so a large checkpoint dequantizes on the GPU
+    and crosses the bus in FP8)."""
+    w = weight.to(device or weight.device).to(torch.float32)
+    s = scale_inv.to(w.device, torch.float32)
     if fmt.block is None or s.numel() == 1:
         return w * s.reshape(())
     if w.dim() != 2:
@@ -60,23 +63,23 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format) ->
     return w * s.repeat_interleave(bo, dim=0)[:o].repeat_interleave(bi, dim=1)[:, :i]
 
 
-def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a checkpoint -> the same with every FP8 weight dequantized (float32) and the scales
-    consumed; other tensors pass through. An FP8 weight without its scale (or a scale without its weight) at the
-    end is an error."""
+def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format,
+                      device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a checkpoint -> the same with every FP8 weight dequantized (float32, on `device`) and the
+    scales consumed; other tensors pass through. An FP8 weight without its scale (or a scale without its weight)
+    at the end is an error."""
     weights: dict[str, torch.Tensor] = {}  # FP8 weights waiting for their scale
     scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight, by the weight's name
     for name, t in tensors:
         if name.endswith(SCALE_SUFFIX):
             wname = name[:-len(SCALE_SUFFIX)]
             if wname in weights:
-                yield wname, dequantize(weights.pop(wname), t, fmt)
+                yield wname, dequantize(weights.pop(wname), t, fmt, device)
             else:
                 scales[wname] = t
         elif t.dtype in _FP8:
             if name in scales:
-                yield name, dequantize(t, scales.pop(name), fmt)
+                yield name, dequantize(t, scales.pop(name), fmt, device)
             else:
                 weights[name] = t
         else:
