@@ -12,10 +12,10 @@ layers, each with its own qkv buffer and K/V cache; the per-layer time is a repl
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 
 import torch
+from bench_moe import time_ms  # this folder: the scripts run as files
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import triton_ops as tk
@@ -73,17 +73,7 @@ def fused(s: Shape, layer: Layer, cs, pos, loc):
 
 def graph_us(fn, s: Shape, layers: list[Layer], cs, pos, loc, iters: int) -> float:
     graph, _, _ = capture_graph(lambda: [fn(s, la, cs, pos, loc) for la in layers], None)
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(layers))
-    return statistics.median(times)
+    return time_ms(graph.replay, iters, 10, None) * 1e3 / len(layers)
 
 
 def check(s: Shape, layer: Layer, cs, pos, loc) -> float:

@@ -15,10 +15,10 @@ order of accumulation agrees): the fused kernel must match exactly; the cuBLAS p
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
+from bench_moe import time_ms  # this folder: the scripts run as files
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
@@ -48,19 +48,7 @@ def fused(x, w, top_k, shared, config=None):  # config: router_config's result
 def graph_us(route, x, ws, iters: int, flush: torch.Tensor | None) -> float:
     """Median per-call microseconds of a graph of len(ws) back-to-back calls route(x, w)."""
     graph, _, _ = capture_graph(lambda: [route(x, w) for w in ws], None)
-    for _ in range(10):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush.sum()  # read-only: leaves clean lines in L2
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(ws))
-    return statistics.median(times)
+    return time_ms(graph.replay, iters, 10, flush) * 1e3 / len(ws)
 
 
 def check(x, ws, top_k, shared, config=None) -> str:

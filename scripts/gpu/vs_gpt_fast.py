@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from specserve.bench.phase_setup import PRESETS, random_models
+from specserve.bench.phase_setup import PRESETS, random_init, random_models
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
@@ -90,14 +90,8 @@ def gpt_fast_decode(gpt_fast_dir: str, preset: str, dev: torch.device, prompt_le
     ctx = prompt_len + tokens + 64
     with torch.device(dev):
         model = Transformer(gpt_fast_args(preset, ModelArgs, ctx))
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, w in model.named_parameters():
-            if "norm" in name:
-                w.fill_(1.0)
-            else:
-                w.normal_(0.0, 0.02)
+    model = model.to(torch.bfloat16)
+    random_init(model, 0)  # as specserve's side: Normal(0, 0.02) weights, unit norms
     with torch.device(dev):
         model.setup_caches(max_batch_size=1, max_seq_length=ctx)
 

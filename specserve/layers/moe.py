@@ -198,14 +198,11 @@ class SparseMoEBlock(nn.Module):
         """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64); [T, K + 1] with the fused shared
         expert (id E, weight sigmoid(its gate))."""
         if self.router == "softmax":
-            # A plain dense gate on CUDA: the GEMV and the routing in one launch for decode-sized batches
-            # (ops.router_softmax_topk). Anything else (CPU: prepacked or int8 linears; a bias; another dtype)
-            # keeps the gate's own forward.
-            gate, w = self.gate, self.gate.weight
-            if (x.is_cuda and type(gate) is Linear and gate.bias is None and gate.int8 is None
-                    and type(w) in (nn.Parameter, torch.Tensor) and w.layout == torch.strided and w.dtype == x.dtype
-                    and w.device == x.device and w.is_contiguous()):
-                return ops.router_softmax_topk(x, w, self.top_k, self.renormalize, self.fused_shared)
+            # On CUDA the gate (bias-free, a plain weight there) and the routing are one launch for decode-sized
+            # batches (ops.router_softmax_topk, which falls back to the GEMM otherwise); on a CPU the gate's own
+            # forward (prepacked or int8 linears)
+            if x.is_cuda:
+                return ops.router_softmax_topk(x, self.gate.weight, self.top_k, self.renormalize, self.fused_shared)
             return ops.softmax_topk(self.gate(x), self.top_k, self.renormalize, self.fused_shared)
         logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32, as HF DeepSeek-V3
         return grouped_sigmoid_topk(logits, self.top_k, self.e_score_correction_bias, self.n_group,

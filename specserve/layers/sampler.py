@@ -75,14 +75,20 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     sorted_p, idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    out = torch.zeros_like(probs).scatter_(1, idx, filter_sorted(sorted_p, sb))
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+def filter_sorted(sorted_p: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Each row's top-k, top-p and min-p over probabilities in descending order [R, C] -> the same with the dropped
+    ones zeroed (not renormalised); the most likely always survives. Also a sampled draft's rule over its
+    candidates (speculative/draft_state.py candidate_probs)."""
+    ranks = torch.arange(sorted_p.shape[-1], device=sorted_p.device)[None, :]
     drop = ranks >= sb.top_k[:, None]
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > sb.top_p[:, None]  # keep the smallest prefix reaching top_p
     drop |= sorted_p < sb.min_p[:, None] * sorted_p[:, :1]
     drop[:, 0] = False  # the most likely token always survives
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    out = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
-    return out / out.sum(dim=-1, keepdim=True)
+    return sorted_p.masked_fill(drop, 0.0)
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,

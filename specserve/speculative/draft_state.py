@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels.noise import SALT_DRAFT
-from specserve.layers.sampler import SamplingBatch, sample_from_probs
+from specserve.layers.sampler import SamplingBatch, filter_sorted, sample_from_probs
 from specserve.speculative.accept import one_hot_dist
 from specserve.speculative.ngram import history_tail, lookup_drafts
 
@@ -115,15 +115,11 @@ class DraftChooser:
 def candidate_probs(vals: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """A sampled draft's distribution over its K candidates: vals [B, K] the head's candidate logits in descending
     order -> probs [B, K] summing to 1: softmax at the row's temperature, then the row's top-k, top-p and min-p
-    among the candidates (the same rules as layers/sampler.py's filter); one-hot at candidate 0 for greedy rows."""
+    among the candidates (layers/sampler.py filter_sorted, the sampler's own rule); one-hot at candidate 0 for
+    greedy rows."""
     temp = torch.where(sb.greedy, torch.ones_like(sb.temperature), sb.temperature)
-    p = torch.softmax(vals / temp[:, None], dim=-1)  # [B, K], descending like vals
-    ranks = torch.arange(p.shape[1], device=p.device)[None, :]
-    drop = ranks >= sb.top_k[:, None]
-    drop |= (p.cumsum(dim=-1) - p) > sb.top_p[:, None]
-    drop |= p < sb.min_p[:, None] * p[:, :1]
-    drop[:, 0] = False  # the most likely candidate always survives
-    p = p.masked_fill(drop, 0.0)
+    p = filter_sorted(torch.softmax(vals / temp[:, None], dim=-1), sb)  # [B, K], descending like vals
     p = p / p.sum(dim=-1, keepdim=True)
-    first = (ranks == 0).to(p.dtype).expand_as(p)
+    first = torch.zeros_like(p)
+    first[:, 0] = 1.0
     return torch.where(sb.greedy[:, None], first, p)

@@ -139,7 +139,7 @@ class SpecStepRunner(StepGraphRunner):
             r = runners[name]
             return r.forward_phase(live, r.backends, graph_mode=True)
 
-        draft_sb = sb if self.worker.draft_sampling and not sb.all_greedy else None
+        draft_sb = sb if self.worker.state.sampled_drafting and not sb.all_greedy else None
         accept_len, verified = spec_step_device(self.worker, phase, inputs[0], inputs[1], inputs[2], max_s, sb,
                                                 draft_sb)
         return torch.cat((accept_len[:, None], verified), dim=1)

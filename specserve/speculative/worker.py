@@ -94,12 +94,11 @@ class SpecWorker:
         rows = target_ctx.req_to_token.table.shape[0]
         row_width = target_ctx.req_to_token.width
         # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
-        self.draft_sampling = s.draft_sampling
-        # candidates of a sampled draft's distribution
-        k = min(DRAFT_CANDIDATES, draft.draft_vocab_size()) if s.draft_sampling else DRAFT_CANDIDATES
+        # candidates of a sampled draft's distribution (None: drafts are deterministic)
+        k = min(DRAFT_CANDIDATES, draft.draft_vocab_size()) if s.draft_sampling else None
         self.state = DraftState.allocate(rows, target_ctx.hidden_size, target_ctx.dtype, self.device,
-                                         row_width + 1 if s.ngram_lookup else None, k if s.draft_sampling else None)
-        self.chooser = DraftChooser(draft, self.state.tokens, s.lookup_confidence, k)
+                                         row_width + 1 if s.ngram_lookup else None, k)
+        self.chooser = DraftChooser(draft, self.state.tokens, s.lookup_confidence, k or DRAFT_CANDIDATES)
         self.ctx = RunnerContext(draft, target_ctx.req_to_token, make_backends(self.caches), self.device,
                                  target_ctx.hidden_size, target_ctx.dtype, target_ctx.mrope,
                                  target_ctx.graph_max_seq_len)
