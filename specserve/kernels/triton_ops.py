@@ -14,10 +14,11 @@ from specserve.kernels.triton_norm import add_rms_norm, rms_norm
 from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
 from specserve.kernels.triton_rope import rope
 from specserve.kernels.triton_router import router_topk_triton, softmax_topk_triton
+from specserve.kernels.triton_sample import probs_triton, sample_triton
 from specserve.kernels.triton_top1 import row_top1_triton
 
 __all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "causal_conv_prefill_triton",
            "causal_conv_states_triton", "fused_moe", "gated_delta_rule_prefill_triton",
            "gated_delta_rule_states_triton", "gated_rms_norm_triton", "gdn_gating_triton", "lookup_drafts_triton",
-           "qk_norm_rope_store_triton", "rms_norm", "rope", "router_topk_triton", "row_top1_triton", "silu_and_mul",
-           "softmax_topk_triton", "store_kv"]
+           "probs_triton", "qk_norm_rope_store_triton", "rms_norm", "rope", "router_topk_triton", "row_top1_triton",
+           "sample_triton", "silu_and_mul", "softmax_topk_triton", "store_kv"]

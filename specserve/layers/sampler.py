@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels import ops
+from specserve.kernels.availability import triton_kernels
 from specserve.kernels.noise import SALT_SAMPLE, uniform_noise
 
 
@@ -64,7 +65,15 @@ GREEDY = SamplingBatch(None, None, None, None, None, None, all_greedy=True, need
 
 
 def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [R, V] float32 -> the distribution each row samples from [R, V] (greedy rows: one-hot argmax)."""
+    """logits [R, V] float32 -> the distribution each row samples from [R, V] (greedy rows: one-hot argmax).
+    CUDA tensors: the sort-free Triton kernel (kernels/triton_sample.py); otherwise the reference below."""
+    if logits.is_cuda and (tk := triton_kernels()) is not None:
+        return tk.probs_triton(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.need_filter)
+    return probs_reference(logits, sb)
+
+
+def probs_reference(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """probs_from_logits in torch: softmax, then the filter over a sort of each row."""
     temp = torch.where(sb.greedy, torch.ones_like(sb.temperature), sb.temperature)
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     if sb.need_filter:
@@ -81,11 +90,19 @@ def _filter(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def filter_sorted(sorted_p: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Each row's top-k, top-p and min-p over probabilities in descending order [R, C] -> the same with the dropped
-    ones zeroed (not renormalised); the most likely always survives. Also a sampled draft's rule over its
-    candidates (speculative/draft_state.py candidate_probs)."""
+    ones zeroed (not renormalised); the most likely always survives, ties at the boundary survive together. Also a
+    sampled draft's rule over its candidates (speculative/draft_state.py candidate_probs)."""
     ranks = torch.arange(sorted_p.shape[-1], device=sorted_p.device)[None, :]
-    drop = ranks >= sb.top_k[:, None]
-    drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > sb.top_p[:, None]  # keep the smallest prefix reaching top_p
+    # Equal probabilities share one fate: each is judged at its group's first rank (the tokens strictly more
+    # likely), so the rule does not depend on how a sort orders ties (common with bfloat16 logits), and it is the
+    # one the sort-free kernel applies (kernels/triton_sample.py).
+    new = torch.ones_like(sorted_p, dtype=torch.bool)
+    new[:, 1:] = sorted_p[:, 1:] != sorted_p[:, :-1]
+    first = torch.where(new, ranks, 0).cummax(dim=-1).values  # [R, C] rank of the group's first member
+    drop = first >= sb.top_k[:, None]
+    above = (sorted_p.cumsum(dim=-1) - sorted_p).gather(-1, first)  # mass strictly more likely
+    # keep the smallest prefix reaching top_p; top_p 1 keeps all (a cumsum may round past 1.0 before the tail)
+    drop |= (above > sb.top_p[:, None]) & (sb.top_p[:, None] < 1.0)
     drop |= sorted_p < sb.min_p[:, None] * sorted_p[:, :1]
     drop[:, 0] = False  # the most likely token always survives
     return sorted_p.masked_fill(drop, 0.0)
@@ -102,4 +119,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> 
     """logits [bs, V] -> token ids [bs]; positions: the sequence index each new token will take."""
     if sb.all_greedy:
         return ops.row_top1(logits)[0]
-    return sample_from_probs(probs_from_logits(logits, sb), sb.seeds, positions)
+    if logits.is_cuda and (tk := triton_kernels()) is not None:
+        return tk.sample_triton(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.seeds, positions,
+                                sb.need_filter)
+    return sample_from_probs(probs_reference(logits, sb), sb.seeds, positions)
