@@ -7,6 +7,8 @@
 #             gpt-fast's model.py (copied from a checkout; the folder is ignored, never committed);
 #   plain     the one-graph plain step on CUDA (tests/test_gpu.py -k plain_step), the sampled lossless tests on CUDA
 #             (argmax and sampled drafts), and the phase benchmark's plain step on Llama-3.1-8B shapes;
+#   sample    the sort-free sampling kernels (kernels/triton_sample.py) on the GPU: their tests, the lossless sampling
+#             tests on CUDA, bench_sample.py against the torch reference, then gpt-fast side by side (carry .gpt-fast);
 #   moe       the MoE decode fusions (router GEMV + top-k, q/k norm + RoPE + KV store) at model level: the hybrid and
 #             MoE GPU tests, then bench-phases on Qwen3-30B-A3B and Qwen3-Next shapes at batch 1 and 8.
 # Order for a fresh lease (30 device-minutes): plain (~4 min), moe (~8 min), then the SmolLM2 calls of
@@ -32,6 +34,14 @@ case "${1:-}" in
     timeout 300 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1,32 --iters 30 2>&1 \
       | grep -v -i warn | tail -20
     ;;
+  sample)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_sample.py tests/test_sampling_lossless.py \
+      tests/test_sampling_cache.py 2>&1 | grep -v -i warn | tail -6
+    timeout 150 python3 scripts/gpu/bench_sample.py --vocab 49152 128256 --rows 1 5 40 --iters 30 2>&1 \
+      | grep -v -i warn | tail -20
+    [ -d .gpt-fast ] && timeout 230 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast \
+      --output-file "$OUT/vs_gpt_fast.jsonl" 2>&1 | grep -v -i warn | tail -3
+    ;;
   moe)
     timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_hybrid.py tests/test_triton_router.py \
       tests/test_triton_moe.py tests/test_triton_qk_prep.py 2>&1 | grep -v -i warn | tail -6
@@ -41,5 +51,5 @@ case "${1:-}" in
     timeout 170 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,8 --prefix-len 1024 \
       --context-length 2048 --iters 20 --idle-steps 0 2>&1 | grep -v -i warn | tail -14
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|moe" >&2; exit 2 ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|moe" >&2; exit 2 ;;
 esac

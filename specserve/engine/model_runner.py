@@ -25,6 +25,7 @@ from specserve.attention.torch_mla_backend import (
     TritonMLABackend,
 )
 from specserve.batch import CacheKind, ForwardMode
+from specserve.engine.sampling_cache import SamplingCache
 from specserve.graphs.phase_runners import (
     DecodeRunner,
     PhaseRunner,
@@ -129,6 +130,7 @@ class ModelRunner:
         self.spec: SpecWorker | None = None  # the speculative worker: draft model, pools, runners, state
         self.adaptive_spec = False  # plain steps may replace speculative ones (resolved below when speculating)
         self.plain_step: PlainStepRunner | None = None  # a plain decode step as one graph (graphs/step_graph.py)
+        self.decode_sampling = SamplingCache(cfg.vocab_size, device)  # the running batch's, per composition
         if draft is None:
             self.runners["decode"] = DecodeRunner(tctx, 1, capture, self.use_graphs)
             self.plain_step = PlainStepRunner(self.runners["decode"], self.last_token, capture, self.use_graphs)

@@ -99,7 +99,7 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
 def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
     """Plain decode: one token per request — as one graph (decode, sampling, last-token update) when the batch fits
     the plain-step graphs, else through the decode runner (graph), then sampling."""
-    sb = sampling_batch(mr, reqs)
+    sb = mr.decode_sampling.get(reqs)
     one = mr.plain_step
     if one is not None and one.covers(len(reqs), sb):
         return one.run([r.kv.row for r in reqs], [r.seq_len for r in reqs],
@@ -122,7 +122,7 @@ def run_spec_step(mr: ModelRunner, reqs: list[Req], plain: bool = False) -> Spec
     instead (one token each, the draft kept in step; adaptive speculation)."""
     step = mr.spec.plain_step if plain else mr.spec.step
     return step([r.kv.row for r in reqs], [r.seq_len for r in reqs], [r.seq_len + r.mrope_delta for r in reqs],
-                sampling_batch(mr, reqs))
+                mr.decode_sampling.get(reqs))
 
 
 def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:

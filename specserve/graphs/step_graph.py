@@ -141,9 +141,16 @@ class SamplingBuffers:
         self.top_k = torch.full((max_bs,), vocab_size, dtype=torch.int64, device=device)
         self.seeds = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.greedy = torch.ones(max_bs, dtype=torch.bool, device=device)
+        self._staged: SamplingBatch | None = None  # the batch staged last, and its padded size
+        self._staged_pbs = 0
 
     def stage(self, sb: SamplingBatch | None, pbs: int) -> None:
-        """Copy a live batch's rows in (None: none) and reset rows bs..pbs-1 to the padding values."""
+        """Copy a live batch's rows in (None: none) and reset rows bs..pbs-1 to the padding values. The batch staged
+        last is not copied again (the engine reuses one SamplingBatch while the running requests stay the same:
+        engine/sampling_cache.py), which saves a sampled step twelve small launches."""
+        if sb is not None and sb is self._staged and pbs == self._staged_pbs:
+            return
+        self._staged, self._staged_pbs = sb, pbs
         bs = 0 if sb is None else sb.temperature.shape[0]
         if sb is not None:
             for name in ("temperature", "top_p", "top_k", "min_p", "seeds", "greedy"):

@@ -1,0 +1,75 @@
+"""Sampling from logits on the GPU: the torch reference (softmax, a sort per row for the filter, the hash noise
+over the vocabulary, the race: layers/sampler.py probs_reference + sample_from_probs) against the sort-free Triton
+kernels (kernels/triton_sample.py), both captured in CUDA graphs, side by side.
+
+    python3 scripts/gpu/bench_sample.py [--vocab 49152 128256 151936] [--rows 1 5 40 320] [--iters 50]
+
+Rows per call: 1 (a plain decode step at batch 1), 5 (a verify at N = 4), 40, 320 (verify at batch 8, 64).
+Sampling: temperature 0.8 with top-k 200 (gpt-fast's), temperature 0.7 with top-p 0.95, temperature 1 alone.
+"sample" draws tokens [R]; "probs" writes the filtered distribution [R, V] (what verify's acceptance reads). Logits
+are random normal x 4, rounded to bfloat16 (the lm head's output). Before timing, the kernel's tokens are checked
+against the reference's (equal but for near-ties of the race).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_moe import time_ms  # this folder: the scripts run as files
+
+from specserve.graphs.capture import capture_graph
+from specserve.kernels.triton_sample import probs_triton, sample_triton
+from specserve.layers.sampler import SamplingBatch, probs_reference, sample_from_probs
+
+SETTINGS = [("T0.8 top-k 200", 0.8, 200, 1.0), ("T0.7 top-p 0.95", 0.7, None, 0.95), ("T1", 1.0, None, 1.0)]
+
+
+def batch(rows: int, vocab: int, temp: float, top_k: int | None, top_p: float) -> SamplingBatch:
+    dev = torch.device("cuda")
+    f = lambda v: torch.full((rows,), v, dtype=torch.float32, device=dev)  # noqa: E731
+    return SamplingBatch(f(temp), f(top_p), torch.full((rows,), top_k or vocab, dtype=torch.int64, device=dev),
+                         f(0.0), torch.arange(rows, dtype=torch.int64, device=dev) + 11,
+                         torch.zeros(rows, dtype=torch.bool, device=dev), all_greedy=False,
+                         need_filter=top_k is not None or top_p < 1.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, nargs="+", default=[49152, 128256, 151936])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 40, 320])
+    p.add_argument("--iters", type=int, default=50)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}: graph replay us (median of {a.iters}); torch reference vs Triton")
+    print(f"{'vocab':>7} {'rows':>5} {'sampling':<16} {'sample ref':>10} {'triton':>8} {'x':>6} "
+          f"{'probs ref':>10} {'triton':>8} {'x':>6} {'equal':>6}")
+    for vocab in a.vocab:
+        for rows in a.rows:
+            x = (torch.randn((rows, vocab), device=dev) * 4).to(torch.bfloat16).float()
+            pos = torch.arange(rows, dtype=torch.int64, device=dev) + 100
+            for name, temp, top_k, top_p in SETTINGS:
+                sb = batch(rows, vocab, temp, top_k, top_p)
+                args = (sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy)
+                want = sample_from_probs(probs_reference(x, sb), sb.seeds, pos)
+                got = sample_triton(x, *args, sb.seeds, pos, sb.need_filter)
+                equal = (got == want).float().mean().item()
+                fns = {
+                    "sample_ref": lambda: sample_from_probs(probs_reference(x, sb), sb.seeds, pos),
+                    "sample": lambda: sample_triton(x, *args, sb.seeds, pos, sb.need_filter),
+                    "probs_ref": lambda: probs_reference(x, sb),
+                    "probs": lambda: probs_triton(x, *args, sb.need_filter),
+                }
+                us = {}
+                for key, fn in fns.items():
+                    graph, _, _ = capture_graph(fn, None)
+                    us[key] = time_ms(graph.replay, a.iters, 5, None) * 1e3
+                    del graph
+                print(f"{vocab:>7} {rows:>5} {name:<16} {us['sample_ref']:>10.1f} {us['sample']:>8.1f} "
+                      f"{us['sample_ref'] / us['sample']:>5.1f}x {us['probs_ref']:>10.1f} {us['probs']:>8.1f} "
+                      f"{us['probs_ref'] / us['probs']:>5.1f}x {equal:>6.3f}", flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
