@@ -138,3 +138,28 @@ def test_sample_production_sizes_and_graph():
         graph.replay()
         want = sample_from_probs(probs_reference(static, sb), sb.seeds, positions)
         assert (out == want).float().mean() >= 0.97  # near-ties of the race may round either way on a GPU
+
+
+def test_startup_check_accepts_the_kernels_and_rejects_wrong_ones(caplog):
+    """layers/sampler.py check_sampling_kernels: the model runner's check before first use passes for these kernels
+    and turns sampling over to the reference (with an error in the log) for kernels that disagree or fail."""
+    import types
+
+    from specserve.kernels import triton_sample
+    from specserve.layers import sampler
+
+    dev = torch.device("cpu")  # under the interpreter; the same call the model runner makes for its CUDA device
+    assert sampler.check_sampling_kernels(dev, triton_sample)
+
+    def off_by_one(*a, **kw):
+        return triton_sample.sample_triton(*a, **kw) + 1
+
+    def broken(*a, **kw):
+        raise RuntimeError("does not compile")
+
+    for wrong in (types.SimpleNamespace(probs_triton=triton_sample.probs_triton, sample_triton=off_by_one),
+                  types.SimpleNamespace(probs_triton=broken, sample_triton=triton_sample.sample_triton)):
+        with caplog.at_level("ERROR"):
+            assert not sampler.check_sampling_kernels(dev, wrong)
+        assert "sampling with torch" in caplog.text
+    sampler._KERNELS_OK.clear()

@@ -40,6 +40,7 @@ from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token
 from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.manager import KVManager
 from specserve.kvcache.req_to_token import ReqToTokenPool
+from specserve.layers.sampler import check_sampling_kernels
 from specserve.models.config import ModelConfig
 from specserve.server_args import ServerArgs
 from specserve.speculative.worker import SpecWorker, WorkerSettings
@@ -249,6 +250,7 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if not (self.use_graphs and self.device.type == "cuda"):
             return
+        check_sampling_kernels(self.device)  # before the sampled graphs capture them (layers/sampler.py)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None

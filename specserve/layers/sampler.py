@@ -7,6 +7,7 @@ the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from specserve.kernels import ops
 from specserve.kernels.availability import triton_kernels
 from specserve.kernels.noise import SALT_SAMPLE, uniform_noise
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,7 +70,7 @@ GREEDY = SamplingBatch(None, None, None, None, None, None, all_greedy=True, need
 def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits [R, V] float32 -> the distribution each row samples from [R, V] (greedy rows: one-hot argmax).
     CUDA tensors: the sort-free Triton kernel (kernels/triton_sample.py); otherwise the reference below."""
-    if logits.is_cuda and (tk := triton_kernels()) is not None:
+    if logits.is_cuda and (tk := sampling_kernels(logits.device)) is not None:
         return tk.probs_triton(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.need_filter)
     return probs_reference(logits, sb)
 
@@ -119,7 +122,66 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> 
     """logits [bs, V] -> token ids [bs]; positions: the sequence index each new token will take."""
     if sb.all_greedy:
         return ops.row_top1(logits)[0]
-    if logits.is_cuda and (tk := triton_kernels()) is not None:
+    if logits.is_cuda and (tk := sampling_kernels(logits.device)) is not None:
         return tk.sample_triton(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.seeds, positions,
                                 sb.need_filter)
     return sample_from_probs(probs_reference(logits, sb), sb.seeds, positions)
+
+
+_KERNELS_OK: dict[torch.device, bool] = {}  # per device: the sort-free kernels passed check_sampling_kernels
+
+
+def sampling_kernels(device: torch.device):
+    """The Triton kernel module for sampling on `device`, or None: the torch reference then runs. The kernels are
+    checked against the reference once per device before first use (check_sampling_kernels; the model runner does
+    it before capturing graphs)."""
+    tk = triton_kernels()
+    if tk is None:
+        return None
+    ok = _KERNELS_OK.get(_device_key(device))
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return tk  # a capture without a check first (the model runner checks before its captures)
+        ok = check_sampling_kernels(device)
+    return tk if ok else None
+
+
+def check_sampling_kernels(device: torch.device, tk=None) -> bool:
+    """Run the sort-free sampling kernels once on `device` against the reference (rows mixing greedy, temperature,
+    top-k, top-p and min-p over bfloat16-rounded logits: the kept sets, the distributions and the drawn tokens);
+    on any failure log it and let this process sample with the reference. Returns whether they passed. tk: the
+    kernel module (default: the process's Triton kernels)."""
+    tk = tk if tk is not None else triton_kernels()
+    if tk is None:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        rows, vocab = 6, 5003
+        x = (torch.randn((rows, vocab), generator=g) * 4).to(torch.bfloat16).float().to(device)
+        f = lambda v: torch.tensor(v, dtype=torch.float32, device=device)  # noqa: E731
+        sb = SamplingBatch(f([0.0, 1.0, 0.7, 0.8, 1.2, 0.9]), f([1.0, 1.0, 0.95, 1.0, 0.5, 0.9]),
+                           torch.tensor([vocab, vocab, vocab, 40, vocab, 100], device=device),
+                           f([0.0, 0.0, 0.0, 0.0, 0.0, 0.05]), torch.arange(rows, device=device) + 1,
+                           torch.tensor([True] + [False] * 5, device=device), all_greedy=False, need_filter=True)
+        pos = torch.arange(rows, device=device) + 7
+        want_p = probs_reference(x, sb)
+        got_p = tk.probs_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, True)
+        got_t = tk.sample_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.seeds, pos, True)
+        want_t = sample_from_probs(want_p, sb.seeds, pos)
+        ok = (torch.equal(got_p > 0, want_p > 0) and torch.allclose(got_p, want_p, atol=1e-5, rtol=1e-4)
+              and torch.equal(got_t, want_t))
+        err = "" if ok else f"tokens {got_t.tolist()} vs {want_t.tolist()}"
+    except Exception as e:  # a kernel that does not compile on this device or Triton: the reference serves
+        ok, err = False, repr(e)
+    _KERNELS_OK[_device_key(device)] = ok
+    if not ok:
+        logger.error("the Triton sampling kernels disagree with the reference on %s (%s); sampling with torch", device,
+                     err)
+    return ok
+
+
+def _device_key(device: torch.device) -> torch.device:
+    """cuda and cuda:0 (the current device) are one device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
