@@ -225,6 +225,27 @@ def test_kernels_write_every_output_element():
     assert torch.isfinite(out).all()
 
 
+def test_in_kernel_merge_equals_the_merge_kernel():
+    """Split-KV decode and verify: the last split's in-kernel merge == the separate merge kernel, call after call
+    (the arrival counters are left at 0 by every launch)."""
+    from specserve.kernels.triton_attention import _merge_counters
+
+    dtype = torch.float32
+    su = _setup(8, 2, 64, dtype, [20, 33, 70], seed=5)
+    rows = torch.tensor([1, 2, 3], device=DEV)
+    k_cache, v_cache = su.tri_pool.k[0], su.tri_pool.v[0]
+    for width, seq_lens in ((1, [20, 33, 70]), (4, [20, 30, 70]), (1, [5, 33, 1])):  # <= live lengths
+        q, _, _ = _qkv(su, 3 * width, dtype)
+        seq = torch.tensor(seq_lens, device=DEV)
+        for splits in (2, 5):
+            want = fixed_width_attention(q, k_cache, v_cache, su.table.table, rows, seq, width, splits, 0.125,
+                                         block_n=16, merge_in_kernel=False)
+            got = fixed_width_attention(q, k_cache, v_cache, su.table.table, rows, seq, width, splits, 0.125,
+                                        block_n=16)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            assert not _merge_counters(q.device).any()
+
+
 def test_head_dim_not_power_of_two():
     """head_dim 80 (padded to a 128-wide tile and masked) through both kernels, with GQA ratio 3."""
     dtype = torch.float32

@@ -8,9 +8,9 @@ Two kernels:
     sequence indices seq_len - W .. seq_len - 1. One program per (request, KV head, KV split): the W new tokens
     times the G query heads of that KV head form the rows of one tile (GQA grouping), so each K/V block is read
     once for all of them. The key range is split over NUM_SPLITS programs ("flash decoding") so that a small batch
-    with a long context still fills the GPU; a second kernel merges the splits by their log-sum-exp. The number of
-    splits is a launch constant (static under CUDA graphs); each split's key range is derived from the live
-    seq_len inside the kernel, so short sequences do little work in any split.
+    with a long context still fills the GPU; the split that finishes last merges them by their log-sum-exp. The
+    number of splits is a launch constant (static under CUDA graphs); each split's key range is derived from the
+    live seq_len inside the kernel, so short sequences do little work in any split.
   * `varlen_attention` (EXTEND and prefill draft extend): flash-attention over a paged prefix plus causal new
     tokens. One program per (block of BLOCK_M new tokens, query head, request). Keys below the block's first query
     are visible to every row and are processed without a mask; only the diagonal band is masked.
@@ -58,12 +58,12 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
 
 @triton.jit
 def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, seq_lens_ptr,
-                        out_ptr, part_o_ptr, part_lse_ptr, qk_scale, num_q_heads, head_dim,
+                        out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, qk_scale, num_q_heads, head_dim,
                         stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_table,
                         stride_ot, stride_oh,
                         W: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, MERGE: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,6 +112,32 @@ def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, se
         lse = tl.where(has_mass, m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=m_ok)
         tl.store(part_o_ptr + part[:, None] * head_dim + d[None, :], o, mask=store_mask)
+        if MERGE:
+            # The split that finishes last merges them (no merge launch). The barrier orders every thread's partial
+            # stores before the one-thread atomic, whose release makes them visible at GPU scope to the program
+            # that acquires the final count; that program reads them through L2 (.cg), never a stale L1 line.
+            tl.debug_barrier()
+            counter = counter_ptr + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                base = (tok * num_q_heads + head) * NUM_SPLITS  # [M]
+                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for sp in tl.static_range(NUM_SPLITS):
+                    mx = tl.maximum(mx, tl.load(part_lse_ptr + base + sp, mask=m_ok, other=float("-inf"),
+                                                cache_modifier=".cg"))
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                total = tl.zeros([BLOCK_M], tl.float32)
+                res = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for sp in tl.static_range(NUM_SPLITS):
+                    wgt = tl.math.exp2(tl.load(part_lse_ptr + base + sp, mask=m_ok, other=float("-inf"),
+                                               cache_modifier=".cg") - mx)  # [M]; 0 for empty splits
+                    o_sp = tl.load(part_o_ptr + (base + sp)[:, None] * head_dim + d[None, :], mask=store_mask,
+                                   other=0.0, cache_modifier=".cg")
+                    res += o_sp * wgt[:, None]
+                    total += wgt
+                res = res / tl.where(total > 0.0, total, 1.0)[:, None]
+                tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                         res.to(out_ptr.dtype.element_ty), mask=store_mask)
+                tl.store(counter, 0)  # the next launch (or graph replay) counts from 0 again
 
 
 @triton.jit
@@ -203,12 +229,32 @@ def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Zero-initialised int32 arrival counters per device, one per (request, KV head) program group of a split launch,
+# shared by every fixed_width_attention call on it: each launch leaves them at 0 again, so they need no reset
+# between calls or graph replays, and the buffer is made once and never replaced (captured graphs keep its
+# address). Launches that could overlap (several streams) would share them: the engine runs its layers on one
+# stream, in order.
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+MERGE_MAX_PROGRAMS = 1 << 16  # requests x KV heads; larger launches merge in a second kernel
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor:
+    """The device's arrival counters, made on first use (eager: graphs/capture.py's warm-up calls run first)."""
+    c = _MERGE_COUNTERS.get(device)
+    if c is None:
+        c = _MERGE_COUNTERS[device] = torch.zeros(MERGE_MAX_PROGRAMS, dtype=torch.int32, device=device)
+    return c
+
+
 def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                           rows: torch.Tensor, seq_lens: torch.Tensor, width: int, num_splits: int, scaling: float,
-                          block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+                          block_n: int = 64, out: torch.Tensor | None = None,
+                          merge_in_kernel: bool = True) -> torch.Tensor:
     """q [bs * width, Hq, D]; rows, seq_lens [bs] (device); -> out [bs * width, Hq, D] in q's dtype.
 
-    Every argument that shapes the launch (bs, width, num_splits) is a host int, so this is capturable."""
+    With key splits, the split of each (request, KV head) that finishes last merges them (merge_in_kernel; else a
+    second kernel does). Every argument that shapes the launch (bs, width, num_splits) is a host int, so this is
+    capturable."""
     num_tokens, num_q_heads, head_dim = q.shape
     bs = rows.shape[0]
     num_kv_heads = k_cache.shape[1]
@@ -225,14 +271,16 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_lse = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused
+    merge = merge_in_kernel and num_splits > 1 and bs * num_kv_heads <= MERGE_MAX_PROGRAMS
+    counters = _merge_counters(q.device) if merge else seq_lens  # unused without the in-kernel merge
     _fixed_width_kernel[(bs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, table, rows, seq_lens, out, part_o, part_lse, scaling * _LOG2E, num_q_heads, head_dim,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        table.stride(0), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, table, rows, seq_lens, out, part_o, part_lse, counters, scaling * _LOG2E, num_q_heads,
+        head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1),
         W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        F32_DOT=f32_dot, PRECISION=precision, num_warps=4, num_stages=2,
+        F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, num_warps=4, num_stages=2,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_o, part_lse, out, num_q_heads, head_dim, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
