@@ -17,6 +17,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")  # of a draft's weights (layers/quant.py)
 DRAFT_SAMPLING = ("argmax", "sample")  # how sampled requests' drafts are chosen (speculative/draft_state.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DECODE_GEMV = ("auto", "triton", "cublas")  # dense layers' decode-row projections (kernels/gemv_policy.py)
 LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-attention layers (layers/gdn.py)
 INDEXER_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the sparse-attention indexer's key cache (auto: --kv-cache-dtype)
 
@@ -69,6 +70,7 @@ class ServerArgs:
     cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (graphs/prefill.py)
     attention_backend: str = "auto"
     linear_attn_prefill: str = "chunked"
+    decode_gemv: str = "auto"
     indexer_cache_dtype: str = "auto"
     speculative_mtp_chain: str = "normed"
     # sampling
@@ -173,6 +175,8 @@ class ServerArgs:
         if self.indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
             raise ValueError(f"--indexer-cache-dtype must be one of {INDEXER_CACHE_DTYPES}, got "
                              f"{self.indexer_cache_dtype!r}")
+        if self.decode_gemv not in DECODE_GEMV:
+            raise ValueError(f"--decode-gemv must be one of {DECODE_GEMV}, got {self.decode_gemv!r}")
         if self.linear_attn_prefill not in LINEAR_ATTN_PREFILL:
             raise ValueError(f"--linear-attn-prefill must be one of {LINEAR_ATTN_PREFILL}, got "
                              f"{self.linear_attn_prefill!r}")
@@ -307,6 +311,11 @@ class ServerArgs:
         a("--linear-attn-prefill", default="chunked", choices=LINEAR_ATTN_PREFILL,
           help="prefill kernels of linear-attention (gated delta net) layers: chunked (chunk-parallel, tensor "
                "cores) or recurrent (token by token, the decode kernels)")
+        a("--decode-gemv", default="auto", choices=DECODE_GEMV,
+          help="dense layers' projections for decode rows (at most 4 a forward) on a GPU: triton (each RMSNorm fused "
+               "into the projection after it, SiLU-mul into gate/up, no split-K reduce: kernels/triton_gemv.py), "
+               "cublas (separate launches), auto (triton for the shapes it was measured faster on, "
+               "kernels/gemv_policy.py)")
         a("--speculative-mtp-chain", default="normed", choices=("normed", "prenorm"),
           help="the MTP draft's hidden state chained into its next step: after its final norm (shared_head.norm) "
                "or before it")

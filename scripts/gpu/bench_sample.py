@@ -14,6 +14,7 @@ against the reference's (equal but for near-ties of the race).
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 from bench_moe import time_ms  # this folder: the scripts run as files
@@ -32,6 +33,10 @@ def batch(rows: int, vocab: int, temp: float, top_k: int | None, top_p: float) -
                          f(0.0), torch.arange(rows, dtype=torch.int64, device=dev) + 11,
                          torch.zeros(rows, dtype=torch.bool, device=dev), all_greedy=False,
                          need_filter=top_k is not None or top_p < 1.0)
+
+
+def _sample_ref(x: torch.Tensor, sb: SamplingBatch, pos: torch.Tensor) -> torch.Tensor:
+    return sample_from_probs(probs_reference(x, sb), sb.seeds, pos)
 
 
 def main() -> None:
@@ -55,10 +60,10 @@ def main() -> None:
                 got = sample_triton(x, *args, sb.seeds, pos, sb.need_filter)
                 equal = (got == want).float().mean().item()
                 fns = {
-                    "sample_ref": lambda: sample_from_probs(probs_reference(x, sb), sb.seeds, pos),
-                    "sample": lambda: sample_triton(x, *args, sb.seeds, pos, sb.need_filter),
-                    "probs_ref": lambda: probs_reference(x, sb),
-                    "probs": lambda: probs_triton(x, *args, sb.need_filter),
+                    "sample_ref": partial(_sample_ref, x, sb, pos),
+                    "sample": partial(sample_triton, x, *args, sb.seeds, pos, sb.need_filter),
+                    "probs_ref": partial(probs_reference, x, sb),
+                    "probs": partial(probs_triton, x, *args, sb.need_filter),
                 }
                 us = {}
                 for key, fn in fns.items():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17 on the H200 with SmolLM2-135M and the shipped head, in calls on one warm machine (the GGUF travels in
 # parts, see env.sh):
-#   keep            carry .smollm2-parts/a: keep part00 in /tmp/keep, then the adaptive-speculation GPU tests
+#   keep [tests]    carry .smollm2-parts/a: keep part00 in /tmp/keep (with tests: then the adaptive-speculation GPU tests)
 #   join            carry .smollm2-parts/b: env.sh joins the GGUF
 #   spec            carry .smollm2-parts/wheels and .gpu-data: bench-spec greedy and sampled (T 0.7, top-p 0.95),
 #                   plain vs MTP N = 4 with context lookup (the embedded default), concurrency 1 and 8
@@ -14,7 +14,7 @@ D=.gpu-data
 case "${1:-}" in
   keep)
     mkdir -p /tmp/keep && cp .smollm2-parts/a/part00 /tmp/keep/ && ls -la /tmp/keep
-    bash scripts/gpu/followups.sh adaptive
+    [ "${2:-}" = tests ] && bash scripts/gpu/followups.sh adaptive
     ;;
   join)
     ls -la /tmp/smollm2.gguf && python3 -c "import gguf" 2>&1 | tail -1

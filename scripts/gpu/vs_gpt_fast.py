@@ -40,11 +40,12 @@ def sync(dev: torch.device) -> None:
 
 
 def specserve_decode(preset: str, dev: torch.device, prompt_len: int, tokens: int, repeats: int,
-                     temperature: float, top_k: int) -> list[float]:
+                     temperature: float, top_k: int, decode_gemv: str = "auto") -> list[float]:
     """Seconds per decoded token of each timed run (prefill steps excluded)."""
     ctx = prompt_len + tokens + 64
     target, _, cfg = random_models(preset, torch.bfloat16, dev, ctx + 8)
-    args = ServerArgs(context_length=ctx, max_running_requests=1, cuda_graph_max_bs=1, max_total_tokens=2 * ctx)
+    args = ServerArgs(context_length=ctx, max_running_requests=1, cuda_graph_max_bs=1, max_total_tokens=2 * ctx,
+                      decode_gemv=decode_gemv)
     mr = ModelRunner(args, target, cfg, None, dev, torch.bfloat16, ctx)
     mr.capture_graphs()
     sched = Scheduler(mr, StopChecker(None, set()), args.chunked_prefill_size)
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--decode-gemv", default="auto", choices=("auto", "triton", "cublas"),
+                   help="specserve's dense decode projections (as `serve --decode-gemv`)")
     p.add_argument("--no-coordinate-descent", action="store_true", help="gpt-fast: faster compile, slower kernels")
     p.add_argument("--device", default="cuda")
     p.add_argument("--output-file", default=None, help="append one JSON line per shape")
@@ -135,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(a.device)
     for shape in a.shapes.split(","):
         row = {"shape": shape, "prompt_len": a.prompt_len, "tokens": a.tokens, "temperature": a.temperature,
-               "top_k": a.top_k}
-        ours = specserve_decode(shape, dev, a.prompt_len, a.tokens, a.repeats, a.temperature, a.top_k)
+               "top_k": a.top_k, "decode_gemv": a.decode_gemv}
+        ours = specserve_decode(shape, dev, a.prompt_len, a.tokens, a.repeats, a.temperature, a.top_k,
+                                a.decode_gemv)
         row["specserve_ms"] = 1e3 * statistics.median(ours)
         line = f"{shape:<14} specserve {row['specserve_ms']:.3f} ms/token"
         if a.gpt_fast:

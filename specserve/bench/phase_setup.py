@@ -151,7 +151,7 @@ class Pair:
 
 def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int, max_bs: int, context_len: int,
                  disable_graphs: bool, attention_backend: str = "auto", capture_bs: list[int] | None = None,
-                 prefill_graph_tokens: int = 0) -> Pair:
+                 prefill_graph_tokens: int = 0, decode_gemv: str = "auto") -> Pair:
     """capture_bs: the batch sizes to capture (default: the engine's ladder up to max_bs). prefill_graph_tokens:
     the plain runner's prefill graphs up to this many tokens (0: none; the spec runner never captures prefill)."""
     if {s.kind for s in target.cache_specs()} & {CacheKind.MLA, CacheKind.INDEX_KEYS}:
@@ -159,7 +159,7 @@ def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int,
     tokens = max_bs * (context_len + num_steps + 2) + 1024
     common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                   cuda_graph_bs=capture_bs, disable_cuda_graph=disable_graphs, attention_backend=attention_backend,
-                  context_length=context_len)
+                  context_length=context_len, decode_gemv=decode_gemv)
     plain = ModelRunner(ServerArgs(cuda_graph_max_prefill_tokens=prefill_graph_tokens, **common), target, cfg, None,
                         device, dtype, context_len)
     spec = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=num_steps,

@@ -27,7 +27,7 @@ from specserve.bench.phase_setup import (
 )
 from specserve.engine.steps import run_decode, run_spec_step
 from specserve.graphs.padding import LiveInputs
-from specserve.server_args import ATTENTION_BACKENDS
+from specserve.server_args import ATTENTION_BACKENDS, DECODE_GEMV
 
 
 def timeit(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="as the server's flag (triton: the Triton MLA and indexer kernels, sparse rows per query)")
+    p.add_argument("--decode-gemv", default="auto", choices=DECODE_GEMV,
+                   help="dense layers' decode-row projections: fused Triton GEMVs or cuBLAS (as `serve`)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--idle-steps", type=int, default=50)
     p.add_argument("--prefill-tokens", type=int, default=512,
@@ -216,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         label = args.model_path or "embedded SmolLM2-135M-Instruct"
     pair = make_runners(target, draft, cfg, dtype, dev, args.speculative_num_steps, max(bss), args.context_length,
                         disable_graphs=False, attention_backend=args.attention_backend, capture_bs=bss,
-                        prefill_graph_tokens=args.prefill_tokens)
-    result: dict = {"model": label, "attention_backend": args.attention_backend,
+                        prefill_graph_tokens=args.prefill_tokens, decode_gemv=args.decode_gemv)
+    result: dict = {"model": label, "attention_backend": args.attention_backend, "decode_gemv": args.decode_gemv,
                     "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "N": args.speculative_num_steps, "prefix_len": args.prefix_len, "batches": []}
     if dev.type == "cuda":

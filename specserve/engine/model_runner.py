@@ -42,6 +42,7 @@ from specserve.kvcache.manager import KVManager
 from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.layers.sampler import check_sampling_kernels
 from specserve.models.config import ModelConfig
+from specserve.models.dense import set_decode_gemv
 from specserve.server_args import ServerArgs
 from specserve.speculative.worker import SpecWorker, WorkerSettings
 
@@ -68,6 +69,10 @@ class ModelRunner:
             target.set_aux_layers(draft.aux_layers)  # extend and verify now also return these layers' outputs
         if draft is not None:
             draft.set_chain_prenorm(args.speculative_mtp_chain == "prenorm")
+        if device.type == "cuda":  # decode rows through the fused Triton GEMVs (kernels/gemv_policy.py)
+            for model in (target, draft):
+                if model is not None:
+                    set_decode_gemv(model, args.decode_gemv)
         self.cfg = cfg
         self.device = device
         self.dtype = dtype

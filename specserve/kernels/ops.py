@@ -177,3 +177,28 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if (tk := _kernels(q, k, v)) is not None:
         return tk.gated_delta_rule_prefill_triton(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens)
     return ref.gated_delta_rule_states(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens, False)
+
+
+GEMV_MAX_ROWS = 4  # decode rows the fused GEMV kernels take (kernels/triton_gemv.py MAX_ROWS)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for decode rows (x [M <= 4, K]): the Triton GEMV (one launch, no split-K reduce) on CUDA."""
+    if (tk := _kernels(x, w)) is not None:
+        return tk.gemv(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight_offset: float,
+              w: torch.Tensor, bias: torch.Tensor | None = None,
+              silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(rms_norm(h), w, bias) [then silu_and_mul], h) with h = x + residual (x when residual is None): one
+    Triton launch for decode rows on CUDA; the unfused reference ops otherwise."""
+    if (tk := _kernels(x, w)) is not None:
+        return tk.norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, silu_mul)
+    if residual is None:
+        h, a = x, ref.rms_norm(x, norm_w, eps, weight_offset)
+    else:
+        a, h = ref.add_rms_norm(x, residual, norm_w, eps, weight_offset)
+    y = F.linear(a, w, bias)
+    return (ref.silu_and_mul(y) if silu_mul else y), h

@@ -7,6 +7,7 @@ from specserve.kernels.triton_act import silu_and_mul
 from specserve.kernels.triton_gdn import causal_conv_states_triton, gated_delta_rule_states_triton
 from specserve.kernels.triton_gdn_chunked import causal_conv_prefill_triton, gated_delta_rule_prefill_triton
 from specserve.kernels.triton_gdn_gates import gated_rms_norm_triton, gdn_gating_triton
+from specserve.kernels.triton_gemv import gemv, norm_gemv
 from specserve.kernels.triton_kv import store_kv
 from specserve.kernels.triton_moe import fused_moe
 from specserve.kernels.triton_ngram import lookup_drafts_triton
@@ -19,6 +20,7 @@ from specserve.kernels.triton_top1 import row_top1_triton
 
 __all__ = ["accept_greedy_triton", "accept_sampling_triton", "add_rms_norm", "causal_conv_prefill_triton",
            "causal_conv_states_triton", "fused_moe", "gated_delta_rule_prefill_triton",
-           "gated_delta_rule_states_triton", "gated_rms_norm_triton", "gdn_gating_triton", "lookup_drafts_triton",
-           "probs_triton", "qk_norm_rope_store_triton", "rms_norm", "rope", "router_topk_triton", "row_top1_triton",
-           "sample_triton", "silu_and_mul", "softmax_topk_triton", "store_kv"]
+           "gated_delta_rule_states_triton", "gated_rms_norm_triton", "gdn_gating_triton", "gemv",
+           "lookup_drafts_triton", "norm_gemv", "probs_triton", "qk_norm_rope_store_triton", "rms_norm", "rope",
+           "router_topk_triton", "row_top1_triton", "sample_triton", "silu_and_mul", "softmax_topk_triton",
+           "store_kv"]

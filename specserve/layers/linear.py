@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.kernels import ops
 from specserve.layers.quant import Int8Weight, int8_cpu_linear
 
 # Row counts up to this take the prepacked oneDNN path on CPU (scripts/cpu/bench_linear.py, SmolLM2-135M shapes,
@@ -76,8 +77,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed = PackedWeight()  # CPU fp32 small-row path only (plain attribute, see PackedWeight)
         self.int8: Int8Weight | None = None  # a drafter's weight-only int8 copy on CPU (layers/quant.py)
+        # decode rows (at most ops.GEMV_MAX_ROWS) through the one-launch Triton GEMV (--decode-gemv, set by the
+        # layer that owns it: models/dense.py DenseDecoderLayer.set_decode_gemv)
+        self.decode_gemv = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decode_gemv and x.dim() == 2 and x.shape[0] <= ops.GEMV_MAX_ROWS:
+            return ops.gemv(x, self.weight, self.bias)
         y = int8_cpu_linear(x, self.weight, self.bias, self.int8)
         if y is None:
             y = packed_cpu_linear(x, self.weight, self.bias, self.packed)

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from specserve.batch import ForwardBatch, ForwardMode
+from specserve.kernels import ops
+from specserve.kernels.gemv_policy import prefer_fused
 from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.attention import PagedAttention, QKPrep
@@ -111,8 +113,11 @@ class DenseAttention(nn.Module):
         return MHACacheSpec(self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        t = h.shape[0]
-        qkv = self.qkv_proj(h)  # [T, q + 2kv]
+        return self.attend(positions, self.qkv_proj(h), fb)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """qkv [T, q + 2kv] (the projection's output) -> the attention block's output [T, hidden]."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -174,11 +179,56 @@ class DenseDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else DenseMLP(cfg)
 
+    fused_decode = False  # decode rows with each norm fused into the projection after it (set_decode_gemv)
+
     def cache_specs(self) -> list[CacheSpec]:
         return [self.self_attn.cache_spec()]
 
     def mix(self, positions, h, fb: ForwardBatch):
         return self.self_attn(positions, h, fb)
+
+    def set_decode_gemv(self, mode: str) -> bool:
+        """--decode-gemv: 'triton' runs this layer's decode rows through the fused GEMVs (kernels/triton_gemv.py:
+        input norm + qkv, o-proj, post-attention norm + gate/up + SiLU-mul, down-proj; an MoE MLP keeps its own
+        kernels), 'auto' where its projection shapes are measured faster (kernels/gemv_policy.py), 'cublas' never.
+        Tensor-parallel layers keep the unfused path. Returns whether the layer fuses."""
+        attn, mlp = self.self_attn, self.mlp
+        dense_mlp = isinstance(mlp, DenseMLP) and type(mlp.gate_up_proj) is MergedLinear
+        linears = [attn.qkv_proj, attn.o_proj] + ([mlp.gate_up_proj, mlp.down_proj] if dense_mlp else [])
+        plain = type(attn.qkv_proj) is MergedLinear and type(attn.o_proj) is Linear
+        use = plain and (mode == "triton" or (mode == "auto" and prefer_fused([tuple(m.weight.shape)
+                                                                             for m in linears])))
+        self.fused_decode = use
+        attn.o_proj.decode_gemv = use
+        if dense_mlp:
+            mlp.down_proj.decode_gemv = use
+        return use
+
+    def forward(self, positions, h, residual, fb: ForwardBatch):
+        """-> (h, residual). Decode rows (at most ops.GEMV_MAX_ROWS) of a fused layer: one launch for each norm
+        and the projection after it (models run it on CUDA only; ops' reference elsewhere)."""
+        if not (self.fused_decode and h.shape[0] <= ops.GEMV_MAX_ROWS):
+            return super().forward(positions, h, residual, fb)
+        qkv, residual = _norm_linear(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
+        h = self.self_attn.attend(positions, qkv, fb)
+        if isinstance(self.mlp, DenseMLP):
+            act, residual = _norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual,
+                                         silu_mul=True)  # [T, I] = silu(gate) * up
+            return self.mlp.down_proj(act), residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+def _norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                 silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)) [SiLU-and-mul'd], x + residual) in one launch (x when residual is None)."""
+    return ops.norm_gemv(x, residual, norm.weight, norm.eps, 1.0 if norm.zero_centered else 0.0, linear.weight,
+                         linear.bias, silu_mul)
+
+
+def set_decode_gemv(model: nn.Module, mode: str) -> int:
+    """Apply --decode-gemv to every dense decoder layer of `model` (the MTP block's included) -> how many fuse."""
+    return sum(m.set_decode_gemv(mode) for m in model.modules() if isinstance(m, DenseDecoderLayer))
 
 
 class DenseModel(nn.Module):

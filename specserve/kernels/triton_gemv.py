@@ -1,0 +1,267 @@
+"""Memory-bound Triton GEMVs for decode rows (M <= 4 tokens) on CUDA, with their neighbours fused in (references:
+F.linear, and kernels/reference.py add_rms_norm / rms_norm and silu_and_mul).
+
+At batch 1 a dense layer's projections read megabytes of weights for one activation row, and the small kernels
+around them (the residual add + RMSNorm before qkv and gate_up, the SiLU-and-mul after gate_up, cuBLAS's split-K
+reduce) and the gaps between launches cost as much as the weights' bytes on small models. Here:
+
+`gemv`: y [M, N] = x [M, K] @ w[N, K]^T (+ bias), one launch, no split-K reduce.
+
+`norm_gemv`: the RMSNorm of h = x + residual fused into the GEMV's prologue (and, with silu_mul, SiLU(gate) * up
+in its epilogue), one launch; it also returns h (the new residual).
+
+Grid cdiv(N_out, BLOCK_N): each program owns BLOCK_N output columns (BLOCK_N weight rows, or with silu_mul BLOCK_N
+gate rows and the same BLOCK_N up rows) and loops over all of K in BLOCK_K steps (`tl.range`, pipelined by
+num_stages), so the result does not depend on the grid (deterministic; no atomics). Per row of x it accumulates a
+[BLOCK_N, BLOCK_K] float32 tile of products (the M rows unrolled with tl.static_range, reusing each loaded weight
+tile) and reduces over K once, after the loop. Many small programs (a few weight rows each) keep several in flight
+on every SM.
+
+The RMSNorm prologue: every program first sums the squares of its rows over all of K itself (the rows come from
+L2 after the first programs; one launch, no cross-program sync), then recomputes the normed activation of each K
+step as it consumes it. Program 0 writes h.
+
+Rounding follows the unfused torch ops, with float32 accumulation: h = x + residual is rounded to x's dtype and the
+statistics are over the rounded h in float32; weight_offset 0 (Llama, Qwen): the normed row is rounded to x's dtype,
+then its product with the norm weight is rounded too, `(hf * rsqrt(var + eps)).to(x.dtype) * w`; weight_offset != 0
+(zero-centred norms): `(hf * rsqrt(var + eps) * (w.float() + offset)).to(x.dtype)`. The GEMV consumes that x.dtype
+activation; its float32 sums (+ bias, in float32) are rounded once to x's dtype as F.linear's output is. silu_mul:
+gate and up are each rounded, then silu(gate) is rounded and its product with up rounded, as
+`silu_and_mul(F.linear(a, w))` in bfloat16. bfloat16 rounding is to nearest even by hand (`_rounded`), as the GPU's
+conversion does, because Triton's interpreter (CPU tests) truncates instead. The sums differ from cuBLAS's only in
+the order of accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # decode rows: the accumulators of every row are held in registers at once
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tuned launch configurations at M = 1, keyed by the weight's (rows, K) (rows: 2I for silu_mul's gate_up weight).
+# TUNED ON: nothing yet. Fill from `python3 scripts/gpu/bench_gemv.py --sweep` on the GPU (it prints the dict).
+_TUNED: dict[tuple[int, int], dict[str, int]] = {}
+# ---------------------------------------------------------------------------------------------------------------
+
+_SMS = 132  # H200: the default config aims for several programs on every SM
+_PROGRAMS_PER_SM = 4
+_ACC_PER_THREAD = 64  # float32 accumulator elements per thread (all rows, gate and up) the default allows
+
+
+@triton.jit
+def _rounded(v, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """float32 v -> float32 holding v rounded to DTYPE (to nearest even; bfloat16 by hand, see the module doc)."""
+    if ROUND_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        out = bits.to(tl.float32, bitcast=True)
+    else:
+        out = v.to(DTYPE).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _load_h(x_ptr, r_ptr, m, k, k_ok, stride_x, stride_r, HAS_RESIDUAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Row m of h = x + residual at columns k [BLOCK_K], float32 of the value rounded to x's dtype (0 past K)."""
+    h = tl.load(x_ptr + m * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + m * stride_r + k, mask=k_ok, other=0.0).to(tl.float32)
+        h = _rounded(h + r, x_ptr.dtype.element_ty, ROUND_BF16)
+    return h
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps, up_offset,
+                 stride_x, stride_r, stride_h, stride_w, stride_y,
+                 M: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
+                 SILU: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Program i: output columns i*BLOCK_N .. + BLOCK_N of all M rows. x [M, K] (row stride stride_x), w [N, K]
+    (row stride stride_w; with SILU N = 2 n_out, gate rows then up rows), y [M, n_out]. NORM: the activation is the
+    RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual)."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < n_out
+    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    dtype = x_ptr.dtype.element_ty
+    gate_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+    up_rows = gate_rows + up_offset  # [BLOCK_N, 1] (read only with SILU)
+
+    # RMSNorm statistics: each row's sum of squares over all of K (h rounded first), in float32.
+    rstd = ()
+    if NORM:
+        sq = ()
+        for _ in tl.static_range(M):
+            sq = sq + (tl.zeros([BLOCK_K], dtype=tl.float32),)
+        for k0 in tl.range(0, K, BLOCK_K):
+            k = k0 + ks
+            k_ok = k < K
+            new_sq = ()
+            for m in tl.static_range(M):
+                h = _load_h(x_ptr, r_ptr, m, k, k_ok, stride_x, stride_r, HAS_RESIDUAL, ROUND_BF16)
+                if HAS_RESIDUAL and pid == 0:  # the new residual, once
+                    tl.store(h_ptr + m * stride_h + k, h.to(dtype), mask=k_ok)
+                new_sq = new_sq + (sq[m] + h * h,)
+            sq = new_sq
+        for m in tl.static_range(M):
+            rstd = rstd + (tl.rsqrt(tl.sum(sq[m], 0) / K + eps),)
+
+    acc = ()  # per row [BLOCK_N, BLOCK_K] float32 partial products of the gate (all) rows, then of the up rows
+    for _ in tl.static_range(M * (2 if SILU else 1)):
+        acc = acc + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + ks
+        k_ok = k < K
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        if SILU:
+            wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        if NORM:
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        acts = ()  # per row [BLOCK_K] float32 of the x.dtype activation
+        for m in tl.static_range(M):
+            if NORM:
+                h = _load_h(x_ptr, r_ptr, m, k, k_ok, stride_x, stride_r, HAS_RESIDUAL, ROUND_BF16)
+                if W_OFFSET == 0.0:
+                    a = _rounded(_rounded(h * rstd[m], dtype, ROUND_BF16) * nw, dtype, ROUND_BF16)
+                else:
+                    a = _rounded(h * rstd[m] * (nw + W_OFFSET), dtype, ROUND_BF16)
+            else:
+                a = tl.load(x_ptr + m * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+            acts = acts + (a,)
+        new_acc = ()
+        for m in tl.static_range(M):
+            new_acc = new_acc + (acc[m] + wg * acts[m][None, :],)
+        if SILU:
+            for m in tl.static_range(M):
+                new_acc = new_acc + (acc[M + m] + wu * acts[m][None, :],)
+        acc = new_acc
+
+    if HAS_BIAS:
+        bg = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
+        if SILU:
+            bu = tl.load(b_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)
+    for m in tl.static_range(M):
+        y = tl.sum(acc[m], 1)  # [BLOCK_N]
+        if HAS_BIAS:
+            y += bg
+        y = _rounded(y, dtype, ROUND_BF16)
+        if SILU:
+            u = tl.sum(acc[M + m], 1)
+            if HAS_BIAS:
+                u += bu
+            u = _rounded(u, dtype, ROUND_BF16)
+            y = _rounded(_rounded(y / (1.0 + tl.exp(-y)), dtype, ROUND_BF16) * u, dtype, ROUND_BF16)
+        tl.store(y_ptr + m * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, silu_mul: bool = False) -> dict[str, int]:
+    """Launch parameters (BLOCK_N, BLOCK_K, num_warps, num_stages) for x [m, k] and a weight [n, k] (silu_mul: n =
+    2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). _TUNED (n, k) first, else a
+    heuristic: K steps of 1 kB of each weight row (16-byte loads, 512 bf16) unless that pads K by more than an eighth,
+    and the most output columns a program (16 weight rows at most) that still gives _PROGRAMS_PER_SM programs per SM,
+    down to 2. For m > 1 the K step shrinks until the m rows' accumulators fit the per-thread budget."""
+    cfg = _TUNED.get((n, k))
+    if cfg is None:
+        cfg = _default_config(n // 2 if silu_mul else n, k, dtype, silu_mul)
+    cfg = dict(cfg)
+    per_row = (2 if silu_mul else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
+    budget = max(_ACC_PER_THREAD, per_row)  # a tuned M = 1 config may hold more; keep it at m rows
+    while m * per_row > budget and cfg["BLOCK_K"] > 32:
+        cfg["BLOCK_K"] //= 2
+        per_row /= 2
+    return cfg
+
+
+def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> dict[str, int]:
+    block_k = 1024 // dtype.itemsize
+    while block_k > 64 and triton.cdiv(k, block_k) * block_k - k > k // 8:
+        block_k //= 2
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    w_rows = 2 if silu_mul else 1  # weight rows per output column
+    block_n = 16 // w_rows
+    while block_n > 2 and triton.cdiv(cols, block_n) < _SMS * _PROGRAMS_PER_SM:
+        block_n //= 2
+    tile = w_rows * block_n * block_k  # weight elements a K step
+    num_warps = max(1, min(4, tile // (32 * 16)))  # 16 or more elements a thread, up to 4 warps
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+                num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype:
+        raise ValueError(f"gemv: weight {tuple(w.shape)} {w.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"gemv: {x.shape[0]} rows; the kernel is for decode rows (at most {MAX_ROWS})")
+    if w.stride(1) != 1:
+        raise ValueError("gemv: the weight must be row-major (unit stride along K)")
+    if silu_mul and w.shape[0] % 2:
+        raise ValueError(f"gemv: silu_mul needs gate and up rows, got {w.shape[0]} rows")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"gemv: bias {tuple(bias.shape)} {bias.dtype} does not fit weight {tuple(w.shape)}")
+
+
+def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, config) -> None:
+    m, k = x.shape
+    n_out = y.shape[1]
+    if m == 0 or n_out == 0:
+        return
+    cfg = config or gemv_config(m, w.shape[0], k, x.dtype, silu_mul)
+    grid = (triton.cdiv(n_out, cfg["BLOCK_N"]),)
+    _gemv_kernel[grid](
+        x, residual if residual is not None else x, norm_w if norm_w is not None else x, w,
+        bias if bias is not None else w, y, h if h is not None else y, n_out, k, eps, n_out * w.stride(0),
+        x.stride(0), residual.stride(0) if residual is not None else 0, h.stride(0) if h is not None else 0,
+        w.stride(0), y.stride(0),
+        M=m, NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, W_OFFSET=float(weight_offset),
+        SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+         config: dict[str, int] | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for decode rows on CUDA: x [M, K] (M <= 4; bf16, fp16 or fp32), w [N, K] row-major in
+    x's dtype, bias [N] or None -> y [M, N] in x's dtype: float32 sums (+ bias) rounded once, as F.linear's, up to
+    the order of accumulation (fixed: no split-K). One launch, capturable in a CUDA graph. config: gemv_config's
+    result, to override (benchmarks, tests)."""
+    _check(x, w, bias, False)
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)  # [M, N]
+    _launch(_unit_stride(x), None, None, w, bias.contiguous() if bias is not None else None, y, None, 0.0, 0.0,
+            False, config)
+    return y
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+              weight_offset: float, w: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+              config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """F.linear(rms_norm(h, norm_w, eps, weight_offset), w, bias) with h = x + residual (or x when residual is None)
+    in one launch for decode rows on CUDA, rounded as the unfused ops (reference.add_rms_norm / rms_norm, then
+    F.linear; see the module doc). x, residual [M, K] (M <= 4), norm_w [K] (x's dtype unless weight_offset), w [N,
+    K] row-major, bias [N] or None, all in x's dtype. Returns (y, h): y [M, N], or with silu_mul (w = gate rows [0, I)
+    then up rows [I, 2I)) y [M, I] = silu_and_mul(F.linear(a, w, bias)); h [M, K] the new residual (x itself when
+    residual is None). config: gemv_config's result, to override."""
+    _check(x, w, bias, silu_mul)
+    m, k = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: residual {tuple(residual.shape)} {residual.dtype} does not fit x")
+    if norm_w.shape != (k,) or (not weight_offset and norm_w.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: norm weight {tuple(norm_w.shape)} {norm_w.dtype} does not fit x")
+    x = _unit_stride(x)
+    h = x
+    if residual is not None:
+        residual = _unit_stride(residual)
+        h = torch.empty_like(x, memory_format=torch.contiguous_format)  # [M, K]
+    n_out = w.shape[0] // 2 if silu_mul else w.shape[0]
+    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)  # [M, N] or [M, I]
+    _launch(x, residual, norm_w.contiguous(), w, bias.contiguous() if bias is not None else None, y,
+            h if residual is not None else None, float(eps), weight_offset, silu_mul, config)
+    return y, h

@@ -1,0 +1,502 @@
+"""The decode GEMV kernels (kernels/triton_gemv.py) against F.linear and the torch references of the ops they fuse
+(reference.rms_norm / add_rms_norm, silu_and_mul): M 1..4 rows, K and N not multiples of the tiles, small explicit
+configurations so several programs and K steps run, with and without residual and bias, weight offsets 0 and 1,
+with and without the SiLU-and-mul epilogue.
+
+float32 on random inputs: close (only the order of accumulation differs). bfloat16 (and float16) on exact-friendly
+inputs: every product and partial sum is exact in float32 (`assert_exact_sums`), so any order of accumulation gives
+the reference's float32 sums, and the outputs must be EQUAL; every rounding in between is then the same rounding of
+the same float32 value. For the norm most rows are built so that var + eps is a power of 4 (`exact_norm_rows`): the
+rsqrt is an exact power of 2 for any rsqrt implementation, so the normed activation matches the reference's bit for
+bit. There h * rstd needs no rounding, so other rows (`ieee_rstd_rows`, rstd no power of 2 but the same float32 in
+torch and the interpreter) check the rounding of the normed row before the weight multiply. Alternatives that round
+differently (h unrounded, the normed row or its product with the weight unrounded, gate / up unrounded) give other
+outputs on these inputs, and the checks reject them. On a GPU (where the kernel's rsqrt and division are
+approximate, so the normed outputs are compared within an ulp or two) also the real Llama-8B and SmolLM2 shapes
+against the unfused path, captured in a CUDA graph and replayed with new inputs. On CPU under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py does the same)
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from specserve.kernels import reference as ref  # noqa: E402
+from specserve.kernels import triton_gemv  # noqa: E402
+from specserve.kernels.triton_gemv import gemv, gemv_config, norm_gemv  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+CFG = dict(BLOCK_N=8, BLOCK_K=32, num_warps=4, num_stages=2)  # several programs and K steps at the test sizes
+# On a GPU the kernel's float32 division (the mean) and tl.rsqrt are approximate (an ulp or so), so even on the
+# exact rows its rstd can differ from torch's, and a normed value by one ulp; the interpreter's are IEEE, as
+# torch's CPU ones. Likewise exp (the SiLU) differs by float32 ulps between implementations: a bfloat16 rounding
+# of silu(g) could land an ulp apart, on CPU it does not on these inputs (checked).
+NORM_TOL = dict(atol=0, rtol=0) if DEV.type == "cpu" else dict(atol=2 ** -5, rtol=2 ** -6)
+SILU_TOL = dict(atol=0, rtol=0) if DEV.type == "cpu" else dict(atol=0, rtol=2 ** -7)
+TINY = {BF16: 2.0 ** -12, F16: 2.0 ** -14}  # under half an ulp of any |h| >= 1/4: x + TINY rounds back to x
+
+
+def multiples(shape, lo: float, hi: float, step: float, g: torch.Generator) -> torch.Tensor:
+    """float32 random multiples of `step` in [lo, hi]."""
+    return torch.randint(round(lo / step), round(hi / step) + 1, shape, generator=g).float() * step
+
+
+def assert_exact_sums(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """Every product a[m, k] * w[n, k] (and the bias) is a multiple of q = 2^-16 and the sum of their magnitudes
+    stays under 2^24 q: every partial sum, in any order, is exact in float32."""
+    q = 2.0 ** -16
+    p = a.double().cpu()[:, None, :] * w.double().cpu()[None]  # [M, N, K]
+    mags = p.abs().sum(-1)
+    if bias is not None:
+        p = torch.cat((p, bias.double().cpu().expand(p.shape[:2])[..., None]), -1)
+        mags = mags + bias.double().cpu().abs()
+    assert torch.all(torch.frac(p / q) == 0) and mags.max() < 2 ** 24 * q, "inputs are not exact-friendly"
+
+
+def linear_exact(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear's result, its exact float32 sums rounded once to a's dtype (on CPU)."""
+    assert_exact_sums(a, w, bias)
+    out = F.linear(a.cpu().float(), w.cpu().float(), None if bias is None else bias.cpu().float()).to(a.dtype)
+    assert torch.equal(out, F.linear(a.cpu(), w.cpu(), None if bias is None else bias.cpu()))  # as torch rounds
+    return out
+
+
+def exact_gemv_inputs(m: int, n: int, k: int, dtype, g, bias: bool):
+    """x multiples of 1/16 in [-2, 2], w of 1/8 in [-1/2, 1/2], bias of 1/8 in [-2, 2]."""
+    x = multiples((m, k), -2, 2, 1 / 16, g).to(dtype)
+    w = multiples((n, k), -0.5, 0.5, 1 / 8, g).to(dtype)
+    b = multiples((n,), -2, 2, 1 / 8, g).to(dtype) if bias else None
+    return x, w, b
+
+
+def to_dev(*ts):
+    return [t.to(DEV) if t is not None else None for t in ts]
+
+
+# ---------------------------------------------------------------------------------------------------------- gemv
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_float32_close_to_linear(m, bias):
+    g = torch.Generator().manual_seed(m * 10 + bias)
+    x, w = torch.randn(m, 100, generator=g), torch.randn(37, 100, generator=g) / 10
+    b = torch.randn(37, generator=g) if bias else None
+    got = gemv(*to_dev(x, w, b), config=CFG)
+    assert got.shape == (m, 37) and got.dtype == F32
+    torch.testing.assert_close(got.cpu(), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (2, True), (4, False)])
+def test_gemv_exact_inputs_equal_linear(m, bias, dtype):
+    g = torch.Generator().manual_seed(m * 10 + bias + (dtype == F16) * 100)
+    x, w, b = exact_gemv_inputs(m, 45, 200, dtype, g, bias)
+    want = linear_exact(x, w, b)
+    f32 = F.linear(x.float(), w.float(), None if b is None else b.float())
+    if dtype == BF16:  # (float16's 11 bits hold most of these sums)
+        assert (f32 != want.float()).float().mean() > 0.5  # most outputs are rounded: the rounding is checked
+    got = gemv(*to_dev(x, w, b), config=CFG)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want)
+
+
+def test_gemv_rounds_to_nearest_even():
+    """Sums exactly halfway between two bfloat16 values: to the even one, as F.linear (truncation, the
+    interpreter's own float32 -> bfloat16 conversion, gives the one nearer zero: 1 + 2^-7 for 1 + 3 2^-8)."""
+    x = torch.zeros(2, 40)
+    x[:, 0], x[:, 1] = 1.0, 2.0 ** -8
+    w = torch.zeros(6, 40)
+    w[:, 0] = torch.tensor([1.0, 1.0, 1.5, 0.5, -1.0, -1.0])
+    w[:, 1] = torch.tensor([1.0, 3.0, 1.0, -1.0, -1.0, -3.0])  # 1 + 2^-8: a tie, 1 + 3 2^-8: a tie up, ...
+    x, w = x.to(BF16), w.to(BF16)
+    want = linear_exact(x, w)
+    got = gemv(*to_dev(x, w), config=CFG)
+    assert torch.equal(got.cpu(), want)
+    assert want[0, 1].item() == 1 + 2 ** -6 and want[0, 0].item() == 1.0 and want[0, 5].item() == -1 - 2 ** -6
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),  # one program, one step
+                                 dict(BLOCK_N=2, BLOCK_K=16, num_warps=1, num_stages=1),
+                                 dict(BLOCK_N=16, BLOCK_K=64, num_warps=2, num_stages=4),
+                                 None])  # gemv_config's
+def test_gemv_tiles(cfg):
+    g = torch.Generator().manual_seed(5)
+    x, w, b = exact_gemv_inputs(3, 33, 72, BF16, g, True)
+    assert torch.equal(gemv(*to_dev(x, w, b), config=cfg).cpu(), linear_exact(x, w, b))
+
+
+def test_gemv_strided_rows_and_no_rows():
+    """x a column slice of a wider buffer (a row stride > K) is read in place; M = 0 gives an empty result."""
+    g = torch.Generator().manual_seed(6)
+    x, w, _ = exact_gemv_inputs(2, 21, 100, BF16, g, False)
+    wide = torch.zeros(2, 130, dtype=BF16)
+    wide[:, 10:110] = x
+    assert torch.equal(gemv(*to_dev(wide[:, 10:110], w), config=CFG).cpu(), linear_exact(x, w))
+    assert gemv(*to_dev(x[:0], w)).shape == (0, 21)
+
+
+# -------------------------------------------------------------------------------------------------- norm_gemv
+
+def four_squares(r: int) -> tuple[int, int, int, int]:
+    """a, b, c, d >= 0 with a^2 + b^2 + c^2 + d^2 = r (Lagrange: there always are)."""
+    for a in range(math.isqrt(r), -1, -1):
+        for b in range(math.isqrt(r - a * a), -1, -1):
+            for c in range(math.isqrt(r - a * a - b * b), -1, -1):
+                d2 = r - a * a - b * b - c * c
+                if math.isqrt(d2) ** 2 == d2:
+                    return a, b, c, math.isqrt(d2)
+    raise AssertionError(r)
+
+
+def exact_norm_rows(m: int, k: int, eps: float, g: torch.Generator) -> tuple[torch.Tensor, list[float]]:
+    """h [m, K] float32 multiples of 1/8 whose row r has mean square exactly 4^-(r % 2) - eps, so var + eps is a
+    power of 4: the sum of squares is exact in float32, var too, and rsqrt(var + eps) an exact power of 2. Random
+    entries, then four (placed at random) that bring the sum of squares to its target. Returns (h, the 4^j)."""
+    rows, powers = [], []
+    for r in range(m):
+        power = 4.0 ** -(r % 2)
+        units = 64 * k * (power - eps)  # the target sum of n^2, h = n / 8
+        assert units == int(units), "K * eps * 64 must be an integer"
+        bound = int(math.sqrt(1.8 * 64 * power))  # mean n^2 about 0.6 of the target's
+        while True:
+            n = torch.randint(-bound, bound + 1, (k,), generator=g)
+            rest = int(units) - int((n[4:] ** 2).sum())
+            if rest >= 0:
+                break
+        signs = torch.randint(0, 2, (4,), generator=g) * 2 - 1
+        n[:4] = torch.tensor(four_squares(rest)) * signs
+        rows.append(n[torch.randperm(k, generator=g)].float() / 8)
+        powers.append(power)
+    return torch.stack(rows), powers
+
+
+def ieee_rstd_rows(m: int, k: int, eps: float, g: torch.Generator) -> torch.Tensor:
+    """h [m, K] random multiples of 1/8 in [-3/2, 3/2] (their sums of squares are exact, and torch's mean is the
+    sum / K the kernel computes), redrawn until torch's rsqrt(var + eps) equals 1 / sqrt(var + eps), as the
+    interpreter computes it: rstd is the same float32 in both, but no power of 2, so h * rstd needs rounding."""
+    while True:
+        h = multiples((m, k), -1.5, 1.5, 1 / 8, g)
+        v = h.pow(2).mean(-1) + eps
+        if torch.equal(v - eps, h.pow(2).sum(-1) / k) and torch.equal(torch.rsqrt(v), 1 / torch.sqrt(v)):
+            return h
+
+
+def exact_norm_inputs(m: int, k: int, n: int, dtype, eps: float, offset: float, residual: bool, bias: bool,
+                      g: torch.Generator, h: torch.Tensor | None = None):
+    """(x, residual or None, norm_w, w, bias) in dtype with h = x + residual (rounded to dtype) = exact_norm_rows
+    (or the rows h given).
+    With a residual in bfloat16 / float16, about half the entries of |h| >= 1/4 come as x = h, residual = +-TINY:
+    x + residual is rounded back to h (unrounded, the statistics and the normed row would differ); the rest as
+    residual a multiple of 1/8 in [-1, 1], x = h - residual (exact). norm_w has 8-bit mantissas (multiples of 1/128
+    in [1/2, 2), or in [-1/2, 1/2] for offset 1): its products with the normed row need rounding in bfloat16."""
+    powers = None
+    if h is None:
+        h, powers = exact_norm_rows(m, k, eps, g)
+    x, r = h, None
+    if residual:
+        r = multiples((m, k), -1, 1, 1 / 8, g)
+        x = h - r
+        if dtype in TINY:
+            sel = (h.abs() >= 0.25) & (torch.rand(h.shape, generator=g) < 0.5)
+            tiny = TINY[dtype] * (torch.randint(0, 2, h.shape, generator=g) * 2 - 1)
+            x, r = torch.where(sel, h, x), torch.where(sel, tiny, r)
+            assert not torch.equal(x + r, h)  # the rounding of x + residual matters
+        x, r = x.to(dtype), r.to(dtype)
+        assert torch.equal(x + r, h.to(dtype))
+    else:
+        x = x.to(dtype)
+    nw = (multiples((k,), -0.5, 0.5, 1 / 128, g) if offset else multiples((k,), 0.5, 1.99, 1 / 128, g)).to(dtype)
+    w = multiples((n, k), -0.5, 0.5, 1 / 8, g).to(dtype)
+    b = multiples((n,), -2, 2, 1 / 8, g).to(dtype) if bias else None
+    if powers is not None:
+        var = h.to(dtype).float().pow(2).mean(-1)
+        assert var.tolist() == [p - eps for p in powers]  # torch's mean is exact on these rows
+        assert torch.equal(torch.rsqrt(var + eps), torch.tensor(powers).rsqrt())
+    return x, r, nw, w, b
+
+
+def norm_reference(x, residual, nw, eps, offset, w, bias, silu_mul):
+    """The unfused ops on CPU: (y, h) = (F.linear(rms_norm(h), w, bias) [then silu_and_mul], h = x + residual)."""
+    x, residual, nw, w, bias = [t.cpu() if t is not None else None for t in (x, residual, nw, w, bias)]
+    if residual is None:
+        a, h = ref.rms_norm(x, nw, eps, offset), x
+    else:
+        a, h = ref.add_rms_norm(x, residual, nw, eps, offset)
+    y = linear_exact(a, w, bias) if x.dtype != F32 else F.linear(a, w, bias)
+    return (ref.silu_and_mul(y) if silu_mul else y), h
+
+
+def check_norm(got, want, silu_mul: bool, exact: bool = True) -> None:
+    """h (the new residual) must equal the reference's; y too for exact inputs on CPU (on a GPU within NORM_TOL;
+    float32 SiLU outputs within an ulp: exp differs between implementations and nothing rounds it away)."""
+    (y, h), (want_y, want_h) = got, want
+    assert h.dtype == want_h.dtype and torch.equal(h.cpu(), want_h), "h is not x + residual rounded once"
+    assert y.shape == want_y.shape and y.dtype == want_y.dtype
+    if not exact:
+        tol = dict(atol=1e-5, rtol=1e-5)
+    elif DEV.type != "cpu":
+        tol = NORM_TOL
+    else:
+        tol = dict(atol=0, rtol=2.5e-7) if silu_mul and y.dtype == F32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(y.cpu(), want_y, **tol)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_gemv_float32_close_to_reference(residual, offset, silu_mul):
+    g = torch.Generator().manual_seed(residual * 4 + int(offset) * 2 + silu_mul)
+    for m, bias in ((1, False), (4, True)):
+        x, r = torch.randn(m, 100, generator=g), torch.randn(m, 100, generator=g) if residual else None
+        nw = torch.randn(100, generator=g) * (0.1 if offset else 1.0)
+        w, b = torch.randn(42, 100, generator=g) / 10, torch.randn(42, generator=g) if bias else None
+        got = norm_gemv(*to_dev(x, r, nw), 1e-6, offset, *to_dev(w, b), silu_mul=silu_mul, config=CFG)
+        check_norm(got, norm_reference(x, r, nw, 1e-6, offset, w, b, silu_mul), silu_mul, exact=False)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("m,k,eps,bias", [(1, 100, 0.0, False), (3, 144, 2.0 ** -10, True)])
+def test_norm_gemv_exact_inputs_equal_reference(m, k, eps, bias, dtype, residual, offset, silu_mul):
+    g = torch.Generator().manual_seed(m * 1000 + residual * 4 + int(offset) * 2 + silu_mul + (dtype == F32) * 8)
+    x, r, nw, w, b = exact_norm_inputs(m, k, 42, dtype, eps, offset, residual, bias, g)
+    xd, rd, nwd = to_dev(x, r, nw)
+    got = norm_gemv(xd, rd, nwd, eps, offset, *to_dev(w, b), silu_mul=silu_mul, config=CFG)
+    check_norm(got, norm_reference(x, r, nw, eps, offset, w, b, silu_mul), silu_mul)
+    if r is None:
+        assert got[1] is xd  # no residual: h is x itself, nothing written
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_norm_gemv_rounds_the_normed_row(offset, silu_mul):
+    """Rows whose rstd is no power of 2 (ieee_rstd_rows; on CPU the kernel's rstd is torch's there): h * rstd
+    needs rounding, and with offset 0 the normed row is rounded before the weight multiply as well as after (one
+    rounding, as offset 1 does, gives other outputs on these inputs)."""
+    g = torch.Generator().manual_seed(12 + int(offset) * 2 + silu_mul)
+    eps = 1e-6
+    x, r, nw, w, b = exact_norm_inputs(3, 100, 42, BF16, eps, offset, True, True, g, h=ieee_rstd_rows(3, 100, eps, g))
+    got = norm_gemv(*to_dev(x, r, nw), eps, offset, *to_dev(w, b), silu_mul=silu_mul, config=CFG)
+    want = norm_reference(x, r, nw, eps, offset, w, b, silu_mul)
+    check_norm(got, want, silu_mul)
+    if not offset and not silu_mul:
+        hf = (x + r).float()
+        once = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * nw.float()).to(BF16)
+        assert not torch.equal(linear_exact(once, w, b), want[0])
+
+
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),  # one program, one step
+                                 dict(BLOCK_N=2, BLOCK_K=16, num_warps=1, num_stages=1),
+                                 None])
+def test_norm_gemv_tiles(cfg):
+    g = torch.Generator().manual_seed(8)
+    x, r, nw, w, b = exact_norm_inputs(4, 80, 30, BF16, 2.0 ** -10, 0.0, True, True, g)
+    for silu_mul in (False, True):
+        got = norm_gemv(*to_dev(x, r, nw), 2.0 ** -10, 0.0, *to_dev(w, b), silu_mul=silu_mul, config=cfg)
+        check_norm(got, norm_reference(x, r, nw, 2.0 ** -10, 0.0, w, b, silu_mul), silu_mul)
+
+
+def residual_rounding_inputs(g: torch.Generator):
+    """bfloat16 rows (x, residual, norm_w, w) whose statistics see the rounding of x + residual: h [2, 64] has 15
+    entries +-4 (x = h, residual = +-7 2^-9 of h's sign: x + residual rounds back to h, unrounded it adds 0.7% to
+    their squares) holding 15/16 of the row's mean square, exactly 4 (rsqrt exact); the other entries are small
+    multiples of 1/8 (residual a multiple of 1/8, x = h - residual), so with unrounded statistics their normed
+    values, h * rstd, move by about 0.3%: more than half an ulp for most."""
+    k, big = 64, 15
+    rows = []
+    for _ in range(2):
+        while True:
+            n = torch.randint(-3, 4, (k - big,), generator=g)  # units of 1/8
+            rest = 64 * 16 - int((n[4:] ** 2).sum())
+            if rest >= 0:
+                break
+        n[:4] = torch.tensor(four_squares(rest)) * (torch.randint(0, 2, (4,), generator=g) * 2 - 1)
+        big_n = 32 * (torch.randint(0, 2, (big,), generator=g) * 2 - 1)  # +-4
+        rows.append(torch.cat((big_n, n))[torch.randperm(k, generator=g)].float() / 8)
+    h = torch.stack(rows)  # [2, 64]
+    assert torch.equal(h.pow(2).mean(-1), torch.tensor([4.0, 4.0]))
+    is_big = h.abs() == 4
+    r = torch.where(is_big, h.sign() * 7 * 2.0 ** -9, multiples(h.shape, -1, 1, 1 / 8, g))
+    x = torch.where(is_big, h, h - r)
+    x, r = x.to(BF16), r.to(BF16)
+    assert torch.equal(x + r, h.to(BF16)) and not torch.equal(x.float() + r.float(), h)
+    nw = multiples((k,), 0.5, 1.99, 1 / 128, g).to(BF16)
+    w = multiples((40, k), -0.5, 0.5, 1 / 8, g).to(BF16)
+    return x, r, nw, w
+
+
+def test_norm_gemv_checks_reject_other_roundings():
+    """The checks fail when they should: h = x (no residual added), and the outputs of other rounding orders,
+    which differ from the reference's on these inputs: statistics of the unrounded h (float32 x + residual), the
+    normed row's product with the norm weight unrounded (a float32 activation), gate and up unrounded before the
+    SiLU-and-mul. (Rounding the normed row before the weight multiply is exact on exact-friendly rows: h * rstd is
+    a short bfloat16 value; that rounding is only covered by the float32 and GPU tolerance tests.)"""
+    g = torch.Generator().manual_seed(9)
+    x, r, nw, w = residual_rounding_inputs(g)
+    want = norm_reference(x, r, nw, 0.0, 0.0, w, None, False)
+    got = norm_gemv(*to_dev(x, r, nw), 0.0, 0.0, *to_dev(w), config=CFG)
+    check_norm(got, want, False)
+    with pytest.raises(AssertionError, match="x \\+ residual"):
+        check_norm((got[0], x.to(DEV)), want, False)
+
+    def rejected(y_alt):  # a y the check must reject (exact on CPU; on a GPU it only differs from the reference)
+        assert not torch.equal(y_alt, want[0])
+        if DEV.type == "cpu":
+            with pytest.raises(AssertionError):
+                check_norm((y_alt, got[1]), want, False)
+
+    hf = x.float() + r.float()  # h unrounded
+    rejected(linear_exact(ref.rms_norm(hf, nw.float(), 0.0).to(BF16), w))
+    hf = (x + r).float()
+    a = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True))).to(BF16).float() * nw.float()  # product unrounded
+    rejected(F.linear(a, w.float()).to(BF16))
+
+    want_silu = norm_reference(x, r, nw, 0.0, 0.0, w, None, True)
+    got_silu = norm_gemv(*to_dev(x, r, nw), 0.0, 0.0, *to_dev(w), silu_mul=True, config=CFG)
+    check_norm(got_silu, want_silu, True)
+    gu = F.linear(ref.rms_norm(x + r, nw, 0.0).float(), w.float())  # [M, 2I] float32 sums, unrounded
+    unrounded = (F.silu(gu[:, :20]) * gu[:, 20:]).to(BF16)
+    assert not torch.equal(unrounded, want_silu[0])
+    if DEV.type == "cpu":
+        with pytest.raises(AssertionError):
+            check_norm((unrounded, got_silu[1]), want_silu, True)
+
+
+def test_silu_and_mul_reference_rounding():
+    """What the kernel's epilogue computes is what reference.silu_and_mul does to a bfloat16 tensor in torch:
+    round(round(g / (1 + exp(-g))) * u) from the rounded gate and up, for every finite bfloat16 gate value."""
+    g = torch.Generator().manual_seed(10)
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(BF16)
+    gate = gate[torch.isfinite(gate)]
+    up = gate[torch.randperm(len(gate), generator=g)]
+    gf = gate.float()
+    model = ((gf / (1 + torch.exp(-gf))).to(BF16).float() * up.float()).to(BF16)
+    want = ref.silu_and_mul(torch.cat((gate[:, None], up[:, None]), 1))[:, 0]
+    assert torch.equal(model.isnan(), want.isnan())
+    assert torch.equal(model[~want.isnan()], want[~want.isnan()])
+
+
+def test_silu_epilogue_over_many_gate_values():
+    """The kernel's SiLU-and-mul on 512 gate values spread over about [-14, 14]: random bfloat16 rows x [4, 128]
+    normed and scaled by 8. Their RMSNorm is not exact-friendly, so the reference starts from the kernel's own
+    activation, read back through identity weight rows (the sum over a one-hot row is exact): gate rows the
+    identity, up rows a permutation of it, so gate = a and up = a permuted, each exact; only the epilogue is
+    compared."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.rand(4, 128, generator=g) * 24 - 12).to(BF16)
+    eye = torch.eye(128)
+    w = torch.cat((eye, eye[torch.randperm(128, generator=g)])).to(BF16)  # [2I, K]: gate rows, then up rows
+    nw = torch.full((128,), 8.0, dtype=BF16)
+    cfg = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    xd, nwd, wd = to_dev(x, nw, w)
+    a, _ = norm_gemv(xd, None, nwd, 1e-6, 0.0, wd[:128], config=cfg)  # [4, 128]: the normed activation itself
+    torch.testing.assert_close(a.cpu(), ref.rms_norm(x, nw, 1e-6), atol=0, rtol=2 ** -7)  # (rstd: not exact)
+    assert a.abs().max() > 10
+    got, _ = norm_gemv(xd, None, nwd, 1e-6, 0.0, wd, silu_mul=True, config=cfg)
+    torch.testing.assert_close(got.cpu(), ref.silu_and_mul(linear_exact(a.cpu(), w)), **SILU_TOL)
+
+
+# --------------------------------------------------------------------------------------------------- the API
+
+def test_bad_inputs_raise():
+    x, w = torch.zeros(2, 64, device=DEV), torch.zeros(8, 64, device=DEV)
+    with pytest.raises(ValueError, match="decode rows"):
+        gemv(torch.zeros(5, 64, device=DEV), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(x, w.to(BF16))
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(x, torch.zeros(8, 32, device=DEV))
+    with pytest.raises(ValueError, match="row-major"):
+        gemv(x, torch.zeros(64, 8, device=DEV).T)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, torch.zeros(7, device=DEV))
+    with pytest.raises(ValueError, match="gate and up"):
+        norm_gemv(x, None, torch.ones(64, device=DEV), 1e-6, 0.0, w[:7], silu_mul=True)
+    with pytest.raises(ValueError, match="residual"):
+        norm_gemv(x, x[:1], torch.ones(64, device=DEV), 1e-6, 0.0, w)
+    with pytest.raises(ValueError, match="norm weight"):
+        norm_gemv(x, None, torch.ones(32, device=DEV), 1e-6, 0.0, w)
+
+
+def test_gemv_config_defaults_and_tuned_table(monkeypatch):
+    for m in (1, 2, 4):
+        for n, k, silu in [(6144, 4096, False), (28672, 4096, True), (4096, 14336, False), (960, 576, False),
+                           (3072, 576, True), (37, 100, False)]:
+            cfg = gemv_config(m, n, k, BF16, silu)
+            assert set(cfg) == {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+            assert all(v > 0 and v & (v - 1) == 0 for v in (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]))
+            assert 2 <= cfg["BLOCK_N"] <= 16 and cfg["BLOCK_K"] <= max(16, triton.next_power_of_2(k))
+            rows = (2 if silu else 1) * m
+            assert rows * cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 64 * 32 * cfg["num_warps"]  # accumulators fit
+    assert gemv_config(1, 6144, 4096, BF16) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+    assert gemv_config(1, 960, 576, BF16)["BLOCK_K"] == 128  # 576 = 4.5 x 128: 512 would pad it by 78%
+    tuned = dict(BLOCK_N=32, BLOCK_K=1024, num_warps=8, num_stages=4)
+    monkeypatch.setitem(triton_gemv._TUNED, (6144, 4096), tuned)
+    assert gemv_config(1, 6144, 4096, BF16) == tuned
+    assert gemv_config(2, 6144, 4096, BF16) == dict(tuned, BLOCK_K=512)  # two rows: half the K step
+
+
+# ------------------------------------------------------------------------------------------ GPU: real shapes
+
+SHAPES = {"llama-3.1-8b": (4096, 6144, 4096, 14336), "smollm2-135m": (576, 960, 576, 1536)}  # H, qkv N, q, I
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_real_shapes_match_unfused_path_and_replay_in_a_cuda_graph(model):
+    from specserve.kernels import triton_act, triton_norm
+
+    hidden, qkv, q_width, inter = SHAPES[model]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(BF16)
+
+    eps = 1e-5
+    w_qkv, w_o = randn(qkv, hidden, scale=hidden ** -0.5), randn(hidden, q_width, scale=q_width ** -0.5)
+    w_gu, w_down = randn(2 * inter, hidden, scale=hidden ** -0.5), randn(hidden, inter, scale=inter ** -0.5)
+    n1, n2 = 1 + randn(hidden, scale=0.1), 1 + randn(hidden, scale=0.1)
+    x, res, attn, act = randn(1, hidden), randn(1, hidden, scale=4.0), randn(1, q_width), randn(1, inter)
+
+    def unfused():
+        a, h = triton_norm.add_rms_norm(x, res, n1, eps)
+        a2, h2 = triton_norm.add_rms_norm(x, h, n2, eps)
+        return (F.linear(a, w_qkv), h, F.linear(attn, w_o), triton_act.silu_and_mul(F.linear(a2, w_gu)), h2,
+                F.linear(act, w_down))
+
+    def fused():
+        y, h = norm_gemv(x, res, n1, eps, 0.0, w_qkv)
+        gu, h2 = norm_gemv(x, h, n2, eps, 0.0, w_gu, silu_mul=True)
+        return y, h, gemv(attn, w_o), gu, h2, gemv(act, w_down)
+
+    def check(outs):
+        for got, want in zip(outs, unfused()):
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+    check(fused())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fused()
+    for _ in range(2):
+        for t, scale in ((x, 1.0), (res, 4.0), (attn, 1.0), (act, 1.0)):
+            t.copy_(randn(*t.shape, scale=scale))
+        graph.replay()
+        check(outs)
