@@ -10,14 +10,14 @@
 #   sample    the sort-free sampling kernels (kernels/triton_sample.py) on the GPU: their tests, the lossless sampling
 #             tests on CUDA, bench_sample.py against the torch reference, then gpt-fast side by side (carry .gpt-fast);
 #   gemv      the fused decode GEMVs (kernels/triton_gemv.py) and the in-kernel split-KV merge: their GPU tests, the
-#             kernel benchmark and its config sweep (paste the printed dict into triton_gemv._TUNED and the shapes
-#             it wins into kernels/gemv_policy.py FASTER), then bench-phases on 8B shapes with --decode-gemv cublas
-#             and triton side by side, and gpt-fast on SmolLM2 shapes with the fused path (carry .gpt-fast);
+#             kernel benchmark, and bench_pdl.py (whether programmatic dependent launch hides the gaps);
+#   gemvsweep the GEMVs' config sweep (paste the printed dict into triton_gemv._TUNED and the shapes they win into
+#             kernels/gemv_policy.py FASTER), then bench-phases on 8B shapes with --decode-gemv cublas and triton;
 #   moe       the MoE decode fusions (router GEMV + top-k, q/k norm + RoPE + KV store) at model level: the hybrid and
 #             MoE GPU tests, then bench-phases on Qwen3-30B-A3B and Qwen3-Next shapes at batch 1 and 8.
 # Order for a fresh lease (30 device-minutes), as left by the fourth session of 2026-12-01 (plain, moe and gptfast
-# ran then; the rest is new): sample (~6 min, carry .gpt-fast), gemv (~9 min), then the SmolLM2 calls of
-# smollm2_round.sh (keep, join, qspec: ~7 min).
+# ran then; the rest is new): sample (~6 min, carry .gpt-fast), gemv (~4 min), gemvsweep (~6 min), then the
+# SmolLM2 calls of smollm2_round.sh (keep, join, qspec: ~7 min).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -50,6 +50,9 @@ case "${1:-}" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py tests/test_triton_attention.py \
       2>&1 | grep -v -i warn | tail -4
     timeout 100 python3 scripts/gpu/bench_gemv.py 2>&1 | grep -v -i warn | tail -24
+    timeout 60 python3 scripts/gpu/bench_pdl.py 2>&1 | grep -v -i warn | tail -4
+    ;;
+  gemvsweep)
     timeout 200 python3 scripts/gpu/bench_gemv.py --sweep --shapes llama-3.1-8b smollm2-135m 2>&1 | grep -v -i warn \
       | tail -12
     for g in cublas triton; do
@@ -66,5 +69,5 @@ case "${1:-}" in
     timeout 170 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,8 --prefix-len 1024 \
       --context-length 2048 --iters 20 --idle-steps 0 2>&1 | grep -v -i warn | tail -14
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|moe" >&2; exit 2 ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe" >&2; exit 2 ;;
 esac
