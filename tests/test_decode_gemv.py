@@ -1,17 +1,19 @@
-"""--decode-gemv's layer wiring (models/dense.py DenseDecoderLayer.set_decode_gemv): with the fused path on, decode
-rows go norm + qkv -> attention -> o-proj GEMV -> norm + gate/up + SiLU-mul -> down-proj GEMV (an MoE MLP keeps its
-own kernels) and give the same greedy tokens as the unfused layers, plain and speculative, for Llama, Qwen2 (qkv
-bias), Qwen3 (q/k norms, MTP) and Qwen3-MoE. On CPU the fused ops run their references (kernels/ops.py norm_gemv,
-gemv); the Triton kernels themselves are checked against them in tests/test_triton_gemv.py, and the model runner
-turns the path on only on a GPU."""
+"""--decode-gemv's layer wiring (models/dense.py PreNormDecoderLayer.set_decode_gemv): with the fused path on,
+decode rows go norm + the mixer's input projection -> the mixer -> its output-projection GEMV -> norm + gate/up +
+SiLU-mul -> down-proj GEMV (an MoE MLP keeps its own kernels) and give the same greedy tokens as the unfused
+layers, plain and speculative, for Llama, Qwen2 (qkv bias), Qwen3 (q/k norms, MTP), Qwen3-MoE, and the hybrid
+family (Qwen3-Next: gated delta net and gated attention layers, zero-centred norms, MoE; Qwen3.5: dense MLP). On
+CPU the fused ops run their references (kernels/ops.py norm_gemv, gemv); the Triton kernels themselves are checked
+against them in tests/test_triton_gemv.py, and the model runner turns the path on only on a GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hybrid_helpers import build_tiny_hybrid
 from spec_fixtures import build_scheduler, run_greedy
 
-from specserve.models.dense import DenseDecoderLayer, _norm_linear, set_decode_gemv
+from specserve.models.dense import DenseDecoderLayer, PreNormDecoderLayer, _dense_mlp, _norm_linear, set_decode_gemv
 
 KW = dict(max_total_tokens=2048, max_running_requests=4, cuda_graph_bs=[1, 2, 4], context_length=256)
 
@@ -21,24 +23,35 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (7, 1, 12)]
 
 
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_gemv")
+    return {kind: build_tiny_hybrid(str(root / kind), kind, seed=5, mtp=True) for kind in ("qwen3_next", "qwen3_5")}
+
+
 @pytest.mark.parametrize("name,spec", [("llama", False), ("qwen2", False), ("qwen3_mtp", True),
-                                       ("qwen3_moe", False)])
-def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, name, spec):
+                                       ("qwen3_moe", False), ("qwen3_next", False), ("qwen3_next", True),
+                                       ("qwen3_5", False)])
+def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name, spec):
+    path = hybrids[name] if name in hybrids else tiny_models[name]
     kw = dict(KW, **(dict(speculative_algorithm="MTP", speculative_num_steps=3) if spec else {}))
-    want_sched, _ = build_scheduler(tiny_models[name], **kw)
-    want = [r.output_ids for r in run_greedy(want_sched, _prompts(), 10)]
-    sched, t = build_scheduler(tiny_models[name], **kw)
-    layers = [m for m in t.model.modules() if isinstance(m, DenseDecoderLayer)]
+    want_sched, _ = build_scheduler(path, **kw)
+    prompts = _prompts()[:1] if spec else _prompts()  # one request: its N + 1 = 4 verify rows are decode rows
+    want = [r.output_ids for r in run_greedy(want_sched, prompts, 10)]
+    sched, t = build_scheduler(path, **kw)
+    layers = [m for m in t.model.modules() if isinstance(m, PreNormDecoderLayer)]
     assert set_decode_gemv(t.model, "triton") == len(layers) > 0
     if spec:
         assert set_decode_gemv(sched.mr.draft, "triton") >= 1  # the MTP block's layer
-    moe = name == "qwen3_moe"
+    dense_mlps = 0
     for layer in layers:
-        assert layer.fused_decode and layer.self_attn.o_proj.decode_gemv
-        dense_mlp = type(layer.mlp).__name__ == "DenseMLP"
-        assert dense_mlp or moe
-        assert not dense_mlp or layer.mlp.down_proj.decode_gemv
-    got = [r.output_ids for r in run_greedy(sched, _prompts(), 10)]
+        assert layer.fused_decode and layer.mixer_projections()[1].decode_gemv
+        gate_up, down = _dense_mlp(layer.mlp)
+        assert (gate_up is None) == hasattr(layer.mlp, "experts")  # MoE blocks keep their own kernels
+        dense_mlps += gate_up is not None
+        assert gate_up is None or down.decode_gemv
+    assert dense_mlps > 0 or name == "qwen3_moe"
+    got = [r.output_ids for r in run_greedy(sched, prompts, 10)]
     assert got == want
 
 

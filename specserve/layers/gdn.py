@@ -68,11 +68,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """h [T, H] -> [T, H]; reads and writes this layer's state slots."""
-        t = h.shape[0]
+        return self.forward_projected(self.in_proj(h), fb)
+
+    def forward_projected(self, proj: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """forward from the input projection's output proj [T, C + Vd + 2 Hv] (this rank's heads)."""
+        t = proj.shape[0]
         backend = fb.backend(CacheKind.RECURRENT)
         meta = backend.meta
         conv_state, ssm_state = backend.pool.layer(self.cache_index)  # [rows, S, K-1, C], [rows, S, Hv, Dk, Dv]
-        proj = self.in_proj(h)  # [T, C + Vd + 2 Hv] (this rank's heads)
         qkv, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         where = (meta.state_rows, meta.start_slots, meta.starts, meta.lens)
         if meta.chunked:  # prefill: token-parallel conv, chunk-parallel delta rule (T bounds any request's tokens)

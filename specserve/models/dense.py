@@ -153,11 +153,51 @@ class PreNormDecoderLayer(nn.Module):
     post_attention_layernorm: nn.Module
     mlp: nn.Module
 
+    fused_decode = False  # decode rows with each norm fused into the projection after it (set_decode_gemv)
+
     def mix(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
 
+    def mixer_projections(self) -> tuple[nn.Module, nn.Module] | None:
+        """The token mixer's input and output projections, when it can run from its input projection's output
+        (mix_projected); None: it cannot, and its decode rows stay unfused."""
+        return None
+
+    def mix_projected(self, positions: torch.Tensor, proj: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """mix, given the input projection's output proj [T, rows of mixer_projections()[0]]."""
+        raise NotImplementedError
+
+    def set_decode_gemv(self, mode: str) -> bool:
+        """--decode-gemv: 'triton' runs this layer's decode rows through the fused GEMVs (kernels/triton_gemv.py:
+        input norm + the mixer's input projection, its output projection, and for a dense SiLU-gated MLP the
+        post-attention norm + gate/up + SiLU-mul and the down projection; an MoE MLP keeps its own kernels), 'auto'
+        where all those weight shapes are measured faster (kernels/gemv_policy.py), 'cublas' never. Tensor-parallel
+        projections keep the unfused path. Returns whether the layer fuses."""
+        projs = self.mixer_projections()
+        gate_up, down = _dense_mlp(self.mlp)
+        linears = list(projs or ()) + ([gate_up, down] if gate_up is not None else [])
+        plain = projs is not None and type(projs[0]) is MergedLinear and type(projs[1]) is Linear
+        use = plain and (mode == "triton" or (mode == "auto" and prefer_fused([tuple(m.weight.shape)
+                                                                             for m in linears])))
+        self.fused_decode = use
+        if projs is not None:
+            projs[1].decode_gemv = use
+        if down is not None:
+            down.decode_gemv = use
+        return use
+
     def forward(self, positions, h, residual, fb: ForwardBatch):
-        """-> (h, residual)."""
+        """-> (h, residual). Decode rows (at most ops.GEMV_MAX_ROWS) of a fused layer: one launch for each norm and
+        the projection after it (enabled on CUDA only; ops' reference elsewhere)."""
+        if self.fused_decode and h.shape[0] <= ops.GEMV_MAX_ROWS:
+            proj, residual = _norm_linear(self.input_layernorm, self.mixer_projections()[0], h, residual)
+            h = self.mix_projected(positions, proj, fb)
+            gate_up, down = _dense_mlp(self.mlp)
+            if gate_up is not None:  # [T, I] = silu(gate) * up
+                act, residual = _norm_linear(self.post_attention_layernorm, gate_up, h, residual, silu_mul=True)
+                return down(act), residual
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
@@ -179,44 +219,26 @@ class DenseDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp if mlp is not None else DenseMLP(cfg)
 
-    fused_decode = False  # decode rows with each norm fused into the projection after it (set_decode_gemv)
-
     def cache_specs(self) -> list[CacheSpec]:
         return [self.self_attn.cache_spec()]
 
     def mix(self, positions, h, fb: ForwardBatch):
         return self.self_attn(positions, h, fb)
 
-    def set_decode_gemv(self, mode: str) -> bool:
-        """--decode-gemv: 'triton' runs this layer's decode rows through the fused GEMVs (kernels/triton_gemv.py:
-        input norm + qkv, o-proj, post-attention norm + gate/up + SiLU-mul, down-proj; an MoE MLP keeps its own
-        kernels), 'auto' where its projection shapes are measured faster (kernels/gemv_policy.py), 'cublas' never.
-        Tensor-parallel layers keep the unfused path. Returns whether the layer fuses."""
-        attn, mlp = self.self_attn, self.mlp
-        dense_mlp = isinstance(mlp, DenseMLP) and type(mlp.gate_up_proj) is MergedLinear
-        linears = [attn.qkv_proj, attn.o_proj] + ([mlp.gate_up_proj, mlp.down_proj] if dense_mlp else [])
-        plain = type(attn.qkv_proj) is MergedLinear and type(attn.o_proj) is Linear
-        use = plain and (mode == "triton" or (mode == "auto" and prefer_fused([tuple(m.weight.shape)
-                                                                             for m in linears])))
-        self.fused_decode = use
-        attn.o_proj.decode_gemv = use
-        if dense_mlp:
-            mlp.down_proj.decode_gemv = use
-        return use
+    def mixer_projections(self) -> tuple[nn.Module, nn.Module] | None:
+        return self.self_attn.qkv_proj, self.self_attn.o_proj
 
-    def forward(self, positions, h, residual, fb: ForwardBatch):
-        """-> (h, residual). Decode rows (at most ops.GEMV_MAX_ROWS) of a fused layer: one launch for each norm
-        and the projection after it (models run it on CUDA only; ops' reference elsewhere)."""
-        if not (self.fused_decode and h.shape[0] <= ops.GEMV_MAX_ROWS):
-            return super().forward(positions, h, residual, fb)
-        qkv, residual = _norm_linear(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
-        h = self.self_attn.attend(positions, qkv, fb)
-        if isinstance(self.mlp, DenseMLP):
-            act, residual = _norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual,
-                                         silu_mul=True)  # [T, I] = silu(gate) * up
-            return self.mlp.down_proj(act), residual
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    def mix_projected(self, positions, proj, fb: ForwardBatch):
+        return self.self_attn.attend(positions, proj, fb)
+
+
+def _dense_mlp(mlp: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """(gate_up_proj, down_proj) of a one-device SiLU-gated dense MLP (DenseMLP, or layers/moe.py GatedMLP), else
+    (None, None)."""
+    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    if type(gate_up) is MergedLinear and type(down) is Linear and not hasattr(mlp, "experts"):
+        return gate_up, down
+    return None, None
 
 
 def _norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
@@ -227,8 +249,8 @@ def _norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch
 
 
 def set_decode_gemv(model: nn.Module, mode: str) -> int:
-    """Apply --decode-gemv to every dense decoder layer of `model` (the MTP block's included) -> how many fuse."""
-    return sum(m.set_decode_gemv(mode) for m in model.modules() if isinstance(m, DenseDecoderLayer))
+    """Apply --decode-gemv to every pre-norm decoder layer of `model` (the MTP block's included) -> how many fuse."""
+    return sum(m.set_decode_gemv(mode) for m in model.modules() if isinstance(m, PreNormDecoderLayer))
 
 
 class DenseModel(nn.Module):

@@ -169,8 +169,12 @@ class GatedAttention(nn.Module):
         return MHACacheSpec(self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        t, d = h.shape[0], self.head_dim
-        qg, k, v = self.qkv_proj(h).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(positions, self.qkv_proj(h), fb)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """qkv [T, 2q + 2kv] (the projection's output) -> the block's output [T, hidden]."""
+        t, d = qkv.shape[0], self.head_dim
+        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.view(t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t, self.q_size)  # [T, Hq, D], [T, Hq * D]
         k = k.view(t, self.num_kv_heads, d)
@@ -211,6 +215,16 @@ class HybridDecoderLayer(PreNormDecoderLayer):
 
     def mix(self, positions, h, fb: ForwardBatch):
         return self.linear_attn(h, fb) if self.kind == LINEAR else self.self_attn(positions, h, fb)
+
+    def mixer_projections(self):
+        if self.kind == LINEAR:
+            return self.linear_attn.in_proj, self.linear_attn.out_proj
+        return self.self_attn.qkv_proj, self.self_attn.o_proj
+
+    def mix_projected(self, positions, proj, fb: ForwardBatch):
+        if self.kind == LINEAR:
+            return self.linear_attn.forward_projected(proj, fb)
+        return self.self_attn.attend(positions, proj, fb)
 
 
 class HybridForCausalLM(Qwen3MoeForCausalLM):
