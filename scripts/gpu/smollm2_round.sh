@@ -5,8 +5,9 @@
 #   join            carry .smollm2-parts/b: env.sh joins the GGUF
 #   spec            carry .smollm2-parts/wheels and .gpu-data: bench-spec greedy and sampled (T 0.7, top-p 0.95),
 #                   plain vs MTP N = 4 with context lookup (the embedded default), concurrency 1 and 8
-#   qspec           carry .smollm2-parts/wheels and .gpu-data: sampled (T 0.7, top-p 0.95) plain vs MTP N = 4 with
-#                   argmax drafts vs drafts drawn from the head (--compare-draft-sampling), concurrency 1 and 8
+#   qspec           carry .smollm2-parts/wheels and .gpu-data: sampled (T 0.7, top-p 0.95) plain vs MTP N = 2, 3, 4
+#                   with argmax drafts vs drafts drawn from the head (--compare-draft-sampling), concurrency 1
+#                   (sampled drafts accept less per position, so a shorter N may pay more than N = 4)
 #   sweep ISLS CONC carry .smollm2-parts/wheels: a speculating and a plain server side by side, then
 #                   `specserve bench-compare` over input lengths ISLS x concurrency CONC (output 512, 2 x conc prompts)
 . scripts/gpu/env.sh
@@ -34,9 +35,9 @@ case "${1:-}" in
     timeout 400 python3 -m specserve.cli bench-spec --model-path /tmp/smollm2.gguf \
       --speculative-draft-model-path specserve/assets/smollm2-135m-mtp --speculative-ngram-lookup \
       --prompts $D/gsm8k_test.jsonl $D/qa_question.jsonl $D/sum_question.jsonl $D/humaneval_question.jsonl \
-      --prompts-per-file 40 --max-new-tokens 256 --accept-steps "" --speed-steps 4 --concurrency 1,8 \
+      --prompts-per-file 40 --max-new-tokens 256 --accept-steps "" --speed-steps 2,3,4 --concurrency 1 \
       --speed-prompts 16 --repeats 2 --context-length 4096 --temperature 0.7 --top-p 0.95 --compare-draft-sampling \
-      --output-file "$OUT/bench_qspec.jsonl" 2>&1 | grep -v -i warn | tail -8
+      --output-file "$OUT/bench_qspec.jsonl" 2>&1 | grep -v -i warn | tail -10
     ;;
   sweep)
     ISLS=${2:-1024,4096}
