@@ -3,6 +3,8 @@ decode steps through the model runner) and the process entry point for torch.mul
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from specserve.distributed.tp import TP1, TPGroup, init_tp
@@ -55,6 +57,9 @@ def rank_main(rank: int, size: int, rendezvous: str, path: str, prompts: list[li
         torch.save(logits, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # End the rank here: under load, gloo's threads have once aborted the interpreter's own teardown afterwards
+    # ("terminate called without an active exception", SIGABRT), failing a run whose results were all written.
+    os._exit(0)
 
 
 def single(path: str, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
