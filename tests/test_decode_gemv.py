@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deepseek_helpers import build_tiny_deepseek
 from hybrid_helpers import build_tiny_hybrid
 from spec_fixtures import build_scheduler, run_greedy
 
@@ -25,32 +26,38 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
+    """The hybrid family and DeepSeek-V3 (MLA layers: only their dense MLPs fuse)."""
     root = tmp_path_factory.mktemp("hybrid_gemv")
-    return {kind: build_tiny_hybrid(str(root / kind), kind, seed=5, mtp=True) for kind in ("qwen3_next", "qwen3_5")}
+    out = {kind: build_tiny_hybrid(str(root / kind), kind, seed=5, mtp=True) for kind in ("qwen3_next", "qwen3_5")}
+    out["deepseek"] = build_tiny_deepseek(str(root / "deepseek"), seed=3)
+    return out
 
 
 @pytest.mark.parametrize("name,spec", [("llama", False), ("qwen2", False), ("qwen3_mtp", True),
                                        ("qwen3_moe", False), ("qwen3_next", False), ("qwen3_next", True),
-                                       ("qwen3_5", False)])
+                                       ("qwen3_5", False), ("deepseek", False)])
 def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name, spec):
     path = hybrids[name] if name in hybrids else tiny_models[name]
     kw = dict(KW, **(dict(speculative_algorithm="MTP", speculative_num_steps=3) if spec else {}))
-    want_sched, _ = build_scheduler(path, **kw)
     prompts = _prompts()[:1] if spec else _prompts()  # one request: its N + 1 = 4 verify rows are decode rows
+    want_sched, _ = build_scheduler(path, **kw)
     want = [r.output_ids for r in run_greedy(want_sched, prompts, 10)]
     sched, t = build_scheduler(path, **kw)
     layers = [m for m in t.model.modules() if isinstance(m, PreNormDecoderLayer)]
-    assert set_decode_gemv(t.model, "triton") == len(layers) > 0
+    fused = set_decode_gemv(t.model, "triton")
     if spec:
         assert set_decode_gemv(sched.mr.draft, "triton") >= 1  # the MTP block's layer
-    dense_mlps = 0
+    dense_mlps = mixers = 0
     for layer in layers:
-        assert layer.fused_decode and layer.mixer_projections()[1].decode_gemv
+        projs = layer.mixer_projections()
+        assert layer.fused_in == (projs is not None) and (projs is None or projs[1].decode_gemv)
+        mixers += projs is not None
         gate_up, down = _dense_mlp(layer.mlp)
         assert (gate_up is None) == hasattr(layer.mlp, "experts")  # MoE blocks keep their own kernels
+        assert layer.fused_mlp == (gate_up is not None) and (gate_up is None or down.decode_gemv)
         dense_mlps += gate_up is not None
-        assert gate_up is None or down.decode_gemv
-    assert dense_mlps > 0 or name == "qwen3_moe"
+    assert fused == sum(1 for m in layers if m.fused_in or m.fused_mlp) > 0
+    assert (mixers > 0) == (name != "deepseek") and dense_mlps > 0  # each tiny MoE model has a dense layer
     got = [r.output_ids for r in run_greedy(sched, prompts, 10)]
     assert got == want
 
@@ -84,4 +91,5 @@ def test_auto_and_cublas_fuse_nothing_until_measured(tiny_models):
     _, t = build_scheduler(tiny_models["llama"], **KW)
     assert set_decode_gemv(t.model, "cublas") == 0
     assert set_decode_gemv(t.model, "auto") == 0  # kernels/gemv_policy.py lists no measured shape yet
-    assert not any(getattr(m, "decode_gemv", False) for m in t.model.modules())
+    assert not any(getattr(m, "decode_gemv", False) or getattr(m, "fused_in", False)
+                   or getattr(m, "fused_mlp", False) for m in t.model.modules())

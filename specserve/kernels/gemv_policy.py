@@ -10,5 +10,5 @@ FASTER: frozenset[tuple[int, int]] = frozenset()
 
 
 def prefer_fused(shapes: list[tuple[int, int]]) -> bool:
-    """Whether every projection weight [rows, K] of a layer is one the fused kernels beat."""
+    """Whether every weight shape [rows, K] given is one the fused kernels beat."""
     return bool(shapes) and all(s in FASTER for s in shapes)

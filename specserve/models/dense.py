@@ -153,7 +153,10 @@ class PreNormDecoderLayer(nn.Module):
     post_attention_layernorm: nn.Module
     mlp: nn.Module
 
-    fused_decode = False  # decode rows with each norm fused into the projection after it (set_decode_gemv)
+    # decode rows with the input norm fused into the mixer's input projection / the post-attention norm into a
+    # dense MLP's gate/up (set_decode_gemv)
+    fused_in = False
+    fused_mlp = False
 
     def mix(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -171,42 +174,46 @@ class PreNormDecoderLayer(nn.Module):
         """--decode-gemv: 'triton' runs this layer's decode rows through the fused GEMVs (kernels/triton_gemv.py:
         input norm + the mixer's input projection, its output projection, and for a dense SiLU-gated MLP the
         post-attention norm + gate/up + SiLU-mul and the down projection; an MoE MLP keeps its own kernels), 'auto'
-        where all those weight shapes are measured faster (kernels/gemv_policy.py), 'cublas' never. Tensor-parallel
-        projections keep the unfused path. Returns whether the layer fuses."""
+        each of those four where its weight shape is measured faster (kernels/gemv_policy.py), 'cublas' none.
+        Tensor-parallel projections keep the unfused path. Returns whether any part of the layer fuses."""
         projs = self.mixer_projections()
+        if projs is None or type(projs[0]) is not MergedLinear or type(projs[1]) is not Linear:
+            projs = None
         gate_up, down = _dense_mlp(self.mlp)
-        linears = list(projs or ()) + ([gate_up, down] if gate_up is not None else [])
-        plain = projs is not None and type(projs[0]) is MergedLinear and type(projs[1]) is Linear
-        use = plain and (mode == "triton" or (mode == "auto" and prefer_fused([tuple(m.weight.shape)
-                                                                             for m in linears])))
-        self.fused_decode = use
-        if projs is not None:
-            projs[1].decode_gemv = use
+
+        def use(linear) -> bool:
+            return linear is not None and (mode == "triton" or (mode == "auto"
+                                                                and prefer_fused([tuple(linear.weight.shape)])))
+
+        self.fused_in = use(projs[0]) if projs else False
+        self.fused_mlp = use(gate_up)
+        if projs:
+            projs[1].decode_gemv = use(projs[1])
         if down is not None:
-            down.decode_gemv = use
-        return use
+            down.decode_gemv = use(down)
+        return self.fused_in or self.fused_mlp or bool(projs and projs[1].decode_gemv) or bool(
+            down is not None and down.decode_gemv)
 
     def forward(self, positions, h, residual, fb: ForwardBatch):
         """-> (h, residual). Decode rows (at most ops.GEMV_MAX_ROWS) of a fused layer: one launch for each norm and
         the projection after it (enabled on CUDA only; ops' reference elsewhere)."""
-        if self.fused_decode and h.shape[0] <= ops.GEMV_MAX_ROWS:
+        decode = h.shape[0] <= ops.GEMV_MAX_ROWS
+        if self.fused_in and decode:
             proj, residual = _norm_linear(self.input_layernorm, self.mixer_projections()[0], h, residual)
             h = self.mix_projected(positions, proj, fb)
-            gate_up, down = _dense_mlp(self.mlp)
-            if gate_up is not None:  # [T, I] = silu(gate) * up
-                act, residual = _norm_linear(self.post_attention_layernorm, gate_up, h, residual, silu_mul=True)
-                return down(act), residual
-            h, residual = self.post_attention_layernorm(h, residual)
-            return self.mlp(h), residual
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
         else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.mix(positions, h, fb)
+            if residual is None:
+                residual = h
+                h = self.input_layernorm(h)
+            else:
+                h, residual = self.input_layernorm(h, residual)
+            h = self.mix(positions, h, fb)
+        if self.fused_mlp and decode:  # [T, I] = silu(gate) * up
+            gate_up, down = _dense_mlp(self.mlp)
+            act, residual = _norm_linear(self.post_attention_layernorm, gate_up, h, residual, silu_mul=True)
+            return down(act), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
 
 class DenseDecoderLayer(PreNormDecoderLayer):
     """Attention + MLP block. `mlp`: the family's MLP for this layer (default: the dense SiLU-gated MLP; MoE families
