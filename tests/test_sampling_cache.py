@@ -47,3 +47,35 @@ def test_staging_skips_only_the_batch_staged_last():
     assert buf.temperature.tolist() == [1.0] * 4 and buf.greedy.tolist() == [True] * 4
     buf.stage(sb1, 4)
     assert buf.temperature.tolist() == [0.75, 0.875, 1.0, 1.0]
+
+
+def test_scheduler_builds_one_sampling_batch_per_composition(tiny_models):
+    """Through the scheduler: sampled decode steps reuse the running batch's SamplingBatch while no request joins or
+    leaves (a handful of builds for dozens of steps), and each request's sampled tokens equal those it gets running
+    alone (counter-based noise: a cached batch that served a row another request's parameters would show)."""
+    from spec_fixtures import build_scheduler
+
+    from specserve.engine.sampling_params import SamplingParams
+
+    def reqs(ids):
+        return [Req(f"s{i}", [5 + i, 17, 99, 3], SamplingParams(max_new_tokens=12 + 6 * i, temperature=0.6 + 0.2 * i,
+                                                                  top_p=0.9, top_k=20 + i), seed=40 + i) for i in ids]
+
+    def run(sched, batch):
+        for r in batch:
+            sched.add_request(r)
+        steps = 0
+        while sched.has_work:
+            sched.step()
+            steps += 1
+        return [r.output_ids for r in batch], steps
+
+    # two running at a time: when the first finishes the third joins, a composition of the same size
+    kw = dict(max_total_tokens=2048, max_running_requests=2, cuda_graph_bs=[1, 2], context_length=256)
+    sched, _ = build_scheduler(tiny_models["llama"], **kw)
+    together, steps = run(sched, reqs(range(4)))
+    builds = sched.mr.decode_sampling.builds
+    assert steps >= 30 and 3 <= builds <= 8
+    alone_sched, _ = build_scheduler(tiny_models["llama"], **kw)
+    alone = [run(alone_sched, reqs([i]))[0][0] for i in range(4)]
+    assert together == alone
