@@ -143,7 +143,7 @@ def cfg_str(cfg: dict[str, int]) -> str:
     return f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
 
 
-def bench_shape(name: str, args, g, flush, tuned: dict) -> None:
+def bench_shape(name: str, args, g, flush, tuned: dict, faster: set) -> None:
     hidden, qkv, q_width, inter, default_layers = SHAPES[name]
     layers = args.layers or default_layers
     for m in args.rows:
@@ -153,9 +153,10 @@ def bench_shape(name: str, args, g, flush, tuned: dict) -> None:
               f"{mb:.1f} MB of weights per layer")
         print(f"{'proj':>8} {'rows':>6} {'K':>6} {'MB':>6} | {'unfused us':>9} {'GB/s':>7} {'peak':>6} | "
               f"{'fused us':>9} {'GB/s':>7} {'peak':>6} | {'ratio':>6}  config")
+        unfused_us = {}
         for p in projs:
             p.check(layers=(0, layers - 1))
-            base = p.graph_us(p.unfused, args.iters, flush)
+            base = unfused_us[p.name] = p.graph_us(p.unfused, args.iters, flush)
             one = p.graph_us(p.fused, args.iters, flush)
             print(f"{p.name:>8} {p.rows:6d} {p.k:6d} {p.weight_bytes / 2 ** 20:6.1f} | "
                   f"{bw_cols(base, p.weight_bytes)} | {bw_cols(one, p.weight_bytes)} | {base / one:5.2f}x  "
@@ -171,7 +172,9 @@ def bench_shape(name: str, args, g, flush, tuned: dict) -> None:
               f"{bw_cols(one, nbytes)} | {base / one:5.2f}x")
         if args.sweep and m == 1:
             for p in projs:
-                tuned[(p.rows, p.k)] = sweep(p, args.iters, flush)
+                tuned[(p.rows, p.k)], best_us = sweep(p, args.iters, flush)
+                if best_us < unfused_us[p.name]:
+                    faster.add((p.rows, p.k))
         del projs
 
 
@@ -186,8 +189,8 @@ def valid(p: Proj, cfg: dict[str, int]) -> bool:
             and -(-cols // cfg["BLOCK_N"]) >= 32)
 
 
-def sweep(p: Proj, iters: int, flush) -> dict[str, int]:
-    """The best config for p at M = 1, by a pruned search (see the module doc); prints each timing."""
+def sweep(p: Proj, iters: int, flush) -> tuple[dict[str, int], float]:
+    """(the best config for p at M = 1, by a pruned search (see the module doc), its us); prints the timings."""
     t0 = time.time()
     seen: dict[tuple, float] = {}
 
@@ -218,7 +221,7 @@ def sweep(p: Proj, iters: int, flush) -> dict[str, int]:
     print(f"{'':>8} sweep {p.name} ({p.rows}, {p.k}): default {cfg_str(default)} {base:.2f} us, best "
           f"{cfg_str(best)} {timed(best):.2f} us ({base / timed(best):.2f}x), {tried} configs, "
           f"{time.time() - t0:.0f} s")
-    return best
+    return best, timed(best)
 
 
 def main() -> None:
@@ -238,9 +241,10 @@ def main() -> None:
           f"(L2 {'warm' if flush is None else 'flushed'}); us per call, GB/s of weights, fraction of "
           f"{PEAK_BW / 1e12:.1f} TB/s")
     tuned: dict[tuple[int, int], dict[str, int]] = {}
+    faster: set[tuple[int, int]] = set()  # weight shapes whose tuned fused kernel beat the unfused path
     t0 = time.time()
     for name in args.shapes:
-        bench_shape(name, args, g, flush, tuned)
+        bench_shape(name, args, g, flush, tuned, faster)
     if args.sweep:
         print(f"\n# triton_gemv._TUNED from bench_gemv.py --sweep on {torch.cuda.get_device_name()} "
               f"({time.time() - t0:.0f} s):")
@@ -249,6 +253,8 @@ def main() -> None:
             print(f"    {key}: dict(BLOCK_N={cfg['BLOCK_N']}, BLOCK_K={cfg['BLOCK_K']}, num_warps={cfg['num_warps']}, "
                   f"num_stages={cfg['num_stages']}),")
         print("}")
+        print("# kernels/gemv_policy.py: the shapes the tuned fused kernels beat the unfused path on")
+        print(f"FASTER: frozenset[tuple[int, int]] = frozenset({sorted(faster)})")
 
 
 if __name__ == "__main__":
