@@ -1,10 +1,12 @@
 """--decode-gemv's layer wiring (models/dense.py PreNormDecoderLayer.set_decode_gemv): with the fused path on,
 decode rows go norm + the mixer's input projection -> the mixer -> its output-projection GEMV -> norm + gate/up +
-SiLU-mul -> down-proj GEMV (an MoE MLP keeps its own kernels) and give the same greedy tokens as the unfused
-layers, plain and speculative, for Llama, Qwen2 (qkv bias), Qwen3 (q/k norms, MTP), Qwen3-MoE, and the hybrid
-family (Qwen3-Next: gated delta net and gated attention layers, zero-centred norms, MoE; Qwen3.5: dense MLP). On
-CPU the fused ops run their references (kernels/ops.py norm_gemv, gemv); the Triton kernels themselves are checked
-against them in tests/test_triton_gemv.py, and the model runner turns the path on only on a GPU."""
+SiLU-mul -> down-proj GEMV (an MoE block with a softmax router: the norm inside the router's launch) and give the
+same greedy tokens as the unfused layers, plain and speculative, for Llama, Qwen2 (qkv bias), Qwen3 (q/k norms,
+MTP), Qwen3-MoE, the hybrid family (Qwen3-Next: gated delta net and gated attention layers, zero-centred norms,
+MoE; Qwen3.5: dense MLP) and DeepSeek-V3 (MLA layers: only their dense MLPs). On CPU the fused ops run their
+references (kernels/ops.py norm_gemv, gemv, norm_router_softmax_topk); the Triton kernels themselves are checked
+against them in tests/test_triton_gemv.py and tests/test_triton_router.py, and the model runner turns the path on
+only on a GPU."""
 
 from __future__ import annotations
 
@@ -47,16 +49,20 @@ def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name,
     fused = set_decode_gemv(t.model, "triton")
     if spec:
         assert set_decode_gemv(sched.mr.draft, "triton") >= 1  # the MTP block's layer
-    dense_mlps = mixers = 0
+    dense_mlps = mixers = moe_norms = 0
     for layer in layers:
         projs = layer.mixer_projections()
         assert layer.fused_in == (projs is not None) and (projs is None or projs[1].decode_gemv)
         mixers += projs is not None
         gate_up, down = _dense_mlp(layer.mlp)
-        assert (gate_up is None) == hasattr(layer.mlp, "experts")  # MoE blocks keep their own kernels
+        assert (gate_up is None) == hasattr(layer.mlp, "experts")  # MoE blocks keep their expert kernels
         assert layer.fused_mlp == (gate_up is not None) and (gate_up is None or down.decode_gemv)
+        # softmax routers take the post-attention norm into their launch (DeepSeek's grouped sigmoid does not)
+        assert layer.fused_moe == (gate_up is None and layer.mlp.router == "softmax")
         dense_mlps += gate_up is not None
-    assert fused == sum(1 for m in layers if m.fused_in or m.fused_mlp) > 0
+        moe_norms += layer.fused_moe
+    assert fused == sum(1 for m in layers if m.fused_in or m.fused_mlp or m.fused_moe) > 0
+    assert moe_norms > 0 or name not in ("qwen3_moe", "qwen3_next")
     assert (mixers > 0) == (name != "deepseek") and dense_mlps > 0  # each tiny MoE model has a dense layer
     got = [r.output_ids for r in run_greedy(sched, prompts, 10)]
     assert got == want

@@ -252,3 +252,58 @@ def test_fused_router_dispatch_and_cuda_graph(monkeypatch):
         assert torch.equal(ids.cpu(), want_ids)
         torch.testing.assert_close(wts.cpu(), want_w, atol=1e-6, rtol=1e-5)
     assert not triton_router._COUNTERS[x.device].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("experts,top_k,shared_gate", [(8, 2, False), (12, 4, True)])
+def test_norm_router_equals_norm_then_router(dtype, residual, offset, experts, top_k, shared_gate):
+    """norm_router_topk_triton (the post-attention RMSNorm inside the router's launch) == reference.add_rms_norm /
+    rms_norm, then the router over the normed row: the normed row and h exactly, the same experts, weights to
+    float rounding. Inputs whose norms and logits are exact in float32 (tests/test_triton_gemv.py), so every order of
+    accumulation agrees."""
+    from test_triton_gemv import exact_norm_inputs, linear_exact
+
+    from specserve.kernels.triton_router import norm_router_topk_triton
+
+    eps = 2.0 ** -10
+    g = torch.Generator().manual_seed(experts * 10 + residual * 4 + int(offset) * 2 + (dtype == torch.bfloat16))
+    x, r, nw, w, _ = exact_norm_inputs(3, 144, experts + int(shared_gate), dtype, eps, offset, residual, False, g)
+    if r is None:
+        xn, h = ref.rms_norm(x, nw, eps, offset), x
+    else:
+        xn, h = ref.add_rms_norm(x, r, nw, eps, offset)
+    logits = F.linear(xn, w) if dtype == torch.float32 else linear_exact(xn, w)
+    want_w, want_ids = ref.softmax_topk(logits.float(), top_k, True, shared_gate)
+    dev = [t.to(DEV) if t is not None else None for t in (x, r, nw, w)]
+    got_w, got_ids, got_xn, got_h = norm_router_topk_triton(dev[0], dev[1], dev[2], eps, offset, dev[3], top_k, True,
+                                                            shared_gate)
+    assert torch.equal(got_h.cpu(), h) and torch.equal(got_xn.cpu(), xn)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, atol=1e-6, rtol=1e-5)
+    # and the unfused ops' dispatch gives the same on this device
+    ow, oids, oxn, oh = ops.norm_router_softmax_topk(*dev[:3], eps, offset, dev[3], top_k, True, shared_gate)
+    assert torch.equal(oids.cpu(), want_ids) and torch.equal(oxn.cpu(), xn)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_norm_router_rounds_the_normed_row(offset):
+    """Rows whose rstd is no power of 2 (test_triton_gemv.ieee_rstd_rows): h * rstd needs rounding in bfloat16, and
+    with offset 0 the normed row is rounded before the weight multiply as well as after; the kernel's normed row
+    (the experts' input) must be the reference's exactly."""
+    from test_triton_gemv import exact_norm_inputs, ieee_rstd_rows
+
+    from specserve.kernels.triton_router import norm_router_topk_triton
+
+    eps = 1e-6
+    g = torch.Generator().manual_seed(21 + int(offset))
+    x, r, nw, w, _ = exact_norm_inputs(3, 100, 8, torch.bfloat16, eps, offset, True, False, g,
+                                       h=ieee_rstd_rows(3, 100, eps, g))
+    xn, h = ref.add_rms_norm(x, r, nw, eps, offset)
+    got = norm_router_topk_triton(*[t.to(DEV) for t in (x, r, nw)], eps, offset, w.to(DEV), 2, True)
+    assert torch.equal(got[2].cpu(), xn) and torch.equal(got[3].cpu(), h)
+    if not offset:  # one rounding only would give another normed row here
+        hf = (x + r).float()
+        once = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * nw.float()).to(torch.bfloat16)
+        assert not torch.equal(once, xn)

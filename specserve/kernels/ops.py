@@ -119,6 +119,23 @@ def router_softmax_topk(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, 
     return softmax_topk(F.linear(x, gate_weight), top_k, renormalize, shared_gate)
 
 
+def norm_router_softmax_topk(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                             weight_offset: float, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
+                             shared_gate: bool = False):
+    """The RMSNorm of h = x + residual (x when residual is None) and router_softmax_topk over it -> (weights, ids,
+    the normed x [T, H], h [T, H]): one launch on CUDA for T <= ROUTER_FUSED_MAX_TOKENS
+    (triton_router.norm_router_topk_triton), the unfused ops otherwise."""
+    if (x.dim() == 2 and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS and x.dtype == gate_weight.dtype
+            and (tk := _kernels(x, gate_weight)) is not None):
+        return tk.norm_router_topk_triton(x, residual, norm_w, eps, weight_offset, gate_weight, top_k, renormalize,
+                                          shared_gate)
+    if residual is None:
+        h, xn = x, rms_norm(x, norm_w, eps, weight_offset)
+    else:
+        xn, h = add_rms_norm(x, residual, norm_w, eps, weight_offset)
+    return (*router_softmax_topk(xn, gate_weight, top_k, renormalize, shared_gate), xn, h)
+
+
 def causal_conv_states(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor,
                        start_slots: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
                        per_position: bool) -> torch.Tensor:

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specserve.kernels.triton_gemv import _rounded
+
 
 @triton.jit
 def _route_rows(x, gate, rows, row_ok, num_experts, w_ptr, ids_ptr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
@@ -94,15 +96,31 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 @triton.jit
-def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids_ptr, num_tokens, num_cols,
-                             num_experts, stride_xt, stride_we, H: tl.constexpr, BLOCK_E: tl.constexpr,
-                             BLOCK_K: tl.constexpr, T_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr,
-                             TOP_K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                             SHARED: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _norm_input(x_rows, r_ptr, tok, k, ok, H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, dtype,
+                ROUND_BF16: tl.constexpr):
+    """h = x (+ residual) at columns k of the tokens, float32 of the value rounded to x's dtype (0 where not ok)."""
+    hk = tl.load(x_rows + k, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + tok.to(tl.int64)[:, None, None] * H + k, mask=ok, other=0.0).to(tl.float32)
+        hk = _rounded(hk + r, dtype, ROUND_BF16)
+    return hk
+
+
+@triton.jit
+def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids_ptr, r_ptr, nw_ptr, xn_ptr, h_ptr,
+                             num_tokens, num_cols, num_experts, stride_xt, stride_we, eps, H: tl.constexpr,
+                             BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, T_BLOCK: tl.constexpr,
+                             R_BLOCK: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr,
+                             K_PAD: tl.constexpr, SHARED: tl.constexpr, ROUND_BF16: tl.constexpr,
+                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr):
     """Grid (cdiv(num_cols, BLOCK_E), cdiv(num_tokens, T_BLOCK)): program (i, b) computes the logit columns
     i*BLOCK_E .. + BLOCK_E (rows of the weight wt [num_cols, H]) of tokens b*T_BLOCK .. + T_BLOCK into scratch
     [num_tokens, num_cols] float32. The last program of token block b to finish (counter b) routes its tokens from
-    the scratch and resets counter b to 0: token blocks are routed in parallel."""
+    the scratch and resets counter b to 0: token blocks are routed in parallel.
+
+    NORM: x is the un-normed input; each program computes its tokens' RMSNorm of h = x (+ residual r) with weight
+    nw itself (rounded as reference.add_rms_norm), routes the normed row, and the programs of column block 0 store
+    it (xn [T, H], the experts' input) and h (the new residual), both contiguous."""
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < num_cols
     block = tl.program_id(1)
@@ -110,12 +128,36 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
     tok_ok = tok < num_tokens
     w_rows = wt_ptr + cols.to(tl.int64)[None, :, None] * stride_we  # [1, BLOCK_E, 1]
     x_rows = x_ptr + tok.to(tl.int64)[:, None, None] * stride_xt  # [T_BLOCK, 1, 1]
+    dtype = x_ptr.dtype.element_ty
+    writer = tl.program_id(0) == 0
+    if NORM:  # each token's mean square over H, of h rounded to x's dtype, in float32
+        sq = tl.zeros([T_BLOCK, 1, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, None, :]  # [1, 1, BLOCK_K]
+            hk = _norm_input(x_rows, r_ptr, tok, k, tok_ok[:, None, None] & (k < H), H, HAS_RESIDUAL, dtype,
+                             ROUND_BF16)
+            sq += hk * hk
+        rstd = tl.rsqrt(tl.sum(sq, 2) / H + eps)[:, :, None]  # [T_BLOCK, 1, 1]
     acc = tl.zeros([T_BLOCK, BLOCK_E], dtype=tl.float32)
     for k0 in tl.static_range(0, H, BLOCK_K):  # unrolled: every chunk's loads can be in flight at once
         k = k0 + tl.arange(0, BLOCK_K)[None, None, :]  # [1, 1, BLOCK_K]
         k_ok = k < H
         wk = tl.load(w_rows + k, mask=col_ok[None, :, None] & k_ok, other=0.0).to(tl.float32)
-        xk = tl.load(x_rows + k, mask=tok_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            x_ok = tok_ok[:, None, None] & k_ok
+            hk = _norm_input(x_rows, r_ptr, tok, k, x_ok, H, HAS_RESIDUAL, dtype, ROUND_BF16)
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [1, 1, BLOCK_K]
+            if W_OFFSET == 0.0:  # (hf * rstd).to(dtype) * w, the product rounded too
+                xk = _rounded(_rounded(hk * rstd, dtype, ROUND_BF16) * nw, dtype, ROUND_BF16)
+            else:  # (hf * rstd * (w + offset)).to(dtype)
+                xk = _rounded(hk * rstd * (nw + W_OFFSET), dtype, ROUND_BF16)
+            if writer:
+                flat = tok.to(tl.int64)[:, None, None] * H + k
+                tl.store(xn_ptr + flat, xk.to(dtype), mask=x_ok)
+                if HAS_RESIDUAL:
+                    tl.store(h_ptr + flat, hk.to(dtype), mask=x_ok)
+        else:
+            xk = tl.load(x_rows + k, mask=tok_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
         acc += tl.sum(xk * wk, 2)  # [T_BLOCK, BLOCK_E]
     # Rounded to x's dtype, as F.linear's output is. bfloat16: to nearest even by hand, as the GPU's conversion does
     # (Triton's interpreter truncates instead).
@@ -196,6 +238,25 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm
     (T, H, E) alone and nothing is read back to the host: capturable in a CUDA graph. One stream at a time (the
     device's arrival counters are shared, see _COUNTERS). config: router_config's result, to override
     (benchmarks)."""
+    return _router(x, weight, top_k, renormalize, shared_gate, config, None)[:2]
+
+
+def norm_router_topk_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                            weight_offset: float, weight: torch.Tensor, top_k: int, renormalize: bool,
+                            shared_gate: bool = False, config: dict[str, int] | None = None):
+    """The RMSNorm of h = x + residual (x when residual is None) and router_topk_triton over it, in one launch, for
+    decode-sized batches (at most ROUTER_TOKEN_BLOCK x ROUTER_MAX_TOKEN_BLOCKS tokens): -> (weights, ids, normed x
+    [T, H] (the experts' input), h [T, H] (the new residual; x itself without one)), rounded as
+    reference.add_rms_norm then router_topk_triton."""
+    if norm_w.shape != (x.shape[1],) or (not weight_offset and norm_w.dtype != x.dtype):
+        raise ValueError(f"norm weight {tuple(norm_w.shape)} {norm_w.dtype} does not fit x {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not fit x {tuple(x.shape)}")
+    return _router(x, weight, top_k, renormalize, shared_gate, config, (residual, norm_w, eps, weight_offset))
+
+
+def _router(x, weight, top_k, renormalize, shared_gate, config, norm):
+    """router_topk_triton, with norm = (residual, norm weight, eps, weight offset) norm_router_topk_triton."""
     t, h = x.shape
     cols = weight.shape[0]
     if weight.shape[1] != h or weight.dtype != x.dtype:
@@ -204,7 +265,9 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm
     num_experts = cols - 1 if shared_gate else cols
     cfg = config or router_config(t, cols, h, num_experts)
     if triton.cdiv(t, cfg["T_BLOCK"]) > ROUTER_MAX_TOKEN_BLOCKS:  # prefill-sized: the GEMM path
-        return softmax_topk_triton(F.linear(x, weight), top_k, renormalize, shared_gate)
+        if norm is None:
+            return (*softmax_topk_triton(F.linear(x, weight), top_k, renormalize, shared_gate), None, None)
+        raise ValueError(f"norm_router_topk_triton: {t} tokens are beyond the decode sizes it serves")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if weight.stride(-1) != 1:
@@ -212,13 +275,24 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm
     out_k = top_k + int(shared_gate)
     w = torch.empty((t, out_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, out_k), dtype=torch.int64, device=x.device)
+    xn = hh = None
+    residual = norm_w = None
+    eps, offset = 0.0, 0.0
+    if norm is not None:
+        residual, norm_w, eps, offset = norm
+        residual = None if residual is None else residual.contiguous()
+        xn = torch.empty((t, h), dtype=x.dtype, device=x.device)  # [T, H] the experts' input
+        hh = x if residual is None else torch.empty((t, h), dtype=x.dtype, device=x.device)  # [T, H]
     if t == 0:
-        return w, ids
+        return w, ids, xn, hh
     # Per call, not cached: inside a CUDA graph capture it is a fixed address of the graph's pool.
     scratch = torch.empty((t, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, cfg["BLOCK_E"]), triton.cdiv(t, cfg["T_BLOCK"]))
-    _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids, t, cols, num_experts,
-                                   x.stride(0), weight.stride(0), H=h, TOP_K=top_k, RENORM=renormalize,
+    _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids,
+                                   x if residual is None else residual, x if norm_w is None else norm_w.contiguous(),
+                                   x if xn is None else xn, x if hh is None else hh, t, cols, num_experts,
+                                   x.stride(0), weight.stride(0), float(eps), H=h, TOP_K=top_k, RENORM=renormalize,
                                    E_PAD=triton.next_power_of_2(num_experts), K_PAD=triton.next_power_of_2(top_k),
-                                   SHARED=shared_gate, ROUND_BF16=x.dtype == torch.bfloat16, **cfg)
-    return w, ids
+                                   SHARED=shared_gate, ROUND_BF16=x.dtype == torch.bfloat16, NORM=norm is not None,
+                                   HAS_RESIDUAL=residual is not None, W_OFFSET=float(offset), **cfg)
+    return w, ids, xn, hh

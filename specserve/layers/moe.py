@@ -209,7 +209,25 @@ class SparseMoEBlock(nn.Module):
                                     self.topk_group, self.routed_scaling_factor, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.route(x)
+        return self._mix(x, *self.route(x))
+
+    @property
+    def norm_fusable(self) -> bool:
+        """Whether forward_with_norm can fold the norm before the block into the router's launch (softmax
+        routers, one rank)."""
+        return self.router == "softmax" and self.ep.size == 1
+
+    def forward_with_norm(self, h: torch.Tensor, residual: torch.Tensor | None,
+                          norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(h + residual)), h + residual) with the RMSNorm computed inside the router's launch on CUDA
+        (ops.norm_router_softmax_topk; decode-sized batches): norm_fusable blocks only."""
+        w, ids, x, residual = ops.norm_router_softmax_topk(h, residual, norm.weight, norm.eps,
+                                                           1.0 if norm.zero_centered else 0.0, self.gate.weight,
+                                                           self.top_k, self.renormalize, self.fused_shared)
+        return self._mix(x, w, ids), residual
+
+    def _mix(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts (and shared expert) over x [T, H] with the routing -> [T, H]."""
         ep = self.ep
         if ep.size > 1:  # this rank's experts only: the others' choices get weight 0 (on local expert 0)
             local_ids = topk_ids - self.expert_start

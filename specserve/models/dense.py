@@ -20,6 +20,7 @@ from specserve.layers.activation import silu_and_mul
 from specserve.layers.attention import PagedAttention, QKPrep
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear, MergedLinear
+from specserve.layers.moe import SparseMoEBlock
 from specserve.layers.norm import RMSNorm
 from specserve.layers.parallel import (
     MergedColumnParallelLinear,
@@ -157,6 +158,7 @@ class PreNormDecoderLayer(nn.Module):
     # dense MLP's gate/up (set_decode_gemv)
     fused_in = False
     fused_mlp = False
+    fused_moe = False  # the post-attention norm inside an MoE block's router launch (layers/moe.py)
 
     def mix(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -173,8 +175,9 @@ class PreNormDecoderLayer(nn.Module):
     def set_decode_gemv(self, mode: str) -> bool:
         """--decode-gemv: 'triton' runs this layer's decode rows through the fused GEMVs (kernels/triton_gemv.py:
         input norm + the mixer's input projection, its output projection, and for a dense SiLU-gated MLP the
-        post-attention norm + gate/up + SiLU-mul and the down projection; an MoE MLP keeps its own kernels), 'auto'
-        each of those four where its weight shape is measured faster (kernels/gemv_policy.py), 'cublas' none.
+        post-attention norm + gate/up + SiLU-mul and the down projection; for an MoE block with a softmax router
+        the post-attention norm inside the router's launch), 'auto' each of those where its weight shape is
+        measured faster (kernels/gemv_policy.py), 'cublas' none.
         Tensor-parallel projections keep the unfused path. Returns whether any part of the layer fuses."""
         projs = self.mixer_projections()
         if projs is None or type(projs[0]) is not MergedLinear or type(projs[1]) is not Linear:
@@ -187,11 +190,12 @@ class PreNormDecoderLayer(nn.Module):
 
         self.fused_in = use(projs[0]) if projs else False
         self.fused_mlp = use(gate_up)
+        self.fused_moe = isinstance(self.mlp, SparseMoEBlock) and self.mlp.norm_fusable and use(self.mlp.gate)
         if projs:
             projs[1].decode_gemv = use(projs[1])
         if down is not None:
             down.decode_gemv = use(down)
-        return self.fused_in or self.fused_mlp or bool(projs and projs[1].decode_gemv) or bool(
+        return self.fused_in or self.fused_mlp or self.fused_moe or bool(projs and projs[1].decode_gemv) or bool(
             down is not None and down.decode_gemv)
 
     def forward(self, positions, h, residual, fb: ForwardBatch):
@@ -212,6 +216,8 @@ class PreNormDecoderLayer(nn.Module):
             gate_up, down = _dense_mlp(self.mlp)
             act, residual = _norm_linear(self.post_attention_layernorm, gate_up, h, residual, silu_mul=True)
             return down(act), residual
+        if self.fused_moe and decode:
+            return self.mlp.forward_with_norm(h, residual, self.post_attention_layernorm)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
