@@ -8,7 +8,9 @@ Each graph holds --calls back-to-back router calls, each on its own weight (as t
 per-call time is a replay's CUDA-event time over --calls; the median of --iters replays. Between replays a 256 MB
 read flushes the L2 (in a decode step the experts' weights stream through it between two routers), unless --warm.
 Before timing, both paths are checked against the reference on inputs whose logits are exact in float32 (so every
-order of accumulation agrees): the fused kernel must match exactly; the cuBLAS path's agreement is reported.
+order of accumulation agrees): the fused kernel must match exactly; the cuBLAS path's agreement is reported. The
+last columns time the post-attention RMSNorm before the router as its own launch (add_rms_norm, then the fused
+router) against the norm inside the router's launch (norm_router_topk_triton; --decode-gemv's MoE fusion).
 --sweep also times the fused kernel at other launch configurations (BLOCK_E, T_BLOCK).
 """
 
@@ -22,7 +24,13 @@ from bench_moe import time_ms  # this folder: the scripts run as files
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
-from specserve.kernels.triton_router import router_config, router_topk_triton, softmax_topk_triton
+from specserve.kernels.triton_norm import add_rms_norm
+from specserve.kernels.triton_router import (
+    norm_router_topk_triton,
+    router_config,
+    router_topk_triton,
+    softmax_topk_triton,
+)
 
 SHAPES = [("qwen3-30b-a3b", 128, 2048, 8, False), ("qwen3-next", 512, 2048, 10, True)]
 
@@ -90,15 +98,23 @@ def bench_shape(name: str, experts: int, hidden: int, top_k: int, shared: bool, 
     cols = experts + int(shared)
     print(f"\n{name}: E {experts}{' + 1 shared gate' if shared else ''}, H {hidden}, top-{top_k}, "
           f"{cols * hidden * 2 / 2**20:.2f} MB of weights")
-    print(f"{'T':>3} {'linear+topk':>12} {'fused':>8} {'ratio':>6} {'ids':>10}  config")
+    print(f"{'T':>3} {'linear+topk':>12} {'fused':>8} {'ratio':>6} {'ids':>10} | {'norm+fused':>10} "
+          f"{'norm inside':>11} {'ratio':>6}  config")
     for t in args.tokens:
         x, ws = exact_inputs(t, cols, hidden, args.calls, g)
         ids = check(x, ws, top_k, shared)
         base = graph_us(lambda x, w: baseline(x, w, top_k, shared), x, ws, args.iters, flush)
         one = graph_us(lambda x, w: fused(x, w, top_k, shared), x, ws, args.iters, flush)
+        # the post-attention norm before the router: add_rms_norm + the fused router, against the norm inside it
+        res = (x.float() * 0.5).to(x.dtype)
+        nw = torch.ones(hidden, dtype=x.dtype, device=x.device)
+        sep = graph_us(lambda x, w, res=res, nw=nw: fused(add_rms_norm(x, res, nw, 1e-6)[0], w, top_k, shared), x,
+                       ws, args.iters, flush)
+        inside = graph_us(lambda x, w, res=res, nw=nw: norm_router_topk_triton(x, res, nw, 1e-6, 0.0, w, top_k, True,
+                                                                               shared), x, ws, args.iters, flush)
         cfg = router_config(t, cols, hidden, experts)
-        print(f"{t:3d} {base:12.2f} {one:8.2f} {base / one:5.2f}x {ids:>10}  "
-              + " ".join(f"{k}={v}" for k, v in cfg.items()))
+        print(f"{t:3d} {base:12.2f} {one:8.2f} {base / one:5.2f}x {ids:>10} | {sep:10.2f} {inside:11.2f} "
+              f"{sep / inside:5.2f}x  " + " ".join(f"{k}={v}" for k, v in cfg.items()))
         if args.sweep:
             for be, tb in SWEEP:
                 if tb > t:

@@ -9,8 +9,9 @@
 #             (argmax and sampled drafts), and the phase benchmark's plain step on Llama-3.1-8B shapes;
 #   sample    the sort-free sampling kernels (kernels/triton_sample.py) on the GPU: their tests, the lossless sampling
 #             tests on CUDA, bench_sample.py against the torch reference, then gpt-fast side by side (carry .gpt-fast);
-#   gemv      the fused decode GEMVs (kernels/triton_gemv.py) and the in-kernel split-KV merge: their GPU tests, the
-#             kernel benchmark, and bench_pdl.py (whether programmatic dependent launch hides the gaps);
+#   gemv      the fused decode GEMVs (kernels/triton_gemv.py), the norm inside the MoE router and the in-kernel
+#             split-KV merge: their GPU tests, the kernel benchmarks (bench_gemv.py, bench_router.py's norm
+#             columns), and bench_pdl.py (whether programmatic dependent launch hides the gaps);
 #   gemvsweep the GEMVs' config sweep (paste the printed dict into triton_gemv._TUNED and the shapes they win into
 #             kernels/gemv_policy.py FASTER), then bench-phases on 8B shapes with --decode-gemv cublas and triton;
 #   moe       the MoE decode fusions (router GEMV + top-k, q/k norm + RoPE + KV store) at model level: the hybrid and
@@ -48,9 +49,11 @@ case "${1:-}" in
     ;;
   gemv)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py tests/test_triton_attention.py \
+      tests/test_triton_router.py \
       2>&1 | grep -v -i warn | tail -4
     timeout 100 python3 scripts/gpu/bench_gemv.py 2>&1 | grep -v -i warn | tail -24
     timeout 60 python3 scripts/gpu/bench_pdl.py 2>&1 | grep -v -i warn | tail -4
+    timeout 90 python3 scripts/gpu/bench_router.py --tokens 1 4 --iters 100 2>&1 | grep -v -i warn | tail -9
     ;;
   gemvsweep)
     timeout 200 python3 scripts/gpu/bench_gemv.py --sweep --shapes llama-3.1-8b smollm2-135m 2>&1 | grep -v -i warn \
