@@ -261,9 +261,9 @@ def test_fused_router_dispatch_and_cuda_graph(monkeypatch):
 def test_norm_router_equals_norm_then_router(dtype, residual, offset, experts, top_k, shared_gate):
     """norm_router_topk_triton (the post-attention RMSNorm inside the router's launch) == reference.add_rms_norm /
     rms_norm, then the router over the normed row: the normed row and h exactly, the same experts, weights to
-    float rounding. Inputs whose norms and logits are exact in float32 (tests/test_triton_gemv.py), so every order of
+    float rounding. Inputs whose norms and logits are exact in float32 (tests/exact_inputs.py), so every order of
     accumulation agrees."""
-    from test_triton_gemv import exact_norm_inputs, linear_exact
+    from exact_inputs import exact_norm_inputs, linear_exact
 
     from specserve.kernels.triton_router import norm_router_topk_triton
 
@@ -289,10 +289,10 @@ def test_norm_router_equals_norm_then_router(dtype, residual, offset, experts, t
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_norm_router_rounds_the_normed_row(offset):
-    """Rows whose rstd is no power of 2 (test_triton_gemv.ieee_rstd_rows): h * rstd needs rounding in bfloat16, and
+    """Rows whose rstd is no power of 2 (exact_inputs.ieee_rstd_rows): h * rstd needs rounding in bfloat16, and
     with offset 0 the normed row is rounded before the weight multiply as well as after; the kernel's normed row
     (the experts' input) must be the reference's exactly."""
-    from test_triton_gemv import exact_norm_inputs, ieee_rstd_rows
+    from exact_inputs import exact_norm_inputs, ieee_rstd_rows
 
     from specserve.kernels.triton_router import norm_router_topk_triton
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_moe import PEAK_BW, time_ms  # this folder: the scripts run as files
+from bench_moe import PEAK_BW, l2_flush, time_ms  # this folder: the scripts run as files
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels.triton_act import silu_and_mul
@@ -236,7 +236,7 @@ def main() -> None:
     args = p.parse_args()
 
     g = torch.Generator(device="cuda").manual_seed(args.seed)
-    flush = None if args.warm else torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB
+    flush = l2_flush(args.warm)
     print(f"{torch.cuda.get_device_name()}: bfloat16, CUDA-graph replays, median of {args.iters} "
           f"(L2 {'warm' if flush is None else 'flushed'}); us per call, GB/s of weights, fraction of "
           f"{PEAK_BW / 1e12:.1f} TB/s")

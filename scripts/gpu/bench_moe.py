@@ -48,6 +48,11 @@ def torch_loop(x, w13, w2, topk_weights, topk_ids):
     return out.to(x.dtype)
 
 
+def l2_flush(off: bool = False, device: str | torch.device = "cuda") -> torch.Tensor | None:
+    """A 256 MB buffer whose read between timed replays evicts the L2 (time_ms's `flush`); None when `off`."""
+    return None if off else torch.zeros(64 << 20, dtype=torch.float32, device=device)
+
+
 def time_ms(fn, iters: int, warmup: int, flush: torch.Tensor | None) -> float:
     for _ in range(warmup):
         fn()
@@ -121,7 +126,7 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(args.seed)
     w13 = (torch.randn((e, 2 * i, h), generator=g, device=dev) / h ** 0.5).to(dtype)  # [E, 2I, H]
     w2 = (torch.randn((e, h, i), generator=g, device=dev) / i ** 0.5).to(dtype)  # [E, H, I]
-    flush = None if args.no_flush else torch.zeros(64 << 20, dtype=torch.float32, device=dev)  # 256 MB
+    flush = l2_flush(args.no_flush, dev)
     print(f"{torch.cuda.get_device_name()}: H {h}, I {i}, E {e}, top-{k}, {dtype}; median of {args.iters} "
           f"(L2 {'warm' if flush is None else 'flushed'})")
     print(f"{'T':>5} {'experts':>7} {'loop ms':>9} {'fused ms':>9} {'graph ms':>9} {'speedup':>8} "

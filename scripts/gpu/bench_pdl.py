@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from bench_moe import PEAK_BW, time_ms  # this folder: the scripts run as files
+from bench_moe import PEAK_BW, l2_flush, time_ms  # this folder: the scripts run as files
 
 from specserve.graphs.capture import capture_graph
 
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--block-k", type=int, default=512)
     a = p.parse_args()
     dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    flush = l2_flush()
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: per-GEMV us in a graph of {a.layers}")
     for h in a.hidden:
         g = torch.Generator(device=dev).manual_seed(h)

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from bench_moe import time_ms  # this folder: the scripts run as files
+from bench_moe import l2_flush, time_ms  # this folder: the scripts run as files
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
@@ -87,7 +87,7 @@ def main() -> None:
     args = p.parse_args()
 
     g = torch.Generator(device="cuda").manual_seed(args.seed)
-    flush = None if args.warm else torch.zeros(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB
+    flush = l2_flush(args.warm)
     print(f"{torch.cuda.get_device_name()}: bfloat16, CUDA-graph replays of {args.calls} calls, median of "
           f"{args.iters} (L2 {'warm' if flush is None else 'flushed'}); per call in us")
     for shape in SHAPES:

@@ -5,7 +5,7 @@ The host uploads one small tensor (page-table rows, committed lengths S, rope po
 batches, the rows' sampling parameters into static buffers, replays, and reads the result: no host work inside the
 step. Three graph sets share one memory pool: greedy batches, sampled batches (per-row temperature, top-k, top-p,
 min-p and seeds as static inputs; greedy rows of a mixed batch stay greedy), and sampled batches with the
-top-k / top-p / min-p filter (a sort over the vocabulary per sampled row, skipped when no row filters). On a CPU the
+top-k / top-p / min-p filter (layers/sampler.py; its launches skipped when no row filters). On a CPU the
 same function runs over the static buffers (static replay, graphs/capture.py).
 """
 

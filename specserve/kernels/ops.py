@@ -129,11 +129,17 @@ def norm_router_softmax_topk(x: torch.Tensor, residual: torch.Tensor | None, nor
             and (tk := _kernels(x, gate_weight)) is not None):
         return tk.norm_router_topk_triton(x, residual, norm_w, eps, weight_offset, gate_weight, top_k, renormalize,
                                           shared_gate)
-    if residual is None:
-        h, xn = x, rms_norm(x, norm_w, eps, weight_offset)
-    else:
-        xn, h = add_rms_norm(x, residual, norm_w, eps, weight_offset)
+    xn, h = _add_norm(x, residual, norm_w, eps, weight_offset)
     return (*router_softmax_topk(xn, gate_weight, top_k, renormalize, shared_gate), xn, h)
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
+              weight_offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h), h) with h = x + residual, or x itself without a residual: the unfused ops the fused
+    norm-and-projection kernels stand for."""
+    if residual is None:
+        return rms_norm(x, w, eps, weight_offset), x
+    return add_rms_norm(x, residual, w, eps, weight_offset)
 
 
 def causal_conv_states(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor,
@@ -213,9 +219,6 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tens
     Triton launch for decode rows on CUDA; the unfused reference ops otherwise."""
     if (tk := _kernels(x, w)) is not None:
         return tk.norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, silu_mul)
-    if residual is None:
-        h, a = x, ref.rms_norm(x, norm_w, eps, weight_offset)
-    else:
-        a, h = ref.add_rms_norm(x, residual, norm_w, eps, weight_offset)
+    a, h = _add_norm(x, residual, norm_w, eps, weight_offset)
     y = F.linear(a, w, bias)
     return (ref.silu_and_mul(y) if silu_mul else y), h

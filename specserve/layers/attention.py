@@ -49,7 +49,7 @@ class QKPrep:
         eps, offset = 1e-6, 0.0
         if self.q_norm is not None:
             qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            offset = 1.0 if self.q_norm.zero_centered else 0.0
+            offset = self.q_norm.weight_offset
         rotary = self.rotary
         return fused(q, k, v, k_cache, v_cache, loc, rotary.cos_sin_cache, rotary.table_positions(self.positions),
                      rotary.mrope_section, qw, kw, eps, offset)

@@ -221,9 +221,9 @@ class SparseMoEBlock(nn.Module):
                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(h + residual)), h + residual) with the RMSNorm computed inside the router's launch on CUDA
         (ops.norm_router_softmax_topk; decode-sized batches): norm_fusable blocks only."""
-        w, ids, x, residual = ops.norm_router_softmax_topk(h, residual, norm.weight, norm.eps,
-                                                           1.0 if norm.zero_centered else 0.0, self.gate.weight,
-                                                           self.top_k, self.renormalize, self.fused_shared)
+        w, ids, x, residual = ops.norm_router_softmax_topk(h, residual, norm.weight, norm.eps, norm.weight_offset,
+                                                           self.gate.weight, self.top_k, self.renormalize,
+                                                           self.fused_shared)
         return self._mix(x, w, ids), residual
 
     def _mix(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

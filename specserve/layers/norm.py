@@ -16,10 +16,14 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
 
+    @property
+    def weight_offset(self) -> float:
+        """What the kernels add to the weight: 1 for zero-centred weights (no per-forward `weight + 1` kernel)."""
+        return 1.0 if self.zero_centered else 0.0
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x [T, H]. Without residual: returns normed x. With residual: returns (normed(x + r), x + r). Zero-centred
-        weights are offset by 1 inside the kernel (no per-forward `weight + 1` kernel)."""
-        offset = 1.0 if self.zero_centered else 0.0
+        """x [T, H]. Without residual: returns normed x. With residual: returns (normed(x + r), x + r)."""
+        offset = self.weight_offset
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps, offset)
         return ops.add_rms_norm(x, residual, self.weight, self.eps, offset)

@@ -188,15 +188,13 @@ class PreNormDecoderLayer(nn.Module):
             return linear is not None and (mode == "triton" or (mode == "auto"
                                                                 and prefer_fused([tuple(linear.weight.shape)])))
 
-        self.fused_in = use(projs[0]) if projs else False
+        self.fused_in = bool(projs) and use(projs[0])
         self.fused_mlp = use(gate_up)
         self.fused_moe = isinstance(self.mlp, SparseMoEBlock) and self.mlp.norm_fusable and use(self.mlp.gate)
-        if projs:
-            projs[1].decode_gemv = use(projs[1])
-        if down is not None:
-            down.decode_gemv = use(down)
-        return self.fused_in or self.fused_mlp or self.fused_moe or bool(projs and projs[1].decode_gemv) or bool(
-            down is not None and down.decode_gemv)
+        outputs = [lin for lin in (projs[1] if projs else None, down) if lin is not None]
+        for lin in outputs:
+            lin.decode_gemv = use(lin)
+        return any([self.fused_in, self.fused_mlp, self.fused_moe] + [lin.decode_gemv for lin in outputs])
 
     def forward(self, positions, h, residual, fb: ForwardBatch):
         """-> (h, residual). Decode rows (at most ops.GEMV_MAX_ROWS) of a fused layer: one launch for each norm and
@@ -257,8 +255,7 @@ def _dense_mlp(mlp: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
 def _norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
                  silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)) [SiLU-and-mul'd], x + residual) in one launch (x when residual is None)."""
-    return ops.norm_gemv(x, residual, norm.weight, norm.eps, 1.0 if norm.zero_centered else 0.0, linear.weight,
-                         linear.bias, silu_mul)
+    return ops.norm_gemv(x, residual, norm.weight, norm.eps, norm.weight_offset, linear.weight, linear.bias, silu_mul)
 
 
 def set_decode_gemv(model: nn.Module, mode: str) -> int:

@@ -14,8 +14,8 @@ copy that reads the accepted tokens: no host work between the phases, and the GP
 inputs land. It uses the phase runners' own attention backends (and their graph metadata buffers) and their padding
 contract (graphs/padding.py stage_step). Three sets of graphs: greedy batches (argmax acceptance), and batches with
 sampled rows (rejection sampling with per-row temperature, top-k, top-p, min-p and seeds as static graph inputs;
-greedy rows of a mixed batch stay greedy), with and without the top-k / top-p / min-p filter (a sort over the
-vocabulary per verified position, skipped when no row filters). All three share one graph memory pool.
+greedy rows of a mixed batch stay greedy), with and without the top-k / top-p / min-p filter (layers/sampler.py,
+per verified position; skipped when no row filters). All three share one graph memory pool.
 """
 
 from __future__ import annotations

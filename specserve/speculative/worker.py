@@ -158,10 +158,7 @@ class SpecWorker:
         if one_graph is not None and one_graph.covers(len(rows_host), sb):
             out = one_graph.run(rows_host, s_host, pos0_host, sb)
         else:
-            dev = self.device
-            rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
-            s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)  # [bs] = S
-            pos0 = torch.tensor(pos0_host, dtype=torch.int64).to(dev, non_blocking=True)  # rope position of S
+            rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
             accept_len, verified = spec_step_device(self, lambda name, live: self.runners[name].run(live), rows, s,
                                                     pos0, max(s_host), sb)
             out = torch.cat((accept_len[:, None], verified), dim=1)
@@ -177,11 +174,15 @@ class SpecWorker:
         view = self.plain
         if view is None:
             raise RuntimeError("plain steps need the target's width-1 runner (adaptive speculation is off)")
-        dev = self.device
-        rows = torch.tensor(rows_host, dtype=torch.int64).to(dev, non_blocking=True)
-        s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)
-        pos0 = torch.tensor(pos0_host, dtype=torch.int64).to(dev, non_blocking=True)
+        rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
         _, verified = spec_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
                                        max(s_host), sb)
         toks = verified[:, 0].tolist()  # the step's one host sync
         return SpecStepResult([0] * len(toks), [[t] for t in toks])
+
+
+def _step_inputs(rows_host: list[int], s_host: list[int], pos0_host: list[int],
+                 dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's page-table rows, committed lengths S and rope positions of S [bs] each, on the device in one copy."""
+    rows, s, pos0 = torch.tensor([rows_host, s_host, pos0_host], dtype=torch.int64).to(dev, non_blocking=True)
+    return rows, s, pos0
