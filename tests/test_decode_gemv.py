@@ -16,6 +16,7 @@ from deepseek_helpers import build_tiny_deepseek
 from hybrid_helpers import build_tiny_hybrid
 from spec_fixtures import build_scheduler, run_greedy
 
+from specserve.kernels import ops
 from specserve.models.dense import DenseDecoderLayer, PreNormDecoderLayer, _dense_mlp, _norm_linear, set_decode_gemv
 
 KW = dict(max_total_tokens=2048, max_running_requests=4, cuda_graph_bs=[1, 2, 4], context_length=256)
@@ -93,9 +94,18 @@ def test_fused_mlp_half_equals_unfused(tiny_models):
         torch.testing.assert_close(qkv, layer.self_attn.qkv_proj(layer.input_layernorm(h)), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_and_cublas_fuse_nothing_until_measured(tiny_models):
+def test_auto_fuses_only_measured_shapes_and_cublas_nothing(tiny_models):
+    from specserve.kernels.gemv_policy import FASTER, prefer_fused
+
     _, t = build_scheduler(tiny_models["llama"], **KW)
     assert set_decode_gemv(t.model, "cublas") == 0
-    assert set_decode_gemv(t.model, "auto") == 0  # kernels/gemv_policy.py lists no measured shape yet
+    assert set_decode_gemv(t.model, "auto") == 0  # the tiny model's shapes were never measured
+    assert prefer_fused(sorted(FASTER)) and not prefer_fused([]) and not prefer_fused([next(iter(FASTER)), (7, 3)])
+    layers = [m for m in t.model.modules() if isinstance(m, PreNormDecoderLayer)]
+    assert layers and all(m.fused_rows == 1 for m in layers)  # 'auto' was measured at one row: verify stays cuBLAS
+    set_decode_gemv(t.model, "triton")
+    assert all(m.fused_rows == ops.GEMV_MAX_ROWS for m in layers)
+    set_decode_gemv(t.model, "cublas")
+    assert all(m.fused_rows == 0 for m in layers)
     assert not any(getattr(m, "decode_gemv", False) or getattr(m, "fused_in", False)
                    or getattr(m, "fused_mlp", False) for m in t.model.modules())

@@ -148,8 +148,7 @@ def test_startup_check_accepts_the_kernels_and_rejects_wrong_ones(caplog):
     from specserve.kernels import triton_sample
     from specserve.layers import sampler
 
-    dev = torch.device("cpu")  # under the interpreter; the same call the model runner makes for its CUDA device
-    assert sampler.check_sampling_kernels(dev, triton_sample)
+    assert sampler.check_sampling_kernels(DEV, triton_sample)  # on CPU under the interpreter
 
     def off_by_one(*a, **kw):
         return triton_sample.sample_triton(*a, **kw) + 1
@@ -160,6 +159,6 @@ def test_startup_check_accepts_the_kernels_and_rejects_wrong_ones(caplog):
     for wrong in (types.SimpleNamespace(probs_triton=triton_sample.probs_triton, sample_triton=off_by_one),
                   types.SimpleNamespace(probs_triton=broken, sample_triton=triton_sample.sample_triton)):
         with caplog.at_level("ERROR"):
-            assert not sampler.check_sampling_kernels(dev, wrong)
+            assert not sampler.check_sampling_kernels(DEV, wrong)
         assert "sampling with torch" in caplog.text
     sampler._KERNELS_OK.clear()

@@ -1,12 +1,15 @@
 """Where the fused decode GEMVs (kernels/triton_gemv.py) are used under `--decode-gemv auto`: the weight shapes
 (rows, K) for which they were measured faster than today's path (cuBLAS plus the separate norm / SiLU-mul / split-K
 reduce launches) on the H200 (`python3 scripts/gpu/bench_gemv.py`, BENCHMARKS.md). A layer fuses when all its
-projections' shapes are listed. Empty until measured: `auto` then keeps cuBLAS everywhere; `--decode-gemv triton`
+projections' shapes are listed. Shapes not listed (not yet swept) keep cuBLAS under `auto`; `--decode-gemv triton`
 fuses every dense layer's decode rows regardless (to measure them)."""
 
 from __future__ import annotations
 
-FASTER: frozenset[tuple[int, int]] = frozenset()
+FASTER: frozenset[tuple[int, int]] = frozenset([
+    (576, 576), (576, 1536), (960, 576), (3072, 576),  # SmolLM2-135M
+    (4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096),  # Llama-3.1-8B
+])
 
 
 def prefer_fused(shapes: list[tuple[int, int]]) -> bool:

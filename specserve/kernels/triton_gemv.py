@@ -42,8 +42,18 @@ MAX_ROWS = 4  # decode rows: the accumulators of every row are held in registers
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tuned launch configurations at M = 1, keyed by the weight's (rows, K) (rows: 2I for silu_mul's gate_up weight).
-# TUNED ON: nothing yet. Fill from `python3 scripts/gpu/bench_gemv.py --sweep` on the GPU (it prints the dict).
-_TUNED: dict[tuple[int, int], dict[str, int]] = {}
+# TUNED ON: NVIDIA H200, triton 3.6, 2026-12-01 (`python3 scripts/gpu/bench_gemv.py --sweep --shapes llama-3.1-8b
+# smollm2-135m`, which prints this dict; BENCHMARKS.md).
+_TUNED: dict[tuple[int, int], dict[str, int]] = {
+    (6144, 4096): dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=2),
+    (4096, 4096): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3),
+    (28672, 4096): dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+    (4096, 14336): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3),
+    (960, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+    (576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=3),
+    (3072, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+    (576, 1536): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=8, num_stages=1),
+}
 # ---------------------------------------------------------------------------------------------------------------
 
 _SMS = 132  # H200: the default config aims for several programs on every SM
@@ -160,17 +170,15 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, silu_mul: bool = False) -> dict[str, int]:
     """Launch parameters (BLOCK_N, BLOCK_K, num_warps, num_stages) for x [m, k] and a weight [n, k] (silu_mul: n =
-    2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). _TUNED (n, k) first, else a
+    2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). _TUNED (n, k) first at M = 1, else a
     heuristic: K steps of 1 kB of each weight row (16-byte loads, 512 bf16) unless that pads K by more than an eighth,
     and the most output columns a program (16 weight rows at most) that still gives _PROGRAMS_PER_SM programs per SM,
     down to 2. For m > 1 the K step shrinks until the m rows' accumulators fit the per-thread budget."""
-    cfg = _TUNED.get((n, k))
-    if cfg is None:
-        cfg = _default_config(n // 2 if silu_mul else n, k, dtype, silu_mul)
-    cfg = dict(cfg)
+    if m == 1 and (n, k) in _TUNED:  # tuned at M = 1 only: at more rows (verify) its accumulators spill
+        return dict(_TUNED[(n, k)])
+    cfg = _default_config(n // 2 if silu_mul else n, k, dtype, silu_mul)
     per_row = (2 if silu_mul else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
-    budget = max(_ACC_PER_THREAD, per_row)  # a tuned M = 1 config may hold more; keep it at m rows
-    while m * per_row > budget and cfg["BLOCK_K"] > 32:
+    while m * per_row > _ACC_PER_THREAD and cfg["BLOCK_K"] > 32:
         cfg["BLOCK_K"] //= 2
         per_row /= 2
     return cfg

@@ -34,8 +34,9 @@ BLOCK = 1024  # tokens per step of a program
 BINS = 16  # buckets per level (4 bits)
 LEVELS = 8
 # Row state: float32 [R, 8] and int32 [R, 8] (one int32 workspace, the float part viewed as float32).
-_M, _Z, _MA, _ZMIN, _ZT = 0, 1, 2, 3, 4  # float: max z, sum e, mass above the prefix, mass with e >= min_p, kept mass
-_P, _CA, _ARG = 0, 1, 2  # int: the key prefix, the count above it, the argmax of z
+# float: max z, sum e, mass above the prefix, mass with e >= min_p, kept mass
+_M, _Z, _MA, _ZMIN, _ZT = (tl.constexpr(i) for i in range(5))
+_P, _CA, _ARG = (tl.constexpr(i) for i in range(3))  # int: key prefix, count above it, argmax of z
 
 
 @triton.jit

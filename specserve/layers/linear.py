@@ -77,12 +77,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed = PackedWeight()  # CPU fp32 small-row path only (plain attribute, see PackedWeight)
         self.int8: Int8Weight | None = None  # a drafter's weight-only int8 copy on CPU (layers/quant.py)
-        # decode rows (at most ops.GEMV_MAX_ROWS) through the one-launch Triton GEMV (--decode-gemv, set by the
-        # layer that owns it: models/dense.py DenseDecoderLayer.set_decode_gemv)
-        self.decode_gemv = False
+        # calls of at most this many rows (0: none; at most ops.GEMV_MAX_ROWS) through the one-launch Triton GEMV
+        # (--decode-gemv, set by the layer that owns it: models/dense.py PreNormDecoderLayer.set_decode_gemv)
+        self.decode_gemv = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_gemv and x.dim() == 2 and x.shape[0] <= ops.GEMV_MAX_ROWS:
+        if x.dim() == 2 and x.shape[0] <= self.decode_gemv:
             return ops.gemv(x, self.weight, self.bias)
         y = int8_cpu_linear(x, self.weight, self.bias, self.int8)
         if y is None:

@@ -159,6 +159,7 @@ class PreNormDecoderLayer(nn.Module):
     fused_in = False
     fused_mlp = False
     fused_moe = False  # the post-attention norm inside an MoE block's router launch (layers/moe.py)
+    fused_rows = 0  # the most rows a call fuses at (1 under 'auto', whose shapes were measured at M = 1)
 
     def mix(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -177,7 +178,7 @@ class PreNormDecoderLayer(nn.Module):
         input norm + the mixer's input projection, its output projection, and for a dense SiLU-gated MLP the
         post-attention norm + gate/up + SiLU-mul and the down projection; for an MoE block with a softmax router
         the post-attention norm inside the router's launch), 'auto' each of those where its weight shape is
-        measured faster (kernels/gemv_policy.py), 'cublas' none.
+        measured faster at one row (kernels/gemv_policy.py; verify's rows stay on cuBLAS), 'cublas' none.
         Tensor-parallel projections keep the unfused path. Returns whether any part of the layer fuses."""
         projs = self.mixer_projections()
         if projs is None or type(projs[0]) is not MergedLinear or type(projs[1]) is not Linear:
@@ -188,18 +189,19 @@ class PreNormDecoderLayer(nn.Module):
             return linear is not None and (mode == "triton" or (mode == "auto"
                                                                 and prefer_fused([tuple(linear.weight.shape)])))
 
+        self.fused_rows = ops.GEMV_MAX_ROWS if mode == "triton" else 1 if mode == "auto" else 0
         self.fused_in = bool(projs) and use(projs[0])
         self.fused_mlp = use(gate_up)
         self.fused_moe = isinstance(self.mlp, SparseMoEBlock) and self.mlp.norm_fusable and use(self.mlp.gate)
         outputs = [lin for lin in (projs[1] if projs else None, down) if lin is not None]
         for lin in outputs:
-            lin.decode_gemv = use(lin)
-        return any([self.fused_in, self.fused_mlp, self.fused_moe] + [lin.decode_gemv for lin in outputs])
+            lin.decode_gemv = self.fused_rows if use(lin) else 0
+        return any([self.fused_in, self.fused_mlp, self.fused_moe] + [lin.decode_gemv > 0 for lin in outputs])
 
     def forward(self, positions, h, residual, fb: ForwardBatch):
-        """-> (h, residual). Decode rows (at most ops.GEMV_MAX_ROWS) of a fused layer: one launch for each norm and
+        """-> (h, residual). Decode rows (at most fused_rows) of a fused layer: one launch for each norm and
         the projection after it (enabled on CUDA only; ops' reference elsewhere)."""
-        decode = h.shape[0] <= ops.GEMV_MAX_ROWS
+        decode = h.shape[0] <= self.fused_rows
         if self.fused_in and decode:
             proj, residual = _norm_linear(self.input_layernorm, self.mixer_projections()[0], h, residual)
             h = self.mix_projected(positions, proj, fb)
