@@ -14,6 +14,7 @@ from helpers import _index_all_shards
 from safetensors.torch import save_file
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
+from test_prefill_graph import check_padded_prefill, prefill_runner, prefill_runners
 from test_qwen3_next import _hf_logits, _prefill, _runner
 from test_runners import _spec_runner, check_one_graph_step, check_phase_replay
 from test_spec_greedy import _prompts
@@ -293,3 +294,15 @@ def test_topk_slots_lists_the_masks_choice():
             row = sel.slots[b * w + i, :int(sel.counts[b * w + i])]
             assert sorted(row.tolist()) == sorted(kv_slots[b][mask[b, i]].tolist())
             assert int(sel.counts[b * w + i]) == int(mask[b, i].sum())
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_prefill_graph_token_rows_equal_eager(dsa, arch):
+    """The Triton MLA and index backends capture prefill as token rows (attention/torch_mla_backend.py TokenRows):
+    the padded static replay of the target's and the MTP layer's extend, over shrinking and growing batches with
+    prefixes, equals the eager reference prefill (outputs and every cache slot but the padding's), truly sparse."""
+    mr = prefill_runner(dsa[f"{arch}_sparse"], None, "triton")
+    for runner in prefill_runners(mr).values():
+        kinds = {type(b).__name__ for b in runner.backends.values()}
+        assert {"TritonMLABackend", "TritonIndexBackend"} <= kinds
+    check_padded_prefill(mr, 1e-4)

@@ -11,6 +11,7 @@ import torch
 from deepseek_helpers import build_tiny_deepseek
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
+from test_prefill_graph import check_padded_prefill, prefill_runner
 from test_qwen3_next import _hf_greedy, _hf_logits, _prefill, _runner
 from test_runners import _inputs, _spec_runner, check_isolation, check_one_graph_step, check_phase_replay
 from test_spec_greedy import _prompts
@@ -164,3 +165,9 @@ def test_mtp_chain_before_or_after_the_final_norm(deepseek, greedy_ref, page_siz
     assert normed.shape == stream.shape and not torch.allclose(normed, stream, atol=1e-2)
     rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mr.draft.config.rms_norm_eps)
     torch.testing.assert_close(normed, rms(stream) * mr.draft.final_norm.weight, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_graph_token_rows_equal_eager(deepseek):
+    """The Triton MLA backend captures prefill as token rows: the padded static replay of the target's and the MTP
+    layer's extend equals the eager reference prefill (outputs and every cache slot but the padding's)."""
+    check_padded_prefill(prefill_runner(deepseek["mtp"], None, "triton"), 1e-4)

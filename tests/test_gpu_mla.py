@@ -4,6 +4,8 @@
   CUDA graph replay equals the eager run with shrinking then growing batch sizes; so does the one-graph spec step;
 - greedy MTP == plain on the GPU in float32 (DeepSeek-V3, == transformers; GLM-5 with sparse top-k);
 - a retraction workload leaves no page or page-table row behind;
+- prefill as CUDA graphs (token rows through the Triton MLA / indexer / top-k kernels) equals the eager prefill,
+  target and MTP layer, DeepSeek-V3 and GLM-5;
 - --attention-backend triton (the Triton absorbed-MLA and indexer-score kernels, sparse rows per query) captures
   every phase and gives the torch reference's greedy tokens, plain and MTP.
 """
@@ -14,6 +16,7 @@ from deepseek_helpers import build_tiny_deepseek, build_tiny_dsa
 from spec_fixtures import ForcedSteps, build_scheduler, run_greedy
 from test_deepseek_dsa import _with_mtp
 from test_gpu import CAPTURE, _cuda_spec_runner, check_phase_replay_gpu
+from test_prefill_graph import check_padded_prefill, prefill_runner
 from test_qwen3_next import _hf_greedy
 from test_runners import check_one_graph_step
 from test_spec_greedy import _prompts
@@ -34,6 +37,13 @@ def test_graph_replay_equals_eager_every_phase(models, key):
     mr = _cuda_spec_runner(models[key], 3, 1)
     check_phase_replay_gpu(mr)
     check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
+
+
+@pytest.mark.parametrize("key", ["v3", "glm"])
+def test_prefill_graphs_equal_eager_gpu(models, key):
+    mr = prefill_runner(models[key], None, "triton", device="cuda")
+    assert all(sorted(r.graphs) == r.ladder.sizes == [16, 32, 64] for r in (mr.prefill, mr.spec.prefill))
+    check_padded_prefill(mr, 2e-4)
 
 
 @pytest.mark.parametrize("key", ["v3", "glm"])

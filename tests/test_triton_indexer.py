@@ -154,3 +154,15 @@ def test_index_scores_cuda_graph_replay(cache):
         graph.replay()
         torch.cuda.synchronize()
         _check(out, reference(q, weights, rows, scales, kv_slots, lens, width), False)
+
+
+def test_token_rows_read_the_table_through_kv_rows():
+    """kv_rows (a prefill's token rows): request b reads row kv_rows[b] of a wider table; exactly the result of
+    passing the gathered rows as kv_slots."""
+    g = torch.Generator().manual_seed(9)
+    seq_lens = [MAX_KV, 1, 64, 65, 1]
+    q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, 1, 4, 32, torch.float32, "q", g)
+    table = torch.cat([torch.zeros_like(kv_slots[:1]), kv_slots.flip(0)])  # request b's keys at row bs - b
+    kv_rows = torch.arange(len(seq_lens), 0, -1, device=DEV)
+    got = index_scores_triton(q, weights, rows, scales, table, lens, 1, kv_rows=kv_rows)
+    assert torch.equal(got, index_scores_triton(q, weights, rows, scales, kv_slots, lens, 1))

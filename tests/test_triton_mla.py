@@ -167,3 +167,18 @@ def test_mla_decode_cuda_graph_replay(dtype, sparse, num_splits):
         graph.replay()
         torch.cuda.synchronize()
         _assert_close(out, reference(q, rows, kv_slots, lens, width, scale, c, sel))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_rows_read_the_table_through_kv_rows(dtype):
+    """kv_rows (a prefill's token rows): request b reads row kv_rows[b] of a wider table (the page table); exactly
+    the result of passing the gathered rows as kv_slots."""
+    g = torch.Generator().manual_seed(7)
+    seq_lens = [MAX_KV, 1, 33, 18, 1, 64]
+    q, rows, kv_slots, lens, _ = _batch(seq_lens, 1, 16, 32, 8, dtype, g, None)
+    table = torch.cat([kv_slots.flip(0), torch.zeros_like(kv_slots[:2])])  # request b's keys at row bs - 1 - b
+    kv_rows = torch.arange(len(seq_lens) - 1, -1, -1, device=DEV)
+    scale = 40 ** -0.5
+    got = mla_decode_triton(q, rows, table, lens, 1, scale, 32, kv_rows=kv_rows)
+    assert torch.equal(got, mla_decode_triton(q, rows, kv_slots, lens, 1, scale, 32))
+    _assert_close(got, reference(q, rows, kv_slots, lens, 1, scale, 32))

@@ -105,3 +105,17 @@ def test_topk_production_sizes_and_graph_replay():
         for r in range(16):
             n = int(ref.counts[r])
             assert sorted(out[r, :n].cpu().tolist()) == sorted(ref.slots[r, :n].tolist())
+
+
+def test_token_rows_read_the_table_through_kv_rows():
+    """kv_rows (a prefill's token rows): request b's slots come from row kv_rows[b] of a wider table; the same
+    result as passing the gathered rows as kv_slots, and as the reference."""
+    g = torch.Generator().manual_seed(11)
+    seq_lens = [300, 1, 37, 130, 64]
+    scores, valid, kv_slots, lens = _batch(seq_lens, 1, 300, g)
+    table = torch.cat([kv_slots.flip(0), kv_slots[:1] * 0]).to(DEV)  # request b's slots at row bs - 1 - b
+    kv_rows = torch.arange(len(seq_lens) - 1, -1, -1, device=DEV)
+    got = index_topk_triton(scores.to(DEV), lens.to(DEV), table, 1, 40, chunk=64, block=32, kv_rows=kv_rows)
+    want = index_topk_triton(scores.to(DEV), lens.to(DEV), kv_slots.to(DEV), 1, 40, chunk=64, block=32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _check(scores, valid, kv_slots, lens, 1, 40, chunk=64, block=32)

@@ -128,10 +128,44 @@ class TorchIndexBackend(TorchAttentionBackend):
         return keys
 
 
-class TritonMLABackend(TorchMLABackend):
-    """Fixed-width batches (decode, verify, the draft phases) through the Triton absorbed-MLA kernel
-    (kernels/triton_mla.py; each key's latent row read once for a block of heads), prefill batches through the
-    torch reference. Chosen by --attention-backend triton, and by auto on CUDA."""
+@dataclass
+class TokenRows:
+    """A variable-length (prefill) batch as fixed-width rows of one token each: token t is a request of its own with
+    its request's page-table row and its causal length, so the fixed-width kernels read the page table directly
+    (their kv_rows) and a prefill graph has fixed shapes (its padded token count)."""
+
+    rows: torch.Tensor  # [T] int64 page-table row of each token's request
+    lens: torch.Tensor  # [T] int64 causal length of each token (its request's prefix + its offset + 1)
+
+
+def token_rows(fb: ForwardBatch) -> TokenRows:
+    """fb's variable-length metadata (device tensors over its request slots: rows, KV lengths after the forward,
+    first tokens, new tokens; graphs/padding.py stage_extend's layout, the padding tokens one more request on the
+    dummy row) -> TokenRows, with device ops only (capturable)."""
+    t = torch.arange(fb.num_tokens, device=fb.seq_lens.device)  # [T]
+    starts, ext = fb.extend_starts, fb.extend_lens  # [R]
+    j = torch.searchsorted(starts + ext, t, right=True).clamp_(max=starts.shape[0] - 1)  # [T] each token's request
+    return TokenRows(fb.req_pool_indices[j], fb.seq_lens[j] - ext[j] + (t - starts[j]) + 1)
+
+
+class _TokenRowsGraphs:
+    """Prefill graphs for the Triton MLA and index backends: a variable-length batch under a graph (or the CPU's
+    static replay) runs as TokenRows through the fixed-width kernels; eager prefill stays the torch reference's
+    per-request path (its scores are [new tokens, prefix] per request, not [tokens, page-table width])."""
+
+    captures_varlen = True
+
+    def init_forward_metadata_graph(self, fb: ForwardBatch) -> None:
+        if fb.width is None:
+            self.meta = token_rows(fb)
+            return
+        super().init_forward_metadata_graph(fb)
+
+
+class TritonMLABackend(_TokenRowsGraphs, TorchMLABackend):
+    """Fixed-width batches (decode, verify, the draft phases) and prefill graphs (as TokenRows) through the Triton
+    absorbed-MLA kernel (kernels/triton_mla.py; each key's latent row read once for a block of heads), eager prefill
+    batches through the torch reference. Chosen by --attention-backend triton, and by auto on CUDA."""
 
     def __init__(self, req_to_token, kv_pool):
         super().__init__(req_to_token, kv_pool)
@@ -142,7 +176,7 @@ class TritonMLABackend(TorchMLABackend):
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
         meta = self.meta
-        if not isinstance(meta, _FixedMeta):
+        if not isinstance(meta, (_FixedMeta, TokenRows)):
             return super().forward(q, latent, layer, fb, selection)
         mla_decode_triton = self._kernel
         rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
@@ -150,6 +184,9 @@ class TritonMLABackend(TorchMLABackend):
         if isinstance(selection, SparseSelection):  # each query token alone over its chosen rows
             return mla_decode_triton(q.contiguous(), rows, selection.slots, selection.counts, 1, layer.scaling,
                                      layer.kv_lora_rank)
+        if isinstance(meta, TokenRows):  # each token over its request's page-table row, to its causal length
+            return mla_decode_triton(q.contiguous(), rows, self.req_to_token.table, meta.lens, 1, layer.scaling,
+                                     layer.kv_lora_rank, kv_rows=meta.rows)
         return mla_decode_triton(q.contiguous(), rows, meta.kv_slots, fb.seq_lens, meta.mask.shape[2],
                                  layer.scaling, layer.kv_lora_rank, selection)
 
@@ -175,11 +212,11 @@ def topk_slots(scores: torch.Tensor, valid: torch.Tensor, kv_slots: torch.Tensor
     return SparseSelection(torch.where(live, slots, 0).reshape(bs * w, k), counts.reshape(bs * w))
 
 
-class TritonIndexBackend(TorchIndexBackend):
-    """Fixed-width batches score the paged index keys with the Triton kernel (kernels/triton_indexer.py), choose
-    the top-k with kernels/triton_topk.py and hand the MLA backend per-query slot lists (SparseSelection):
-    attention then reads index_topk rows per query, not the whole context. Prefill batches as the reference. With
-    --attention-backend triton (or auto on CUDA), like TritonMLABackend."""
+class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
+    """Fixed-width batches and prefill graphs (as TokenRows) score the paged index keys with the Triton kernel
+    (kernels/triton_indexer.py), choose the top-k with kernels/triton_topk.py and hand the MLA backend per-query slot
+    lists (SparseSelection): attention then reads index_topk rows per query, not the whole context. Eager prefill
+    batches as the reference. With --attention-backend triton (or auto on CUDA), like TritonMLABackend."""
 
     def __init__(self, req_to_token, kv_pool):
         super().__init__(req_to_token, kv_pool)
@@ -191,12 +228,19 @@ class TritonIndexBackend(TorchIndexBackend):
 
     def select(self, iq, indexer, fb: ForwardBatch):
         meta = self.meta
-        if not isinstance(meta, _FixedMeta):
+        if not isinstance(meta, (_FixedMeta, TokenRows)):
             return super().select(iq, indexer, fb)
         index_scores_triton = self._kernel
         i = indexer.cache_index
         self._store(iq, i, fb)
         pool = self.kv_pool
+        if isinstance(meta, TokenRows):  # [T, 1, table width] scores over each token's page-table row
+            table = self.req_to_token.table
+            scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
+                                         None if pool.scales is None else pool.scales[i], table, meta.lens, 1,
+                                         kv_rows=meta.rows)
+            self.last = SparseSelection(*self._topk(scores, meta.lens, table, 1, indexer.topk, kv_rows=meta.rows))
+            return self.last
         scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                      None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
                                      meta.mask.shape[2])  # [bs, w, kv], -inf where unseen

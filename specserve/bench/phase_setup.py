@@ -154,8 +154,8 @@ def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int,
                  prefill_graph_tokens: int = 0, decode_gemv: str = "auto") -> Pair:
     """capture_bs: the batch sizes to capture (default: the engine's ladder up to max_bs). prefill_graph_tokens:
     the plain runner's prefill graphs up to this many tokens (0: none; the spec runner never captures prefill)."""
-    if {s.kind for s in target.cache_specs()} & {CacheKind.MLA, CacheKind.INDEX_KEYS}:
-        prefill_graph_tokens = 0  # the MLA / indexer reference backends cannot capture a prefill yet: eager
+    if attention_backend == "torch" and {s.kind for s in target.cache_specs()} & {CacheKind.MLA, CacheKind.INDEX_KEYS}:
+        prefill_graph_tokens = 0  # the MLA / indexer reference backends cannot capture a prefill: eager
     tokens = max_bs * (context_len + num_steps + 2) + 1024
     common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                   cuda_graph_bs=capture_bs, disable_cuda_graph=disable_graphs, attention_backend=attention_backend,

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 _CPU_KV_BYTES = 2 << 30  # default KV budget on CPU when --max-total-tokens is not given
 _PREFILL_GRAPH_TOKENS = 2048  # default largest prefill batch run as a CUDA graph (--chunked-prefill-size's default)
+# most float32 index scores a DSA prefill graph holds ([padded tokens, page-table row], 256 MiB): at a 32k row it
+# still takes 2048 tokens, at DeepSeek's 160k 409
+_INDEX_SCORES_ELEMS = 1 << 26
 _PREFILL_GRAPH_ROWS = 16  # requests per prefill graph batch
 
 
@@ -206,7 +209,10 @@ class ModelRunner:
                                      "variable-length batches (--attention-backend triton)")
                 return 0
             asked = _PREFILL_GRAPH_TOKENS if asked is None else asked
-        return min(asked or 0, self.row_width)
+        most = self.row_width
+        if CacheKind.INDEX_KEYS in self.caches.kinds and asked and self.args.attention_backend != "torch":
+            most = min(most, max(16, _INDEX_SCORES_ELEMS // self.row_width))  # a graph's [tokens, row] scores
+        return min(asked or 0, most)
 
     def _memory_note(self) -> str:
         """Where the device memory is, for an error message (CUDA only): free and total, and what the fraction

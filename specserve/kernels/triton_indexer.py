@@ -47,12 +47,13 @@ from specserve.kernels.triton_dot import dot
 
 
 @triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, seq_lens_ptr, out_ptr,
+def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, out_ptr,
                          num_heads, head_dim, max_kv,
                          stride_qt, stride_qh, stride_wt, stride_wh, stride_rs, stride_sc, stride_kvb, stride_kvn,
                          stride_sl, stride_ob, stride_ow,
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         HAS_SCALES: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                         HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr, F32_DOT: tl.constexpr,
+                         PRECISION: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # key block
     b = t // W
@@ -66,7 +67,11 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, seq_l
     if nb * BLOCK_N < kv_len:  # otherwise the whole block is hidden from this query: -inf, nothing read
         d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
         d_ok = d < head_dim
-        slot = tl.load(kv_slots_ptr + b.to(tl.int64) * stride_kvb + n * stride_kvn, mask=key_ok,
+        if HAS_ROWS:  # token rows: request b's keys are row kv_rows[b] of kv_slots (the page table itself)
+            kv_row = tl.load(kv_rows_ptr + b).to(tl.int64)
+        else:
+            kv_row = b.to(tl.int64)
+        slot = tl.load(kv_slots_ptr + kv_row * stride_kvb + n * stride_kvn, mask=key_ok,
                        other=0).to(tl.int64)  # [BLOCK_N]
         k = tl.load(rows_ptr + slot[:, None] * stride_rs + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
                     other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; fp8 -> q's dtype is exact
@@ -92,7 +97,8 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, seq_l
 
 def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                         kv_slots: torch.Tensor, seq_lens: torch.Tensor, width: int, *, block_n: int = 64,
-                        block_h: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        block_h: int | None = None, out: torch.Tensor | None = None,
+                        kv_rows: torch.Tensor | None = None) -> torch.Tensor:
     """DSA indexer scores of a fixed-width batch.
 
     q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
@@ -100,10 +106,13 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     [slots] float32 (key = rows.float() * scales); kv_slots [bs, max_kv] int64; seq_lens [bs] int64 (device)
     -> out [bs, width, max_kv] float32, -inf where a query may not see the key (position >= its causal length).
     Launch shape from host ints and tensor shapes only: capturable. block_n: keys per program (power of two >= 16);
-    block_h: heads per tl.dot (power of two >= 16; default Hi padded, at most 64)."""
+    block_h: heads per tl.dot (power of two >= 16; default Hi padded, at most 64). kv_rows [bs] int64: request b's
+    keys are kv_slots[kv_rows[b]] (token rows of a prefill, as kernels/triton_mla.py mla_decode_triton)."""
     num_tokens, num_heads, dim = q.shape
-    bs, max_kv = kv_slots.shape
+    max_kv = kv_slots.shape[1]
+    bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
     assert num_tokens == bs * width and seq_lens.shape == (bs,) and rows.shape[1] == dim
+    assert kv_rows is None or kv_rows.dtype == torch.int64
     assert weights.shape == (num_tokens, num_heads) and weights.dtype == torch.float32
     if scales is None:
         assert rows.dtype == q.dtype
@@ -123,11 +132,12 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     f32_dot = not q.is_cuda
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
     _index_scores_kernel[(num_tokens, triton.cdiv(max_kv, block_n))](
-        q, weights, rows, sc, kv_slots, seq_lens, out, num_heads, dim, max_kv,
+        q, weights, rows, sc, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, out, num_heads, dim,
+        max_kv,
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), rows.stride(0), sc_stride,
         kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0), out.stride(0), out.stride(1),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SCALES=scales is not None,
-        F32_DOT=f32_dot, PRECISION=precision,
+        HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision,
         num_warps=4 if block_h * block_d <= 4096 else 8, num_stages=2,
     )
     return out

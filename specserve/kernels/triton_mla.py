@@ -57,13 +57,15 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max:
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
+def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, sel_ptr, out_ptr, ws_acc_ptr,
+                       ws_ml_ptr,
                        qk_scale, num_heads, max_kv, kv_lora_rank, rope_dim,
                        stride_qt, stride_qh, stride_rs, stride_kvb, stride_kvn, stride_sl,
                        stride_sb, stride_sw, stride_sn, stride_ot, stride_oh,
                        W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr,
-                       HAS_SEL: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                       HAS_SEL: tl.constexpr, HAS_ROWS: tl.constexpr, F32_DOT: tl.constexpr,
+                       PRECISION: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     hb = tl.program_id(1)  # head block
     split = tl.program_id(2)  # run of key blocks
@@ -90,7 +92,11 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, seq_lens_ptr, sel_ptr, out
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    slots_row = kv_slots_ptr + b.to(tl.int64) * stride_kvb
+    if HAS_ROWS:  # token rows: request b's keys are row kv_rows[b] of kv_slots (the page table itself)
+        kv_row = tl.load(kv_rows_ptr + b).to(tl.int64)
+    else:
+        kv_row = b.to(tl.int64)
+    slots_row = kv_slots_ptr + kv_row * stride_kvb
     for n0 in range(n_lo, n_hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         key_ok = n < n_hi
@@ -178,19 +184,23 @@ def _sm_count(index: int) -> int:  # asked once per device, not per layer per ea
 def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tensor, seq_lens: torch.Tensor,
                       width: int, scale: float, kv_lora_rank: int, selection: torch.Tensor | None = None, *,
                       block_h: int | None = None, block_n: int | None = None, num_splits: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, kv_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA attention of a fixed-width batch.
 
     q [bs * width, H, C + R] (latent-absorbed nope part | rope part); rows [slots, C + R] the latent cache;
     kv_slots [bs, max_kv] int64; seq_lens [bs] int64 (device); selection None or [bs, 1, width, max_kv] bool
     -> out [bs * width, H, C] in q's dtype. Launch shape from host ints and tensor shapes only: capturable.
+    kv_rows [bs] int64: request b's keys are kv_slots[kv_rows[b]] (kv_slots then any [rows, max_kv] table, e.g.
+    the page table; a prefill runs as token rows: width 1, each token its own request with its causal length).
     block_h: heads per program (power of two >= 16; default 32 for more than 16 heads and 4 or more tokens, else
     16); block_n: keys per step (default from the row width);
     num_splits: key splits per query (default from the launch size, `num_key_splits`)."""
     num_tokens, num_heads, dim = q.shape
-    bs, max_kv = kv_slots.shape
+    max_kv = kv_slots.shape[1]
+    bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
     c, rope = kv_lora_rank, dim - kv_lora_rank
     assert 0 < c <= dim and rows.shape[1] == dim and num_tokens == bs * width and seq_lens.shape == (bs,)
+    assert kv_rows is None or (kv_rows.dtype == torch.int64 and selection is None)
     assert q.stride(-1) == 1 and rows.stride(-1) == 1
     if out is None:
         out = torch.empty((num_tokens, num_heads, c), dtype=q.dtype, device=q.device)
@@ -221,11 +231,13 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         ws_acc = ws_ml = out  # unused
     num_warps = 4 if block_c <= 256 else 8
     _mla_decode_kernel[(num_tokens, head_blocks, num_splits)](
-        q, rows, kv_slots, seq_lens, sel, out, ws_acc, ws_ml, scale * _LOG2E, num_heads, max_kv, c, rope,
+        q, rows, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, sel, out, ws_acc, ws_ml,
+        scale * _LOG2E, num_heads, max_kv, c, rope,
         q.stride(0), q.stride(1), rows.stride(0), kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0),
         *sel_strides, out.stride(0), out.stride(1),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, NUM_SPLITS=num_splits,
-        HAS_ROPE=rope > 0, HAS_SEL=selection is not None, F32_DOT=f32_dot, PRECISION=precision,
+        HAS_ROPE=rope > 0, HAS_SEL=selection is not None, HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot,
+        PRECISION=precision,
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:

@@ -131,9 +131,10 @@ def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num
 
 
 @triton.jit
-def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, out_ptr, out_counts_ptr,
+def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, kv_rows_ptr, out_ptr, out_counts_ptr,
                   k, max_kv, num_chunks, out_k, stride_sr, stride_sl, stride_kvb, stride_kvn, stride_or,
-                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                  HAS_ROWS: tl.constexpr):
     row, chunk, lo, hi, kv_len, t, need = _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W, CHUNK)
     # what the earlier chunks take: their keys above T and their share of the first `need` ties
     c = tl.arange(0, MAX_CHUNKS)
@@ -146,7 +147,11 @@ def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, 
     offset = tl.sum(taken_c, axis=0)
     eq_seen = tl.sum(eq_c, axis=0)
     scores_row = scores_ptr + row.to(tl.int64) * stride_sr
-    slots_row = kv_slots_ptr + (row // W).to(tl.int64) * stride_kvb
+    if HAS_ROWS:  # token rows: request row // W's keys are row kv_rows[row // W] of kv_slots (the page table)
+        kv_row = tl.load(kv_rows_ptr + row // W).to(tl.int64)
+    else:
+        kv_row = (row // W).to(tl.int64)
+    slots_row = kv_slots_ptr + kv_row * stride_kvb
     out_row = out_ptr + row.to(tl.int64) * stride_or
     for n0 in range(lo, hi, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
@@ -169,13 +174,16 @@ def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, 
 
 
 def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor, width: int, k: int, *,
-                      chunk: int = CHUNK, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int = CHUNK, block: int = BLOCK,
+                      kv_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [bs, width, max_kv] float32 (the indexer's; positions past a query's causal length are ignored);
     seq_lens [bs] int64 (device); kv_slots [bs, max_kv] int64 -> (slots [bs * width, K] int64: the chosen
     positions' slots in position order, then -1; counts [bs * width] int64), K = min(k, max_kv). Capturable.
-    chunk: positions per program; block: positions per step (powers of two, block <= chunk)."""
+    chunk: positions per program; block: positions per step (powers of two, block <= chunk). kv_rows [bs] int64:
+    request b's slots are kv_slots[kv_rows[b]] (token rows of a prefill; kv_slots then any [rows, max_kv] table)."""
     bs, w, max_kv = scores.shape
-    assert w == width and kv_slots.shape == (bs, max_kv) and seq_lens.shape == (bs,) and k > 0
+    assert w == width and seq_lens.shape == (bs,) and k > 0 and kv_slots.shape[1] == max_kv
+    assert kv_slots.shape[0] == bs if kv_rows is None else (kv_rows.shape == (bs,) and kv_rows.dtype == torch.int64)
     assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and scores.stride(0) == w * scores.stride(1)
     rows, out_k = bs * w, min(k, max_kv)
     dev = scores.device
@@ -193,7 +201,8 @@ def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: to
         _hist_kernel[grid](scores, seq_lens, hist, k, max_kv, stride_sr, seq_lens.stride(0), PASS=p, **common)
     _count_kernel[grid](scores, seq_lens, hist, counts, k, max_kv, num_chunks, stride_sr, seq_lens.stride(0),
                         **common)
-    _write_kernel[grid](scores, seq_lens, hist, counts, kv_slots, out, out_counts, k, max_kv, num_chunks, out_k,
-                        stride_sr, seq_lens.stride(0), kv_slots.stride(0), kv_slots.stride(1), out.stride(0),
-                        MAX_CHUNKS=max(2, triton.next_power_of_2(num_chunks)), **common)
+    _write_kernel[grid](scores, seq_lens, hist, counts, kv_slots, kv_slots if kv_rows is None else kv_rows, out,
+                        out_counts, k, max_kv, num_chunks, out_k, stride_sr, seq_lens.stride(0), kv_slots.stride(0),
+                        kv_slots.stride(1), out.stride(0), MAX_CHUNKS=max(2, triton.next_power_of_2(num_chunks)),
+                        HAS_ROWS=kv_rows is not None, **common)
     return out, out_counts
