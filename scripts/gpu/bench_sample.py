@@ -3,12 +3,15 @@ over the vocabulary, the race: layers/sampler.py probs_reference + sample_from_p
 kernels (kernels/triton_sample.py), both captured in CUDA graphs, side by side.
 
     python3 scripts/gpu/bench_sample.py [--vocab 49152 128256 151936] [--rows 1 5 40 320] [--iters 50]
+                                        [--chunks 1024 2048 4096 8192]
 
 Rows per call: 1 (a plain decode step at batch 1), 5 (a verify at N = 4), 40, 320 (verify at batch 8, 64).
 Sampling: temperature 0.8 with top-k 200 (gpt-fast's), temperature 0.7 with top-p 0.95, temperature 1 alone.
 "sample" draws tokens [R]; "probs" writes the filtered distribution [R, V] (what verify's acceptance reads). Logits
 are random normal x 4, rounded to bfloat16 (the lm head's output). Before timing, the kernel's tokens are checked
-against the reference's (equal but for near-ties of the race).
+against the reference's (equal but for near-ties of the race). --chunks: the kernels' sample and probs times at
+each of these tokens-per-program (kernels/triton_sample.py CHUNK; at few rows a smaller chunk gives each pass more,
+shorter programs), printed after the comparison's columns.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, nargs="+", default=[49152, 128256, 151936])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 40, 320])
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--chunks", type=int, nargs="*", default=[], help="also time the kernels at these chunk sizes")
     a = p.parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}: graph replay us (median of {a.iters}); torch reference vs Triton")
@@ -65,6 +69,10 @@ def main() -> None:
                     "probs_ref": partial(probs_reference, x, sb),
                     "probs": partial(probs_triton, x, *args, sb.need_filter),
                 }
+                for c in a.chunks:
+                    kw = dict(chunk=c, block=min(1024, c))
+                    fns[f"sample@{c}"] = partial(sample_triton, x, *args, sb.seeds, pos, sb.need_filter, **kw)
+                    fns[f"probs@{c}"] = partial(probs_triton, x, *args, sb.need_filter, **kw)
                 us = {}
                 for key, fn in fns.items():
                     graph, _, _ = capture_graph(fn, None)
@@ -72,7 +80,9 @@ def main() -> None:
                     del graph
                 print(f"{vocab:>7} {rows:>5} {name:<16} {us['sample_ref']:>10.1f} {us['sample']:>8.1f} "
                       f"{us['sample_ref'] / us['sample']:>5.1f}x {us['probs_ref']:>10.1f} {us['probs']:>8.1f} "
-                      f"{us['probs_ref'] / us['probs']:>5.1f}x {equal:>6.3f}", flush=True)
+                      f"{us['probs_ref'] / us['probs']:>5.1f}x {equal:>6.3f}"
+                      + "".join(f" | chunk {c}: {us[f'sample@{c}']:.1f} / {us[f'probs@{c}']:.1f}" for c in a.chunks),
+                      flush=True)
             torch.cuda.empty_cache()
 
 

@@ -16,9 +16,11 @@
 #             kernels/gemv_policy.py FASTER), then bench-phases on 8B shapes with --decode-gemv cublas and triton;
 #   moe       the MoE decode fusions (router GEMV + top-k, q/k norm + RoPE + KV store) at model level: the hybrid and
 #             MoE GPU tests, then bench-phases on Qwen3-30B-A3B and Qwen3-Next shapes at batch 1 and 8.
-# Order for a fresh lease (30 device-minutes), as left by the fourth session of 2026-12-01 (plain, moe and gptfast
-# ran then; the rest is new): sample (~6 min, carry .gpt-fast), gemv (~4 min), gemvsweep (~6 min), then the
-# SmolLM2 calls of smollm2_round.sh (keep, join, qspec: ~7 min).
+#   next      what the fifth session of 2026-12-01 left unmeasured: the sampling kernels' chunk sweep, the GEMV
+#             sweep on Qwen3-30B-A3B's attention shapes, Qwen3-30B-A3B and Qwen3-Next phases now that `auto` fuses
+#             their attention projections and routers, and GLM-5 with prefill graphs at 512 and 2048 tokens.
+# Order for a fresh lease (30 device-minutes), as left by the fifth session of 2026-12-01 (sample, gemv, gemvsweep
+# and the SmolLM2 qspec ran then: BENCHMARKS §17): next (~9 min), then gptfast (~4 min, carry .gpt-fast).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -72,5 +74,14 @@ case "${1:-}" in
     timeout 170 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,8 --prefix-len 1024 \
       --context-length 2048 --iters 20 --idle-steps 0 2>&1 | grep -v -i warn | tail -14
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe" >&2; exit 2 ;;
+  next)
+    timeout 150 python3 scripts/gpu/bench_sample.py --vocab 49152 151936 --rows 1 5 --iters 30 \
+      --chunks 1024 2048 4096 8192 2>&1 | grep -v -i warn | tail -14
+    timeout 90 python3 scripts/gpu/bench_gemv.py --sweep --shapes qwen3-30b-a3b 2>&1 | grep -v -i warn | tail -8
+    timeout 140 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1,8 --iters 20 \
+      --idle-steps 0 2>&1 | grep -v -i warn | tail -14
+    timeout 120 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1 --iters 6 --idle-steps 0 \
+      --prefill-tokens 2048 2>&1 | grep -v -i warn | grep -i "prefill\|decode\|spec iter"
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next" >&2; exit 2 ;;
 esac
