@@ -18,7 +18,9 @@
 #             MoE GPU tests, then bench-phases on Qwen3-30B-A3B and Qwen3-Next shapes at batch 1 and 8.
 #   next      what the fifth session of 2026-12-01 left unmeasured: the sampling kernels' chunk sweep, the GEMV
 #             sweep on Qwen3-30B-A3B's attention shapes, Qwen3-30B-A3B and Qwen3-Next phases now that `auto` fuses
-#             their attention projections and routers, and GLM-5 with prefill graphs at 512 and 2048 tokens.
+#             their attention projections and routers, and GLM-5 with prefill graphs at 2048 tokens; first the GPU
+#             tests of the one-launch sampled-draft kernels (kernels/triton_candidates.py, accept_sampling_q_triton)
+#             and of the kernels' token rows; then `smollm2_round.sh keep / join / qspec` for q-drafts' speed.
 # Order for a fresh lease (30 device-minutes), as left by the fifth session of 2026-12-01 (sample, gemv, gemvsweep
 # and the SmolLM2 qspec ran then: BENCHMARKS §17): next (~9 min), then gptfast (~4 min, carry .gpt-fast).
 . scripts/gpu/env.sh
@@ -75,6 +77,9 @@ case "${1:-}" in
       --context-length 2048 --iters 20 --idle-steps 0 2>&1 | grep -v -i warn | tail -14
     ;;
   next)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernel_globals.py tests/test_triton_candidates.py \
+      tests/test_triton_mla.py tests/test_triton_indexer.py tests/test_triton_topk.py tests/test_sampling_lossless.py \
+      2>&1 | grep -v -i warn | tail -4
     timeout 150 python3 scripts/gpu/bench_sample.py --vocab 49152 151936 --rows 1 5 --iters 30 \
       --chunks 1024 2048 4096 8192 2>&1 | grep -v -i warn | tail -14
     timeout 90 python3 scripts/gpu/bench_gemv.py --sweep --shapes qwen3-30b-a3b 2>&1 | grep -v -i warn | tail -8

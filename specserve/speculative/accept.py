@@ -86,6 +86,14 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[to
     return accept_greedy(drafts, target_logits)
 
 
+def verify_sampling_q(drafts: torch.Tensor, probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
+                      seeds: torch.Tensor, base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_sampling_q with the same dispatch as verify_greedy (one launch on CUDA)."""
+    if drafts.is_cuda and (tk := triton_kernels()) is not None:
+        return tk.accept_sampling_q_triton(drafts, probs, q_ids, q_probs, seeds, base_index)
+    return accept_sampling_q(drafts, probs, q_ids, q_probs, seeds, base_index)
+
+
 def verify_sampling(drafts: torch.Tensor, probs: torch.Tensor, seeds: torch.Tensor,
                     base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """accept_sampling with the same dispatch as verify_greedy."""

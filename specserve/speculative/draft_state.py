@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.kernels.availability import triton_kernels
 from specserve.kernels.noise import SALT_DRAFT
 from specserve.layers.sampler import SamplingBatch, filter_sorted, sample_from_probs
 from specserve.speculative.accept import one_hot_dist
@@ -99,8 +100,7 @@ class DraftChooser:
         with its own noise (SALT_DRAFT). With context lookup, a row whose continuation wins (the same test as
         draft_tokens: the head's top probability below the confidence) takes it with a one-hot distribution."""
         vals, ids, lse = self.model.draft_candidates(hidden, self.candidates)  # [B, K] descending, [B]
-        q = candidate_probs(vals, sb)  # [B, K]
-        tokens = ids.gather(1, sample_from_probs(q, sb.seeds, positions, SALT_DRAFT)[:, None]).squeeze(1)  # [B]
+        tokens, q = draw_candidate(vals, ids, sb, positions)  # [B], [B, K]
         if hist is None:
             return tokens, (ids, q)
         conf = torch.exp(vals[:, 0] - lse)  # the head's top probability, as draft_tokens uses
@@ -110,6 +110,19 @@ class DraftChooser:
         tokens = torch.where(chosen, cont, tokens)
         oh_ids, oh_probs = one_hot_dist(tokens, ids.shape[1])
         return tokens, (torch.where(chosen[:, None], oh_ids, ids), torch.where(chosen[:, None], oh_probs, q))
+
+
+def draw_candidate(vals: torch.Tensor, ids: torch.Tensor, sb: SamplingBatch,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled draft from its K candidates: vals [B, K] the head's candidate logits (descending), ids [B, K] ->
+    (tokens [B], q [B, K] = candidate_probs) drawn with SALT_DRAFT's noise at positions [B]: one Triton launch on
+    CUDA (kernels/triton_candidates.py), the torch reference otherwise."""
+    if vals.is_cuda and (tk := triton_kernels()) is not None:
+        tokens, q, _ = tk.sample_candidates_triton(vals, ids, sb.temperature, sb.greedy, sb.top_k, sb.top_p, sb.min_p,
+                                                   sb.seeds, positions, SALT_DRAFT)
+        return tokens, q
+    q = candidate_probs(vals, sb)  # [B, K]
+    return ids.gather(1, sample_from_probs(q, sb.seeds, positions, SALT_DRAFT)[:, None]).squeeze(1), q
 
 
 def candidate_probs(vals: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

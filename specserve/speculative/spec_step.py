@@ -28,7 +28,7 @@ import torch
 from specserve.graphs.padding import LiveInputs
 from specserve.graphs.step_graph import StepGraphRunner
 from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits, sample
-from specserve.speculative.accept import accept_sampling_q, one_hot_dist, verify_greedy, verify_sampling
+from specserve.speculative.accept import one_hot_dist, verify_greedy, verify_sampling, verify_sampling_q
 
 if TYPE_CHECKING:
     from specserve.speculative.worker import SpecWorker
@@ -91,7 +91,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
                                         else one_hot_dist(more, row_state.q_ids.shape[1]))  # [bs, N-1, K]
                 q_ids.append(more_ids)
                 q_probs.append(more_probs)
-            accept_len, verified = accept_sampling_q(drafts, probs, torch.cat(q_ids, dim=1), torch.cat(q_probs, dim=1),
+            accept_len, verified = verify_sampling_q(drafts, probs, torch.cat(q_ids, dim=1), torch.cat(q_probs, dim=1),
                                                      sb.seeds, s)
         else:
             accept_len, verified = verify_sampling(drafts, probs, sb.seeds, s)
