@@ -162,3 +162,28 @@ def test_startup_check_accepts_the_kernels_and_rejects_wrong_ones(caplog):
             assert not sampler.check_sampling_kernels(DEV, wrong)
         assert "sampling with torch" in caplog.text
     sampler._KERNELS_OK.clear()
+
+
+def test_small_top_k_rows_resolve_in_one_pass_and_ties_fall_back():
+    """Rows with top_k <= the candidate count (kernels/triton_sample.py _topk_kernel) are resolved by the one-pass
+    selection, alone or with top-p and min-p, and the radix levels skip them; a row of all-equal logits (more ties
+    than a chunk keeps) and rows with larger top-k are left to the levels. Every row's distribution is the
+    reference's."""
+    from specserve.kernels import triton_sample as ts
+
+    vocab = 1000
+    rows = [(False, 0.8, 5, 1.0, 0.0), (False, 1.0, 100, 0.9, 0.0), (False, 0.7, 128, 0.5, 0.01),
+            (False, 1.0, 5, 1.0, 0.0), (False, 1.0, 129, 1.0, 0.0), (False, 1.0, None, 0.9, 0.0)]
+    sb = _batch(rows, vocab, seed=3)
+    x = _logits(len(rows), vocab, seed=4, bf16=True, neg_inf=False).to(DEV)
+    x[3] = 0.25  # all equal: every chunk has more ties at its threshold than it keeps
+    prm = ts._params(sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy)
+    w = ts._Work(len(rows), vocab, x.device, SMALL["chunk"])
+    assert w.kc == 128
+    ts._descend(x, prm, w, SMALL["chunk"], SMALL["block"])
+    assert w.sti[:, ts._DONE.value].tolist() == [1, 1, 1, 0, 0, 0]
+    want = probs_reference(x, sb)
+    got = probs_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, True, **SMALL)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert (got[3] > 0).all()  # the tied row keeps every token
