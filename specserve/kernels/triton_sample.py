@@ -133,7 +133,7 @@ def _kth_key(keys, valid, k):
     rem = tl.zeros([], tl.int32) + k.to(tl.int32)
     enough = tl.sum(valid.to(tl.int32), axis=0) >= rem
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         if p == 0:
             match = valid
         else:
