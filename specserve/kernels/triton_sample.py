@@ -192,7 +192,7 @@ def _topk_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, wsk_ptr, wsc_ptr, st
             tl.debug_barrier()
             j = tl.arange(0, KC)
             j_ok = j < n_keep
-            top = tl.load(wsk_ptr + r * n_chunks * KC + j, mask=j_ok, other=0)  # [KC]
+            top = tl.load(wsk_ptr + r * n_chunks * KC + j, mask=j_ok, other=0, cache_modifier=".cg")  # [KC]
             e = tl.where(j_ok, top.to(tl.float32, bitcast=True), 0.0)
             z_sum = tl.load(stf_ptr + r * 8 + _Z)
             gt = (top[None, :] > top[:, None]) & j_ok[None, :]  # [i, j]: candidate j more likely than i
@@ -416,7 +416,8 @@ def _descend(x, prm, w: _Work, chunk: int, block: int) -> None:
     if min_p is None:
         return
     _topk_kernel[grid](x, temp, greedy, k, top_p, w.wsk, w.wsc, w.stf, w.sti, w.counter, vocab, x.stride(0),
-                       w.n_chunks, CHUNK=chunk, KC=w.kc, NC_PAD=nc_pad, num_warps=8)
+                       w.n_chunks, CHUNK=chunk, KC=w.kc, NC_PAD=nc_pad,
+                       num_warps=8 if nc_pad * w.kc <= 8192 else 16)  # the merge holds nc_pad * kc keys
     for level in range(LEVELS):
         _level_kernel[grid](x, temp, greedy, k, top_p, min_p, w.wsf, w.wsi, w.stf, w.sti, w.active, w.counter,
                             vocab, x.stride(0), w.n_chunks, level, CHUNK=chunk, BLOCK=block, NC_PAD=nc_pad, BINS=BINS,
