@@ -171,3 +171,26 @@ def test_prefill_graph_token_rows_equal_eager(deepseek):
     """The Triton MLA backend captures prefill as token rows: the padded static replay of the target's and the MTP
     layer's extend equals the eager reference prefill (outputs and every cache slot but the padding's)."""
     check_padded_prefill(prefill_runner(deepseek["mtp"], None, "triton"), 1e-4)
+
+
+def test_mla_prefill_graphs_bound_the_attended_pairs(deepseek):
+    """MLA prefill graphs walk each token's prefix alone, so the runners graph a batch only up to a bound of (query,
+    key) pairs; beyond it the same batch runs eagerly (and dense models have no bound)."""
+    from test_prefill_graph import _batch
+
+    from specserve.engine.model_runner import _PREFILL_GRAPH_ATTENDED
+
+    mr = prefill_runner(deepseek["mtp"], None, "triton")
+    assert mr.prefill.max_attended == mr.spec.prefill.max_attended == _PREFILL_GRAPH_ATTENDED
+    runner = mr.prefill
+    handles, x = _batch(mr, [30, 0], [5, 4], seed=1)  # 5 * 30 + 15 + 10 = 175 pairs
+    x.hidden = None
+    want = runner.forward(runner._eager_batch(x)).clone()
+    for bound, graphed in ((175, True), (174, False)):
+        runner.max_attended = bound
+        replays, eager = runner.replays, runner.eager_runs
+        got = runner.run(x)
+        assert (runner.replays - replays, runner.eager_runs - eager) == ((1, 0) if graphed else (0, 1))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for h in handles:
+        mr.kv.release(h)

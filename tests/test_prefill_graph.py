@@ -148,3 +148,8 @@ def test_engine_outputs_with_prefill_graphs(tiny_models, spec):
     assert outs[0] == outs[1]
     assert all(r.replays == 0 for r in runners[0])
     assert all(r.replays > 0 for r in runners[1])
+
+
+def test_dense_prefill_graphs_have_no_attended_bound(tiny_models):
+    mr = prefill_runner(tiny_models["llama"], tiny_models["llama_draft_aux"], "triton")
+    assert mr.prefill.max_attended is None and mr.spec.prefill.max_attended is None

@@ -53,6 +53,9 @@ _PREFILL_GRAPH_TOKENS = 2048  # default largest prefill batch run as a CUDA grap
 # most float32 index scores a DSA prefill graph holds ([padded tokens, page-table row], 256 MiB): at a 32k row it
 # still takes 2048 tokens, at DeepSeek's 160k 409
 _INDEX_SCORES_ELEMS = 1 << 26
+# most (query token, key) pairs an MLA prefill graph attends over (2048 new tokens after a prefix of ~7k; not yet
+# measured against the eager prefill at long prefixes, so the graphs keep to the short, launch-bound prefills)
+_PREFILL_GRAPH_ATTENDED = 1 << 24
 _PREFILL_GRAPH_ROWS = 16  # requests per prefill graph batch
 
 
@@ -157,11 +160,13 @@ class ModelRunner:
                                        ngram_lookup=args.speculative_ngram_lookup,
                                        lookup_confidence=args.speculative_ngram_confidence,
                                        prefill_graph_tokens=max_prefill, prefill_graph_rows=prefill_rows,
+                                       prefill_graph_attended=self._prefill_graph_attended(),
                                        kind_dtypes=self.kind_dtypes,
                                        draft_sampling=args.speculative_draft_sampling == "sample"),
                                    self.runners.get("target_decode"))
         # prefill: the target's extend (the draft's over the same positions is the worker's)
-        self.prefill = PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs)
+        self.prefill = PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs,
+                                     max_attended=self._prefill_graph_attended())
 
     # ------------------------------------------------------------------ setup
     def _backend_class(self) -> type:
@@ -194,6 +199,13 @@ class ModelRunner:
         if missing:
             raise ValueError(f"no attention backend serves cache kind(s) {', '.join(missing)} yet")
         return lambda: {kind: classes[kind](self.req_to_token, pool) for kind, pool in caches.pools.items()}
+
+    def _prefill_graph_attended(self) -> int | None:
+        """MLA families' prefill graphs run each token as a row over its whole prefix (attention/torch_mla_backend.py
+        TokenRows): graphed only up to _PREFILL_GRAPH_ATTENDED (query, key) pairs, where launches dominate;
+        longer prefixes (chunked long prompts) take the eager prefill."""
+        kinds = set(self.caches.kinds) | (set(s.kind for s in self.draft.cache_specs()) if self.draft else set())
+        return _PREFILL_GRAPH_ATTENDED if CacheKind.MLA in kinds else None
 
     def _max_prefill_graph_tokens(self) -> int:
         """Prefill graphs: --cuda-graph-max-prefill-tokens, by default 2048 on CUDA (bounded by the page-table

@@ -47,10 +47,13 @@ class PrefillRunner(LadderRunner):
     """The variable-length forward of one model (the target's EXTEND or the draft's DRAFT_EXTEND over a prompt)."""
 
     def __init__(self, ctx: RunnerContext, mode: ForwardMode, max_tokens: int, max_rows: int, use_graphs: bool,
-                 hidden_width: int | None = None):
+                 hidden_width: int | None = None, max_attended: int | None = None):
         """max_tokens: the largest padded batch (0: always eager); max_rows: requests per graph batch;
-        hidden_width: the width of the hidden input (drafts), None for the target."""
+        hidden_width: the width of the hidden input (drafts), None for the target; max_attended: the most
+        (query token, key) pairs a graphed batch may attend over (None: no bound), for attention whose graphed
+        prefill walks each token's whole prefix alone (MLA's token rows): longer prefixes run eagerly."""
         self.ctx = ctx
+        self.max_attended = max_attended
         self.mode = mode
         self.name = f"prefill_{mode.value}"
         self.ladder = GraphLadder(token_ladder(max_tokens) if max_tokens > 0 else [], ctx.device, use_graphs)
@@ -96,6 +99,10 @@ class PrefillRunner(LadderRunner):
         return self.ladder.padded(tokens)
 
     def fits(self, x: ExtendBatch) -> bool:
+        if self.max_attended is not None:  # each new token attends over its prefix and the new tokens before it
+            attended = sum(e * (s - e) + e * (e + 1) // 2 for s, e in zip(x.seq_lens, x.extend_lens))
+            if attended > self.max_attended:
+                return False
         return self.ladder.covers(x.num_tokens) and len(x.rows) <= self.max_rows
 
     def stage(self, x: ExtendBatch, padded: int) -> None:

@@ -65,6 +65,7 @@ class WorkerSettings:
     lookup_confidence: float
     prefill_graph_tokens: int  # largest prefill batch run as a graph (0: eager)
     prefill_graph_rows: int
+    prefill_graph_attended: int | None = None  # PrefillRunner max_attended (MLA: token rows walk whole prefixes)
     kind_dtypes: dict = field(default_factory=dict)  # cache kinds kept in another dtype (fp8 indexer keys)
     # sampled rows' drafts drawn from the head's own distribution in the one-graph step (verified with
     # min(1, p/q) and the residual max(0, p - q)); False: the head's argmax (a one-hot draft)
@@ -116,7 +117,8 @@ class SpecWorker:
                 "target_verify": target_decode,
                 "draft_extend": DraftExtendPlainRunner(self.ctx, self.chooser, 1, s.capture_bs, s.use_graphs)})
         self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, s.prefill_graph_tokens,
-                                     s.prefill_graph_rows, s.use_graphs, hidden_width=draft.feature_size)
+                                     s.prefill_graph_rows, s.use_graphs, hidden_width=draft.feature_size,
+                                     max_attended=s.prefill_graph_attended)
 
     # ------------------------------------------------------------------ graphs
     def graph_runners(self) -> list:
