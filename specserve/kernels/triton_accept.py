@@ -64,62 +64,22 @@ def _greedy_accept_kernel(drafts_ptr, pred_ptr, accept_ptr, n, stride_d, stride_
 
 
 @triton.jit
-def _sampling_accept_kernel(drafts_ptr, probs_ptr, seeds_ptr, base_ptr, accept_ptr, verified_ptr, n, vocab,
-                            stride_d, stride_pb, stride_pn, stride_v,
-                            BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                            SALT_ACC: tl.constexpr, SALT_SMP: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    seed = tl.load(seeds_ptr + b)
-    base = tl.load(base_ptr + b)
-    j = tl.arange(0, BLOCK_N)  # [BLOCK_N] draft positions (and the bonus slot j == n)
-    ok = j < n
-    d = tl.load(drafts_ptr + b * stride_d + j, mask=ok, other=0)
-    row = probs_ptr + b * stride_pb
-    p_draft = tl.load(row + j * stride_pn + d, mask=ok, other=0.0)  # p(d_j) at position j
-    u = _uniform(_key(seed, base + j + 1, SALT_ACC))  # [BLOCK_N]
-    accept_len = tl.min(tl.where(ok & (u >= p_draft), j, n), axis=0)  # leading accepts
-    rejected = accept_len < n
-    d_rej = tl.sum(tl.where(j == tl.minimum(accept_len, n - 1), d, 0), axis=0)
-
-    pk = row + accept_len * stride_pn  # distribution at the first rejected (or bonus) position
-    total = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(pk + cols, mask=cols < vocab, other=0.0).to(tl.float32)
-        total += tl.where(rejected & (cols == d_rej), 0.0, x)
-    tot = tl.sum(total, axis=0)
-    denom = tl.maximum(tot, 1e-30)
-
-    key = _key(seed, base + accept_len + 1, SALT_SMP)
-    best_val = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.full([], 0, tl.int32)
-    for v0 in range(0, vocab, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        c_ok = cols < vocab
-        x = tl.load(pk + cols, mask=c_ok, other=0.0).to(tl.float32)
-        resid = tl.where(rejected & (cols == d_rej), 0.0, x)
-        resid = tl.where(tot > 0.0, resid / denom, x)
-        u_col = _uniform(key + cols.to(tl.uint64) * 0x9E3779B97F4A7C15)
-        score = tl.where(c_ok, resid / -tl.log(u_col), float("-inf"))
-        blk_max = tl.max(score, axis=0)
-        blk_idx = v0 + tl.argmax(score, axis=0, tie_break_left=True)
-        take = blk_max > best_val
-        best_idx = tl.where(take, blk_idx, best_idx)
-        best_val = tl.where(take, blk_max, best_val)
-
-    tl.store(accept_ptr + b, accept_len.to(tl.int64))
-    jv = tl.arange(0, BLOCK_N * 2)  # verified [n + 1]: the drafts, a 0 bonus slot, then the new token
-    dv = tl.load(drafts_ptr + b * stride_d + jv, mask=jv < n, other=0)
-    out = tl.where(jv == accept_len, best_idx.to(tl.int64), dv)
-    tl.store(verified_ptr + b * stride_v + jv, out, mask=jv <= n)
+def _residual(x, cols, rejected, d_rej, qk_ids, qk_probs, HAS_Q: tl.constexpr):
+    """The distribution drawn from at the first rejected (or bonus) position, unnormalised, for columns cols:
+    max(0, p - q) after a rejection (q: the rejected draft's candidates; one-hot at d_rej without HAS_Q), else p."""
+    if HAS_Q:
+        qv = tl.sum(tl.where(qk_ids[None, :] == cols[:, None], qk_probs[None, :], 0.0), axis=1)  # [BLOCK_V]
+        return tl.where(rejected, tl.maximum(x - qv, 0.0), x)
+    return tl.where(rejected & (cols == d_rej), 0.0, x)
 
 
 @triton.jit
-def _sampling_accept_q_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, accept_ptr, verified_ptr,
-                              n, vocab, k, stride_d, stride_pb, stride_pn, stride_qb, stride_qn, stride_v,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                              SALT_ACC: tl.constexpr, SALT_SMP: tl.constexpr):
-    """accept_sampling_q: drafts drawn from distributions q given as K candidates per position (ids, probs)."""
+def _sampling_accept_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, accept_ptr, verified_ptr,
+                            n, vocab, k, stride_d, stride_pb, stride_pn, stride_qb, stride_qn, stride_v,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_Q: tl.constexpr,
+                            SALT_ACC: tl.constexpr, SALT_SMP: tl.constexpr):
+    """One request: the accept tests in order, then the residual's total and its race. HAS_Q: the drafts were drawn
+    from distributions q given as K candidates per position (ids, probs); else they are deterministic (one-hot)."""
     b = tl.program_id(0).to(tl.int64)
     seed = tl.load(seeds_ptr + b)
     base = tl.load(base_ptr + b)
@@ -130,26 +90,34 @@ def _sampling_accept_q_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr,
     d = tl.load(drafts_ptr + b * stride_d + j, mask=ok, other=0)
     row = probs_ptr + b * stride_pb
     p_draft = tl.load(row + j * stride_pn + d, mask=ok, other=0.0)  # p(d_j) at position j
-    q_tile = b * stride_qb + j[:, None] * stride_qn + c[None, :]  # [BLOCK_N, BLOCK_K]
-    tile_ok = ok[:, None] & c_ok[None, :]
-    q_ids = tl.load(qid_ptr + q_tile, mask=tile_ok, other=-1)
-    q_probs = tl.load(qp_ptr + q_tile, mask=tile_ok, other=0.0)
-    q_draft = tl.sum(tl.where(q_ids == d[:, None], q_probs, 0.0), axis=1)  # [BLOCK_N] q(d_j)
     u = _uniform(_key(seed, base + j + 1, SALT_ACC))  # [BLOCK_N]
-    accept_len = tl.min(tl.where(ok & ~(u * q_draft < p_draft), j, n), axis=0)  # leading accepts: u < p / q
+    if HAS_Q:
+        q_tile = b * stride_qb + j[:, None] * stride_qn + c[None, :]  # [BLOCK_N, BLOCK_K]
+        tile_ok = ok[:, None] & c_ok[None, :]
+        q_ids = tl.load(qid_ptr + q_tile, mask=tile_ok, other=-1)
+        q_probs = tl.load(qp_ptr + q_tile, mask=tile_ok, other=0.0)
+        q_draft = tl.sum(tl.where(q_ids == d[:, None], q_probs, 0.0), axis=1)  # [BLOCK_N] q(d_j)
+        reject = ~(u * q_draft < p_draft)  # accept with probability min(1, p / q)
+    else:
+        reject = u >= p_draft
+    accept_len = tl.min(tl.where(ok & reject, j, n), axis=0)  # leading accepts
     rejected = accept_len < n
     jk = tl.minimum(accept_len, n - 1)
-    # the rejected position's q, as candidates (a zero weight where the row was accepted to the end)
-    qk_ids = tl.load(qid_ptr + b * stride_qb + jk * stride_qn + c, mask=c_ok, other=-1)  # [BLOCK_K]
-    qk_probs = tl.where(rejected, tl.load(qp_ptr + b * stride_qb + jk * stride_qn + c, mask=c_ok, other=0.0), 0.0)
+    d_rej = tl.sum(tl.where(j == jk, d, 0), axis=0)
+    if HAS_Q:  # the rejected position's q, as candidates (a zero weight where the row was accepted to the end)
+        qk_ids = tl.load(qid_ptr + b * stride_qb + jk * stride_qn + c, mask=c_ok, other=-1)  # [BLOCK_K]
+        qk_probs = tl.where(rejected, tl.load(qp_ptr + b * stride_qb + jk * stride_qn + c, mask=c_ok, other=0.0),
+                            0.0)
+    else:
+        qk_ids = tl.zeros([BLOCK_K], tl.int64)
+        qk_probs = tl.zeros([BLOCK_K], tl.float32)
 
     pk = row + accept_len * stride_pn  # distribution at the first rejected (or bonus) position
     total = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, vocab, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(pk + cols, mask=cols < vocab, other=0.0).to(tl.float32)
-        qv = tl.sum(tl.where(qk_ids[None, :] == cols[:, None], qk_probs[None, :], 0.0), axis=1)  # [BLOCK_V]
-        total += tl.where(rejected, tl.maximum(x - qv, 0.0), x)
+        total += _residual(x, cols, rejected, d_rej, qk_ids, qk_probs, HAS_Q)
     tot = tl.sum(total, axis=0)
     denom = tl.maximum(tot, 1e-30)
 
@@ -160,8 +128,7 @@ def _sampling_accept_q_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr,
         cols = v0 + tl.arange(0, BLOCK_V)
         v_ok = cols < vocab
         x = tl.load(pk + cols, mask=v_ok, other=0.0).to(tl.float32)
-        qv = tl.sum(tl.where(qk_ids[None, :] == cols[:, None], qk_probs[None, :], 0.0), axis=1)
-        resid = tl.where(rejected, tl.maximum(x - qv, 0.0), x)
+        resid = _residual(x, cols, rejected, d_rej, qk_ids, qk_probs, HAS_Q)
         resid = tl.where(tot > 0.0, resid / denom, x)
         u_col = _uniform(key + cols.to(tl.uint64) * 0x9E3779B97F4A7C15)
         score = tl.where(v_ok, resid / -tl.log(u_col), float("-inf"))
@@ -214,20 +181,7 @@ def accept_sampling_triton(drafts: torch.Tensor, probs: torch.Tensor, seeds: tor
                            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """drafts [bs, N]; probs [bs, N+1, V] float32; seeds, base_index [bs] int64 -> (accept_len [bs],
     verified [bs, N+1]) as speculative/accept.py accept_sampling."""
-    bs, n = drafts.shape
-    vocab = probs.shape[-1]
-    accept_len, verified = _outputs(out, bs, n, drafts.device)  # [bs], [bs, N+1]
-    if bs == 0:
-        return accept_len, verified
-    drafts, probs = _rows_last_unit(drafts), _rows_last_unit(probs)
-    seeds, base_index = seeds.to(torch.int64).contiguous(), base_index.to(torch.int64).contiguous()
-    _sampling_accept_kernel[(bs,)](
-        drafts, probs, seeds, base_index, accept_len, verified, n, vocab,
-        drafts.stride(0), probs.stride(0), probs.stride(1), verified.stride(0),
-        BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)),
-        SALT_ACC=SALT_ACCEPT, SALT_SMP=SALT_SAMPLE, num_warps=8,
-    )
-    return accept_len, verified
+    return _accept_sampling(drafts, probs, None, seeds, base_index, out)
 
 
 def accept_sampling_q_triton(drafts: torch.Tensor, probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
@@ -237,22 +191,32 @@ def accept_sampling_q_triton(drafts: torch.Tensor, probs: torch.Tensor, q_ids: t
     """drafts [bs, N]; probs [bs, N+1, V] float32; q_ids [bs, N, K] int64, q_probs [bs, N, K] float32 (each draft's
     distribution as K candidates); seeds, base_index [bs] int64 -> (accept_len [bs], verified [bs, N+1]) as
     speculative/accept.py accept_sampling_q: one launch (one program per request)."""
+    return _accept_sampling(drafts, probs, (q_ids, q_probs), seeds, base_index, out)
+
+
+def _accept_sampling(drafts, probs, q: tuple[torch.Tensor, torch.Tensor] | None, seeds, base_index, out):
     bs, n = drafts.shape
     vocab = probs.shape[-1]
-    k = q_ids.shape[-1]
-    assert q_ids.shape == q_probs.shape == (bs, n, k) and n > 0
-    accept_len, verified = _outputs(out, bs, n, drafts.device)
+    accept_len, verified = _outputs(out, bs, n, drafts.device)  # [bs], [bs, N+1]
     if bs == 0:
         return accept_len, verified
     drafts, probs = _rows_last_unit(drafts), _rows_last_unit(probs)
-    q_ids, q_probs = q_ids.to(torch.int64).contiguous(), q_probs.to(torch.float32).contiguous()
     seeds, base_index = seeds.to(torch.int64).contiguous(), base_index.to(torch.int64).contiguous()
-    block_k = max(2, triton.next_power_of_2(k))
-    _sampling_accept_q_kernel[(bs,)](
+    if q is None:
+        q_ids = q_probs = drafts  # unused pointers
+        k, q_strides, block_k, block_v = 1, (0, 0), 2, _BLOCK_V
+    else:
+        q_ids, q_probs = q[0].to(torch.int64).contiguous(), q[1].to(torch.float32).contiguous()
+        k = q_ids.shape[-1]
+        assert q_ids.shape == q_probs.shape == (bs, n, k) and n > 0
+        q_strides = (q_ids.stride(0), q_ids.stride(1))
+        block_k = max(2, triton.next_power_of_2(k))
+        block_v = max(256, min(_BLOCK_V, 32768 // block_k))  # the [BLOCK_V, K] compare tile of the residual
+    _sampling_accept_kernel[(bs,)](
         drafts, probs, q_ids, q_probs, seeds, base_index, accept_len, verified, n, vocab, k,
-        drafts.stride(0), probs.stride(0), probs.stride(1), q_ids.stride(0), q_ids.stride(1), verified.stride(0),
+        drafts.stride(0), probs.stride(0), probs.stride(1), *q_strides, verified.stride(0),
         BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_K=block_k,
-        BLOCK_V=min(max(256, min(_BLOCK_V, 32768 // block_k)), triton.next_power_of_2(vocab)),  # [BLOCK_V, K] tile
+        BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), HAS_Q=q is not None,
         SALT_ACC=SALT_ACCEPT, SALT_SMP=SALT_SAMPLE, num_warps=8,
     )
     return accept_len, verified
