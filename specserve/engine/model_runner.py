@@ -204,8 +204,11 @@ class ModelRunner:
         """MLA families' prefill graphs run each token as a row over its whole prefix (attention/torch_mla_backend.py
         TokenRows): graphed only up to _PREFILL_GRAPH_ATTENDED (query, key) pairs, where launches dominate;
         longer prefixes (chunked long prompts) take the eager prefill."""
-        kinds = set(self.caches.kinds) | (set(s.kind for s in self.draft.cache_specs()) if self.draft else set())
-        return _PREFILL_GRAPH_ATTENDED if CacheKind.MLA in kinds else None
+        return _PREFILL_GRAPH_ATTENDED if CacheKind.MLA in self._token_kinds() else None
+
+    def _token_kinds(self) -> set[CacheKind]:
+        """The cache kinds of the target and the draft."""
+        return set(self.caches.kinds) | (set(s.kind for s in self.draft.cache_specs()) if self.draft else set())
 
     def _max_prefill_graph_tokens(self) -> int:
         """Prefill graphs: --cuda-graph-max-prefill-tokens, by default 2048 on CUDA (bounded by the page-table
@@ -213,7 +216,7 @@ class ModelRunner:
         asked = self.args.cuda_graph_max_prefill_tokens
         if self.device.type == "cuda":
             # every token-indexed kind must capture variable-length attention (the MLA reference cannot yet)
-            kinds = set(self.caches.kinds) | (set(s.kind for s in self.draft.cache_specs()) if self.draft else set())
+            kinds = self._token_kinds()
             classes = self._token_backend_classes()
             if not all(classes[k].captures_varlen for k in kinds if k in classes):
                 if asked:
@@ -222,8 +225,8 @@ class ModelRunner:
                 return 0
             asked = _PREFILL_GRAPH_TOKENS if asked is None else asked
         most = self.row_width
-        if CacheKind.INDEX_KEYS in self.caches.kinds and asked and self.args.attention_backend != "torch":
-            most = min(most, max(16, _INDEX_SCORES_ELEMS // self.row_width))  # a graph's [tokens, row] scores
+        if CacheKind.INDEX_KEYS in self._token_kinds():  # the Triton index backend's [tokens, row] graph scores
+            most = min(most, max(16, _INDEX_SCORES_ELEMS // self.row_width))
         return min(asked or 0, most)
 
     def _memory_note(self) -> str:
