@@ -34,6 +34,7 @@ import triton.language as tl
 
 from specserve.kernels.noise import SALT_SAMPLE
 from specserve.kernels.triton_accept import _key, _uniform
+from specserve.kernels.triton_topk import radix_digit
 
 CHUNK = 4096  # tokens per program
 BLOCK = 1024  # tokens per step of a program
@@ -140,10 +141,8 @@ def _kth_key(keys, valid, k):
             match = valid & ((keys >> (shift + 8)) == prefix)
         digit = tl.where(match, (keys >> shift) & 255, 256)
         h = tl.where(d_idx < 256, tl.histogram(digit, 512), 0)  # [512] int32
-        ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this digit or a larger one
-        d = tl.maximum(tl.max(tl.where((ge >= rem) & (d_idx < 256), d_idx, -1), axis=0), 0)
-        rem = rem - tl.sum(tl.where(d_idx > d, h, 0), axis=0)
-        prefix = (prefix << 8) | d
+        d, rem = radix_digit(h, rem)
+        prefix = (prefix << 8) | tl.maximum(d, 0)
     return tl.where(enough, prefix, 0), tl.where(enough, rem, 0)
 
 

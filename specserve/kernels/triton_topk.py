@@ -56,6 +56,17 @@ def _keys(scores_ptr, n, ok):
 
 
 @triton.jit
+def radix_digit(h, rem):
+    """One step of a radix select, 8 bits a pass: h [512] the pass's digit counts (bins 256+ zero), rem the keys
+    still to take -> (the largest digit whose keys at or above it reach rem (-1 if none), rem less the keys above
+    that digit)."""
+    d_idx = tl.arange(0, 512)
+    ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this digit or a larger one
+    d = tl.max(tl.where((ge >= rem) & (d_idx < 256), d_idx, -1), axis=0)
+    return d, rem - tl.sum(tl.where(d_idx > d, h, 0), axis=0)
+
+
+@triton.jit
 def _prefix(hist_row_ptr, k, PASS: tl.constexpr):
     """(prefix of the top 8 * PASS key bits, keys still to take at or below it) from passes < PASS."""
     d_idx = tl.arange(0, _BINS)
@@ -63,9 +74,7 @@ def _prefix(hist_row_ptr, k, PASS: tl.constexpr):
     rem = tl.zeros([], tl.int32) + k
     for p in tl.static_range(PASS):
         h = tl.load(hist_row_ptr + p * _BINS + d_idx, mask=d_idx < 256, other=0)  # [_BINS] int32
-        ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this digit or a larger one
-        d = tl.max(tl.where((ge >= rem) & (d_idx < 256), d_idx, -1), axis=0)
-        rem = rem - tl.sum(tl.where(d_idx > d, h, 0), axis=0)
+        d, rem = radix_digit(h, rem)
         prefix = (prefix << 8) | d.to(tl.int64)
     return prefix, rem
 

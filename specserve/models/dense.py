@@ -221,6 +221,7 @@ class PreNormDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+
 class DenseDecoderLayer(PreNormDecoderLayer):
     """Attention + MLP block. `mlp`: the family's MLP for this layer (default: the dense SiLU-gated MLP; MoE families
     pass their sparse block)."""
