@@ -164,26 +164,28 @@ def test_startup_check_accepts_the_kernels_and_rejects_wrong_ones(caplog):
     sampler._KERNELS_OK.clear()
 
 
-def test_small_top_k_rows_resolve_in_one_pass_and_ties_fall_back():
-    """Rows with top_k <= the candidate count (kernels/triton_sample.py _topk_kernel) are resolved by the one-pass
-    selection, alone or with top-p and min-p, and the radix levels skip them; a row of all-equal logits (more ties
-    than a chunk keeps) and rows with larger top-k are left to the levels. Every row's distribution is the
-    reference's."""
-    from specserve.kernels import triton_sample as ts
+def test_chunk_shrinks_until_the_grid_fills_the_device():
+    """kernels/triton_sample.py pick_chunk: few rows get short programs (each pass is latency-bound by one
+    program's walk over its chunk), many rows the longest; and every chunk size gives the reference's
+    distribution and tokens (the default under the interpreter: the largest)."""
+    from specserve.kernels.triton_sample import CHUNKS, pick_chunk
 
-    vocab = 1000
-    rows = [(False, 0.8, 5, 1.0, 0.0), (False, 1.0, 100, 0.9, 0.0), (False, 0.7, 128, 0.5, 0.01),
-            (False, 1.0, 5, 1.0, 0.0), (False, 1.0, 129, 1.0, 0.0), (False, 1.0, None, 0.9, 0.0)]
-    sb = _batch(rows, vocab, seed=3)
-    x = _logits(len(rows), vocab, seed=4, bf16=True, neg_inf=False).to(DEV)
-    x[3] = 0.25  # all equal: every chunk has more ties at its threshold than it keeps
-    prm = ts._params(sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy)
-    w = ts._Work(len(rows), vocab, x.device, SMALL["chunk"])
-    assert w.kc == 128
-    ts._descend(x, prm, w, SMALL["chunk"], SMALL["block"])
-    assert w.sti[:, ts._DONE.value].tolist() == [1, 1, 1, 0, 0, 0]
+    assert pick_chunk(1, 49152, 264) == 1024
+    assert pick_chunk(1, 151936, 264) == 1024
+    assert pick_chunk(5, 151936, 264) == 2048  # 5 x 75 chunks
+    assert pick_chunk(40, 49152, 264) == 4096  # 40 x 12
+    assert pick_chunk(320, 128256, 264) == 4096
+    assert pick_chunk(3, 1000, 1) == 4096
+    rows = [(False, 0.8, 5, 1.0, 0.0), (False, 1.0, None, 0.9, 0.0), (True, 1.0, None, 1.0, 0.0)]
+    vocab = 5000  # two chunks of 4096, five of 1024
+    sb = _batch(rows, vocab, seed=5)
+    x = _logits(len(rows), vocab, seed=6, bf16=True, neg_inf=False).to(DEV)
     want = probs_reference(x, sb)
-    got = probs_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, True, **SMALL)
-    assert torch.equal(got > 0, want > 0)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    assert (got[3] > 0).all()  # the tied row keeps every token
+    pos = torch.arange(len(rows), dtype=torch.int64, device=DEV) + 7
+    want_t = sample_from_probs(want, sb.seeds, pos)
+    for chunk in (None, *CHUNKS[1:]):
+        got = probs_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, True, chunk=chunk)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        tokens = sample_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.seeds, pos, True,
+                               chunk=chunk)
+        assert torch.equal(tokens, want_t)

@@ -10,8 +10,8 @@ Sampling: temperature 0.8 with top-k 200 (gpt-fast's), temperature 0.7 with top-
 "sample" draws tokens [R]; "probs" writes the filtered distribution [R, V] (what verify's acceptance reads). Logits
 are random normal x 4, rounded to bfloat16 (the lm head's output). Before timing, the kernel's tokens are checked
 against the reference's (equal but for near-ties of the race). --chunks: the kernels' sample and probs times at
-each of these tokens-per-program (kernels/triton_sample.py CHUNK; at few rows a smaller chunk gives each pass more,
-shorter programs), printed after the comparison's columns.
+each of these tokens-per-program (kernels/triton_sample.py pick_chunk chooses one by default; at few rows a smaller
+chunk gives each pass more, shorter programs), printed after the comparison's columns.
 """
 
 from __future__ import annotations

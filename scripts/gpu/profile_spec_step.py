@@ -1,7 +1,8 @@
-"""Per-kernel GPU time of one greedy speculative step run as one CUDA graph at batch 1, against a plain decode
-step: random SmolLM2-135M weights (only shapes matter for timing) with the shipped draft head and context lookup.
+"""Per-kernel GPU time of one speculative step run as one CUDA graph at batch 1, against a plain decode step:
+random SmolLM2-135M weights (only shapes matter for timing) with the shipped draft head and context lookup. Greedy,
+and with --sampled at temperature 0.7, top-p 0.95 (argmax drafts, and drafts drawn from the head).
 
-    python3 scripts/gpu/profile_spec_step.py [N ...]
+    python3 scripts/gpu/profile_spec_step.py [--sampled] [N ...]
 """
 
 import sys
@@ -13,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from specserve.bench.phase_setup import fake_requests, random_models
 from specserve.engine.model_runner import ModelRunner
 from specserve.graphs.padding import LiveInputs
-from specserve.layers.sampler import GREEDY, sample
+from specserve.layers.sampler import GREEDY, SamplingBatch, sample
 from specserve.models.loader import LoadedTarget, ModelSource, load_mtp_draft
 from specserve.server_args import ServerArgs
 
@@ -52,7 +53,14 @@ def kernel_table(fn, steps: int, label: str) -> None:
         print(f"{name:<82} {t0 / steps:8.1f} {n / steps:6.1f} {t0 / n:8.2f}")
 
 
-def profile_plain() -> None:
+def sampled_batch() -> SamplingBatch:
+    f = lambda v: torch.tensor([v], dtype=torch.float32, device=dev)  # noqa: E731
+    return SamplingBatch(f(0.7), f(0.95), torch.tensor([cfg.vocab_size], device=dev), f(0.0),
+                         torch.tensor([11], device=dev), torch.tensor([False], device=dev), all_greedy=False,
+                         need_filter=True)
+
+
+def profile_plain(sb: SamplingBatch) -> None:
     mr = ModelRunner(ServerArgs(**common), target, cfg, None, dev, dtype, ctx_len)
     mr.capture_graphs()
     reqs = fake_requests(mr, 1, 512)
@@ -61,21 +69,32 @@ def profile_plain() -> None:
 
     def step():
         live = LiveInputs(1, mr.last_token[rows], s, rows, s + 1, 513)
-        tok = sample(mr.runners["decode"].run(live)["logits"], GREEDY, s + 1)
+        tok = sample(mr.runners["decode"].run(live)["logits"], sb, s + 1)
         mr.last_token[rows] = tok
         return tok.tolist()
 
-    kernel_table(step, 20, "plain decode")
+    kernel_table(step, 20, f"plain decode ({'greedy' if sb.all_greedy else 'sampled'})")
 
 
-def profile_spec(n: int) -> None:
+def profile_spec(n: int, sb: SamplingBatch, draft_sampling: str) -> None:
     mr = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=n, speculative_ngram_lookup=True,
-                                **common), target, cfg, draft, dev, dtype, ctx_len)
+                                speculative_draft_sampling=draft_sampling, **common),
+                     target, cfg, draft, dev, dtype, ctx_len)
     mr.capture_graphs()
     row = fake_requests(mr, 1, 512)[0].kv.row
-    kernel_table(lambda: mr.spec.spec_step.run([row], [512], [512]).tolist(), 20, f"spec step N={n} (one graph)")
+    label = "greedy" if sb.all_greedy else f"sampled, {draft_sampling} drafts"
+    kernel_table(lambda: mr.spec.spec_step.run([row], [512], [512], sb).tolist(), 20,
+                 f"spec step N={n} (one graph, {label})")
 
 
-profile_plain()
-for n in [int(x) for x in sys.argv[1:]] or [3, 4]:
-    profile_spec(n)
+args = sys.argv[1:]
+sampled = "--sampled" in args
+steps = [int(x) for x in args if x != "--sampled"] or [3, 4]
+batches = [GREEDY] + ([sampled_batch()] if sampled else [])
+for batch in batches:
+    profile_plain(batch)
+for n in steps:
+    profile_spec(n, GREEDY, "argmax")
+    if sampled:
+        profile_spec(n, batches[1], "argmax")
+        profile_spec(n, batches[1], "sample")

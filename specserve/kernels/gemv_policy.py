@@ -9,7 +9,7 @@ from __future__ import annotations
 FASTER: frozenset[tuple[int, int]] = frozenset([
     (576, 576), (576, 1536), (960, 576), (3072, 576),  # SmolLM2-135M
     (4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096),  # Llama-3.1-8B
-    (5120, 2048), (2048, 4096),  # Qwen3-30B-A3B attention (default configs, not swept: 1.12x / 1.36x)
+    (5120, 2048), (2048, 4096),  # Qwen3-30B-A3B attention (swept in BENCHMARKS §19)
     (128, 2048), (513, 2048),  # routers with the norm inside: Qwen3-30B-A3B, Qwen3-Next (+ shared gate) at 1 token
 ])
 

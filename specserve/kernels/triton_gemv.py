@@ -43,7 +43,7 @@ MAX_ROWS = 4  # decode rows: the accumulators of every row are held in registers
 # ---------------------------------------------------------------------------------------------------------------
 # Tuned launch configurations at M = 1, keyed by the weight's (rows, K) (rows: 2I for silu_mul's gate_up weight).
 # TUNED ON: NVIDIA H200, triton 3.6, 2026-12-01 (`python3 scripts/gpu/bench_gemv.py --sweep --shapes llama-3.1-8b
-# smollm2-135m`, which prints this dict; BENCHMARKS.md).
+# smollm2-135m`, then `--shapes qwen3-30b-a3b`, which print this dict; BENCHMARKS.md).
 _TUNED: dict[tuple[int, int], dict[str, int]] = {
     (6144, 4096): dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=2),
     (4096, 4096): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3),
@@ -53,6 +53,8 @@ _TUNED: dict[tuple[int, int], dict[str, int]] = {
     (576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=3),
     (3072, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
     (576, 1536): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=8, num_stages=1),
+    (5120, 2048): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2),
+    (2048, 4096): dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
 }
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -44,12 +44,11 @@ still rounded to the value dtype first, as on the GPU.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import target_programs
 from specserve.kernels.triton_dot import dot
 
 _LOG2E = 1.4426950408889634
@@ -161,24 +160,13 @@ def _mla_combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, num_heads, kv_lora_rank,
              o.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def num_key_splits(num_programs: int, max_kv: int, block_n: int, target_programs: int) -> int:
+def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) -> int:
     """Key splits for a launch of `num_programs` (query token, head block) programs: enough for about
-    `target_programs` programs in all, at most one per 4 key blocks of max_kv, at least 1. Shapes only."""
-    if num_programs >= target_programs:
+    `target` programs in all, at most one per 4 key blocks of max_kv, at least 1. Shapes only."""
+    if num_programs >= target:
         return 1
     most = max(1, triton.cdiv(max_kv, 4 * block_n))
-    return max(1, min(most, triton.cdiv(target_programs, num_programs)))
-
-
-def _target_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: a few splits, so CPU tests run the split path too
-    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:  # asked once per device, not per layer per eager forward
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(most, triton.cdiv(target, num_programs)))
 
 
 def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tensor, seq_lens: torch.Tensor,
@@ -223,7 +211,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
-        num_splits = num_key_splits(num_tokens * head_blocks, max_kv, block_n, _target_programs(q.device))
+        # under the interpreter: a few splits, so CPU tests run the split path too
+        num_splits = num_key_splits(num_tokens * head_blocks, max_kv, block_n, target_programs(q.device, cpu=8))
     if num_splits > 1:
         ws_acc = torch.empty((num_tokens, num_splits, num_heads, c), dtype=torch.float32, device=q.device)
         ws_ml = torch.empty((num_tokens, num_splits, 2, num_heads), dtype=torch.float32, device=q.device)

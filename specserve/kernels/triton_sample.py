@@ -9,21 +9,19 @@ float bits order like the values):
   the mass (the sorted reference's rule, ties kept together: sampler.filter_sorted); both sides are monotone in
   e_i, so the descent picks, 4 bits a level over 8 levels, the lowest non-empty bucket whose higher buckets (and
   the levels above) still satisfy both, and after the last level the prefix is the threshold's key itself;
-* min-p (e_i >= min_p, since e = p / p_max) is a second threshold on the same keys; kept = key >= max of the two;
-* rows with top_k <= TOPK_CANDIDATES (gpt-fast's top-k 200, say) are resolved before the levels in one pass
-  (`_topk_kernel`): each chunk keeps its top_k largest keys (an in-register radix select, 8 bits a step, on
-  tl.histogram), the row's last program selects the row's top_k among them and applies top-p within those; the
-  levels then skip the row (their launches stay, so one graph serves every mix of rows). A chunk that had to leave
-  out ties the threshold reaches hands the row back to the levels.
+* min-p (e_i >= min_p, since e = p / p_max) is a second threshold on the same keys; kept = key >= max of the two.
 
 Every pass is a grid (rows, chunks of CHUNK tokens). A pass whose result is a per-row reduction (the max and the
 normaliser, a level's 16-bucket counts and masses, the race's winner) has each program write its chunk's partial
 result to a workspace; the program that arrives last at the row's counter (an acq_rel atomic) reduces the partials
 in chunk order (deterministic), writes the row's state, and resets the counter. Launches: 1 for an unfiltered
-sample (the race in log space, argmax z_i - log(-log u_i), needs no normaliser); 11 for a filtered sample or a
-filtered distribution (statistics, the small-top-k pass, 8 levels, the race or the write); 2 for an unfiltered
-distribution. Grids and
+sample (the race in log space, argmax z_i - log(-log u_i), needs no normaliser); 10 for a filtered sample or a
+filtered distribution (statistics, 8 levels, the race or the write); 2 for an unfiltered distribution. Grids and
 workspaces depend on shapes only: the launches are CUDA-graph capturable.
+
+At a few rows every pass is latency-bound: a program's serial walk over its chunk is what a pass costs, so the
+chunk shrinks until the grid has about two programs per SM (`pick_chunk`: 4096 tokens at many rows, down to 1024
+at one row; BENCHMARKS.md has the sweep).
 """
 
 from __future__ import annotations
@@ -32,19 +30,19 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import target_programs
 from specserve.kernels.noise import SALT_SAMPLE
 from specserve.kernels.triton_accept import _key, _uniform
-from specserve.kernels.triton_topk import radix_digit
 
-CHUNK = 4096  # tokens per program
+CHUNK = 4096  # tokens per program, at most
+CHUNKS = (4096, 2048, 1024)  # pick_chunk's choices, largest first
 BLOCK = 1024  # tokens per step of a program
 BINS = 16  # buckets per level (4 bits)
 LEVELS = 8
 # Row state: float32 [R, 8] and int32 [R, 8] (one int32 workspace, the float part viewed as float32).
 # float: max z, sum e, mass above the prefix, mass with e >= min_p, kept mass
 _M, _Z, _MA, _ZMIN, _ZT = (tl.constexpr(i) for i in range(5))
-_P, _CA, _ARG, _DONE = (tl.constexpr(i) for i in range(4))  # int: key prefix, count above, argmax, resolved
-TOPK_CANDIDATES = 256  # most candidates a chunk keeps for the small-top-k pass (at most half a chunk)
+_P, _CA, _ARG = (tl.constexpr(i) for i in range(3))  # int: key prefix, count above it, argmax of z
 
 
 @triton.jit
@@ -120,94 +118,6 @@ def _stats_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, wsf_ptr, wsi_ptr, s
         tl.store(sti_ptr + r * 8 + _P, 0)
         tl.store(sti_ptr + r * 8 + _CA, 0)
         tl.store(sti_ptr + r * 8 + _ARG, arg)
-        tl.store(sti_ptr + r * 8 + _DONE, 0)
-        tl.store(counter_ptr + r, 0)
-
-
-@triton.jit
-def _kth_key(keys, valid, k):
-    """(T, ties): T the k-th largest of the valid non-negative int32 keys (an exact radix select, 8 bits a pass, in
-    registers), ties how many keys equal to T complete the k largest; (0, 0) marks fewer than k valid keys (take
-    them all)."""
-    d_idx = tl.arange(0, 512)  # 256 digits + a bin for the keys outside the prefix (tl.histogram: a power of two)
-    prefix = tl.zeros([], tl.int32)
-    rem = tl.zeros([], tl.int32) + k.to(tl.int32)
-    enough = tl.sum(valid.to(tl.int32), axis=0) >= rem
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        if p == 0:
-            match = valid
-        else:
-            match = valid & ((keys >> (shift + 8)) == prefix)
-        digit = tl.where(match, (keys >> shift) & 255, 256)
-        h = tl.where(d_idx < 256, tl.histogram(digit, 512), 0)  # [512] int32
-        d, rem = radix_digit(h, rem)
-        prefix = (prefix << 8) | tl.maximum(d, 0)
-    return tl.where(enough, prefix, 0), tl.where(enough, rem, 0)
-
-
-@triton.jit
-def _topk_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, wsk_ptr, wsc_ptr, stf_ptr, sti_ptr, counter_ptr, vocab,
-                 stride_x, n_chunks,
-                 CHUNK: tl.constexpr, KC: tl.constexpr, NC_PAD: tl.constexpr):
-    """Rows with top_k <= KC, in one pass: each chunk keeps its top_k largest keys (an in-register radix select)
-    in the workspace; the row's last program selects the row's top_k among them, applies top-p within those by the
-    reference's rule (the mass strictly more likely than each, over a [KC, KC] comparison), writes the threshold
-    and the kept mass, and marks the row resolved, so the radix levels skip it. A chunk that had to leave out ties
-    at a key the threshold reaches, or more than KC keys at the threshold, leaves the row to the levels."""
-    r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    greedy, temp, k, top_p, select = _row_params(temp_ptr, greedy_ptr, k_ptr, p_ptr, r, vocab)
-    small = select & (k <= KC)
-    if small:
-        m = tl.load(stf_ptr + r * 8 + _M)
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        z, ok = _load_z(x_ptr, r * stride_x, cols, vocab, temp)
-        key = tl.where(ok, tl.exp(z - m), 0.0).to(tl.int32, bitcast=True)  # e >= 0: its bits order as its value
-        t_c, ties = _kth_key(key, ok, k)
-        tie = ok & (key == t_c)
-        take = (ok & (key > t_c)) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= ties))
-        take = tl.where((ties == 0) & (t_c == 0), ok, take)  # fewer than top_k tokens in the chunk: all of them
-        pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(wsk_ptr + (r * n_chunks + c) * KC + pos, key, mask=take & (pos < KC))
-        n_take = tl.sum(take.to(tl.int32), axis=0)
-        left_out = tl.sum((tie & ~take).to(tl.int32), axis=0) > 0  # ties at t_c not kept
-        tl.store(wsc_ptr + (r * n_chunks + c) * 2, n_take)
-        tl.store(wsc_ptr + (r * n_chunks + c) * 2 + 1, tl.where(left_out, t_c, -1))
-    if _arrive(counter_ptr, r):
-        if small:
-            idx = tl.arange(0, NC_PAD * KC)
-            ci = idx // KC
-            cnt = tl.load(wsc_ptr + (r * n_chunks + ci) * 2, mask=ci < n_chunks, other=0, cache_modifier=".cg")
-            valid = (ci < n_chunks) & (idx % KC < cnt)
-            cand = tl.load(wsk_ptr + r * n_chunks * KC + idx, mask=valid, other=0, cache_modifier=".cg")
-            thr_k, ties = _kth_key(cand, valid, k)
-            # the candidates at or above the top-k threshold, compacted into this row's first KC slots
-            keep = valid & (cand >= thr_k)
-            n_keep = tl.sum(keep.to(tl.int32), axis=0)
-            pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.debug_barrier()  # every thread has read the workspace before it is overwritten
-            tl.store(wsk_ptr + r * n_chunks * KC + pos, cand, mask=keep & (pos < KC))
-            tl.debug_barrier()
-            j = tl.arange(0, KC)
-            j_ok = j < n_keep
-            top = tl.load(wsk_ptr + r * n_chunks * KC + j, mask=j_ok, other=0, cache_modifier=".cg")  # [KC]
-            e = tl.where(j_ok, top.to(tl.float32, bitcast=True), 0.0)
-            z_sum = tl.load(stf_ptr + r * 8 + _Z)
-            gt = (top[None, :] > top[:, None]) & j_ok[None, :]  # [i, j]: candidate j more likely than i
-            above = tl.sum(tl.where(gt, e[None, :], 0.0), axis=1)  # [KC] mass strictly more likely
-            by_p = tl.where(top_p >= 1.0, 1, (above <= top_p * z_sum).to(tl.int32)) != 0  # top_p 1 keeps all
-            thr_p = tl.min(tl.where(j_ok & by_p, top, 2147483647), axis=0)
-            thr = tl.maximum(thr_k, thr_p)
-            kept = tl.sum(tl.where(j_ok & (top >= thr), e, 0.0), axis=0)
-            cc = tl.arange(0, NC_PAD)
-            dropped = tl.load(wsc_ptr + (r * n_chunks + cc) * 2 + 1, mask=cc < n_chunks, other=-1,
-                              cache_modifier=".cg")  # each chunk's left-out tie key (-1: none)
-            whole = (tl.max(tl.where(dropped >= thr, 1, 0), axis=0) == 0) & (n_keep <= KC) & (thr > 0)
-            if whole:
-                tl.store(sti_ptr + r * 8 + _P, thr)
-                tl.store(stf_ptr + r * 8 + _ZT, kept)
-                tl.store(sti_ptr + r * 8 + _DONE, 1)
         tl.store(counter_ptr + r, 0)
 
 
@@ -219,7 +129,6 @@ def _level_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, minp_ptr, wsf_ptr, 
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     greedy, temp, k, top_p, select = _row_params(temp_ptr, greedy_ptr, k_ptr, p_ptr, r, vocab)
-    select = select & (tl.load(sti_ptr + r * 8 + _DONE) == 0)  # rows the small-top-k pass resolved skip the levels
     min_p = tl.load(minp_ptr + r)
     m = tl.load(stf_ptr + r * 8 + _M)
     prefix = tl.load(sti_ptr + r * 8 + _P)
@@ -386,16 +295,30 @@ class _Work:
 
     def __init__(self, rows: int, vocab: int, device: torch.device, chunk: int):
         self.n_chunks = triton.cdiv(vocab, chunk)
-        self.kc = min(TOPK_CANDIDATES, chunk // 2)
         part = rows * self.n_chunks * BINS
         self.wsi = torch.empty(part, dtype=torch.int32, device=device)
-        self.wsk = torch.empty(rows * self.n_chunks * self.kc, dtype=torch.int32, device=device)  # chunk top keys
-        self.wsc = torch.empty(rows * self.n_chunks * 2, dtype=torch.int32, device=device)  # their counts, ties
         self.wsf = torch.empty(2 * part, dtype=torch.float32, device=device)  # partials, then the min-p masses
         state = torch.empty((2, rows, 8), dtype=torch.int32, device=device)
         self.sti, self.stf = state[0], state[1].view(torch.float32)
         self.active = torch.ones((rows, self.n_chunks), dtype=torch.int32, device=device)
         self.counter = torch.zeros(rows, dtype=torch.int32, device=device)
+
+
+def pick_chunk(rows: int, vocab: int, target: int) -> int:
+    """Tokens per program: the largest of CHUNKS whose grid (rows, chunks) still has `target` programs; the
+    smallest when none has. Shapes only."""
+    for chunk in CHUNKS:
+        if rows * triton.cdiv(vocab, chunk) >= target:
+            return chunk
+    return CHUNKS[-1]
+
+
+def _chunk(x: torch.Tensor, chunk: int | None, block: int) -> tuple[int, int]:
+    """(chunk, block) for logits x: chunk as given or by pick_chunk (under the interpreter the largest: fewer
+    programs), the block no larger than it."""
+    if chunk is None:
+        chunk = pick_chunk(x.shape[0], x.shape[1], target_programs(x.device, cpu=1))
+    return chunk, min(block, chunk)
 
 
 def _params(temperature, top_k, top_p, min_p, greedy):
@@ -414,9 +337,6 @@ def _descend(x, prm, w: _Work, chunk: int, block: int) -> None:
                         w.n_chunks, CHUNK=chunk, BLOCK=block, NC_PAD=nc_pad, BINS=BINS, num_warps=4)
     if min_p is None:
         return
-    _topk_kernel[grid](x, temp, greedy, k, top_p, w.wsk, w.wsc, w.stf, w.sti, w.counter, vocab, x.stride(0),
-                       w.n_chunks, CHUNK=chunk, KC=w.kc, NC_PAD=nc_pad,
-                       num_warps=8 if nc_pad * w.kc <= 8192 else 16)  # the merge holds nc_pad * kc keys
     for level in range(LEVELS):
         _level_kernel[grid](x, temp, greedy, k, top_p, min_p, w.wsf, w.wsi, w.stf, w.sti, w.active, w.counter,
                             vocab, x.stride(0), w.n_chunks, level, CHUNK=chunk, BLOCK=block, NC_PAD=nc_pad, BINS=BINS,
@@ -425,16 +345,17 @@ def _descend(x, prm, w: _Work, chunk: int, block: int) -> None:
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  need_filter: bool, salt: int = SALT_SAMPLE, chunk: int = CHUNK,
+                  need_filter: bool, salt: int = SALT_SAMPLE, chunk: int | None = None,
                   block: int = BLOCK) -> torch.Tensor:
     """logits [R, V]; per-row temperature, top_k (V where off), top_p, min_p, greedy, seeds, positions [R] ->
     tokens [R] int64, as layers/sampler.py sample (the race's scores in log space: the same winner unless two
-    scores tie to float rounding)."""
+    scores tie to float rounding). chunk: tokens per program (None: pick_chunk); block: tokens per step."""
     x = _rows(logits)
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
+    chunk, block = _chunk(x, chunk, block)
     prm = _params(temperature, top_k, top_p, min_p, greedy)
     w = _Work(rows, vocab, x.device, chunk)
     if need_filter:
@@ -449,7 +370,7 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def probs_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, greedy: torch.Tensor, need_filter: bool, chunk: int = CHUNK,
+                 min_p: torch.Tensor, greedy: torch.Tensor, need_filter: bool, chunk: int | None = None,
                  block: int = BLOCK) -> torch.Tensor:
     """logits [R, V] and per-row sampling parameters [R] -> the distribution each row samples from [R, V] float32
     (renormalised after the filter; greedy rows one-hot at the argmax), as layers/sampler.py probs_from_logits."""
@@ -458,6 +379,7 @@ def probs_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     out = torch.empty((rows, vocab), dtype=torch.float32, device=x.device)
     if rows == 0:
         return out
+    chunk, block = _chunk(x, chunk, block)
     prm = _params(temperature, top_k, top_p, min_p, greedy)
     w = _Work(rows, vocab, x.device, chunk)
     temp, greedy8, k, top_p32, min_p32 = prm

@@ -1,0 +1,99 @@
+"""Per-kernel GPU times of the latency-bound kernel chains at batch 1, from graph replays under the profiler: the
+sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one DSA layer's indexer scores + top-k
++ sparse MLA (kernels/triton_indexer.py, triton_topk.py, triton_mla.py) at 32k keys, with dense MLA beside it.
+
+    python3 scripts/gpu/profile_kernels.py [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specserve.graphs.capture import capture_graph
+from specserve.kernels.triton_indexer import index_scores_triton
+from specserve.kernels.triton_mla import mla_decode_triton
+from specserve.kernels.triton_sample import sample_triton
+from specserve.kernels.triton_topk import index_topk_triton
+
+DEV = torch.device("cuda")
+
+
+def breakdown(label: str, fn, iters: int) -> None:
+    graph, _, _ = capture_graph(fn, None)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    wall = start.elapsed_time(end) / iters * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start:
+            total[e.name] += (e.time_range.end - e.time_range.start) / iters
+            count[e.name] += 1
+    busy = sum(total.values())
+    print(f"\n=== {label}: replay {wall:.1f} us, kernels busy {busy:.1f} us, "
+          f"{sum(count.values()) // iters} launches ===")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
+        print(f"{us:8.1f} us  x{count[name] // iters:<3} {name[:80]}")
+
+
+def _sample_fn(x: torch.Tensor, temp: float, k: int, p: float, chunk: int):
+    f = lambda v: torch.full((1,), v, dtype=torch.float32, device=DEV)  # noqa: E731
+    args = (x, f(temp), torch.full((1,), k, dtype=torch.int64, device=DEV), f(p), f(0.0),
+            torch.zeros(1, dtype=torch.bool, device=DEV), torch.tensor([11], device=DEV),
+            torch.tensor([100], device=DEV), True)
+    return lambda: sample_triton(*args, chunk=chunk)
+
+
+def sampler(iters: int) -> None:
+    for vocab in (49152, 151936):
+        x = (torch.randn((1, vocab), device=DEV) * 4).to(torch.bfloat16).float()
+        for name, temp, k, p in (("top-k 200", 0.8, 200, 1.0), ("top-p 0.95", 0.7, vocab, 0.95)):
+            for chunk in (1024, 4096):
+                breakdown(f"sample V {vocab} {name} chunk {chunk}", _sample_fn(x, temp, k, p, chunk), iters)
+
+
+def dsa(iters: int) -> None:
+    kv, di, hi, h, c, r, topk = 32768, 128, 32, 64, 512, 64, 2048
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rows = torch.randn((kv + 16, di), device=DEV, dtype=torch.bfloat16, generator=g)
+    lat = torch.randn((kv + 16, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+    kv_slots = (torch.randperm(kv, device=DEV, generator=g) + 16).view(1, kv)
+    lens = torch.full((1,), kv, dtype=torch.int64, device=DEV)
+    q = torch.randn((1, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
+    wts = torch.randn((1, hi), device=DEV, generator=g)
+    qm = torch.randn((1, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+
+    def sparse():
+        s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1)
+        sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk)
+        return mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
+
+    breakdown("DSA bs 1, 32k keys: scores + top-k + sparse MLA", sparse, iters)
+    breakdown("dense MLA bs 1, 32k keys", lambda: mla_decode_triton(qm, lat, kv_slots, lens, 1, 0.07, c), iters)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
+    a = p.parse_args()
+    for part in a.parts:
+        {"sampler": sampler, "dsa": dsa}[part](a.iters)
+
+
+if __name__ == "__main__":
+    main()

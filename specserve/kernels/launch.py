@@ -1,0 +1,20 @@
+"""Launch sizing shared by the kernels: how many programs fill a device (shapes and the device only, so every
+choice made from it is fixed under a CUDA graph)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _sm_count(index: int) -> int:  # asked once per device, not per layer per eager forward
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def target_programs(device: torch.device, cpu: int) -> int:
+    """About two programs per SM on a CUDA device; `cpu` under Triton's interpreter (a CPU tensor)."""
+    if device.type != "cuda":
+        return cpu
+    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
