@@ -117,12 +117,20 @@ def test_small_key_blocks_and_out_buffer():
 def test_key_splits_match_reference(dtype, num_splits, selection, c):
     """Keys split over the grid and merged by the combine kernel: 2, 3 and 7 runs of 16-key blocks, so short
     queries leave whole splits empty (and a sparse selection hides some splits' every key); heads 40 (a partial
-    head block); C = 160: the combine's 128-dim programs, the second one partial."""
+    head block); C = 160: one partial [splits, 256] tile in the combine."""
     g = torch.Generator().manual_seed(num_splits)
     q, rows, kv_slots, lens, sel = _batch([MAX_KV, 3, 33, 50], 3, 40, c, 16, dtype, g, selection)
     want = reference(q, rows, kv_slots, lens, 3, 0.1, c, sel)
     got = mla_decode_triton(q, rows, kv_slots, lens, 3, 0.1, c, sel, block_n=16, num_splits=num_splits)
     _assert_close(got, want)
+
+
+def test_many_splits_merge_in_dim_blocks():
+    """20 splits: the combine's [32 splits, 128 dims] tiles, the second of C = 160 partial."""
+    g = torch.Generator().manual_seed(20)
+    q, rows, kv_slots, lens, sel = _batch([MAX_KV, 3, 33, 50], 3, 40, 160, 16, torch.bfloat16, g, "sparse")
+    want = reference(q, rows, kv_slots, lens, 3, 0.1, 160, sel)
+    _assert_close(mla_decode_triton(q, rows, kv_slots, lens, 3, 0.1, 160, sel, block_n=16, num_splits=20), want)
 
 
 def test_split_count_from_shapes():

@@ -70,6 +70,21 @@ def test_topk_spread_scores_default_chunk():
     _check(scores, valid, kv_slots, lens, 2, 1000)
 
 
+def test_chunk_shrinks_until_the_grid_fills_the_device():
+    """kernels/triton_topk.py pick_chunk: one query over 32k keys gets 256-key programs (the launches are latency),
+    a batch whose grid fills the device keeps 2048; each chunk size gives the reference's choice."""
+    from specserve.kernels.triton_topk import CHUNKS, pick_chunk
+
+    assert pick_chunk(1, 32768, 264) == 256
+    assert pick_chunk(8, 32768, 264) == 512  # 8 x 64 chunks
+    assert pick_chunk(32, 32768, 264) == 2048
+    assert pick_chunk(2048, 4096, 264) == 2048  # a prefill's token rows
+    g = torch.Generator().manual_seed(5)
+    scores, valid, kv_slots, lens = _batch([600, 1, 333], 1, 600, g)
+    for chunk in CHUNKS[2:]:
+        _check(scores, valid, kv_slots, lens, 1, 100, chunk=chunk)
+
+
 def test_all_ties_take_the_earliest():
     """Every score equal: the first k positions of each query."""
     g = torch.Generator().manual_seed(4)

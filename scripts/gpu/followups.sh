@@ -21,8 +21,12 @@
 #             their attention projections and routers, and GLM-5 with prefill graphs at 2048 tokens; first the GPU
 #             tests of the one-launch sampled-draft kernels (kernels/triton_candidates.py, accept_sampling_q_triton)
 #             and of the kernels' token rows; then `smollm2_round.sh keep / join / qspec` for q-drafts' speed.
-# Order for a fresh lease (30 device-minutes), as left by the fifth session of 2026-12-01 (sample, gemv, gemvsweep
-# and the SmolLM2 qspec ran then: BENCHMARKS §17): next (~9 min), then gptfast (~4 min, carry .gpt-fast).
+#   seventh   what the sixth session of 2026-12-01 left unmeasured: the sampled speculative step's kernels against
+#             the greedy one's (profile_spec_step.py --sampled), the DSA top-k's chunk policy and the MLA split merge
+#             over all splits at once (their GPU tests, bench_mla.py's sparse / dense / indexer rows, the per-kernel
+#             profile at batch 1 and 32k keys), then GLM-5's phases at 32k.
+# Order for a fresh lease (30 device-minutes), as left by the sixth session of 2026-12-01 (next, gptfast and the
+# SmolLM2 qspec ran then: BENCHMARKS §19): seventh (~8 min).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -88,5 +92,14 @@ case "${1:-}" in
     timeout 120 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1 --iters 6 --idle-steps 0 \
       --prefill-tokens 2048 2>&1 | grep -v -i warn | grep -i "prefill\|decode\|spec iter"
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next" >&2; exit 2 ;;
+  seventh)
+    timeout 150 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn | tail -75
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_mla.py tests/test_triton_topk.py \
+      tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
+    timeout 120 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 | grep -v -i warn | tail -14
+    timeout 150 python3 scripts/gpu/bench_mla.py sparse mla indexer 2>&1 | grep -v -i warn | tail -40
+    timeout 150 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --prefix-len 32000 \
+      --context-length 33000 --iters 6 --idle-steps 0 2>&1 | grep -v -i warn | tail -20
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh" >&2; exit 2 ;;
 esac

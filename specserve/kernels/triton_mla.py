@@ -29,10 +29,11 @@ split s of a query takes the s-th of NUM_SPLITS equal runs (whole key blocks) of
 read from seq_lens on the device (so the work per split follows the live length, not the padded max_kv, and the
 grid still depends on shapes only). With more than one split each program writes its unnormalised float32
 accumulator with its running max and sum to a workspace, and a second kernel (`_mla_combine_kernel`, one program
-per (query token, head block, 128 latent dims)) merges the splits by the usual rescaling: m = max_s m_s,
-l = sum_s l_s 2^(m_s - m), o = sum_s acc_s 2^(m_s - m) / l. A split past its query's length keeps m = -1e30,
-l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: enough programs for about two per SM, at most
-one split per 4 key blocks of max_kv; one split (no workspace, no second kernel) once the batch alone fills the GPU.
+per (query token, head, block of latent dims), all splits at once) merges the splits by the usual rescaling:
+m = max_s m_s, l = sum_s l_s 2^(m_s - m), o = sum_s acc_s 2^(m_s - m) / l. A split past its query's length keeps
+m = -1e30, l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: enough programs for about two per
+SM, at most one split per 4 key blocks of max_kv; one split (no workspace, no second kernel) once the batch alone
+fills the GPU.
 
 Block sizes: BLOCK_H = 32 for more than 16 heads and 4 or more query tokens, else 16 (tl.dot's smallest M; fewer
 heads are masked; on the H200 32 is faster from 4 tokens on, 16 for a single token: BENCHMARKS.md), BLOCK_N = 64
@@ -134,30 +135,27 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr,
 
 
 @triton.jit
-def _mla_combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, num_heads, kv_lora_rank, stride_ot, stride_oh,
-                        NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+def _mla_combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, num_heads, kv_lora_rank, num_splits, stride_ot, stride_oh,
+                        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program per (query token, head, BLOCK_C latent dims): all the token's splits at once, reduced in
+    registers (no serial walk over the splits)."""
     t = tl.program_id(0)  # query token
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    h_ok = h < num_heads
-    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # this program's latent dims
-    ok = h_ok[:, None] & (c < kv_lora_rank)[None, :]
-    m = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
-    l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    for split in range(NUM_SPLITS):
-        part = t.to(tl.int64) * NUM_SPLITS + split
-        m_s = tl.load(ws_ml_ptr + part * 2 * num_heads + h, mask=h_ok, other=_NEG_BIG)
-        l_s = tl.load(ws_ml_ptr + part * 2 * num_heads + num_heads + h, mask=h_ok, other=0.0)
-        a_s = tl.load(ws_acc_ptr + (part * num_heads + h[:, None]) * kv_lora_rank + c[None, :], mask=ok, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        l_sum = l_sum * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        m = m_new
-    o = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + c[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=ok)
+    h = tl.program_id(1)  # head
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] this program's latent dims
+    sp = tl.arange(0, BLOCK_S)  # [BLOCK_S] splits
+    s_ok = sp < num_splits
+    part = t.to(tl.int64) * num_splits + sp  # [BLOCK_S]
+    m_s = tl.load(ws_ml_ptr + part * 2 * num_heads + h, mask=s_ok, other=_NEG_BIG)
+    l_s = tl.load(ws_ml_ptr + part * 2 * num_heads + num_heads + h, mask=s_ok, other=0.0)
+    ok = s_ok[:, None] & (c < kv_lora_rank)[None, :]
+    a_s = tl.load(ws_acc_ptr + (part[:, None] * num_heads + h) * kv_lora_rank + c[None, :], mask=ok,
+                  other=0.0)  # [BLOCK_S, BLOCK_C]
+    m = tl.max(m_s, axis=0)
+    beta = tl.math.exp2(m_s - m)  # [BLOCK_S]; 0 for splits past the query's keys (m_s = -1e30)
+    l_sum = tl.sum(l_s * beta, axis=0)
+    o = tl.sum(a_s * beta[:, None], axis=0) / tl.where(l_sum > 0.0, l_sum, 1.0)  # [BLOCK_C]
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + c, o.to(out_ptr.dtype.element_ty),
+             mask=c < kv_lora_rank)
 
 
 def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) -> int:
@@ -230,8 +228,9 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:
-        combine_c = min(block_c, 128)  # dims per combine program: more programs for the serial walk over splits
-        _mla_combine_kernel[(num_tokens, head_blocks, triton.cdiv(c, combine_c))](
-            ws_acc, ws_ml, out, num_heads, c, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_C=combine_c, num_warps=4)
+        block_s = max(2, triton.next_power_of_2(num_splits))
+        combine_c = max(16, min(block_c, 4096 // block_s))  # [splits, dims] tile of at most 4096 floats a program
+        _mla_combine_kernel[(num_tokens, num_heads, triton.cdiv(c, combine_c))](
+            ws_acc, ws_ml, out, num_heads, c, num_splits, out.stride(0), out.stride(1),
+            BLOCK_S=block_s, BLOCK_C=combine_c, num_warps=4)
     return out

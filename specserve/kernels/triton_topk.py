@@ -23,7 +23,9 @@ negative ones flipped), 8 bits a pass, most significant first:
    earlier chunks take. Chunk 0 also writes counts and the -1 tail.
 
 Grids and workspaces depend on shapes only (the causal lengths are read on the device), so the launches are CUDA-
-graph capturable; a chunk wholly past its query's length returns at once.
+graph capturable; a chunk wholly past its query's length returns at once. At a few queries every launch is one
+program's walk over its chunk (16 programs of 2048 keys for one query over 32k: BENCHMARKS §19.5), so the chunk
+shrinks until the grid has about two programs per SM (`pick_chunk`, as the sampler's).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 2048  # positions per program
-BLOCK = 1024  # positions per step of a program
+from specserve.kernels.launch import target_programs
+
+CHUNKS = (2048, 1024, 512, 256)  # positions per program: pick_chunk's choices, largest first
+BLOCK = 1024  # positions per step of a program, at most
 _BINS = tl.constexpr(512)  # 256 digits + a bin for the keys outside the prefix (tl.histogram wants a power of two)
 
 
@@ -182,13 +186,23 @@ def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, 
             tl.store(out_row + f, tl.full([BLOCK], -1, tl.int64), mask=f < out_k)
 
 
+def pick_chunk(rows: int, max_kv: int, target: int) -> int:
+    """Positions per program: the largest of CHUNKS whose grid (rows, chunks) still has `target` programs; the
+    smallest when none has. Shapes only."""
+    for chunk in CHUNKS:
+        if rows * triton.cdiv(max_kv, chunk) >= target:
+            return chunk
+    return CHUNKS[-1]
+
+
 def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor, width: int, k: int, *,
-                      chunk: int = CHUNK, block: int = BLOCK,
+                      chunk: int | None = None, block: int = BLOCK,
                       kv_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [bs, width, max_kv] float32 (the indexer's; positions past a query's causal length are ignored);
     seq_lens [bs] int64 (device); kv_slots [bs, max_kv] int64 -> (slots [bs * width, K] int64: the chosen
     positions' slots in position order, then -1; counts [bs * width] int64), K = min(k, max_kv). Capturable.
-    chunk: positions per program; block: positions per step (powers of two, block <= chunk). kv_rows [bs] int64:
+    chunk: positions per program (None: pick_chunk; under the interpreter the largest); block: positions per step
+    (powers of two, at most chunk). kv_rows [bs] int64:
     request b's slots are kv_slots[kv_rows[b]] (token rows of a prefill; kv_slots then any [rows, max_kv] table)."""
     bs, w, max_kv = scores.shape
     assert w == width and seq_lens.shape == (bs,) and k > 0 and kv_slots.shape[1] == max_kv
@@ -196,6 +210,9 @@ def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: to
     assert scores.dtype == torch.float32 and scores.stride(-1) == 1 and scores.stride(0) == w * scores.stride(1)
     rows, out_k = bs * w, min(k, max_kv)
     dev = scores.device
+    if chunk is None:
+        chunk = pick_chunk(rows, max_kv, target_programs(dev, cpu=1))
+    block = min(block, chunk)
     out = torch.empty((rows, out_k), dtype=torch.int64, device=dev)
     out_counts = torch.empty((rows,), dtype=torch.int64, device=dev)
     if rows == 0:
