@@ -105,7 +105,7 @@ def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu
         drafts_drawn.append(draft.logit_calls)
     if graphed_steps is not None and sched.mr.spec is not None and sched.mr.spec.spec_step is not None:
         one = sched.mr.spec.spec_step
-        graphed_steps += [one.ladder.replays, one.sampled.replays, one.filtered.replays]
+        graphed_steps += list(one.replays_by_kind.values())
     return np.array([r.output_ids for r in reqs])
 
 

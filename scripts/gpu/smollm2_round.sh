@@ -37,7 +37,7 @@ case "${1:-}" in
       --prompts $D/gsm8k_test.jsonl $D/qa_question.jsonl $D/sum_question.jsonl $D/humaneval_question.jsonl \
       --prompts-per-file 40 --max-new-tokens 256 --accept-steps "" --speed-steps 2,3,4 --concurrency 1 \
       --speed-prompts 16 --repeats 2 --context-length 4096 --temperature 0.7 --top-p 0.95 --compare-draft-sampling \
-      --output-file "$OUT/bench_qspec.jsonl" 2>&1 | grep -v -i warn | tail -10
+      --output-file "$OUT/bench_qspec.jsonl" 2>&1 | grep -v "Warning" | tail -12
     ;;
   sweep)
     ISLS=${2:-1024,4096}

@@ -310,10 +310,15 @@ def main(argv: list[str] | None = None) -> int:
                     row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization
                     row["spec_plain_steps"] = scheds[cfg].stats.spec_plain_steps  # adaptive: steps taken plain
                     row["draft_sampling"] = cfg.draft_sampling
+                    one = scheds[cfg].mr.spec.spec_step
+                    if one is not None:  # which one-graph steps ran (sampled ones at 0: phase by phase)
+                        row["spec_step_replays"] = one.replays_by_kind
                 result["speed"].append(row)
                 acc = f", accept {row['accept_length']:.2f}" if n else ""
                 if "same_as_plain" in row:
                     acc += f", {row['same_as_plain']}/{len(reqs)} outputs = plain"
+                if "spec_step_replays" in row:
+                    acc += ", one-graph steps " + "/".join(f"{k} {v}" for k, v in row["spec_step_replays"].items())
                 spread = f" (runs {min(rates):.0f}..{max(rates):.0f})" if len(rates) > 1 else ""
                 print(f"concurrency {c:>3} | {cfg.label:<18} | {row['tok_per_s']:9.1f} tok/s{spread} | "
                       f"x{row['speedup_vs_plain']:.2f} (outside prefill x{row['decode_speedup_vs_plain']:.2f}, "

@@ -56,6 +56,12 @@ class StepGraphRunner(LadderRunner, abc.ABC):
     def replays(self) -> int:
         return self.ladder.replays + self.sampled.replays + self.filtered.replays
 
+    @property
+    def replays_by_kind(self) -> dict[str, int]:
+        """Replays of each kind's graphs: a sampled kind at 0 while sampled steps ran means they went phase by
+        phase (its capture failed: logged once at start)."""
+        return {"greedy": self.ladder.replays, "sampled": self.sampled.replays, "filtered": self.filtered.replays}
+
     def covers(self, bs: int, sb: SamplingBatch = GREEDY) -> bool:
         """Whether a batch of bs requests with this sampling runs as one graph (on CPU: one static replay)."""
         if not (self.use_graphs and bs <= self.max_bs):
