@@ -158,6 +158,29 @@ def test_sparse_phases_agree(dsa, arch):
         torch.testing.assert_close(out, logits[40][s0:s0 + 4], rtol=1e-4, atol=1e-4, msg=f"verify at {s0}")
 
 
+def test_eager_prefill_in_query_blocks_is_the_same(dsa):
+    """A long piece's queries in blocks (torch_mla_backend.query_blocks, bounded score memory): the MLA attention
+    and the indexer's scores in blocks of 1 to 4 queries give the one-block logits, for two requests in one batch."""
+    from specserve.attention.torch_mla_backend import query_blocks
+
+    assert query_blocks(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)] and query_blocks(3, 100, 1) == [(0, 1), (1, 2),
+                                                                                                        (2, 3)]
+    path = dsa["glm_moe_dsa_sparse"]
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 23)]
+    logits = []
+    for max_scores in (None, 200):
+        mr, t = _runner(path, n=1)
+        if max_scores is not None:
+            for kind in (CacheKind.MLA, CacheKind.INDEX_KEYS):
+                mr.prefill.eager_backends[kind].max_scores = max_scores  # MLA: a query's 4 heads x 40 keys = 160
+        handles = [KVHandle(), KVHandle()]
+        assert all(mr.kv.assign_row(h) for h in handles) and mr.kv.ensure(handles, [48, 48])
+        logits.append(_prefill(mr, t, prompts, handles, chunk=40))
+    for a, b in zip(*logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def greedy_plain(dsa):
     prompts = _prompts()

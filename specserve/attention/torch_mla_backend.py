@@ -19,10 +19,23 @@ import torch.nn.functional as F
 from specserve.attention.torch_backend import TorchAttentionBackend, _FixedMeta
 from specserve.batch import CacheKind, ForwardBatch
 
+# The most attention (or index) scores, heads x queries x keys, one eager prefill call materialises: a request
+# piece's queries go in blocks under it, so a long prompt's chunk over a long prefix stays bounded in memory
+# (8192 queries over 32k keys at 64 heads would be 17 G scores). Rows are independent: the result does not depend
+# on the blocking.
+MAX_SCORES = 1 << 28
+
+
+def query_blocks(queries: int, per_query: int, max_scores: int) -> list[tuple[int, int]]:
+    """[(start, end)) blocks of `queries` rows with at most max_scores // per_query rows each (at least one)."""
+    step = max(1, max_scores // max(per_query, 1))
+    return [(a, min(queries, a + step)) for a in range(0, queries, step)]
+
 
 class TorchMLABackend(TorchAttentionBackend):
     kind = CacheKind.MLA
     captures_varlen = False
+    max_scores = MAX_SCORES  # per instance where a test wants blocks of a few queries
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
@@ -45,12 +58,13 @@ class TorchMLABackend(TorchAttentionBackend):
         out = q.new_empty((q.shape[0], layer.num_heads, c))
         for i, (q0, e, slots, mask) in enumerate(meta.pieces):
             kv = rows.index_select(0, slots)[None, None].to(q.dtype)  # [1, 1, s, C + R]
-            qq = q[q0:q0 + e].transpose(0, 1)[None]  # [1, H, e, C + R]
             if selection is not None:
                 mask = mask & selection[i]
-            o = F.scaled_dot_product_attention(qq, kv, kv[..., :c], attn_mask=mask[None, None], scale=layer.scaling,
-                                               enable_gqa=True)
-            out[q0:q0 + e] = o[0].transpose(0, 1)
+            for a, b in query_blocks(e, layer.num_heads * slots.numel(), self.max_scores):
+                qq = q[q0 + a:q0 + b].transpose(0, 1)[None]  # [1, H, b - a, C + R]
+                o = F.scaled_dot_product_attention(qq, kv, kv[..., :c], attn_mask=mask[a:b][None, None],
+                                                   scale=layer.scaling, enable_gqa=True)
+                out[q0 + a:q0 + b] = o[0].transpose(0, 1)
         return out
 
 
@@ -85,6 +99,7 @@ class TorchIndexBackend(TorchAttentionBackend):
 
     kind = CacheKind.INDEX_KEYS
     captures_varlen = False
+    max_scores = MAX_SCORES  # per-head scores of one eager block (query_blocks)
 
     def select(self, iq, indexer, fb: ForwardBatch):
         """iq: layers/dsa_indexer.py IndexQuery -> the selection (fixed width: [bs, 1, w, kv] bool; a prefill: one
@@ -104,9 +119,12 @@ class TorchIndexBackend(TorchAttentionBackend):
         out = []
         for q0, e, slots, mask in meta.pieces:
             keys = self._keys(slots, i)  # [s, D]
-            s = torch.einsum("ehd,kd->ehk", iq.q[q0:q0 + e].float(), keys).relu()  # [e, Hi, s]
-            scores = torch.einsum("eh,ehk->ek", iq.weights[q0:q0 + e], s)
-            out.append(topk_mask(scores, mask, indexer.topk))
+            parts = []
+            for a, b in query_blocks(e, indexer.n_heads * slots.numel(), self.max_scores):
+                s = torch.einsum("ehd,kd->ehk", iq.q[q0 + a:q0 + b].float(), keys).relu()  # [b - a, Hi, s]
+                scores = torch.einsum("eh,ehk->ek", iq.weights[q0 + a:q0 + b], s)
+                parts.append(topk_mask(scores, mask[a:b], indexer.topk))
+            out.append(torch.cat(parts))  # [e, s]
         self.last = out
         return out
 
