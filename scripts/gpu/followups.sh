@@ -22,9 +22,8 @@
 #             tests of the one-launch sampled-draft kernels (kernels/triton_candidates.py, accept_sampling_q_triton)
 #             and of the kernels' token rows; then `smollm2_round.sh keep / join / qspec` for q-drafts' speed.
 #   seventh   what the sixth session of 2026-12-01 left unmeasured: the sampled speculative step's kernels against
-#             the greedy one's (profile_spec_step.py --sampled; then `smollm2_round.sh keep / join / qspec`, whose
-#             rows now say how many sampled steps ran as one graph: §19.3's sampled step cost 0.9 ms more than a
-#             greedy one, as if phase by phase), the DSA top-k's chunk policy and the MLA split merge
+#             the greedy one's (profile_spec_step.py --sampled: where §19.3's 1.97 plain steps a spec step go;
+#             `smollm2_round.sh qspec` rows now also say how many sampled steps ran as one graph), the DSA top-k's chunk policy and the MLA split merge
 #             over all splits at once (their GPU tests, bench_mla.py's sparse / dense / indexer rows, the per-kernel
 #             profile at batch 1 and 32k keys), then GLM-5's phases at 32k.
 # Order for a fresh lease (30 device-minutes), as left by the sixth session of 2026-12-01 (next, gptfast and the
