@@ -315,8 +315,8 @@ def test_silu_epilogue_over_many_gate_values():
 
 def test_bad_inputs_raise():
     x, w = torch.zeros(2, 64, device=DEV), torch.zeros(8, 64, device=DEV)
-    with pytest.raises(ValueError, match="decode rows"):
-        gemv(torch.zeros(5, 64, device=DEV), w)
+    with pytest.raises(ValueError, match="decode rows"):  # more rows than a tile
+        gemv(torch.zeros(17, 64, device=DEV), w)
     with pytest.raises(ValueError, match="does not fit"):
         gemv(x, w.to(BF16))
     with pytest.raises(ValueError, match="does not fit"):
@@ -334,22 +334,38 @@ def test_bad_inputs_raise():
 
 
 def test_gemv_config_defaults_and_tuned_table():
-    for m in (1, 2, 4):
-        for n, k, silu in [(6144, 4096, False), (28672, 4096, True), (4096, 14336, False), (960, 576, False),
-                           (3072, 576, True), (37, 100, False)]:
-            cfg = gemv_config(m, n, k, BF16, silu)
-            assert set(cfg) == {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-            assert all(v > 0 and v & (v - 1) == 0 for v in (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]))
-            assert 2 <= cfg["BLOCK_N"] <= 16 and cfg["BLOCK_K"] <= max(16, triton.next_power_of_2(k))
-            if m == 1 and (n, k) in triton_gemv._TUNED:
-                assert cfg == triton_gemv._TUNED[(n, k)]  # the swept M = 1 config, whatever it holds
-                continue
-            rows = (2 if silu else 1) * m
-            assert rows * cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 64 * 32 * cfg["num_warps"]  # accumulators fit
+    for n, k, silu in [(6144, 4096, False), (28672, 4096, True), (4096, 14336, False), (960, 576, False),
+                       (3072, 576, True), (37, 100, False)]:
+        cfg = gemv_config(1, n, k, BF16, silu)
+        assert set(cfg) == {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+        assert all(v > 0 and v & (v - 1) == 0 for v in (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]))
+        assert 2 <= cfg["BLOCK_N"] <= 16 and cfg["BLOCK_K"] <= max(16, triton.next_power_of_2(k))
+        if (n, k) in triton_gemv._TUNED:
+            assert cfg == triton_gemv._TUNED[(n, k)]  # the swept M = 1 config, whatever it holds
+            continue
+        rows = 2 if silu else 1
+        assert rows * cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 64 * 32 * cfg["num_warps"]  # accumulators fit
+        for m in (2, 5, 16):  # the skinny GEMM: tl.dot tiles of at least 16, 512 bytes of a weight row a K step
+            rc = gemv_config(m, n, k, BF16, silu)
+            assert rc["BLOCK_N"] in (16, 32) and rc["BLOCK_K"] == min(256, max(16, triton.next_power_of_2(k)))
     assert triton_gemv._default_config(6144, 4096, BF16, False) == dict(BLOCK_N=8, BLOCK_K=512, num_warps=4,
                                                                           num_stages=3)
     assert triton_gemv._default_config(960, 576, BF16, False)["BLOCK_K"] == 128  # 576 = 4.5 x 128: 512 pads 78%
-    assert gemv_config(2, 6144, 4096, BF16) == triton_gemv._default_config(6144, 4096, BF16, False)  # not tuned
+    assert gemv_config(2, 6144, 4096, BF16)["BLOCK_N"] == 16 and gemv_config(2, 28672 * 2, 4096, BF16, True)[
+        "BLOCK_N"] == 32  # 16 output columns a program until 32 still gives two programs per SM
+
+
+@pytest.mark.parametrize("m", [5, 9, 16])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_rows_beyond_four_equal_the_reference(m, silu_mul):
+    """Verify-sized row counts (N + 1 = 5, two requests' 9 rows padded to 16, a full 16-row tile) through the
+    skinny GEMM, normed with a residual and plain, exact inputs: equal to the unfused ops."""
+    g = torch.Generator().manual_seed(m * 2 + silu_mul)
+    x, r, nw, w, b = exact_norm_inputs(m, 80, 30, BF16, 2.0 ** -10, 0.0, True, True, g)
+    got = norm_gemv(*to_dev(x, r, nw), 2.0 ** -10, 0.0, *to_dev(w, b), silu_mul=silu_mul)
+    check_norm(got, norm_reference(x, r, nw, 2.0 ** -10, 0.0, w, b, silu_mul), silu_mul)
+    xg, wg, bg = exact_gemv_inputs(m, 45, 200, BF16, g, True)
+    assert torch.equal(gemv(*to_dev(xg, wg, bg)).cpu(), linear_exact(xg, wg, bg))
 
 
 # ------------------------------------------------------------------------------------------ GPU: real shapes

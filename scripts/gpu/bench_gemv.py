@@ -227,7 +227,7 @@ def sweep(p: Proj, iters: int, flush) -> tuple[dict[str, int], float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    p.add_argument("--rows", type=int, nargs="+", default=[1], help="M: decode rows (1..4)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1], help="M: rows (1: the GEMV; 2..16: the skinny GEMM)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--layers", type=int, default=0, help="distinct weights per graph (0: per shape, 8 or 30)")
     p.add_argument("--warm", action="store_true", help="no L2 flush between replays")

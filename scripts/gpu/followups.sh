@@ -25,7 +25,9 @@
 #             the greedy one's (profile_spec_step.py --sampled: where §19.3's 1.97 plain steps a spec step go;
 #             `smollm2_round.sh qspec` rows now also say how many sampled steps ran as one graph), the DSA top-k's chunk policy and the MLA split merge
 #             over all splits at once (their GPU tests, bench_mla.py's sparse / dense / indexer rows, the per-kernel
-#             profile at batch 1 and 32k keys), then GLM-5's phases at 32k.
+#             profile at batch 1 and 32k keys), then GLM-5's phases at 32k; the skinny GEMM for 2..16 rows
+#             (kernels/triton_gemv.py _rows_kernel: verify's rows under --decode-gemv triton) against cuBLAS at 4 and 5
+#             rows, and the 8B and SmolLM2 phases with it (if it wins, gemv_policy gets a verify-rows set).
 # Order for a fresh lease (30 device-minutes), as left by the sixth session of 2026-12-01 (next, gptfast and the
 # SmolLM2 qspec ran then: BENCHMARKS §19): seventh (~8 min).
 . scripts/gpu/env.sh
@@ -101,6 +103,12 @@ case "${1:-}" in
     timeout 150 python3 scripts/gpu/bench_mla.py sparse mla indexer 2>&1 | grep -v -i warn | tail -40
     timeout 150 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --prefix-len 32000 \
       --context-length 33000 --iters 6 --idle-steps 0 2>&1 | grep -v -i warn | tail -20
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py tests/test_gpu.py -k \
+      "gemv or plain_step" 2>&1 | grep -v -i warn | tail -3
+    timeout 100 python3 scripts/gpu/bench_gemv.py --rows 4 5 --shapes llama-3.1-8b smollm2-135m 2>&1 \
+      | grep -v -i warn | tail -24
+    for g in auto triton; do timeout 150 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 \
+      --iters 20 --idle-steps 0 --prefill-tokens 0 --decode-gemv $g 2>&1 | grep -v -i warn | tail -12; done
     ;;
   *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh" >&2; exit 2 ;;
 esac

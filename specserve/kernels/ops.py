@@ -202,7 +202,7 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return ref.gated_delta_rule_states(q, k, v, g, beta, ssm_state, state_rows, start_slots, starts, lens, False)
 
 
-GEMV_MAX_ROWS = 4  # decode rows the fused GEMV kernels take (kernels/triton_gemv.py MAX_ROWS)
+GEMV_MAX_ROWS = 16  # rows the fused GEMV / skinny-GEMM kernels take (kernels/triton_gemv.py MAX_ROWS)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

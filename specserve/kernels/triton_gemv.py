@@ -1,4 +1,4 @@
-"""Memory-bound Triton GEMVs for decode rows (M <= 4 tokens) on CUDA, with their neighbours fused in (references:
+"""Memory-bound Triton GEMVs for decode rows (M <= 16 tokens) on CUDA, with their neighbours fused in (references:
 F.linear, and kernels/reference.py add_rms_norm / rms_norm and silu_and_mul).
 
 At batch 1 a dense layer's projections read megabytes of weights for one activation row, and the small kernels
@@ -9,6 +9,10 @@ reduce) and the gaps between launches cost as much as the weights' bytes on smal
 
 `norm_gemv`: the RMSNorm of h = x + residual fused into the GEMV's prologue (and, with silu_mul, SiLU(gate) * up
 in its epilogue), one launch; it also returns h (the new residual).
+
+One row (a decode step at batch 1) runs the GEMV below; 2..16 rows (verify's N + 1, a small batch) a skinny GEMM
+with the same fusions and rounding (`_rows_kernel`): each weight tile loaded once and multiplied with every row
+on the tensor cores (tl.dot, rows padded to 16), a [16, BLOCK_N] float32 accumulator, tiles of at least 16.
 
 Grid cdiv(N_out, BLOCK_N): each program owns BLOCK_N output columns (BLOCK_N weight rows, or with silu_mul BLOCK_N
 gate rows and the same BLOCK_N up rows) and loops over all of K in BLOCK_K steps (`tl.range`, pipelined by
@@ -38,7 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # decode rows: the accumulators of every row are held in registers at once
+from specserve.kernels.triton_dot import dot
+
+MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tuned launch configurations at M = 1, keyed by the weight's (rows, K) (rows: 2I for silu_mul's gate_up weight).
@@ -60,7 +66,6 @@ _TUNED: dict[tuple[int, int], dict[str, int]] = {
 
 _SMS = 132  # H200: the default config aims for several programs on every SM
 _PROGRAMS_PER_SM = 4
-_ACC_PER_THREAD = 64  # float32 accumulator elements per thread (all rows, gate and up) the default allows
 
 
 @triton.jit
@@ -170,20 +175,93 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
         tl.store(y_ptr + m * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _rows_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, n_out, K, eps, up_offset,
+                 stride_x, stride_r, stride_h, stride_w, stride_y,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr, SILU: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """_gemv_kernel's contract for 2..BLOCK_M rows (verify's), as a skinny GEMM: each weight tile is loaded once
+    and multiplied with all rows at once on the tensor cores (tl.dot, the rows padded to BLOCK_M), the accumulator
+    [BLOCK_M, BLOCK_N] float32 instead of a [BLOCK_N, BLOCK_K] tile per row. The activations are rounded to x's
+    dtype exactly as in _gemv_kernel before the product."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_ok = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < n_out
+    ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    dtype = x_ptr.dtype.element_ty
+    gate_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+    up_rows = gate_rows + up_offset
+    m2 = rows[:, None]  # [BLOCK_M, 1]
+
+    if NORM:  # each row's sum of squares over all of K (h rounded first), in float32
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            k = k0 + ks
+            ok = row_ok[:, None] & (k < K)[None, :]
+            h = _load_h(x_ptr, r_ptr, m2, k[None, :], ok, stride_x, stride_r, HAS_RESIDUAL, ROUND_BF16)
+            if HAS_RESIDUAL and pid == 0:  # the new residual, once
+                tl.store(h_ptr + m2 * stride_h + k[None, :], h.to(dtype), mask=ok)
+            sq += h * h
+        rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)[:, None]  # [BLOCK_M, 1]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + ks
+        k_ok = k < K
+        ok = row_ok[:, None] & k_ok[None, :]  # [BLOCK_M, BLOCK_K]
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K] in x's dtype
+        if NORM:
+            h = _load_h(x_ptr, r_ptr, m2, k[None, :], ok, stride_x, stride_r, HAS_RESIDUAL, ROUND_BF16)
+            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_K]
+            if W_OFFSET == 0.0:
+                a = _rounded(_rounded(h * rstd, dtype, ROUND_BF16) * nw, dtype, ROUND_BF16)
+            else:
+                a = _rounded(h * rstd * (nw + W_OFFSET), dtype, ROUND_BF16)
+            a = a.to(dtype)
+        else:
+            a = tl.load(x_ptr + m2 * stride_x + k[None, :], mask=ok, other=0.0)  # [BLOCK_M, BLOCK_K]
+        acc += dot(a, tl.trans(wg), F32_DOT, PRECISION)
+        if SILU:
+            wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+            acc_u += dot(a, tl.trans(wu), F32_DOT, PRECISION)
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = _rounded(acc, dtype, ROUND_BF16)
+    if SILU:
+        if HAS_BIAS:
+            acc_u += tl.load(b_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        u = _rounded(acc_u, dtype, ROUND_BF16)
+        y = _rounded(_rounded(y / (1.0 + tl.exp(-y)), dtype, ROUND_BF16) * u, dtype, ROUND_BF16)
+    tl.store(y_ptr + m2 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, silu_mul: bool = False) -> dict[str, int]:
     """Launch parameters (BLOCK_N, BLOCK_K, num_warps, num_stages) for x [m, k] and a weight [n, k] (silu_mul: n =
-    2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). _TUNED (n, k) first at M = 1, else a
-    heuristic: K steps of 1 kB of each weight row (16-byte loads, 512 bf16) unless that pads K by more than an eighth,
-    and the most output columns a program (16 weight rows at most) that still gives _PROGRAMS_PER_SM programs per SM,
-    down to 2. For m > 1 the K step shrinks until the m rows' accumulators fit the per-thread budget."""
-    if m == 1 and (n, k) in _TUNED:  # tuned at M = 1 only: at more rows (verify) its accumulators spill
+    2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). One row (the GEMV): _TUNED (n, k)
+    first, else a heuristic: K steps of 1 kB of each weight row (16-byte loads, 512 bf16) unless that pads K by more
+    than an eighth, and the most output columns a program (16 weight rows at most) that still gives
+    _PROGRAMS_PER_SM programs per SM, down to 2. More rows (the skinny GEMM): _rows_config."""
+    if m > 1:
+        return _rows_config(n // 2 if silu_mul else n, k, dtype)
+    if (n, k) in _TUNED:
         return dict(_TUNED[(n, k)])
-    cfg = _default_config(n // 2 if silu_mul else n, k, dtype, silu_mul)
-    per_row = (2 if silu_mul else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] / (32 * cfg["num_warps"])
-    while m * per_row > _ACC_PER_THREAD and cfg["BLOCK_K"] > 32:
-        cfg["BLOCK_K"] //= 2
-        per_row /= 2
-    return cfg
+    return _default_config(n // 2 if silu_mul else n, k, dtype, silu_mul)
+
+
+def _rows_config(cols: int, k: int, dtype: torch.dtype) -> dict[str, int]:
+    """The skinny GEMM's tiles: 512 bytes of each weight row a K step, 32 output columns a program where that still
+    gives two programs per SM, else 16 (tl.dot's smallest)."""
+    block_k = min(512 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+    block_n = 32 if triton.cdiv(cols, 32) >= 2 * _SMS else 16
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
 
 
 def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> dict[str, int]:
@@ -220,17 +298,24 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
     if m == 0 or n_out == 0:
         return
     cfg = config or gemv_config(m, w.shape[0], k, x.dtype, silu_mul)
-    grid = (triton.cdiv(n_out, cfg["BLOCK_N"]),)
-    _gemv_kernel[grid](
-        x, residual if residual is not None else x, norm_w if norm_w is not None else x, w,
-        bias if bias is not None else w, y, h if h is not None else y, n_out, k, eps, n_out * w.stride(0),
-        x.stride(0), residual.stride(0) if residual is not None else 0, h.stride(0) if h is not None else 0,
-        w.stride(0), y.stride(0),
-        M=m, NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, W_OFFSET=float(weight_offset),
-        SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    args = (x, residual if residual is not None else x, norm_w if norm_w is not None else x, w,
+            bias if bias is not None else w, y, h if h is not None else y)
+    strides = (x.stride(0), residual.stride(0) if residual is not None else 0, h.stride(0) if h is not None else 0,
+               w.stride(0), y.stride(0))
+    flags = dict(NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, W_OFFSET=float(weight_offset),
+                 SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16)
+    if m == 1:
+        _gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](
+            *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
+    block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles
+    _rows_kernel[(triton.cdiv(n_out, block_n),)](
+        *args, m, n_out, k, eps, n_out * w.stride(0), *strides, **flags, F32_DOT=not x.is_cuda,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -239,7 +324,7 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          config: dict[str, int] | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for decode rows on CUDA: x [M, K] (M <= 4; bf16, fp16 or fp32), w [N, K] row-major in
+    """F.linear(x, w, bias) for decode rows on CUDA: x [M, K] (M <= MAX_ROWS; bf16, fp16 or fp32), w [N, K] row-major in
     x's dtype, bias [N] or None -> y [M, N] in x's dtype: float32 sums (+ bias) rounded once, as F.linear's, up to
     the order of accumulation (fixed: no split-K). One launch, capturable in a CUDA graph. config: gemv_config's
     result, to override (benchmarks, tests)."""
@@ -255,10 +340,10 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tens
               config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """F.linear(rms_norm(h, norm_w, eps, weight_offset), w, bias) with h = x + residual (or x when residual is None)
     in one launch for decode rows on CUDA, rounded as the unfused ops (reference.add_rms_norm / rms_norm, then
-    F.linear; see the module doc). x, residual [M, K] (M <= 4), norm_w [K] (x's dtype unless weight_offset), w [N,
-    K] row-major, bias [N] or None, all in x's dtype. Returns (y, h): y [M, N], or with silu_mul (w = gate rows [0, I)
-    then up rows [I, 2I)) y [M, I] = silu_and_mul(F.linear(a, w, bias)); h [M, K] the new residual (x itself when
-    residual is None). config: gemv_config's result, to override."""
+    F.linear; see the module doc). x, residual [M, K] (M <= MAX_ROWS), norm_w [K] (x's dtype unless
+    weight_offset), w [N, K] row-major, bias [N] or None, all in x's dtype. Returns (y, h): y [M, N], or with
+    silu_mul (w = gate rows [0, I) then up rows [I, 2I)) y [M, I] = silu_and_mul(F.linear(a, w, bias)); h [M, K]
+    the new residual (x itself when residual is None). config: gemv_config's result, to override."""
     _check(x, w, bias, silu_mul)
     m, k = x.shape
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
