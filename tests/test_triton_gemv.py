@@ -374,8 +374,9 @@ SHAPES = {"llama-3.1-8b": (4096, 6144, 4096, 14336), "smollm2-135m": (576, 960, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5])  # the GEMV; verify's rows through the skinny GEMM
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_real_shapes_match_unfused_path_and_replay_in_a_cuda_graph(model):
+def test_real_shapes_match_unfused_path_and_replay_in_a_cuda_graph(model, m):
     from specserve.kernels import triton_act, triton_norm
 
     hidden, qkv, q_width, inter = SHAPES[model]
@@ -388,7 +389,7 @@ def test_real_shapes_match_unfused_path_and_replay_in_a_cuda_graph(model):
     w_qkv, w_o = randn(qkv, hidden, scale=hidden ** -0.5), randn(hidden, q_width, scale=q_width ** -0.5)
     w_gu, w_down = randn(2 * inter, hidden, scale=hidden ** -0.5), randn(hidden, inter, scale=inter ** -0.5)
     n1, n2 = 1 + randn(hidden, scale=0.1), 1 + randn(hidden, scale=0.1)
-    x, res, attn, act = randn(1, hidden), randn(1, hidden, scale=4.0), randn(1, q_width), randn(1, inter)
+    x, res, attn, act = randn(m, hidden), randn(m, hidden, scale=4.0), randn(m, q_width), randn(m, inter)
 
     def unfused():
         a, h = triton_norm.add_rms_norm(x, res, n1, eps)
