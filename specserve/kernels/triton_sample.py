@@ -7,16 +7,17 @@ float bits order like the values):
 
 * the threshold is the smallest e_i whose strictly larger tokens number fewer than top_k and hold at most top_p of
   the mass (the sorted reference's rule, ties kept together: sampler.filter_sorted); both sides are monotone in
-  e_i, so the descent picks, 4 bits a level over 8 levels, the lowest non-empty bucket whose higher buckets (and
-  the levels above) still satisfy both, and after the last level the prefix is the threshold's key itself;
+  e_i, so the descent picks, 5 bits a level over 6 levels, the lowest non-empty bucket whose higher buckets (and
+  the levels above) still satisfy both, and after the last level the prefix is the threshold's key itself (e <= 1,
+  so a key's two top bits are 0: 30 bits to resolve);
 * min-p (e_i >= min_p, since e = p / p_max) is a second threshold on the same keys; kept = key >= max of the two.
 
 Every pass is a grid (rows, chunks of CHUNK tokens). A pass whose result is a per-row reduction (the max and the
-normaliser, a level's 16-bucket counts and masses, the race's winner) has each program write its chunk's partial
+normaliser, a level's 32-bucket counts and masses, the race's winner) has each program write its chunk's partial
 result to a workspace; the program that arrives last at the row's counter (an acq_rel atomic) reduces the partials
 in chunk order (deterministic), writes the row's state, and resets the counter. Launches: 1 for an unfiltered
 sample (the race in log space, argmax z_i - log(-log u_i), needs no normaliser); 10 for a filtered sample or a
-filtered distribution (statistics, 8 levels, the race or the write); 2 for an unfiltered distribution. Grids and
+filtered distribution (statistics, 6 levels, the race or the write); 2 for an unfiltered distribution. Grids and
 workspaces depend on shapes only: the launches are CUDA-graph capturable.
 
 At a few rows every pass is latency-bound: a program's serial walk over its chunk is what a pass costs, so the
@@ -37,8 +38,11 @@ from specserve.kernels.triton_accept import _key, _uniform
 CHUNK = 4096  # tokens per program, at most
 CHUNKS = (4096, 2048, 1024)  # pick_chunk's choices, largest first
 BLOCK = 1024  # tokens per step of a program
-BINS = 16  # buckets per level (4 bits)
-LEVELS = 8
+BITS = 5  # key bits a level resolves
+BINS = 1 << BITS  # buckets per level
+KEY_BITS = 30  # e = exp(z - max z) <= 1: the float's sign and top exponent bit are 0
+LEVELS = KEY_BITS // BITS
+LEVEL_BLOCK = 16384 // BINS  # tokens per step of a level: its [tokens, BINS] one-hot tile at most 16k elements
 # Row state: float32 [R, 8] and int32 [R, 8] (one int32 workspace, the float part viewed as float32).
 # float: max z, sum e, mass above the prefix, mass with e >= min_p, kept mass
 _M, _Z, _MA, _ZMIN, _ZT = (tl.constexpr(i) for i in range(5))
@@ -125,15 +129,15 @@ def _stats_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, wsf_ptr, wsi_ptr, s
 def _level_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, minp_ptr, wsf_ptr, wsi_ptr, stf_ptr, sti_ptr,
                   active_ptr, counter_ptr, vocab, stride_x, n_chunks, level,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC_PAD: tl.constexpr, BINS: tl.constexpr,
-                  LEVELS: tl.constexpr):
+                  BITS: tl.constexpr, LEVELS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     greedy, temp, k, top_p, select = _row_params(temp_ptr, greedy_ptr, k_ptr, p_ptr, r, vocab)
     min_p = tl.load(minp_ptr + r)
     m = tl.load(stf_ptr + r * 8 + _M)
     prefix = tl.load(sti_ptr + r * 8 + _P)
-    shift = 28 - 4 * level
-    hi = tl.minimum(shift + 4, 31)  # level 0 has no prefix (a shift by 32 is undefined): every key is in it
+    shift = (LEVELS - 1 - level) * BITS  # this level's bits: shift .. shift + BITS - 1
+    hi = shift + BITS  # the prefix's bits are those above (level 0: none, every key is in it)
     active = tl.load(active_ptr + r * n_chunks + c) != 0
     do_hist = select & active
     do_min = (tl.load(greedy_ptr + r) == 0) & (level == 0)
@@ -328,7 +332,7 @@ def _params(temperature, top_k, top_p, min_p, greedy):
 
 
 def _descend(x, prm, w: _Work, chunk: int, block: int) -> None:
-    """Statistics and the 8 levels of the threshold descent: w's row state holds max, normaliser, threshold."""
+    """Statistics and the LEVELS levels of the threshold descent: w's row state holds max, normaliser, threshold."""
     rows, vocab = x.shape
     temp, greedy, k, top_p, min_p = prm
     grid = (rows, w.n_chunks)
@@ -339,8 +343,8 @@ def _descend(x, prm, w: _Work, chunk: int, block: int) -> None:
         return
     for level in range(LEVELS):
         _level_kernel[grid](x, temp, greedy, k, top_p, min_p, w.wsf, w.wsi, w.stf, w.sti, w.active, w.counter,
-                            vocab, x.stride(0), w.n_chunks, level, CHUNK=chunk, BLOCK=block, NC_PAD=nc_pad, BINS=BINS,
-                            LEVELS=LEVELS, num_warps=8)
+                            vocab, x.stride(0), w.n_chunks, level, CHUNK=chunk, BLOCK=min(block, LEVEL_BLOCK),
+                            NC_PAD=nc_pad, BINS=BINS, BITS=BITS, LEVELS=LEVELS, num_warps=8)
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
