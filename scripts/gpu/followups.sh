@@ -21,7 +21,8 @@
 #             their attention projections and routers, and GLM-5 with prefill graphs at 2048 tokens; first the GPU
 #             tests of the one-launch sampled-draft kernels (kernels/triton_candidates.py, accept_sampling_q_triton)
 #             and of the kernels' token rows; then `smollm2_round.sh keep / join / qspec` for q-drafts' speed.
-#   seventh   what the sixth session of 2026-12-01 left unmeasured: the sampled speculative step's kernels against
+#   seventh   what the sixth session of 2026-12-01 left unmeasured: the sampler's 6 levels of 5 bits and its
+#             launches without memsets (bench_sample.py against §19.2's table), the sampled speculative step's kernels against
 #             the greedy one's (profile_spec_step.py --sampled: where §19.3's 1.97 plain steps a spec step go;
 #             `smollm2_round.sh qspec` rows now also say how many sampled steps ran as one graph), the DSA top-k's chunk policy and the MLA split merge
 #             over all splits at once (their GPU tests, bench_mla.py's sparse / dense / indexer rows, the per-kernel
@@ -97,6 +98,8 @@ case "${1:-}" in
     ;;
   seventh)
     timeout 150 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn | tail -75
+    timeout 150 python3 scripts/gpu/bench_sample.py --vocab 49152 128256 --rows 1 5 40 320 --iters 20 2>&1 \
+      | grep -v -i warn | tail -26
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_mla.py tests/test_triton_topk.py \
       tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
     timeout 120 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 | grep -v -i warn | tail -14

@@ -77,8 +77,8 @@ def _arrive(counter_ptr, r):
 
 
 @triton.jit
-def _stats_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, wsf_ptr, wsi_ptr, stf_ptr, sti_ptr, counter_ptr,
-                  vocab, stride_x, n_chunks,
+def _stats_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, wsf_ptr, wsi_ptr, stf_ptr, sti_ptr, active_ptr,
+                  counter_ptr, vocab, stride_x, n_chunks,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC_PAD: tl.constexpr, BINS: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -103,6 +103,7 @@ def _stats_kernel(x_ptr, temp_ptr, greedy_ptr, k_ptr, p_ptr, wsf_ptr, wsi_ptr, s
     tl.store(wsf_ptr + part, best_v)
     tl.store(wsf_ptr + part + 1, tl.sum(s, axis=0))
     tl.store(wsi_ptr + part, best_i)
+    tl.store(active_ptr + r * n_chunks + c, 1)  # every chunk takes part in the first level
     if _arrive(counter_ptr, r):
         ci = tl.arange(0, NC_PAD)
         cok = ci < n_chunks
@@ -293,9 +294,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# Arrival counters, one per row, zero between passes (each pass leaves them at 0 again): made once per device on
+# first use (eager: graphs/capture.py's warm-up calls run first), so a sample launches no memset. The launches of
+# one device run on one stream, in order.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTER_ROWS = 1 << 16
+
+
+def _counters(device: torch.device, rows: int) -> torch.Tensor:
+    if rows > COUNTER_ROWS:
+        return torch.zeros(rows, dtype=torch.int32, device=device)
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(COUNTER_ROWS, dtype=torch.int32, device=device)
+    return c
+
+
 class _Work:
-    """The launches' shared buffers for R rows of V tokens: row state, per-(row, chunk) partials, active flags, and
-    zeroed arrival counters (each pass leaves them at 0 again)."""
+    """The launches' shared buffers for R rows of V tokens: row state, per-(row, chunk) partials, active flags (set
+    by the statistics pass) and the device's arrival counters."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device, chunk: int):
         self.n_chunks = triton.cdiv(vocab, chunk)
@@ -304,8 +321,8 @@ class _Work:
         self.wsf = torch.empty(2 * part, dtype=torch.float32, device=device)  # partials, then the min-p masses
         state = torch.empty((2, rows, 8), dtype=torch.int32, device=device)
         self.sti, self.stf = state[0], state[1].view(torch.float32)
-        self.active = torch.ones((rows, self.n_chunks), dtype=torch.int32, device=device)
-        self.counter = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.active = torch.empty((rows, self.n_chunks), dtype=torch.int32, device=device)
+        self.counter = _counters(device, rows)
 
 
 def pick_chunk(rows: int, vocab: int, target: int) -> int:
@@ -326,7 +343,9 @@ def _chunk(x: torch.Tensor, chunk: int | None, block: int) -> tuple[int, int]:
 
 
 def _params(temperature, top_k, top_p, min_p, greedy):
-    return (temperature.to(torch.float32).contiguous(), greedy.to(torch.int8).contiguous(),
+    as_bytes = greedy.dtype == torch.bool and greedy.is_contiguous()  # the same bytes: no copy launch
+    greedy8 = greedy.view(torch.int8) if as_bytes else greedy.to(torch.int8)
+    return (temperature.to(torch.float32).contiguous(), greedy8.contiguous(),
             top_k.to(torch.int64).contiguous(), top_p.to(torch.float32).contiguous(),
             min_p.to(torch.float32).contiguous())
 
@@ -337,7 +356,7 @@ def _descend(x, prm, w: _Work, chunk: int, block: int) -> None:
     temp, greedy, k, top_p, min_p = prm
     grid = (rows, w.n_chunks)
     nc_pad = max(2, triton.next_power_of_2(w.n_chunks))
-    _stats_kernel[grid](x, temp, greedy, k, top_p, w.wsf, w.wsi, w.stf, w.sti, w.counter, vocab, x.stride(0),
+    _stats_kernel[grid](x, temp, greedy, k, top_p, w.wsf, w.wsi, w.stf, w.sti, w.active, w.counter, vocab, x.stride(0),
                         w.n_chunks, CHUNK=chunk, BLOCK=block, NC_PAD=nc_pad, BINS=BINS, num_warps=4)
     if min_p is None:
         return
