@@ -22,15 +22,16 @@
 #             tests of the one-launch sampled-draft kernels (kernels/triton_candidates.py, accept_sampling_q_triton)
 #             and of the kernels' token rows; then `smollm2_round.sh keep / join / qspec` for q-drafts' speed.
 #   seventh   what the sixth session of 2026-12-01 left unmeasured: the sampler's 6 levels of 5 bits and its
-#             launches without memsets (bench_sample.py against §19.2's table), the sampled speculative step's kernels against
-#             the greedy one's (profile_spec_step.py --sampled: where §19.3's 1.97 plain steps a spec step go;
-#             `smollm2_round.sh qspec` rows now also say how many sampled steps ran as one graph), the DSA top-k's chunk policy and the MLA split merge
-#             over all splits at once (their GPU tests, bench_mla.py's sparse / dense / indexer rows, the per-kernel
-#             profile at batch 1 and 32k keys), then GLM-5's phases at 32k; the skinny GEMM for 2..16 rows
-#             (kernels/triton_gemv.py _rows_kernel: verify's rows under --decode-gemv triton) against cuBLAS at 4 and 5
-#             rows, and the 8B and SmolLM2 phases with it (if it wins, gemv_policy gets a verify-rows set).
+#             launches without memsets (bench_sample.py against §19.2's table); the sampled speculative step's
+#             kernels against the greedy one's (profile_spec_step.py --sampled: where §19.3's 1.97 plain steps a
+#             spec step go; `smollm2_round.sh qspec` rows now also say how many sampled steps ran as one graph);
+#             the DSA top-k's chunk policy and the MLA split merge over all splits at once (their GPU tests,
+#             bench_mla.py's sparse / dense / indexer rows, the per-kernel profile at batch 1 and 32k keys), then
+#             GLM-5's phases at 32k; the skinny GEMM for 2..16 rows (kernels/triton_gemv.py _rows_kernel: verify's
+#             rows under --decode-gemv triton) against cuBLAS at 4 and 5 rows, and the 8B phases with it (if it
+#             wins, gemv_policy gets a verify-rows set).
 # Order for a fresh lease (30 device-minutes), as left by the sixth session of 2026-12-01 (next, gptfast and the
-# SmolLM2 qspec ran then: BENCHMARKS §19): seventh (~8 min).
+# SmolLM2 qspec ran then: BENCHMARKS §19): seventh (~12 min), then smollm2_round.sh keep / join / qspec.
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
