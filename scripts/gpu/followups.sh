@@ -31,7 +31,8 @@
 #             rows under --decode-gemv triton) against cuBLAS at 4 and 5 rows, and the 8B phases with it (if it
 #             wins, gemv_policy gets a verify-rows set).
 # Order for a fresh lease (30 device-minutes), as left by the sixth session of 2026-12-01 (next, gptfast and the
-# SmolLM2 qspec ran then: BENCHMARKS §19): seventh (~12 min), then smollm2_round.sh keep / join / qspec.
+# SmolLM2 qspec ran then: BENCHMARKS §19): seventh a, seventh b (~9 min each), then smollm2_round.sh keep / join /
+# qspec.
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -97,22 +98,24 @@ case "${1:-}" in
     timeout 120 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1 --iters 6 --idle-steps 0 \
       --prefill-tokens 2048 2>&1 | grep -v -i warn | grep -i "prefill\|decode\|spec iter"
     ;;
-  seventh)
-    timeout 150 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn | tail -75
-    timeout 150 python3 scripts/gpu/bench_sample.py --vocab 49152 128256 --rows 1 5 40 320 --iters 20 2>&1 \
-      | grep -v -i warn | tail -26
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_mla.py tests/test_triton_topk.py \
-      tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
-    timeout 120 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 | grep -v -i warn | tail -14
-    timeout 150 python3 scripts/gpu/bench_mla.py sparse mla indexer 2>&1 | grep -v -i warn | tail -40
-    timeout 150 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --prefix-len 32000 \
-      --context-length 33000 --iters 6 --idle-steps 0 2>&1 | grep -v -i warn | tail -20
-    timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py tests/test_gpu.py -k \
-      "gemv or plain_step" 2>&1 | grep -v -i warn | tail -3
-    timeout 100 python3 scripts/gpu/bench_gemv.py --rows 4 5 --shapes llama-3.1-8b smollm2-135m 2>&1 \
-      | grep -v -i warn | tail -24
-    for g in auto triton; do timeout 150 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 \
-      --iters 20 --idle-steps 0 --prefill-tokens 0 --decode-gemv $g 2>&1 | grep -v -i warn | tail -12; done
+  seventh)  # in two calls (each under the 10-minute limit): `seventh a` (sampling, the spec step, the GEMMs), `seventh b`
+    if [ "${2:-a}" = a ]; then
+      timeout 150 python3 scripts/gpu/bench_sample.py --vocab 49152 128256 --rows 1 5 40 320 --iters 20 2>&1 \
+        | grep -v -i warn | tail -26
+      timeout 120 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn | tail -75
+      timeout 80 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py 2>&1 | grep -v -i warn | tail -3
+      timeout 80 python3 scripts/gpu/bench_gemv.py --rows 4 5 --shapes llama-3.1-8b smollm2-135m 2>&1 \
+        | grep -v -i warn | tail -24
+      for g in auto triton; do timeout 70 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 \
+        --iters 20 --idle-steps 0 --prefill-tokens 0 --decode-gemv $g 2>&1 | grep -v -i warn | tail -12; done
+    else
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_mla.py tests/test_triton_topk.py \
+        tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
+      timeout 60 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 | grep -v -i warn | tail -14
+      timeout 150 python3 scripts/gpu/bench_mla.py sparse mla indexer 2>&1 | grep -v -i warn | tail -40
+      timeout 150 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --prefix-len 32000 \
+        --context-length 33000 --iters 6 --idle-steps 0 2>&1 | grep -v -i warn | tail -20
+    fi
     ;;
   *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh" >&2; exit 2 ;;
 esac
