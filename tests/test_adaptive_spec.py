@@ -71,6 +71,8 @@ def test_plain_steps_keep_greedy_lossless(models, plain_ref, key, pattern):
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
     assert sched.stats.spec_plain_steps > 0
     assert (sched.stats.spec_verify_ct > 0) == (False in pattern)
+    one = sched.mr.spec.plain_step_graph  # the plain steps ran as one (static) replay each
+    assert one in sched.mr.spec.graph_runners() and one.replays_by_kind["greedy"] > 0
     sched.check_idle_invariants()
 
 

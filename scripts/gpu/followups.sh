@@ -103,7 +103,8 @@ case "${1:-}" in
       timeout 150 python3 scripts/gpu/bench_sample.py --vocab 49152 128256 --rows 1 5 40 320 --iters 20 2>&1 \
         | grep -v -i warn | tail -26
       timeout 120 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn | tail -75
-      timeout 80 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py 2>&1 | grep -v -i warn | tail -3
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py tests/test_gpu.py -k \
+        "gemv or adaptive_plain or plain_step" 2>&1 | grep -v -i warn | tail -3
       timeout 80 python3 scripts/gpu/bench_gemv.py --rows 4 5 --shapes llama-3.1-8b smollm2-135m 2>&1 \
         | grep -v -i warn | tail -24
       for g in auto triton; do timeout 70 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 \

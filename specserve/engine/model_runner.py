@@ -265,13 +265,15 @@ class ModelRunner:
         """The width-1 runners of a speculating engine's plain steps (none when adaptive speculation is off)."""
         if not self.adaptive_spec or self.spec is None or self.spec.plain is None:
             return []
-        return [self.runners["target_decode"], self.spec.plain.runners["draft_extend"]]
+        one = [self.spec.plain_step_graph] if self.spec.plain_step_graph is not None else []
+        return [self.runners["target_decode"], self.spec.plain.runners["draft_extend"]] + one
 
     def _drop_plain_steps(self) -> None:
         self.adaptive_spec = False
         self.runners.pop("target_decode", None)
         if self.spec is not None:
             self.spec.plain = None
+            self.spec.plain_step_graph = None
 
     def capture_graphs(self) -> None:
         if not (self.use_graphs and self.device.type == "cuda"):
@@ -296,6 +298,10 @@ class ModelRunner:
                     try:
                         pool = r.capture(pool)
                     except Exception:
+                        if r is self.spec.plain_step_graph:  # its phases' own graphs still serve plain steps
+                            logger.exception("capturing %s failed: plain steps run phase by phase", r.name)
+                            self.spec.plain_step_graph = None
+                            continue
                         logger.exception("capturing %s failed: adaptive speculation is off", r.name)
                         self._drop_plain_steps()
         finally:

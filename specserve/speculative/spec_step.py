@@ -31,7 +31,7 @@ from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits, s
 from specserve.speculative.accept import one_hot_dist, verify_greedy, verify_sampling, verify_sampling_q
 
 if TYPE_CHECKING:
-    from specserve.speculative.worker import SpecWorker
+    from specserve.speculative.worker import PlainStepView, SpecWorker
 
 PhaseFn = Callable[[str, LiveInputs], dict[str, torch.Tensor]]
 
@@ -118,16 +118,18 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
 class SpecStepRunner(StepGraphRunner):
     """The speculative step as one graph per captured batch size and sampling kind (CPU: the same function run
     eagerly over the static inputs, as the phase runners' static replay; graphs/step_graph.py). Output:
-    [bs, 1 + N + 1] = accept_len, verified."""
+    [bs, 1 + N + 1] = accept_len, verified. Over a worker's PlainStepView (N = 0, its width-1 runners) it is the
+    speculating engine's plain step as one graph: target, sampling and the draft's extend in one replay, not two
+    replays with eager sampling between them."""
 
-    name = "spec_step"
-
-    def __init__(self, worker: SpecWorker, capture_bs: list[int], use_graphs: bool):
+    def __init__(self, worker: SpecWorker | PlainStepView, capture_bs: list[int], use_graphs: bool,
+                 name: str = "spec_step"):
         verify_ctx = worker.runners["target_verify"].ctx
         # the target's vocabulary: it is what is sampled
-        super().__init__(capture_bs, use_graphs, worker.device, verify_ctx.model.config.vocab_size,
+        super().__init__(capture_bs, use_graphs, verify_ctx.device, verify_ctx.model.config.vocab_size,
                          verify_ctx.graph_max_seq_len, worker.num_steps + 1)
         self.worker = worker
+        self.name = name
 
     def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
         """inputs [3, pbs] (rows, S, rope position of S) -> [pbs, N + 2]; each phase's forward with its runner's

@@ -15,7 +15,9 @@ larger ones run the phases' own graphs with the glue in between (spec_step_devic
 
 With adaptive speculation (engine/adaptive_spec.py) the worker also takes plain steps: the same device function at
 N = 0 (target over the last token with its features, plain sampling, the draft extend over that one position), so
-the draft's KV, d1 and hidden state stay in step and the next step may speculate again.
+the draft's KV, d1 and hidden state stay in step and the next step may speculate again; captured as one graph
+too (`plain_step_graph`: BENCHMARKS §19.3 measured the phase-by-phase plain step, eager sampling between two
+replays, at 1.34x a plain engine's step with drafts drawn from the head).
 """
 
 from __future__ import annotations
@@ -112,10 +114,13 @@ class SpecWorker:
         self.runners["draft_extend"] = DraftExtendRunner(self.ctx, self.chooser, n + 1, s.capture_bs, s.use_graphs)
         self.spec_step = SpecStepRunner(self, s.capture_bs, s.use_graphs) if s.spec_step_graph else None
         self.plain: PlainStepView | None = None
+        self.plain_step_graph: SpecStepRunner | None = None
         if target_decode is not None:
             self.plain = PlainStepView(self.state, last_token, target_state, {
                 "target_verify": target_decode,
                 "draft_extend": DraftExtendPlainRunner(self.ctx, self.chooser, 1, s.capture_bs, s.use_graphs)})
+            if s.spec_step_graph:
+                self.plain_step_graph = SpecStepRunner(self.plain, s.capture_bs, s.use_graphs, "plain_spec_step")
         self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, s.prefill_graph_tokens,
                                      s.prefill_graph_rows, s.use_graphs, hidden_width=draft.feature_size,
                                      max_attended=s.prefill_graph_attended)
@@ -126,7 +131,8 @@ class SpecWorker:
         own = [r for name, r in self.runners.items() if name != "target_verify"]
         if self.plain is not None:
             own.append(self.plain.runners["draft_extend"])
-        return own + ([self.spec_step] if self.spec_step is not None else []) + [self.prefill]
+        steps = [g for g in (self.spec_step, self.plain_step_graph) if g is not None]
+        return own + steps + [self.prefill]
 
     # ------------------------------------------------------------------ prefill
     def record_tokens(self, rows: torch.Tensor, cols: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -176,9 +182,13 @@ class SpecWorker:
         view = self.plain
         if view is None:
             raise RuntimeError("plain steps need the target's width-1 runner (adaptive speculation is off)")
-        rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
-        _, verified = spec_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
-                                       max(s_host), sb)
+        one_graph = self.plain_step_graph
+        if one_graph is not None and one_graph.covers(len(rows_host), sb):
+            verified = one_graph.run(rows_host, s_host, pos0_host, sb)[:, 1:]  # [bs, 1]
+        else:
+            rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
+            _, verified = spec_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
+                                           max(s_host), sb)
         toks = verified[:, 0].tolist()  # the step's one host sync
         return SpecStepResult([0] * len(toks), [[t] for t in toks])
 
