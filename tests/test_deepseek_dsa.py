@@ -181,6 +181,30 @@ def test_eager_prefill_in_query_blocks_is_the_same(dsa):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_triton_eager_prefill_as_token_rows_equals_the_reference(dsa, arch):
+    """Eager prefill through the Triton backends runs as token rows over the batch's longest KV (each query's
+    top-k by the index kernels, attention over only the chosen rows): the torch reference's logits, truly sparse,
+    for two requests of different lengths in chunks of 13 (prefixes, a request finishing before the other)."""
+    from specserve.attention.torch_mla_backend import TokenRows
+
+    path = dsa[f"{arch}_sparse"]
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (40, 23)]
+    logits = []
+    for backend in ("torch", "triton"):
+        mr, t = _runner(path, n=0, attention_backend=backend)
+        handles = [KVHandle(), KVHandle()]
+        assert all(mr.kv.assign_row(h) for h in handles) and mr.kv.ensure(handles, [48, 48])
+        logits.append(_prefill(mr, t, prompts, handles, chunk=13))
+        if backend == "triton":
+            meta = mr.prefill.eager_backends[CacheKind.INDEX_KEYS].meta
+            # the last forward: the longer request's last token alone (the other finished), over its 40 keys
+            assert isinstance(meta, TokenRows) and meta.width == 40 and meta.lens.tolist() == [40]
+    for a, b in zip(*logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def greedy_plain(dsa):
     prompts = _prompts()

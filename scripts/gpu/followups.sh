@@ -27,7 +27,7 @@
 #             spec step go; `smollm2_round.sh qspec` rows now also say how many sampled steps ran as one graph);
 #             the DSA top-k's chunk policy and the MLA split merge over all splits at once (their GPU tests,
 #             bench_mla.py's sparse / dense / indexer rows, the per-kernel profile at batch 1 and 32k keys), then
-#             GLM-5's phases at 32k; the skinny GEMM for 2..16 rows (kernels/triton_gemv.py _rows_kernel: verify's
+#             GLM-5's phases at 32k (eager prefill now as token rows through the DSA kernels); the skinny GEMM for 2..16 rows (kernels/triton_gemv.py _rows_kernel: verify's
 #             rows under --decode-gemv triton) against cuBLAS at 4 and 5 rows, and the 8B phases with it (if it
 #             wins, gemv_policy gets a verify-rows set).
 # Order for a fresh lease (30 device-minutes), as left by the sixth session of 2026-12-01 (next, gptfast and the
@@ -115,7 +115,7 @@ case "${1:-}" in
       timeout 60 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 | grep -v -i warn | tail -14
       timeout 150 python3 scripts/gpu/bench_mla.py sparse mla indexer 2>&1 | grep -v -i warn | tail -40
       timeout 150 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --prefix-len 32000 \
-        --context-length 33000 --iters 6 --idle-steps 0 2>&1 | grep -v -i warn | tail -20
+        --context-length 33000 --iters 6 --idle-steps 0 --prefill-tokens 2048 2>&1 | grep -v -i warn | tail -20
     fi
     ;;
   *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh" >&2; exit 2 ;;

@@ -154,6 +154,17 @@ class TokenRows:
 
     rows: torch.Tensor  # [T] int64 page-table row of each token's request
     lens: torch.Tensor  # [T] int64 causal length of each token (its request's prefix + its offset + 1)
+    width: int | None = None  # eager: the page-table columns the batch reaches (its longest KV); None: the row
+
+
+def token_rows_eager(fb: ForwardBatch) -> TokenRows:
+    """An eager variable-length batch (host lengths) -> TokenRows over the page table's first max(seq_lens)
+    columns (a graph's token rows span the whole row: its shapes are fixed)."""
+    dev = fb.req_pool_indices.device
+    ext, seq = fb.extend_lens_cpu, fb.seq_lens_cpu
+    rows = fb.req_pool_indices.repeat_interleave(torch.tensor(ext, device=dev))  # [T]
+    lens = torch.cat([torch.arange(s - e + 1, s + 1) for s, e in zip(seq, ext) if e]).to(dev)  # [T]
+    return TokenRows(rows, lens, max(seq))
 
 
 def token_rows(fb: ForwardBatch) -> TokenRows:
@@ -168,8 +179,9 @@ def token_rows(fb: ForwardBatch) -> TokenRows:
 
 class _TokenRowsGraphs:
     """Prefill graphs for the Triton MLA and index backends: a variable-length batch under a graph (or the CPU's
-    static replay) runs as TokenRows through the fixed-width kernels; eager prefill stays the torch reference's
-    per-request path (its scores are [new tokens, prefix] per request, not [tokens, page-table width])."""
+    static replay) runs as TokenRows through the fixed-width kernels. Eager prefill: the index backend's token rows
+    over the batch's longest KV (TritonIndexBackend.init_forward_metadata), the MLA attention of DSA layers over the
+    chosen rows; dense MLA stays the torch reference's per-request path."""
 
     captures_varlen = True
 
@@ -194,8 +206,8 @@ class TritonMLABackend(_TokenRowsGraphs, TorchMLABackend):
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
         meta = self.meta
-        if not isinstance(meta, (_FixedMeta, TokenRows)):
-            return super().forward(q, latent, layer, fb, selection)
+        if not isinstance(selection, SparseSelection) and not isinstance(meta, (_FixedMeta, TokenRows)):
+            return super().forward(q, latent, layer, fb, selection)  # eager dense prefill: the reference
         mla_decode_triton = self._kernel
         rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
         rows[fb.out_cache_loc] = latent.to(rows.dtype)
@@ -234,7 +246,8 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
     """Fixed-width batches and prefill graphs (as TokenRows) score the paged index keys with the Triton kernel
     (kernels/triton_indexer.py), choose the top-k with kernels/triton_topk.py and hand the MLA backend per-query slot
     lists (SparseSelection): attention then reads index_topk rows per query, not the whole context. Eager prefill
-    batches as the reference. With --attention-backend triton (or auto on CUDA), like TritonMLABackend."""
+    batches too, as token rows over the batch's longest KV. With --attention-backend triton (or auto on CUDA), like
+    TritonMLABackend."""
 
     def __init__(self, req_to_token, kv_pool):
         super().__init__(req_to_token, kv_pool)
@@ -243,6 +256,12 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
 
         self._kernel = index_scores_triton
         self._topk = index_topk_triton
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.width is None:  # eager prefill as token rows too: each query's top-k, then attention over only those
+            self.meta = token_rows_eager(fb)  # rows (not every earlier key, as the reference's masked prefix)
+            return
+        super().init_forward_metadata(fb)
 
     def select(self, iq, indexer, fb: ForwardBatch):
         meta = self.meta
@@ -253,7 +272,7 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         self._store(iq, i, fb)
         pool = self.kv_pool
         if isinstance(meta, TokenRows):  # [T, 1, table width] scores over each token's page-table row
-            table = self.req_to_token.table
+            table = self.req_to_token.table if meta.width is None else self.req_to_token.table[:, :meta.width]
             scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                          None if pool.scales is None else pool.scales[i], table, meta.lens, 1,
                                          kv_rows=meta.rows)
