@@ -348,8 +348,20 @@ def test_prefill_graph_token_rows_equal_eager(dsa, arch):
     """The Triton MLA and index backends capture prefill as token rows (attention/torch_mla_backend.py TokenRows):
     the padded static replay of the target's and the MTP layer's extend, over shrinking and growing batches with
     prefixes, equals the eager reference prefill (outputs and every cache slot but the padding's), truly sparse."""
+    from specserve.attention.torch_mla_backend import (
+        TorchIndexBackend,
+        TorchMLABackend,
+        TritonIndexBackend,
+        TritonMLABackend,
+    )
+
+    reference = {TritonMLABackend: TorchMLABackend, TritonIndexBackend: TorchIndexBackend}
     mr = prefill_runner(dsa[f"{arch}_sparse"], None, "triton")
     for runner in prefill_runners(mr).values():
         kinds = {type(b).__name__ for b in runner.backends.values()}
         assert {"TritonMLABackend", "TritonIndexBackend"} <= kinds
+        # the eager side on the torch reference backends over the same pools (Triton's eager prefill is token rows
+        # as well: test_triton_eager_prefill_as_token_rows_equals_the_reference)
+        runner.eager_backends = {k: reference.get(type(b), type(b))(b.req_to_token, b.kv_pool)
+                                 for k, b in runner.eager_backends.items()}
     check_padded_prefill(mr, 1e-4)
