@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 
 @functools.cache
@@ -18,3 +19,13 @@ def target_programs(device: torch.device, cpu: int) -> int:
     if device.type != "cuda":
         return cpu
     return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def chunk_for_grid(chunks: tuple[int, ...], rows: int, width: int, target: int) -> int:
+    """Elements of a row per program: the largest of `chunks` (largest first) whose grid (rows, chunks of the
+    row's `width`) still has `target` programs; the smallest when none has. At a few rows a pass is one program's
+    serial walk over its chunk, so shorter chunks fill the device. Shapes only."""
+    for chunk in chunks:
+        if rows * triton.cdiv(width, chunk) >= target:
+            return chunk
+    return chunks[-1]

@@ -27,11 +27,13 @@ at one row; BENCHMARKS.md has the sweep).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import target_programs
+from specserve.kernels.launch import chunk_for_grid, target_programs
 from specserve.kernels.noise import SALT_SAMPLE
 from specserve.kernels.triton_accept import _key, _uniform
 
@@ -325,13 +327,7 @@ class _Work:
         self.counter = _counters(device, rows)
 
 
-def pick_chunk(rows: int, vocab: int, target: int) -> int:
-    """Tokens per program: the largest of CHUNKS whose grid (rows, chunks) still has `target` programs; the
-    smallest when none has. Shapes only."""
-    for chunk in CHUNKS:
-        if rows * triton.cdiv(vocab, chunk) >= target:
-            return chunk
-    return CHUNKS[-1]
+pick_chunk = functools.partial(chunk_for_grid, CHUNKS)  # (rows, vocab, target) -> chunk
 
 
 def _chunk(x: torch.Tensor, chunk: int | None, block: int) -> tuple[int, int]:

@@ -30,11 +30,13 @@ shrinks until the grid has about two programs per SM (`pick_chunk`, as the sampl
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import target_programs
+from specserve.kernels.launch import chunk_for_grid, target_programs
 
 CHUNKS = (2048, 1024, 512, 256)  # positions per program: pick_chunk's choices, largest first
 BLOCK = 1024  # positions per step of a program, at most
@@ -186,13 +188,7 @@ def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, 
             tl.store(out_row + f, tl.full([BLOCK], -1, tl.int64), mask=f < out_k)
 
 
-def pick_chunk(rows: int, max_kv: int, target: int) -> int:
-    """Positions per program: the largest of CHUNKS whose grid (rows, chunks) still has `target` programs; the
-    smallest when none has. Shapes only."""
-    for chunk in CHUNKS:
-        if rows * triton.cdiv(max_kv, chunk) >= target:
-            return chunk
-    return CHUNKS[-1]
+pick_chunk = functools.partial(chunk_for_grid, CHUNKS)  # (rows, max_kv, target) -> chunk
 
 
 def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor, width: int, k: int, *,
