@@ -109,3 +109,24 @@ def test_auto_fuses_only_measured_shapes_and_cublas_nothing(tiny_models):
     assert all(m.fused_rows == 0 for m in layers)
     assert not any(getattr(m, "decode_gemv", False) or getattr(m, "fused_in", False)
                    or getattr(m, "fused_mlp", False) for m in t.model.modules())
+
+
+def test_auto_fuses_verify_rows_per_measured_shape(tmp_path):
+    """On SmolLM2-135M's shapes (gemv_policy.FASTER_ROWS) 'auto' fuses more than one row: each output projection up
+    to its own measured row count, the norms fused into qkv / gate_up up to the least of the two."""
+    from helpers import build_tiny_model
+
+    from specserve.kernels.gemv_policy import FASTER_ROWS
+    from specserve.models.loader import ModelSource, load_target
+
+    path = build_tiny_model(str(tmp_path / "smol"), hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                            num_key_value_heads=3, num_hidden_layers=1, head_dim=64)
+    model = load_target(ModelSource.resolve(path), torch.float32, torch.device("cpu"), 64).model
+    assert set_decode_gemv(model, "auto") == 1
+    layer = next(m for m in model.modules() if isinstance(m, PreNormDecoderLayer))
+    o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+    assert (o.decode_gemv, down.decode_gemv) == (FASTER_ROWS[(576, 576)], FASTER_ROWS[(576, 1536)])
+    assert layer.fused_in and layer.fused_mlp and layer.fused_rows == min(FASTER_ROWS[(960, 576)],
+                                                                          FASTER_ROWS[(3072, 576)])
+    set_decode_gemv(model, "cublas")
+    assert o.decode_gemv == down.decode_gemv == layer.fused_rows == 0

@@ -420,3 +420,46 @@ def test_real_shapes_match_unfused_path_and_replay_in_a_cuda_graph(model, m):
             t.copy_(randn(*t.shape, scale=scale))
         graph.replay()
         check(outs)
+
+
+# ---------------------------------------------------------------------------- the GEMV with its rows unrolled
+
+ROWS_CFG = dict(CFG, GEMV=1)  # a config marked GEMV=1: the row-unrolled GEMV at more than one row
+
+
+@pytest.mark.parametrize("m,bias", [(2, True), (5, False)])
+def test_row_gemv_exact_inputs_equal_linear(m, bias):
+    g = torch.Generator().manual_seed(70 + m)
+    x, w, b = exact_gemv_inputs(m, 45, 200, BF16, g, bias)
+    got = gemv(*to_dev(x, w, b), config=ROWS_CFG)
+    assert torch.equal(got.cpu(), linear_exact(x, w, b))
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("m,residual,offset", [(3, True, 0.0), (5, False, 1.0)])
+def test_row_gemv_norm_exact_inputs_equal_reference(m, residual, offset, silu_mul):
+    g = torch.Generator().manual_seed(80 + m + silu_mul)
+    x, r, nw, w, b = exact_norm_inputs(m, 144, 42, BF16, 2.0 ** -10, offset, residual, True, g)
+    got = norm_gemv(*to_dev(x, r, nw), 2.0 ** -10, offset, *to_dev(w, b), silu_mul=silu_mul, config=ROWS_CFG)
+    check_norm(got, norm_reference(x, r, nw, 2.0 ** -10, offset, w, b, silu_mul), silu_mul)
+
+
+def test_row_gemv_configs_and_policy_agree():
+    """gemv_config gives the row-unrolled GEMV (GEMV=1) at 2..ROWS_GEMV_MAX rows exactly for the shapes of
+    _TUNED_ROWS, the skinny GEMM otherwise; gemv_policy fuses more than one row only where a row config exists and
+    the shape is measured faster at one row too; fused_rows takes the least over a layer's shapes."""
+    from specserve.kernels.gemv_policy import FASTER, FASTER_ROWS, fused_rows
+
+    for (n, k) in triton_gemv._TUNED_ROWS:
+        assert all(gemv_config(m, n, k, BF16).get("GEMV") == 1 for m in range(2, triton_gemv.ROWS_GEMV_MAX + 1))
+        assert "GEMV" not in gemv_config(triton_gemv.ROWS_GEMV_MAX + 1, n, k, BF16)
+        assert "GEMV" not in gemv_config(1, n, k, BF16)  # one row: the GEMV anyway, its own (M = 1) config
+    assert "GEMV" not in gemv_config(4, 7, 3, BF16)  # an unmeasured shape: the skinny GEMM
+    for shape, most in FASTER_ROWS.items():
+        assert shape in triton_gemv._TUNED_ROWS and shape in FASTER and 2 <= most <= triton_gemv.ROWS_GEMV_MAX
+    one_row = next(s for s in sorted(FASTER) if s not in FASTER_ROWS)
+    assert fused_rows([]) == 0 and fused_rows([(7, 3)]) == 0 and fused_rows([one_row, (7, 3)]) == 0
+    assert fused_rows([one_row]) == 1
+    assert fused_rows(sorted(FASTER_ROWS)) == (min(FASTER_ROWS.values()) if FASTER_ROWS else 0)
+    if FASTER_ROWS:
+        assert fused_rows(sorted(FASTER_ROWS) + [one_row]) == 1

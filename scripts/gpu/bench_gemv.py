@@ -15,11 +15,14 @@ input, the SiLU-and-mul output the down projection's): it includes the gaps betw
 weight bytes only, against 4.2 TB/s. Before timing, the fused outputs are checked against the unfused ones
 (assert_close, atol 2e-2; h, the new residual, must be equal per projection).
 
---sweep also times, per projection (weight rows, K) at M = 1, a pruned grid of launch configurations: BLOCK_N in
-2..32 x BLOCK_K in 128..1024 at 4 warps / 2 stages, then num_warps 1..8 at the best tile, then num_stages 1..4 at the
-best of those (about 25 configurations per projection, 10 projections for the three shape sets); it prints the best
-per (rows, K) as a dict to paste into triton_gemv._TUNED. Triton's compilation (about a second a configuration)
-dominates its time; --shapes limits it.
+--sweep also times, per projection (weight rows, K) at each M of --rows, a pruned grid of launch configurations:
+BLOCK_N in 2..32 x BLOCK_K in 128..1024 at 4 warps / 2 stages, then num_warps 1..8 at the best tile, then
+num_stages 1..4 at the best of those (about 25 configurations per projection, 10 projections for the three shape
+sets); it prints the best per (rows, K) as a dict to paste into triton_gemv._TUNED (M = 1) or, at M > 1, for the
+GEMV with its M rows unrolled, into triton_gemv._TUNED_ROWS. Triton's compilation (about a second a
+configuration) dominates its time; --shapes limits it. With more than one M in --rows it also prints, per weight
+shape whose M > 1 calls ran the row-unrolled GEMV, the most rows up to which that beat the unfused path at every
+M measured (kernels/gemv_policy.py FASTER_ROWS).
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ def cfg_str(cfg: dict[str, int]) -> str:
     return f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
 
 
-def bench_shape(name: str, args, g, flush, tuned: dict, faster: set) -> None:
+def bench_shape(name: str, args, g, flush, tuned: dict, faster: set, tuned_rows: dict, wins: dict) -> None:
     hidden, qkv, q_width, inter, default_layers = SHAPES[name]
     layers = args.layers or default_layers
     for m in args.rows:
@@ -161,6 +164,8 @@ def bench_shape(name: str, args, g, flush, tuned: dict, faster: set) -> None:
             print(f"{p.name:>8} {p.rows:6d} {p.k:6d} {p.weight_bytes / 2 ** 20:6.1f} | "
                   f"{bw_cols(base, p.weight_bytes)} | {bw_cols(one, p.weight_bytes)} | {base / one:5.2f}x  "
                   f"{cfg_str(p.config(m))}")
+            if m > 1 and p.config(m).get("GEMV"):
+                wins.setdefault((p.rows, p.k), {})[m] = one < base
         unfused, fused = layer_fns(projs)
         for layer in (0, layers - 1):  # (h = o's output + residual: o's output differs in its rounding)
             for got, want in zip(fused(layer), unfused(layer)):
@@ -170,41 +175,56 @@ def bench_shape(name: str, args, g, flush, tuned: dict, faster: set) -> None:
         one = projs[0].graph_us(fused, args.iters, flush)
         print(f"{'layer':>8} {'':6} {'':6} {nbytes / 2 ** 20:6.1f} | {bw_cols(base, nbytes)} | "
               f"{bw_cols(one, nbytes)} | {base / one:5.2f}x")
-        if args.sweep and m == 1:
+        if args.sweep:
             for p in projs:
-                tuned[(p.rows, p.k)], best_us = sweep(p, args.iters, flush)
-                if best_us < unfused_us[p.name]:
+                best, best_us = sweep(p, args.iters, flush, m)
+                (tuned if m == 1 else tuned_rows)[(p.rows, p.k)] = best
+                if m == 1 and best_us < unfused_us[p.name]:
                     faster.add((p.rows, p.k))
+                if m > 1:
+                    wins.setdefault((p.rows, p.k), {})[m] = best_us < unfused_us[p.name]
         del projs
+        if args.sweep and m > 1:  # the best row-GEMV config of M = m at the fewer rows 2..m-1, against the unfused
+            for fewer in range(2, m):
+                for p in projections(hidden, qkv, q_width, inter, fewer, layers, g):
+                    cfg = tuned_rows[(p.rows, p.k)]
+                    p.check(cfg)
+                    base = p.graph_us(p.unfused, args.iters, flush)
+                    one = p.graph_us(lambda layer, p=p, cfg=cfg: p.fused(layer, cfg), args.iters, flush)
+                    wins[(p.rows, p.k)][fewer] = one < base
+                    print(f"{p.name:>8} M {fewer}: unfused {base:.2f} us, row GEMV {one:.2f} us ({base / one:.2f}x) "
+                          f"{cfg_str(cfg)}")
 
 
-def valid(p: Proj, cfg: dict[str, int]) -> bool:
+def valid(p: Proj, cfg: dict[str, int], m: int = 1) -> bool:
     """Skip tiles past one K step of the row, with fewer weight elements than threads, with more than 128 float32
-    accumulator elements a thread (spills), or grids of fewer than 32 programs."""
+    accumulator elements a thread over the m rows' tiles (spills), or grids of fewer than 32 programs."""
     w_rows = 2 if p.silu else 1
     tile = w_rows * cfg["BLOCK_N"] * cfg["BLOCK_K"]
     threads = 32 * cfg["num_warps"]
     cols = p.rows // w_rows
-    return (cfg["BLOCK_K"] <= max(128, 1 << (p.k - 1).bit_length()) and threads <= tile <= 128 * threads
+    return (cfg["BLOCK_K"] <= max(128, 1 << (p.k - 1).bit_length()) and threads <= tile <= 128 * threads // m
             and -(-cols // cfg["BLOCK_N"]) >= 32)
 
 
-def sweep(p: Proj, iters: int, flush) -> tuple[dict[str, int], float]:
-    """(the best config for p at M = 1, by a pruned search (see the module doc), its us); prints the timings."""
+def sweep(p: Proj, iters: int, flush, m: int = 1) -> tuple[dict[str, int], float]:
+    """(the best config for p at M = m, by a pruned search (see the module doc), its us); prints the timings. At
+    m > 1 the configs are the row-unrolled GEMV's (GEMV=1), started from the M = 1 config."""
+    rows_gemv = {"GEMV": 1} if m > 1 else {}
     t0 = time.time()
     seen: dict[tuple, float] = {}
 
     def timed(cfg: dict[str, int]) -> float:
         key = tuple(sorted(cfg.items()))
         if key not in seen:
-            if not valid(p, cfg):
+            if not valid(p, cfg, m):
                 seen[key] = float("inf")
             else:
                 p.check(cfg)
                 seen[key] = p.graph_us(lambda layer: p.fused(layer, cfg), iters, flush)
         return seen[key]
 
-    default = p.config(1)
+    default = dict(p.config(1), **rows_gemv)
     base = timed(default)
     best = dict(default)
 
@@ -214,11 +234,12 @@ def sweep(p: Proj, iters: int, flush) -> tuple[dict[str, int], float]:
             if timed(cfg) < timed(best):
                 best = dict(cfg)
 
-    keep_best([dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2) for bn in SWEEP_N for bk in SWEEP_K])
+    keep_best([dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2, **rows_gemv) for bn in SWEEP_N
+               for bk in SWEEP_K])
     keep_best([dict(best, num_warps=nw) for nw in SWEEP_WARPS])  # around the best tile
     keep_best([dict(best, num_stages=ns) for ns in SWEEP_STAGES])
     tried = sum(1 for v in seen.values() if v != float("inf"))
-    print(f"{'':>8} sweep {p.name} ({p.rows}, {p.k}): default {cfg_str(default)} {base:.2f} us, best "
+    print(f"{'':>8} sweep {p.name} ({p.rows}, {p.k}) M {m}: default {cfg_str(default)} {base:.2f} us, best "
           f"{cfg_str(best)} {timed(best):.2f} us ({base / timed(best):.2f}x), {tried} configs, "
           f"{time.time() - t0:.0f} s")
     return best, timed(best)
@@ -231,7 +252,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--layers", type=int, default=0, help="distinct weights per graph (0: per shape, 8 or 30)")
     p.add_argument("--warm", action="store_true", help="no L2 flush between replays")
-    p.add_argument("--sweep", action="store_true", help="also search launch configurations (M = 1)")
+    p.add_argument("--sweep", action="store_true", help="also search launch configurations (each M of --rows)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -242,10 +263,29 @@ def main() -> None:
           f"{PEAK_BW / 1e12:.1f} TB/s")
     tuned: dict[tuple[int, int], dict[str, int]] = {}
     faster: set[tuple[int, int]] = set()  # weight shapes whose tuned fused kernel beat the unfused path
+    tuned_rows: dict[tuple[int, int], dict[str, int]] = {}  # the row-unrolled GEMV's best at M > 1
+    wins: dict[tuple[int, int], dict[int, bool]] = {}  # shape -> M -> the row-unrolled GEMV beat the unfused path
     t0 = time.time()
     for name in args.shapes:
-        bench_shape(name, args, g, flush, tuned, faster)
-    if args.sweep:
+        bench_shape(name, args, g, flush, tuned, faster, tuned_rows, wins)
+    if wins:
+        most = {}
+        for shape, by_m in wins.items():
+            up_to = 1
+            for m in sorted(by_m):
+                if not by_m[m] or m != up_to + 1:
+                    break
+                up_to = m
+            most[shape] = up_to
+        print("\n# kernels/gemv_policy.py FASTER_ROWS (the row-unrolled GEMV faster at every M up to):")
+        print(f"FASTER_ROWS = {dict(sorted(most.items()))}")
+    if tuned_rows:
+        print("_TUNED_ROWS: dict[tuple[int, int], dict[str, int]] = {")
+        for key, cfg in tuned_rows.items():
+            print(f"    {key}: dict(BLOCK_N={cfg['BLOCK_N']}, BLOCK_K={cfg['BLOCK_K']}, num_warps={cfg['num_warps']}, "
+                  f"num_stages={cfg['num_stages']}),")
+        print("}")
+    if args.sweep and tuned:
         print(f"\n# triton_gemv._TUNED from bench_gemv.py --sweep on {torch.cuda.get_device_name()} "
               f"({time.time() - t0:.0f} s):")
         print("_TUNED: dict[tuple[int, int], dict[str, int]] = {")

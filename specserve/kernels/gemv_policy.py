@@ -2,7 +2,10 @@
 (rows, K) for which they were measured faster than today's path (cuBLAS plus the separate norm / SiLU-mul / split-K
 reduce launches) on the H200 (`python3 scripts/gpu/bench_gemv.py`, BENCHMARKS.md). A layer fuses when all its
 projections' shapes are listed. Shapes not listed (not yet swept) keep cuBLAS under `auto`; `--decode-gemv triton`
-fuses every dense layer's decode rows regardless (to measure them)."""
+fuses every dense layer's decode rows regardless (to measure them). At more than one row (verify's N + 1 at batch 1)
+`auto` fuses a norm + projection, and an output projection, only up to the rows where its shapes were measured
+faster too (FASTER_ROWS: the
+row-unrolled GEMV of triton_gemv._TUNED_ROWS against cuBLAS, `bench_gemv.py --rows 2 3 4 5`)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,22 @@ FASTER: frozenset[tuple[int, int]] = frozenset([
 ])
 
 
+# weight shape -> the most rows (2..triton_gemv.ROWS_GEMV_MAX) up to which the fused kernel beat the unfused path at
+# every row count measured; shapes not listed fuse at one row only
+# (H200, `bench_gemv.py --rows 5 --sweep`, BENCHMARKS.md §21; Llama-3.1-8B's shapes lost at every M: absent)
+FASTER_ROWS: dict[tuple[int, int], int] = {
+    (576, 576): 5, (576, 1536): 5, (960, 576): 3, (3072, 576): 2,  # SmolLM2-135M: o, down, qkv, gate_up
+}
+
+
 def prefer_fused(shapes: list[tuple[int, int]]) -> bool:
     """Whether every weight shape [rows, K] given is one the fused kernels beat."""
     return bool(shapes) and all(s in FASTER for s in shapes)
+
+
+def fused_rows(shapes: list[tuple[int, int]]) -> int:
+    """The most rows a layer whose fused projections have these weight shapes runs fused under `auto`: 0 unless
+    every shape is in FASTER, else the least FASTER_ROWS over them (1 for a shape measured at one row only)."""
+    if not prefer_fused(shapes):
+        return 0
+    return min(FASTER_ROWS.get(s, 1) for s in shapes)

@@ -10,9 +10,11 @@ reduce) and the gaps between launches cost as much as the weights' bytes on smal
 `norm_gemv`: the RMSNorm of h = x + residual fused into the GEMV's prologue (and, with silu_mul, SiLU(gate) * up
 in its epilogue), one launch; it also returns h (the new residual).
 
-One row (a decode step at batch 1) runs the GEMV below; 2..16 rows (verify's N + 1, a small batch) a skinny GEMM
-with the same fusions and rounding (`_rows_kernel`): each weight tile loaded once and multiplied with every row
-on the tensor cores (tl.dot, rows padded to 16), a [16, BLOCK_N] float32 accumulator, tiles of at least 16.
+One row (a decode step at batch 1) runs the GEMV below. 2..16 rows (verify's N + 1, a small batch) run, for a
+weight shape with a measured row-GEMV config (`_TUNED_ROWS`, up to ROWS_GEMV_MAX rows), the same GEMV with the rows
+unrolled (each weight tile loaded once, one accumulator tile per row), else a skinny GEMM with the same fusions and
+rounding (`_rows_kernel`): each weight tile multiplied with every row on the tensor cores (tl.dot, rows padded to
+16), a [16, BLOCK_N] float32 accumulator, tiles of at least 16.
 
 Grid cdiv(N_out, BLOCK_N): each program owns BLOCK_N output columns (BLOCK_N weight rows, or with silu_mul BLOCK_N
 gate rows and the same BLOCK_N up rows) and loops over all of K in BLOCK_K steps (`tl.range`, pipelined by
@@ -62,6 +64,21 @@ _TUNED: dict[tuple[int, int], dict[str, int]] = {
     (5120, 2048): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2),
     (2048, 4096): dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
 }
+
+# Launch configurations of the row-unrolled GEMV for 2..ROWS_GEMV_MAX rows, keyed by the weight's (rows, K): shapes
+# where it was measured against cuBLAS at verify's rows (`python3 scripts/gpu/bench_gemv.py --rows 5 --sweep`, which
+# prints this dict; kernels/gemv_policy.py FASTER_ROWS says up to how many rows it won). Shapes not listed run the
+# skinny GEMM at more than one row.
+# TUNED ON: NVIDIA H200, triton 3.6, 2026-12-02 (`bench_gemv.py --rows 5 --sweep --shapes smollm2-135m llama-3.1-8b`,
+# BENCHMARKS.md §21): only SmolLM2's shapes, where it beat cuBLAS at some row counts; on Llama-3.1-8B's it lost at
+# every M from 2 to 5 (0.26-0.99x), so those shapes keep the skinny GEMM.
+_TUNED_ROWS: dict[tuple[int, int], dict[str, int]] = {
+    (960, 576): dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1),
+    (576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+    (3072, 576): dict(BLOCK_N=4, BLOCK_K=128, num_warps=4, num_stages=4),
+    (576, 1536): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
+}
+ROWS_GEMV_MAX = 8  # the unrolled GEMV keeps one [BLOCK_N, BLOCK_K] float32 tile a row: more rows would spill
 # ---------------------------------------------------------------------------------------------------------------
 
 _SMS = 132  # H200: the default config aims for several programs on every SM
@@ -247,8 +264,11 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, silu_mul: bool = Fal
     2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). One row (the GEMV): _TUNED (n, k)
     first, else a heuristic: K steps of 1 kB of each weight row (16-byte loads, 512 bf16) unless that pads K by more
     than an eighth, and the most output columns a program (16 weight rows at most) that still gives
-    _PROGRAMS_PER_SM programs per SM, down to 2. More rows (the skinny GEMM): _rows_config."""
+    _PROGRAMS_PER_SM programs per SM, down to 2. 2..ROWS_GEMV_MAX rows: _TUNED_ROWS (n, k) (the row-unrolled GEMV,
+    marked GEMV=1) where listed; otherwise, and for more rows, the skinny GEMM (_rows_config)."""
     if m > 1:
+        if m <= ROWS_GEMV_MAX and (n, k) in _TUNED_ROWS:
+            return dict(_TUNED_ROWS[(n, k)], GEMV=1)
         return _rows_config(n // 2 if silu_mul else n, k, dtype)
     if (n, k) in _TUNED:
         return dict(_TUNED[(n, k)])
@@ -304,7 +324,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
                w.stride(0), y.stride(0))
     flags = dict(NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, W_OFFSET=float(weight_offset),
                  SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16)
-    if m == 1:
+    if m == 1 or cfg.get("GEMV"):  # the GEMV, its rows unrolled (a config marked GEMV=1 at more than one row)
         _gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](
             *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],

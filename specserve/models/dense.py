@@ -14,7 +14,7 @@ from torch import nn
 
 from specserve.batch import ForwardBatch, ForwardMode
 from specserve.kernels import ops
-from specserve.kernels.gemv_policy import prefer_fused
+from specserve.kernels.gemv_policy import fused_rows, prefer_fused
 from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.attention import PagedAttention, QKPrep
@@ -159,7 +159,7 @@ class PreNormDecoderLayer(nn.Module):
     fused_in = False
     fused_mlp = False
     fused_moe = False  # the post-attention norm inside an MoE block's router launch (layers/moe.py)
-    fused_rows = 0  # the most rows a call fuses at (1 under 'auto', whose shapes were measured at M = 1)
+    fused_rows = 0  # the most rows a call fuses at ('auto': gemv_policy.fused_rows of the fused shapes)
 
     def mix(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -178,7 +178,8 @@ class PreNormDecoderLayer(nn.Module):
         input norm + the mixer's input projection, its output projection, and for a dense SiLU-gated MLP the
         post-attention norm + gate/up + SiLU-mul and the down projection; for an MoE block with a softmax router
         the post-attention norm inside the router's launch), 'auto' each of those where its weight shape is
-        measured faster at one row (kernels/gemv_policy.py; verify's rows stay on cuBLAS), 'cublas' none.
+        measured faster (kernels/gemv_policy.py: at one row, and at verify's rows where FASTER_ROWS lists every
+        fused shape of the layer; other rows stay on cuBLAS), 'cublas' none.
         Tensor-parallel projections keep the unfused path. Returns whether any part of the layer fuses."""
         projs = self.mixer_projections()
         if projs is None or type(projs[0]) is not MergedLinear or type(projs[1]) is not Linear:
@@ -189,13 +190,21 @@ class PreNormDecoderLayer(nn.Module):
             return linear is not None and (mode == "triton" or (mode == "auto"
                                                                 and prefer_fused([tuple(linear.weight.shape)])))
 
-        self.fused_rows = ops.GEMV_MAX_ROWS if mode == "triton" else 1 if mode == "auto" else 0
         self.fused_in = bool(projs) and use(projs[0])
         self.fused_mlp = use(gate_up)
         self.fused_moe = isinstance(self.mlp, SparseMoEBlock) and self.mlp.norm_fusable and use(self.mlp.gate)
         outputs = [lin for lin in (projs[1] if projs else None, down) if lin is not None]
+        fused_in = [lin for lin, on in [(projs[0] if projs else None, self.fused_in), (gate_up, self.fused_mlp),
+                                        (self.mlp.gate if self.fused_moe else None, self.fused_moe)] if on]
+
+        def rows(lins) -> int:  # 'auto': up to the rows at which every shape was measured faster (1 unless listed)
+            if mode == "triton":
+                return ops.GEMV_MAX_ROWS
+            return max(1, fused_rows([tuple(lin.weight.shape) for lin in lins])) if mode == "auto" else 0
+
+        self.fused_rows = rows(fused_in)  # the norms fused into input projections (one row count for the layer)
         for lin in outputs:
-            lin.decode_gemv = self.fused_rows if use(lin) else 0
+            lin.decode_gemv = rows([lin]) if use(lin) else 0
         return any([self.fused_in, self.fused_mlp, self.fused_moe] + [lin.decode_gemv > 0 for lin in outputs])
 
     def forward(self, positions, h, residual, fb: ForwardBatch):
