@@ -463,3 +463,22 @@ def test_row_gemv_configs_and_policy_agree():
     assert fused_rows(sorted(FASTER_ROWS)) == (min(FASTER_ROWS.values()) if FASTER_ROWS else 0)
     if FASTER_ROWS:
         assert fused_rows(sorted(FASTER_ROWS) + [one_row]) == 1
+
+
+@pytest.mark.parametrize("pdl", [1, 2])
+@pytest.mark.parametrize("m,silu_mul", [(1, True), (1, False), (3, True)])
+def test_gemv_pdl_order_of_loads_equals_plain(pdl, m, silu_mul):
+    """PDL's kernel (the first K step's weights loaded before the grid-dependency wait, the loop from the second
+    step) gives the plain kernel's outputs exactly; under the interpreter without the wait instructions, on a GPU
+    launched with programmatic dependent launch. K of several steps and one step."""
+    g = torch.Generator().manual_seed(90 + pdl + m)
+    for k in (144, 16):
+        x, r, nw, w, b = exact_norm_inputs(m, k, 42, BF16, 2.0 ** -10, 0.0, True, True, g)
+        cfg = dict(ROWS_CFG if m > 1 else CFG, PDL=0)
+        want = norm_gemv(*to_dev(x, r, nw), 2.0 ** -10, 0.0, *to_dev(w, b), silu_mul=silu_mul, config=cfg)
+        got = norm_gemv(*to_dev(x, r, nw), 2.0 ** -10, 0.0, *to_dev(w, b), silu_mul=silu_mul,
+                        config=dict(cfg, PDL=pdl))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        plain = gemv(*to_dev(x, w, b), config=cfg)
+        assert torch.equal(gemv(*to_dev(x, w, b), config=dict(cfg, PDL=pdl)), plain)
+        check_norm(got, norm_reference(x, r, nw, 2.0 ** -10, 0.0, w, b, silu_mul), silu_mul)

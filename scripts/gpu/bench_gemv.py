@@ -109,11 +109,13 @@ def projections(hidden: int, qkv: int, q_width: int, inter: int | None, m: int, 
     return out
 
 
-def layer_fns(projs: list[Proj]):
+def layer_fns(projs: list[Proj], m: int, pdl: bool = True):
     """(unfused(l), fused(l)): one layer's projections chained (the o output is the second norm's x, the SiLU-and-mul
-    output the down projection's input; qkv's output stands for the attention's input and is dropped)."""
+    output the down projection's input; qkv's output stands for the attention's input and is dropped). pdl False:
+    the fused kernels with programmatic dependent launch off (their configs' PDL=0)."""
     qkv, o = projs[0], projs[1]
     mlp = projs[2:]
+    cfg = {p.name: None if pdl else dict(p.config(m), PDL=0) for p in projs}
 
     def unfused(layer: int):
         a, h = add_rms_norm(qkv.x, qkv.res, qkv.nws[layer], EPS)
@@ -126,12 +128,13 @@ def layer_fns(projs: list[Proj]):
         return out, h
 
     def fused(layer: int):
-        _, h = norm_gemv(qkv.x, qkv.res, qkv.nws[layer], EPS, 0.0, qkv.ws[layer])
-        out = gemv(o.x, o.ws[layer])
+        _, h = norm_gemv(qkv.x, qkv.res, qkv.nws[layer], EPS, 0.0, qkv.ws[layer], config=cfg["qkv"])
+        out = gemv(o.x, o.ws[layer], config=cfg["o"])
         if mlp:
             gate_up, down = mlp
-            act, h = norm_gemv(out, h, gate_up.nws[layer], EPS, 0.0, gate_up.ws[layer], silu_mul=True)
-            out = gemv(act, down.ws[layer])
+            act, h = norm_gemv(out, h, gate_up.nws[layer], EPS, 0.0, gate_up.ws[layer], silu_mul=True,
+                               config=cfg["gate_up"])
+            out = gemv(act, down.ws[layer], config=cfg["down"])
         return out, h
 
     return unfused, fused
@@ -166,15 +169,20 @@ def bench_shape(name: str, args, g, flush, tuned: dict, faster: set, tuned_rows:
                   f"{cfg_str(p.config(m))}")
             if m > 1 and p.config(m).get("GEMV"):
                 wins.setdefault((p.rows, p.k), {})[m] = one < base
-        unfused, fused = layer_fns(projs)
+        unfused, fused = layer_fns(projs, m)
+        _, fused_no_pdl = layer_fns(projs, m, pdl=False)
         for layer in (0, layers - 1):  # (h = o's output + residual: o's output differs in its rounding)
             for got, want in zip(fused(layer), unfused(layer)):
                 torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            for got, want in zip(fused(layer), fused_no_pdl(layer)):
+                assert torch.equal(got, want), "the PDL launches changed the fused layer's outputs"
         nbytes = sum(p.weight_bytes for p in projs)
         base = projs[0].graph_us(unfused, args.iters, flush)
         one = projs[0].graph_us(fused, args.iters, flush)
+        no_pdl = projs[0].graph_us(fused_no_pdl, args.iters, flush)
         print(f"{'layer':>8} {'':6} {'':6} {nbytes / 2 ** 20:6.1f} | {bw_cols(base, nbytes)} | "
-              f"{bw_cols(one, nbytes)} | {base / one:5.2f}x")
+              f"{bw_cols(one, nbytes)} | {base / one:5.2f}x  (fused with PDL off: {no_pdl:.2f} us, "
+              f"PDL {no_pdl / one:.2f}x)")
         if args.sweep:
             for p in projs:
                 best, best_us = sweep(p, args.iters, flush, m)

@@ -118,5 +118,16 @@ case "${1:-}" in
         --context-length 33000 --iters 6 --idle-steps 0 --prefill-tokens 2048 2>&1 | grep -v -i warn | tail -20
     fi
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh" >&2; exit 2 ;;
+  eighth)  # the GEMVs launched with programmatic dependent launch and the row GEMV at verify's rows (carry .gpt-fast)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_gemv.py tests/test_gpu.py -k \
+      "gemv or plain_step" 2>&1 | grep -v -i warn | tail -3
+    timeout 90 python3 scripts/gpu/bench_gemv.py --rows 1 5 --shapes smollm2-135m llama-3.1-8b 2>&1 \
+      | grep -v -i warn | grep -i "layer\|M [15]"
+    timeout 80 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
+      --prefill-tokens 0 2>&1 | grep -v -i warn | tail -10
+    timeout 60 python3 scripts/gpu/profile_spec_step.py 4 2>&1 | grep -v -i warn | grep -i "wall"
+    [ -d .gpt-fast ] && timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast \
+      --output-file "$OUT/vs_gpt_fast.jsonl" 2>&1 | grep -v -i warn | tail -4
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth" >&2; exit 2 ;;
 esac

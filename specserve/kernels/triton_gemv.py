@@ -108,14 +108,58 @@ def _load_h(x_ptr, r_ptr, m, k, k_ok, stride_x, stride_r, HAS_RESIDUAL: tl.const
 
 
 @triton.jit
+def _w_tiles(gate_rows, up_rows, k, w_mask, SILU: tl.constexpr):
+    """One K step of the program's weight rows as float32: gate (all) rows [BLOCK_N, BLOCK_K] and up rows (SILU)."""
+    wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+    wu = wg
+    if SILU:
+        wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+    return wg, wu
+
+
+@triton.jit
+def _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M: tl.constexpr,
+                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr, SILU: tl.constexpr,
+                ROUND_BF16: tl.constexpr):
+    """acc (per row [BLOCK_N, BLOCK_K] float32: gate rows, then with SILU up rows) += this K step's products."""
+    dtype = x_ptr.dtype.element_ty
+    if NORM:
+        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+    acts = ()  # per row [BLOCK_K] float32 of the x.dtype activation
+    for m in tl.static_range(M):
+        if NORM:
+            h = _load_h(x_ptr, r_ptr, m, k, k_ok, stride_x, stride_r, HAS_RESIDUAL, ROUND_BF16)
+            if W_OFFSET == 0.0:
+                a = _rounded(_rounded(h * rstd[m], dtype, ROUND_BF16) * nw, dtype, ROUND_BF16)
+            else:
+                a = _rounded(h * rstd[m] * (nw + W_OFFSET), dtype, ROUND_BF16)
+        else:
+            a = tl.load(x_ptr + m * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        acts = acts + (a,)
+    new_acc = ()
+    for m in tl.static_range(M):
+        new_acc = new_acc + (acc[m] + wg * acts[m][None, :],)
+    if SILU:
+        for m in tl.static_range(M):
+            new_acc = new_acc + (acc[M + m] + wu * acts[m][None, :],)
+    return new_acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps, up_offset,
                  stride_x, stride_r, stride_h, stride_w, stride_y,
                  M: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+                 GDC: tl.constexpr):
     """Program i: output columns i*BLOCK_N .. + BLOCK_N of all M rows. x [M, K] (row stride stride_x), w [N, K]
     (row stride stride_w; with SILU N = 2 n_out, gate rows then up rows), y [M, n_out]. NORM: the activation is the
-    RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual)."""
+    RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual).
+    PDL (launched with programmatic dependent launch): 0 off; 1 lets the next kernel launch at once, 2 only after
+    the main loop; either way the first K step's weights (never written by another kernel) are loaded before
+    gdc_wait, and everything the previous kernel writes (x, r) is read, and every output written, after it. GDC:
+    emit the grid-dependency instructions (CUDA; off under the interpreter, which then runs PDL's order of loads
+    without them)."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < n_out
@@ -123,6 +167,15 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     dtype = x_ptr.dtype.element_ty
     gate_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     up_rows = gate_rows + up_offset  # [BLOCK_N, 1] (read only with SILU)
+    k_first = 0
+    if PDL:
+        if PDL == 1 and GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        first_ok = ks < K
+        wg0, wu0 = _w_tiles(gate_rows, up_rows, ks, col_ok[:, None] & first_ok[None, :], SILU)
+        k_first = BLOCK_K
+        if GDC:
+            tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, the residual) are complete and visible
 
     # RMSNorm statistics: each row's sum of squares over all of K (h rounded first), in float32.
     rstd = ()
@@ -146,33 +199,17 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     acc = ()  # per row [BLOCK_N, BLOCK_K] float32 partial products of the gate (all) rows, then of the up rows
     for _ in tl.static_range(M * (2 if SILU else 1)):
         acc = acc + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    if PDL:  # the first K step, from the weights loaded before the wait
+        acc = _accumulate(acc, wg0, wu0, ks, first_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
+                          HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+    for k0 in tl.range(k_first, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + ks
         k_ok = k < K
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        wg = tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        if SILU:
-            wu = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        if NORM:
-            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
-        acts = ()  # per row [BLOCK_K] float32 of the x.dtype activation
-        for m in tl.static_range(M):
-            if NORM:
-                h = _load_h(x_ptr, r_ptr, m, k, k_ok, stride_x, stride_r, HAS_RESIDUAL, ROUND_BF16)
-                if W_OFFSET == 0.0:
-                    a = _rounded(_rounded(h * rstd[m], dtype, ROUND_BF16) * nw, dtype, ROUND_BF16)
-                else:
-                    a = _rounded(h * rstd[m] * (nw + W_OFFSET), dtype, ROUND_BF16)
-            else:
-                a = tl.load(x_ptr + m * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
-            acts = acts + (a,)
-        new_acc = ()
-        for m in tl.static_range(M):
-            new_acc = new_acc + (acc[m] + wg * acts[m][None, :],)
-        if SILU:
-            for m in tl.static_range(M):
-                new_acc = new_acc + (acc[M + m] + wu * acts[m][None, :],)
-        acc = new_acc
+        wg, wu = _w_tiles(gate_rows, up_rows, k, col_ok[:, None] & k_ok[None, :], SILU)
+        acc = _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
+                          HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+    if PDL == 2 and GDC:
+        tl.extra.cuda.gdc_launch_dependents()  # only now: its waiting programs never hold SMs this grid needs
 
     if HAS_BIAS:
         bg = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_N]
@@ -299,6 +336,14 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
                 num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
 
 
+def pdl_mode(programs: int) -> int:
+    """How the GEMV launches on CUDA (its kernel's PDL): with programmatic dependent launch, letting the next kernel
+    launch at once (1) when the grid fits in one wave of the GPU (its waiting programs then take no SM the grid
+    still needs), else only after the main loop (2): what `scripts/gpu/bench_pdl.py` measured faster for a small
+    and a multi-wave grid (BENCHMARKS.md §21). A config's PDL key overrides it (0: off)."""
+    return 1 if programs <= _SMS else 2
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype:
         raise ValueError(f"gemv: weight {tuple(w.shape)} {w.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
@@ -325,10 +370,13 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
     flags = dict(NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, W_OFFSET=float(weight_offset),
                  SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16)
     if m == 1 or cfg.get("GEMV"):  # the GEMV, its rows unrolled (a config marked GEMV=1 at more than one row)
-        _gemv_kernel[(triton.cdiv(n_out, cfg["BLOCK_N"]),)](
+        programs = triton.cdiv(n_out, cfg["BLOCK_N"])
+        pdl = cfg.get("PDL", pdl_mode(programs) if x.is_cuda else 0)
+        gdc = bool(pdl) and x.is_cuda
+        _gemv_kernel[(programs,)](
             *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if gdc else {}))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles
     _rows_kernel[(triton.cdiv(n_out, block_n),)](
