@@ -29,3 +29,20 @@ def chunk_for_grid(chunks: tuple[int, ...], rows: int, width: int, target: int) 
         if rows * triton.cdiv(width, chunk) >= target:
             return chunk
     return chunks[-1]
+
+
+def sm_count(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def one_wave_pdl(device: torch.device, programs: int) -> bool:
+    """Whether a latency-bound kernel of `programs` programs launches with programmatic dependent launch: on CUDA,
+    when its grid fits in one wave (one program per SM or fewer). Such a kernel lets the next one launch at once and
+    waits for the previous one's outputs before its first read (`gdc_wait`; kernels/triton_gemv.py has the rules),
+    so the next kernel's launch, and a GEMV's first weight tile, overlap it. Shapes and the device only."""
+    return device.type == "cuda" and programs <= sm_count(device)
+
+
+def pdl_kwargs(on: bool) -> dict:
+    """The Triton launch option for programmatic dependent launch (none when off)."""
+    return {"launch_pdl": True} if on else {}

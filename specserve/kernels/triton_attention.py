@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
 from specserve.kernels.triton_dot import dot
 
 _LOG2E = 1.4426950408889634
@@ -63,10 +64,13 @@ def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, se
                         stride_ot, stride_oh,
                         W: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-                        PRECISION: tl.constexpr, MERGE: tl.constexpr):
+                        PRECISION: tl.constexpr, MERGE: tl.constexpr, GDC: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if GDC:  # launched with PDL (kernels/launch.py one_wave_pdl): the next kernel may launch; wait for our inputs
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.load(rows_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
@@ -273,12 +277,13 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         part_o = part_lse = out  # unused
     merge = merge_in_kernel and num_splits > 1 and bs * num_kv_heads <= MERGE_MAX_PROGRAMS
     counters = _merge_counters(q.device) if merge else seq_lens  # unused without the in-kernel merge
+    gdc = one_wave_pdl(q.device, bs * num_kv_heads * num_splits)
     _fixed_width_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, seq_lens, out, part_o, part_lse, counters, scaling * _LOG2E, num_q_heads,
         head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1),
         W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, num_warps=4, num_stages=2,
+        F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, GDC=gdc, num_warps=4, num_stages=2, **pdl_kwargs(gdc),
     )
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -336,12 +336,18 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
                 num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
 
 
-def pdl_mode(programs: int) -> int:
-    """How the GEMV launches on CUDA (its kernel's PDL): with programmatic dependent launch, letting the next kernel
-    launch at once (1) when the grid fits in one wave of the GPU (its waiting programs then take no SM the grid
-    still needs), else only after the main loop (2): what `scripts/gpu/bench_pdl.py` measured faster for a small
-    and a multi-wave grid (BENCHMARKS.md §21). A config's PDL key overrides it (0: off)."""
-    return 1 if programs <= _SMS else 2
+PDL_MAX_BYTES = 8 << 20  # weights up to which a GEMV is latency-bound enough for PDL to pay (BENCHMARKS.md §21)
+
+
+def pdl_mode(programs: int, weight_bytes: int) -> int:
+    """How the GEMV launches on CUDA (its kernel's PDL). Weights of at most PDL_MAX_BYTES (SmolLM2's projections):
+    with programmatic dependent launch, letting the next kernel launch at once (1) when the grid fits in one wave
+    of the GPU (its waiting programs then take no SM the grid still needs), else only after the main loop (2);
+    larger weights (Llama-3.1-8B's): off (0), where a layer measured no gain (BENCHMARKS.md §21). A config's PDL
+    key overrides it."""
+    if weight_bytes > PDL_MAX_BYTES:
+        return 0
+    return 1 if programs <= _SMS else 2  # (the compile-time H200 count: a launch's mode is fixed per shape)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
@@ -371,7 +377,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
                  SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16)
     if m == 1 or cfg.get("GEMV"):  # the GEMV, its rows unrolled (a config marked GEMV=1 at more than one row)
         programs = triton.cdiv(n_out, cfg["BLOCK_N"])
-        pdl = cfg.get("PDL", pdl_mode(programs) if x.is_cuda else 0)
+        pdl = cfg.get("PDL", pdl_mode(programs, w.numel() * w.element_size()) if x.is_cuda else 0)
         gdc = bool(pdl) and x.is_cuda
         _gemv_kernel[(programs,)](
             *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,

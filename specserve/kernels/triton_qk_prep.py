@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
 from specserve.kernels.triton_rope import load_cos_sin, mrope_args
 
 _TILE_ELEMS = 4096  # elements per head-block program: heads are packed until a program holds about this many
@@ -108,9 +109,12 @@ def _qk_prep_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, cs_p
                     HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, Q_ROUND: tl.constexpr, K_ROUND: tl.constexpr,
                     MROPE: tl.constexpr, Q_REST: tl.constexpr, K_REST: tl.constexpr, BLOCK_HQ: tl.constexpr,
                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    BLOCK_D: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # q head blocks, then k head blocks, then v head blocks
+    if GDC:  # launched with PDL (kernels/launch.py one_wave_pdl): the next kernel may launch; wait for our inputs
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if part >= num_q_blocks + num_k_blocks:
         slot = tl.load(loc_ptr + t).to(tl.int64)
         h0 = (part - num_q_blocks - num_k_blocks) * BLOCK_HK
@@ -176,6 +180,7 @@ def qk_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qw = q_norm_w.contiguous() if has_norm else q
     kw = k_norm_w.contiguous() if has_norm else k
     grid = (num_tokens, num_q_blocks + 2 * num_k_blocks)
+    gdc = one_wave_pdl(q.device, grid[0] * grid[1])
     _qk_prep_kernel[grid](
         q, k, v, k_cache, v_cache, loc, cos_sin_cache, positions, qw, kw, float(eps),
         num_q_heads, num_kv_heads, head_dim, half, rest, sec0, sec01, num_q_blocks, num_k_blocks,
@@ -185,6 +190,6 @@ def qk_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HAS_NORM=has_norm, W_OFFSET=float(weight_offset), Q_ROUND=_rounds_to_x(q, q_norm_w, weight_offset),
         K_ROUND=_rounds_to_x(k, k_norm_w, weight_offset), MROPE=positions.dim() == 2,
         Q_REST=rest > 0 and has_norm, K_REST=rest > 0, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        BLOCK_HALF=block_half, BLOCK_REST=block_rest, BLOCK_D=block_d, num_warps=4,
+        BLOCK_HALF=block_half, BLOCK_REST=block_rest, BLOCK_D=block_d, GDC=gdc, num_warps=4, **pdl_kwargs(gdc),
     )
     return q, k
