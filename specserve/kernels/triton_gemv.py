@@ -70,8 +70,8 @@ _TUNED: dict[tuple[int, int], dict[str, int]] = {
 # prints this dict; kernels/gemv_policy.py FASTER_ROWS says up to how many rows it won). Shapes not listed run the
 # skinny GEMM at more than one row.
 # TUNED ON: NVIDIA H200, triton 3.6, 2026-12-02 (`bench_gemv.py --rows 5 --sweep --shapes smollm2-135m llama-3.1-8b`,
-# BENCHMARKS.md §21): only SmolLM2's shapes, where it beat cuBLAS at some row counts; on Llama-3.1-8B's it lost at
-# every M from 2 to 5 (0.26-0.99x), so those shapes keep the skinny GEMM.
+# BENCHMARKS.md §21.5): only SmolLM2's shapes, where it beat cuBLAS at some row counts; on Llama-3.1-8B's it lost at
+# every M from 2 to 5, so those shapes keep the skinny GEMM.
 _TUNED_ROWS: dict[tuple[int, int], dict[str, int]] = {
     (960, 576): dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1),
     (576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
