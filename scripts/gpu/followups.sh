@@ -30,9 +30,12 @@
 #             GLM-5's phases at 32k (eager prefill now as token rows through the DSA kernels); the skinny GEMM for 2..16 rows (kernels/triton_gemv.py _rows_kernel: verify's
 #             rows under --decode-gemv triton) against cuBLAS at 4 and 5 rows, and the 8B phases with it (if it
 #             wins, gemv_policy gets a verify-rows set).
-# Order for a fresh lease (30 device-minutes), as left by the sixth session of 2026-12-01 (next, gptfast and the
-# SmolLM2 qspec ran then: BENCHMARKS §19): seventh a, seventh b (~9 min each), then smollm2_round.sh keep / join /
-# qspec.
+#   eighth    the GEMVs with programmatic dependent launch and the row GEMV at verify's rows (ran: BENCHMARKS §21).
+#   ninth     what the first session of 2026-12-02 left unmeasured: PDL on the RMSNorm and SiLU-and-mul kernels,
+#             the 8B GEMVs without PDL again (over 8 MB), the plain and speculative SmolLM2 steps and gpt-fast.
+# Order for a fresh lease (30 device-minutes), as left by the first session of 2026-12-02 (seventh and eighth ran
+# then: BENCHMARKS §21): ninth (~7 min), then smollm2_round.sh keep / join / qspec (the sampled speculation with
+# the shipped head after PDL, which made plain steps 15% faster and the spec step no faster).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -129,5 +132,17 @@ case "${1:-}" in
     [ -d .gpt-fast ] && timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast \
       --output-file "$OUT/vs_gpt_fast.jsonl" 2>&1 | grep -v -i warn | tail -4
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth" >&2; exit 2 ;;
+  ninth)  # what the first session of 2026-12-02 left unmeasured (carry .gpt-fast): PDL on RMSNorm and SiLU-mul too,
+           # the 8B's GEMVs back without PDL, q/k prep + attention with it; then smollm2_round.sh keep / join / qspec
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py tests/test_triton_gemv.py \
+      tests/test_triton_attention.py tests/test_triton_qk_prep.py tests/test_gpu.py -k \
+      "not tp and (kernel or norm or silu or gemv or fixed or qk or plain_step or graphs_on_and_off)" 2>&1 \
+      | grep -v -i warn | tail -3
+    timeout 60 python3 scripts/gpu/profile_spec_step.py 4 2>&1 | grep -v -i warn | grep -i "wall"
+    timeout 80 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
+      --prefill-tokens 0 2>&1 | grep -v -i warn | tail -10
+    [ -d .gpt-fast ] && timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast \
+      --output-file "$OUT/vs_gpt_fast.jsonl" 2>&1 | grep -v -i warn | tail -4
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth" >&2; exit 2 ;;
 esac

@@ -11,12 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
+
 _MAX_BLOCK = 2048
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, GDC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if GDC:  # launched with PDL (kernels/launch.py one_wave_pdl): the next kernel may launch; wait for our input
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -39,6 +44,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if x2.shape[0] > 0 and inter > 0:
         block = min(_MAX_BLOCK, triton.next_power_of_2(inter))
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block,
-                                   num_warps=4 if block <= 1024 else 8)
+        gdc = one_wave_pdl(x2.device, grid[0] * grid[1])
+        _silu_and_mul_kernel[grid](x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, GDC=gdc,
+                                   num_warps=4 if block <= 1024 else 8, **pdl_kwargs(gdc))
     return out.view(*x.shape[:-1], inter)

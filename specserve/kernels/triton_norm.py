@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
+
 _TARGET_ELEMS = 4096  # elements per program: rows are packed until a program holds about this many
 
 
@@ -19,12 +21,17 @@ _TARGET_ELEMS = 4096  # elements per program: rows are packed until a program ho
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, hidden, eps,
                      stride_x, stride_r, stride_o, stride_s, heads, stride_xh,
                      ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     W_OFFSET: tl.constexpr):
+                     W_OFFSET: tl.constexpr, GDC: tl.constexpr):
     """x rows: row r at (r // heads) * stride_x + (r % heads) * stride_xh (heads 1: plain rows), so per-head
-    norms read q / k straight from a split of the fused projection."""
+    norms read q / k straight from a split of the fused projection. GDC: launched with PDL (kernels/launch.py
+    one_wave_pdl): the norm weight (never written by another kernel) is read before the grid-dependency wait."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = cols < hidden
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + W_OFFSET
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)  # row * stride can pass 2^31 for large batches
     x_off = (rows64 // heads) * stride_x + (rows64 % heads) * stride_xh  # [ROWS]
@@ -42,7 +49,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, hidden, eps,
             y = y.to(sum_ptr.dtype.element_ty).to(tl.float32)
         else:
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + W_OFFSET
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], (y * w[None, :]).to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -64,11 +70,13 @@ def _launch(x2: torch.Tensor, r2: torch.Tensor | None, w: torch.Tensor, out: tor
     rows = max(1, min(64, _TARGET_ELEMS // block_h))
     num_warps = 4 if block_h * rows <= 4096 else (8 if block_h <= 8192 else 16)
     grid = (triton.cdiv(n_rows, rows),)
+    gdc = one_wave_pdl(x2.device, grid[0])
     _rms_norm_kernel[grid](
         x2, r2 if r2 is not None else x2, w, out, s if s is not None else out, n_rows, hidden, eps,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), s.stride(0) if s is not None else 0,
         heads, stride_xh,
-        ROWS=rows, BLOCK_H=block_h, HAS_RESIDUAL=r2 is not None, W_OFFSET=float(weight_offset), num_warps=num_warps,
+        ROWS=rows, BLOCK_H=block_h, HAS_RESIDUAL=r2 is not None, W_OFFSET=float(weight_offset), GDC=gdc,
+        num_warps=num_warps, **pdl_kwargs(gdc),
     )
 
 
