@@ -125,3 +125,26 @@ def test_noise_is_strictly_inside_the_unit_interval():
     assert _t.all(u < 1.0) and _t.all(u > 0.0), u
     x = uniform_noise(_t.arange(64), _t.arange(64), SALT_SAMPLE, 4096)
     assert float(x.max()) < 1.0 and float(x.min()) > 0.0
+
+
+def test_accept_sampling_one_request_over_many_chunks():
+    """One request spreads its vocabulary row over many programs (kernels/triton_accept.py pick_residual_chunk: the
+    smallest chunk at one row): the chunks' totals and races must combine to the reference's token, whether the
+    winner falls in the first, a middle or the last chunk; several seeds."""
+    from specserve.kernels.launch import target_programs
+    from specserve.kernels.triton_accept import pick_residual_chunk
+
+    bs, n, vocab = 1, 3, 3001
+    assert vocab // pick_residual_chunk(bs, vocab, target_programs(DEV, cpu=8)) >= 4 or DEV.type == "cuda"
+    g = torch.Generator().manual_seed(5)
+    seen = set()
+    for trial in range(12):
+        probs = _probs(g, bs, n, vocab, 2.0)
+        drafts = torch.randint(0, vocab, (bs, n), generator=g)  # mostly rejected at once: the residual's race
+        seeds = torch.tensor([trial * 7717 - 3], dtype=torch.int64)
+        base = torch.tensor([trial * 13], dtype=torch.int64)
+        args = [t.to(DEV) for t in (drafts, probs, seeds, base)]
+        want = accept_sampling(*args)
+        _assert_same(accept_sampling_triton(*args, out=_poisoned_out(bs, n)), want)
+        seen.add(int(want[1][0, int(want[0][0])]) * 4 // vocab)  # the winner's quarter of the vocabulary
+    assert len(seen) >= 3

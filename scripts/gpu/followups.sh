@@ -32,7 +32,8 @@
 #             wins, gemv_policy gets a verify-rows set).
 #   eighth    the GEMVs with programmatic dependent launch and the row GEMV at verify's rows (ran: BENCHMARKS §21).
 #   ninth     what the first session of 2026-12-02 left unmeasured: PDL on the RMSNorm and SiLU-and-mul kernels,
-#             the 8B GEMVs without PDL again (over 8 MB), the plain and speculative SmolLM2 steps and gpt-fast.
+#             the 8B GEMVs without PDL again (over 8 MB), the sampled accept kernels over vocabulary chunks, the
+#             plain and speculative SmolLM2 steps (greedy and sampled) and gpt-fast.
 # Order for a fresh lease (30 device-minutes), as left by the first session of 2026-12-02 (seventh and eighth ran
 # then: BENCHMARKS §21): ninth (~7 min), then smollm2_round.sh keep / join / qspec (the sampled speculation with
 # the shipped head after PDL, which made plain steps 15% faster and the spec step no faster).
@@ -138,7 +139,10 @@ case "${1:-}" in
       tests/test_triton_attention.py tests/test_triton_qk_prep.py tests/test_gpu.py -k \
       "not tp and (kernel or norm or silu or gemv or fixed or qk or plain_step or graphs_on_and_off)" 2>&1 \
       | grep -v -i warn | tail -3
-    timeout 60 python3 scripts/gpu/profile_spec_step.py 4 2>&1 | grep -v -i warn | grep -i "wall"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_accept.py tests/test_triton_candidates.py \
+      tests/test_sampling_lossless.py 2>&1 | grep -v -i warn | tail -3
+    timeout 100 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn \
+      | grep -i "wall\|accept_kernel\|residual\|race"
     timeout 80 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
       --prefill-tokens 0 2>&1 | grep -v -i warn | tail -10
     [ -d .gpt-fast ] && timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast \

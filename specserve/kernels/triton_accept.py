@@ -2,9 +2,12 @@
 
 * `accept_greedy_triton`: the argmax of the target logits at every position (first index on ties, like torch;
   kernels/triton_top1.py), then one program per request counts the leading draft == argmax matches.
-* `accept_sampling_triton`: one program per request runs the accept tests in order, then makes two passes over
-  the vocabulary row of the first rejected (or bonus) position: the residual's total, then the exponential race
-  argmax((residual / total) / -log u).
+* `accept_sampling_triton`: the accept tests in order, then two passes over the vocabulary row of the first
+  rejected (or bonus) position: the residual's total, then the exponential race argmax((residual / total) /
+  -log u). Each pass spreads a row over chunks of the vocabulary (one program per (request, chunk), the chunk from
+  the launch size: at one request a serial walk of one program over 49k-152k entries was the latency); each program
+  redoes the request's accept tests (N loads). Three launches: the chunks' sums, the chunks' races (the total = the
+  sum of the chunks' sums in chunk order), the winner over the chunks (the earliest on ties) and the outputs.
 * `accept_sampling_q_triton`: the same for drafts drawn from distributions q of K candidates each
   (--speculative-draft-sampling sample): accept while u * q(d) < p(d), the residual max(0, p - q) with the
   rejected position's candidates compared against each block of columns.
@@ -17,14 +20,21 @@ for exact ties of the race).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import chunk_for_grid, target_programs
 from specserve.kernels.noise import SALT_ACCEPT, SALT_SAMPLE
 from specserve.kernels.triton_top1 import row_top1_triton
 
 _BLOCK_V = 2048
+# vocabulary elements per program of the residual's passes, largest first: the largest whose grid (requests x
+# chunks) still fills the device (at one request: the smallest, so one row's vocabulary spreads over many programs)
+RESIDUAL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)
+pick_residual_chunk = functools.partial(chunk_for_grid, RESIDUAL_CHUNKS)  # (rows, vocab, target) -> chunk
 
 
 @triton.jit
@@ -74,13 +84,12 @@ def _residual(x, cols, rejected, d_rej, qk_ids, qk_probs, HAS_Q: tl.constexpr):
 
 
 @triton.jit
-def _sampling_accept_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, accept_ptr, verified_ptr,
-                            n, vocab, k, stride_d, stride_pb, stride_pn, stride_qb, stride_qn, stride_v,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_Q: tl.constexpr,
-                            SALT_ACC: tl.constexpr, SALT_SMP: tl.constexpr):
-    """One request: the accept tests in order, then the residual's total and its race. HAS_Q: the drafts were drawn
-    from distributions q given as K candidates per position (ids, probs); else they are deterministic (one-hot)."""
-    b = tl.program_id(0).to(tl.int64)
+def _accept_prefix(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, b, n, k, stride_d, stride_pb,
+                   stride_pn, stride_qb, stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_Q: tl.constexpr, SALT_ACC: tl.constexpr):
+    """Request b's accept tests in order -> (accept_len, rejected, the rejected draft d_rej, the rejected position's
+    q candidates (ids, probs; zero weights where nothing was rejected or without HAS_Q)). HAS_Q: the drafts were
+    drawn from distributions q given as K candidates per position (ids, probs); else they are one-hot."""
     seed = tl.load(seeds_ptr + b)
     base = tl.load(base_ptr + b)
     j = tl.arange(0, BLOCK_N)  # [BLOCK_N] draft positions
@@ -111,22 +120,58 @@ def _sampling_accept_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, b
     else:
         qk_ids = tl.zeros([BLOCK_K], tl.int64)
         qk_probs = tl.zeros([BLOCK_K], tl.float32)
+    return accept_len, rejected, d_rej, qk_ids, qk_probs
 
-    pk = row + accept_len * stride_pn  # distribution at the first rejected (or bonus) position
+
+@triton.jit
+def _residual_total_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, ws_tot_ptr,
+                           n, vocab, k, chunk, stride_d, stride_pb, stride_pn, stride_qb, stride_qn,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, HAS_Q: tl.constexpr,
+                           SALT_ACC: tl.constexpr):
+    """Program (b, c): the residual's sum over vocabulary chunk c of request b's first rejected (or bonus) position
+    -> ws_tot [bs, chunks]."""
+    b = tl.program_id(0).to(tl.int64)
+    ci = tl.program_id(1)
+    accept_len, rejected, d_rej, qk_ids, qk_probs = _accept_prefix(
+        drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, b, n, k, stride_d, stride_pb, stride_pn,
+        stride_qb, stride_qn, BLOCK_N, BLOCK_K, HAS_Q, SALT_ACC)
+    pk = probs_ptr + b * stride_pb + accept_len * stride_pn  # the distribution at that position
+    lo = ci * chunk
+    hi = tl.minimum(lo + chunk, vocab)
     total = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
+    for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(pk + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+        x = tl.load(pk + cols, mask=cols < hi, other=0.0).to(tl.float32)
         total += _residual(x, cols, rejected, d_rej, qk_ids, qk_probs, HAS_Q)
-    tot = tl.sum(total, axis=0)
-    denom = tl.maximum(tot, 1e-30)
+    tl.store(ws_tot_ptr + b * tl.num_programs(1) + ci, tl.sum(total, axis=0))
 
-    key = _key(seed, base + accept_len + 1, SALT_SMP)
+
+@triton.jit
+def _residual_race_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, ws_tot_ptr, ws_val_ptr,
+                          ws_idx_ptr, n, vocab, k, chunk, num_chunks, stride_d, stride_pb, stride_pn, stride_qb,
+                          stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                          BLOCK_C: tl.constexpr, HAS_Q: tl.constexpr, SALT_ACC: tl.constexpr,
+                          SALT_SMP: tl.constexpr):
+    """Program (b, c): the exponential race argmax((residual / total) / -log u) over chunk c (the first index on
+    ties) -> ws_val, ws_idx [bs, chunks]; the total is the sum of the chunks' sums in chunk order."""
+    b = tl.program_id(0).to(tl.int64)
+    ci = tl.program_id(1)
+    accept_len, rejected, d_rej, qk_ids, qk_probs = _accept_prefix(
+        drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, b, n, k, stride_d, stride_pb, stride_pn,
+        stride_qb, stride_qn, BLOCK_N, BLOCK_K, HAS_Q, SALT_ACC)
+    cs = tl.arange(0, BLOCK_C)
+    tot = tl.sum(tl.load(ws_tot_ptr + b * num_chunks + cs, mask=cs < num_chunks, other=0.0), axis=0)
+    denom = tl.maximum(tot, 1e-30)
+    seed = tl.load(seeds_ptr + b)
+    key = _key(seed, tl.load(base_ptr + b) + accept_len + 1, SALT_SMP)
+    pk = probs_ptr + b * stride_pb + accept_len * stride_pn
+    lo = ci * chunk
+    hi = tl.minimum(lo + chunk, vocab)
     best_val = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 0, tl.int32)
-    for v0 in range(0, vocab, BLOCK_V):
+    for v0 in range(lo, hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        v_ok = cols < vocab
+        v_ok = cols < hi
         x = tl.load(pk + cols, mask=v_ok, other=0.0).to(tl.float32)
         resid = _residual(x, cols, rejected, d_rej, qk_ids, qk_probs, HAS_Q)
         resid = tl.where(tot > 0.0, resid / denom, x)
@@ -137,7 +182,25 @@ def _sampling_accept_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, b
         take = blk_max > best_val
         best_idx = tl.where(take, blk_idx, best_idx)
         best_val = tl.where(take, blk_max, best_val)
+    tl.store(ws_val_ptr + b * num_chunks + ci, best_val)
+    tl.store(ws_idx_ptr + b * num_chunks + ci, best_idx)
 
+
+@triton.jit
+def _race_pick_kernel(drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, ws_val_ptr, ws_idx_ptr,
+                      accept_ptr, verified_ptr, n, k, num_chunks, stride_d, stride_pb, stride_pn, stride_qb,
+                      stride_qn, stride_v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                      HAS_Q: tl.constexpr, SALT_ACC: tl.constexpr):
+    """Program b: the race's winner over the chunks (the earliest chunk on ties), then accept_len [bs] and
+    verified [bs, N+1] (the drafts, the new token at accept_len)."""
+    b = tl.program_id(0).to(tl.int64)
+    accept_len, _, _, _, _ = _accept_prefix(
+        drafts_ptr, probs_ptr, qid_ptr, qp_ptr, seeds_ptr, base_ptr, b, n, k, stride_d, stride_pb, stride_pn,
+        stride_qb, stride_qn, BLOCK_N, BLOCK_K, HAS_Q, SALT_ACC)
+    cs = tl.arange(0, BLOCK_C)
+    vals = tl.load(ws_val_ptr + b * num_chunks + cs, mask=cs < num_chunks, other=float("-inf"))
+    best = tl.argmax(vals, axis=0, tie_break_left=True)
+    best_idx = tl.load(ws_idx_ptr + b * num_chunks + best)
     tl.store(accept_ptr + b, accept_len.to(tl.int64))
     jv = tl.arange(0, BLOCK_N * 2)  # verified [n + 1]: the drafts, a 0 bonus slot, then the new token
     dv = tl.load(drafts_ptr + b * stride_d + jv, mask=jv < n, other=0)
@@ -190,7 +253,7 @@ def accept_sampling_q_triton(drafts: torch.Tensor, probs: torch.Tensor, q_ids: t
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """drafts [bs, N]; probs [bs, N+1, V] float32; q_ids [bs, N, K] int64, q_probs [bs, N, K] float32 (each draft's
     distribution as K candidates); seeds, base_index [bs] int64 -> (accept_len [bs], verified [bs, N+1]) as
-    speculative/accept.py accept_sampling_q: one launch (one program per request)."""
+    speculative/accept.py accept_sampling_q (the same three launches as accept_sampling_triton)."""
     return _accept_sampling(drafts, probs, (q_ids, q_probs), seeds, base_index, out)
 
 
@@ -212,11 +275,22 @@ def _accept_sampling(drafts, probs, q: tuple[torch.Tensor, torch.Tensor] | None,
         q_strides = (q_ids.stride(0), q_ids.stride(1))
         block_k = max(2, triton.next_power_of_2(k))
         block_v = max(256, min(_BLOCK_V, 32768 // block_k))  # the [BLOCK_V, K] compare tile of the residual
-    _sampling_accept_kernel[(bs,)](
-        drafts, probs, q_ids, q_probs, seeds, base_index, accept_len, verified, n, vocab, k,
-        drafts.stride(0), probs.stride(0), probs.stride(1), *q_strides, verified.stride(0),
-        BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_K=block_k,
-        BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), HAS_Q=q is not None,
-        SALT_ACC=SALT_ACCEPT, SALT_SMP=SALT_SAMPLE, num_warps=8,
-    )
+    chunk = pick_residual_chunk(bs, vocab, target_programs(drafts.device, cpu=8))
+    block_v = min(block_v, chunk, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    ws_tot = torch.empty((bs, num_chunks), dtype=torch.float32, device=drafts.device)
+    ws_val = torch.empty((bs, num_chunks), dtype=torch.float32, device=drafts.device)
+    ws_idx = torch.empty((bs, num_chunks), dtype=torch.int32, device=drafts.device)
+    common = (drafts, probs, q_ids, q_probs, seeds, base_index)
+    strides = (drafts.stride(0), probs.stride(0), probs.stride(1), *q_strides)
+    blocks = dict(BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_K=block_k)
+    flags = dict(HAS_Q=q is not None, SALT_ACC=SALT_ACCEPT)
+    block_c = max(2, triton.next_power_of_2(num_chunks))
+    _residual_total_kernel[(bs, num_chunks)](*common, ws_tot, n, vocab, k, chunk, *strides, **blocks,
+                                             BLOCK_V=block_v, **flags, num_warps=4)
+    _residual_race_kernel[(bs, num_chunks)](*common, ws_tot, ws_val, ws_idx, n, vocab, k, chunk, num_chunks,
+                                            *strides, **blocks, BLOCK_V=block_v, BLOCK_C=block_c, **flags,
+                                            SALT_SMP=SALT_SAMPLE, num_warps=4)
+    _race_pick_kernel[(bs,)](*common, ws_val, ws_idx, accept_len, verified, n, k, num_chunks, *strides,
+                             verified.stride(0), **blocks, BLOCK_C=block_c, **flags, num_warps=1)
     return accept_len, verified

@@ -88,7 +88,7 @@ def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[to
 
 def verify_sampling_q(drafts: torch.Tensor, probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
                       seeds: torch.Tensor, base_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """accept_sampling_q with the same dispatch as verify_greedy (one launch on CUDA)."""
+    """accept_sampling_q with the same dispatch as verify_greedy (the Triton kernels on CUDA)."""
     if drafts.is_cuda and (tk := triton_kernels()) is not None:
         return tk.accept_sampling_q_triton(drafts, probs, q_ids, q_probs, seeds, base_index)
     return accept_sampling_q(drafts, probs, q_ids, q_probs, seeds, base_index)
