@@ -35,12 +35,26 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _has_pdl(index: int) -> bool:  # griddepcontrol (Triton's gdc_wait / gdc_launch_dependents) needs sm_90 or newer
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` may launch with programmatic dependent launch: a CUDA device of compute
+    capability 9.0 or newer (Hopper on); never under Triton's interpreter."""
+    if device.type != "cuda":
+        return False
+    return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def one_wave_pdl(device: torch.device, programs: int) -> bool:
-    """Whether a latency-bound kernel of `programs` programs launches with programmatic dependent launch: on CUDA,
-    when its grid fits in one wave (one program per SM or fewer). Such a kernel lets the next one launch at once and
-    waits for the previous one's outputs before its first read (`gdc_wait`; kernels/triton_gemv.py has the rules),
-    so the next kernel's launch, and a GEMV's first weight tile, overlap it. Shapes and the device only."""
-    return device.type == "cuda" and programs <= sm_count(device)
+    """Whether a latency-bound kernel of `programs` programs launches with programmatic dependent launch: where
+    supported (pdl_supported), when its grid fits in one wave (one program per SM or fewer). Such a kernel lets the
+    next one launch at once and waits for the previous one's outputs before its first read (`gdc_wait`;
+    kernels/triton_gemv.py has the rules), so the next kernel's launch, and a GEMV's first weight tile, overlap
+    it. Shapes and the device only."""
+    return pdl_supported(device) and programs <= sm_count(device)
 
 
 def pdl_kwargs(on: bool) -> dict:

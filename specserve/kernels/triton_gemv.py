@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import pdl_kwargs, pdl_supported
 from specserve.kernels.triton_dot import dot
 
 MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
@@ -377,12 +378,13 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
                  SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16)
     if m == 1 or cfg.get("GEMV"):  # the GEMV, its rows unrolled (a config marked GEMV=1 at more than one row)
         programs = triton.cdiv(n_out, cfg["BLOCK_N"])
-        pdl = cfg.get("PDL", pdl_mode(programs, w.numel() * w.element_size()) if x.is_cuda else 0)
-        gdc = bool(pdl) and x.is_cuda
+        supported = pdl_supported(x.device)
+        pdl = cfg.get("PDL", pdl_mode(programs, w.numel() * w.element_size()) if supported else 0)
+        gdc = bool(pdl) and supported  # (a PDL config elsewhere: the same order of loads, no grid-dependency ops)
         _gemv_kernel[(programs,)](
             *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if gdc else {}))
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles
     _rows_kernel[(triton.cdiv(n_out, block_n),)](
