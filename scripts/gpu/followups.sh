@@ -135,9 +135,10 @@ case "${1:-}" in
     ;;
   ninth)  # what the first session of 2026-12-02 left unmeasured (carry .gpt-fast): PDL on RMSNorm and SiLU-mul too,
            # the 8B's GEMVs back without PDL, q/k prep + attention with it; then smollm2_round.sh keep / join / qspec
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_kernels.py tests/test_triton_gemv.py \
-      tests/test_triton_attention.py tests/test_triton_qk_prep.py tests/test_gpu.py -k \
-      "not tp and (kernel or norm or silu or gemv or fixed or qk or plain_step or graphs_on_and_off)" 2>&1 \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_pdl.py tests/test_kernel_launch.py \
+      tests/test_triton_kernels.py tests/test_triton_gemv.py tests/test_triton_attention.py \
+      tests/test_triton_qk_prep.py tests/test_gpu.py -k "pdl or launch or chunk or \
+      (not tp and (kernel or norm or silu or gemv or fixed or qk or plain_step or graphs_on_and_off))" 2>&1 \
       | grep -v -i warn | tail -3
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_triton_accept.py tests/test_triton_candidates.py \
       tests/test_sampling_lossless.py 2>&1 | grep -v -i warn | tail -3

@@ -1,0 +1,127 @@
+"""Programmatic dependent launch (PDL) under CUDA graphs on a GPU that has it (compute capability 9.0+): chains of
+decode kernels where each reads what the one before wrote, replayed many times over fresh inputs, must give
+exactly the outputs of the same chain launched without PDL (kernels/triton_gemv.py, triton_norm.py, triton_act.py,
+triton_qk_prep.py, triton_attention.py launch with it by default; a kernel that read its input before the
+grid-dependency wait would read the previous replay's values here). Skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.kernels.launch import pdl_supported
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not pdl_supported(torch.device("cuda")),
+                                reason="needs a CUDA GPU of compute capability 9.0+")
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+LAYERS, HIDDEN, QKV, INTER = 12, 576, 960, 1536  # SmolLM2-135M's projection shapes (all under 8 MB: PDL on)
+
+
+def _chain(ws, x, res, pdl: bool, sync: bool = False):
+    """LAYERS of the four fused decode projections, each consuming the last one's output (and the residual).
+    sync: a device synchronisation after every launch (eager ground truth: no launch can overlap another)."""
+    from specserve.kernels.triton_gemv import gemv, gemv_config, norm_gemv
+
+    def cfg(w, silu=False):
+        return None if pdl else dict(gemv_config(x.shape[0], w.shape[0], w.shape[1], BF16, silu), PDL=0)
+
+    def done(t):
+        if sync:
+            torch.cuda.synchronize()
+        return t
+
+    h = res
+    out = x
+    for qkv, o, gate_up, down, n1, n2 in ws:
+        y, h = done(norm_gemv(out, h, n1, 1e-6, 0.0, qkv, config=cfg(qkv)))
+        out = done(gemv(y, o, config=cfg(o)))  # o [HIDDEN, QKV]: straight from the qkv output
+        act, h = done(norm_gemv(out, h, n2, 1e-6, 0.0, gate_up, silu_mul=True, config=cfg(gate_up, True)))
+        out = done(gemv(act, down, config=cfg(down)))
+    return out, h
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_pdl_gemv_chain_equals_plain_over_replays(rows):
+    from specserve.graphs.capture import capture_graph
+
+    g = torch.Generator(device=DEV).manual_seed(rows)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(BF16)
+
+    ws = [(rand(QKV, HIDDEN, scale=HIDDEN ** -0.5), rand(HIDDEN, QKV, scale=QKV ** -0.5),
+           rand(2 * INTER, HIDDEN, scale=HIDDEN ** -0.5), rand(HIDDEN, INTER, scale=INTER ** -0.5),
+           1 + rand(HIDDEN, scale=0.1), 1 + rand(HIDDEN, scale=0.1)) for _ in range(LAYERS)]
+    x, res = rand(rows, HIDDEN), rand(rows, HIDDEN)  # the graphs' static inputs
+    graphs = {}
+    pool = None
+    for pdl in (True, False):
+        graph, out, pool = capture_graph(lambda pdl=pdl: _chain(ws, x, res, pdl), pool)
+        graphs[pdl] = (graph, out)
+    for _ in range(40):
+        x.copy_(rand(rows, HIDDEN))
+        res.copy_(rand(rows, HIDDEN))
+        got = []
+        for pdl in (True, False):
+            graph, out = graphs[pdl]
+            graph.replay()
+            got.append([t.clone() for t in out])
+        eager = _chain(ws, x, res, pdl=False, sync=True)
+        for a, b, c in zip(*got, eager):
+            assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_pdl_attention_chain_equals_eager_over_replays():
+    """q/k prep -> fixed-width attention -> o projection in a graph (each launched with PDL at batch 1), replayed
+    over fresh q, k, v and a growing sequence: equal to the same ops run eagerly, launch by launch."""
+    from specserve.graphs.capture import capture_graph
+    from specserve.kernels.triton_attention import fixed_width_attention
+    from specserve.kernels.triton_gemv import gemv
+    from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    heads, kv_heads, d, slots = 9, 3, 64, 512
+    k_cache = torch.zeros((slots, kv_heads, d), dtype=BF16, device=DEV)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.arange(slots, device=DEV, dtype=torch.int64)[None]  # [1, slots]: request 0's slots in order
+    rows = torch.zeros(1, dtype=torch.int64, device=DEV)
+    seq_lens = torch.ones(1, dtype=torch.int64, device=DEV)
+    loc = torch.zeros(1, dtype=torch.int64, device=DEV)
+    pos = torch.zeros(1, dtype=torch.int64, device=DEV)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV, dtype=torch.float32) / d))
+    angles = torch.arange(slots, device=DEV, dtype=torch.float32)[:, None] * inv[None]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [slots, d]
+    q = torch.zeros((1, heads, d), dtype=BF16, device=DEV)
+    k = torch.zeros((1, kv_heads, d), dtype=BF16, device=DEV)
+    v = torch.zeros_like(k)
+    w_o = (torch.randn(heads * d, heads * d, generator=g, device=DEV) * (heads * d) ** -0.5).to(BF16)
+
+    def step(sync: bool = False):
+        qq, _ = qk_norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, cos_sin, pos, None)
+        if sync:
+            torch.cuda.synchronize()
+        att = fixed_width_attention(qq, k_cache, v_cache, table, rows, seq_lens, 1, 4, d ** -0.5)
+        if sync:
+            torch.cuda.synchronize()
+        return gemv(att.reshape(1, heads * d), w_o)
+
+    graph, out, _ = capture_graph(step, None)
+    snapshot = (k_cache.clone(), v_cache.clone())
+    for t in range(64):  # fresh inputs, one more key each step
+        fresh = [torch.randn(tuple(b.shape), generator=g, device=DEV).to(BF16) for b in (q, k, v)]
+        for buf, val in zip((q, k, v), fresh):
+            buf.copy_(val)
+        loc.fill_(t)
+        pos.fill_(t)
+        seq_lens.fill_(t + 1)
+        graph.replay()
+        got = out.clone()
+        k_cache.copy_(snapshot[0])
+        v_cache.copy_(snapshot[1])
+        for buf, val in zip((q, k, v), fresh):
+            buf.copy_(val)
+        want = step(sync=True)  # eager, one launch at a time: the same kernels, the same cache before the step
+        assert torch.equal(got, want), t
+        snapshot = (k_cache.clone(), v_cache.clone())
