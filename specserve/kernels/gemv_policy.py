@@ -4,8 +4,8 @@ reduce launches) on the H200 (`python3 scripts/gpu/bench_gemv.py`, BENCHMARKS.md
 projections' shapes are listed. Shapes not listed (not yet swept) keep cuBLAS under `auto`; `--decode-gemv triton`
 fuses every dense layer's decode rows regardless (to measure them). At more than one row (verify's N + 1 at batch 1)
 `auto` fuses a norm + projection, and an output projection, only up to the rows where its shapes were measured
-faster too (FASTER_ROWS: the
-row-unrolled GEMV of triton_gemv._TUNED_ROWS against cuBLAS, `bench_gemv.py --rows 2 3 4 5`)."""
+faster too (FASTER_ROWS: the row-unrolled GEMV of triton_gemv._TUNED_ROWS against cuBLAS, `bench_gemv.py --rows 5
+--sweep`)."""
 
 from __future__ import annotations
 
