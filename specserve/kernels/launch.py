@@ -7,6 +7,11 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -14,11 +19,15 @@ def _sm_count(index: int) -> int:  # asked once per device, not per layer per ea
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    return _sm_count(_index(device))
+
+
 def target_programs(device: torch.device, cpu: int) -> int:
     """About two programs per SM on a CUDA device; `cpu` under Triton's interpreter (a CPU tensor)."""
     if device.type != "cuda":
         return cpu
-    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 2 * sm_count(device)
 
 
 def chunk_for_grid(chunks: tuple[int, ...], rows: int, width: int, target: int) -> int:
@@ -31,10 +40,6 @@ def chunk_for_grid(chunks: tuple[int, ...], rows: int, width: int, target: int) 
     return chunks[-1]
 
 
-def sm_count(device: torch.device) -> int:
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 @functools.cache
 def _has_pdl(index: int) -> bool:  # griddepcontrol (Triton's gdc_wait / gdc_launch_dependents) needs sm_90 or newer
     return torch.cuda.get_device_capability(index)[0] >= 9
@@ -45,7 +50,7 @@ def pdl_supported(device: torch.device) -> bool:
     capability 9.0 or newer (Hopper on); never under Triton's interpreter."""
     if device.type != "cuda":
         return False
-    return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return _has_pdl(_index(device))
 
 
 def one_wave_pdl(device: torch.device, programs: int) -> bool:
@@ -60,3 +65,13 @@ def one_wave_pdl(device: torch.device, programs: int) -> bool:
 def pdl_kwargs(on: bool) -> dict:
     """The Triton launch option for programmatic dependent launch (none when off)."""
     return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def pdl_enter(GDC: tl.constexpr):
+    """In a kernel launched with PDL (GDC; one_wave_pdl): let the next kernel launch at once, then wait until the
+    previous one's outputs are complete and visible. Call it before the first read of anything another kernel
+    writes (reads of weights may come before it) and before any store."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

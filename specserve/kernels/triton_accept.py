@@ -278,8 +278,7 @@ def _accept_sampling(drafts, probs, q: tuple[torch.Tensor, torch.Tensor] | None,
     chunk = pick_residual_chunk(bs, vocab, target_programs(drafts.device, cpu=8))
     block_v = min(block_v, chunk, triton.next_power_of_2(vocab))
     num_chunks = triton.cdiv(vocab, chunk)
-    ws_tot = torch.empty((bs, num_chunks), dtype=torch.float32, device=drafts.device)
-    ws_val = torch.empty((bs, num_chunks), dtype=torch.float32, device=drafts.device)
+    ws_tot, ws_val = torch.empty((2, bs, num_chunks), dtype=torch.float32, device=drafts.device)  # [bs, chunks] each
     ws_idx = torch.empty((bs, num_chunks), dtype=torch.int32, device=drafts.device)
     common = (drafts, probs, q_ids, q_probs, seeds, base_index)
     strides = (drafts.stride(0), probs.stride(0), probs.stride(1), *q_strides)

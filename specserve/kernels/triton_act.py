@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
+from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 
 _MAX_BLOCK = 2048
 
@@ -19,9 +19,7 @@ _MAX_BLOCK = 2048
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, GDC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if GDC:  # launched with PDL (kernels/launch.py one_wave_pdl): the next kernel may launch; wait for our input
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(GDC)  # launched with PDL (one_wave_pdl): the next kernel may launch; wait for our inputs
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
+from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_dot import dot
 
 _LOG2E = 1.4426950408889634
@@ -68,9 +68,7 @@ def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, se
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if GDC:  # launched with PDL (kernels/launch.py one_wave_pdl): the next kernel may launch; wait for our inputs
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(GDC)  # launched with PDL (one_wave_pdl): the next kernel may launch; wait for our inputs
     row = tl.load(rows_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 

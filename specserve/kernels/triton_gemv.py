@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import pdl_kwargs, pdl_supported
+from specserve.kernels.launch import one_wave_pdl, pdl_kwargs, pdl_supported
 from specserve.kernels.triton_dot import dot
 
 MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
@@ -340,15 +340,15 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
 PDL_MAX_BYTES = 8 << 20  # weights up to which a GEMV is latency-bound enough for PDL to pay (BENCHMARKS.md §21)
 
 
-def pdl_mode(programs: int, weight_bytes: int) -> int:
-    """How the GEMV launches on CUDA (its kernel's PDL). Weights of at most PDL_MAX_BYTES (SmolLM2's projections):
-    with programmatic dependent launch, letting the next kernel launch at once (1) when the grid fits in one wave
-    of the GPU (its waiting programs then take no SM the grid still needs), else only after the main loop (2);
-    larger weights (Llama-3.1-8B's): off (0), where a layer measured no gain (BENCHMARKS.md §21). A config's PDL
-    key overrides it."""
-    if weight_bytes > PDL_MAX_BYTES:
+def pdl_mode(device: torch.device, programs: int, weight_bytes: int) -> int:
+    """How the GEMV launches (its kernel's PDL). Where PDL is supported (launch.pdl_supported) and the weights are
+    at most PDL_MAX_BYTES (SmolLM2's projections): with programmatic dependent launch, letting the next kernel
+    launch at once (1) when the grid fits in one wave of the GPU (launch.one_wave_pdl: its waiting programs then
+    take no SM the grid still needs), else only after the main loop (2); otherwise, and for larger weights
+    (Llama-3.1-8B's, where a layer measured no gain, BENCHMARKS.md §21), off (0). A config's PDL key overrides it."""
+    if not pdl_supported(device) or weight_bytes > PDL_MAX_BYTES:
         return 0
-    return 1 if programs <= _SMS else 2  # (the compile-time H200 count: a launch's mode is fixed per shape)
+    return 1 if one_wave_pdl(device, programs) else 2
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
@@ -378,9 +378,8 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
                  SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16)
     if m == 1 or cfg.get("GEMV"):  # the GEMV, its rows unrolled (a config marked GEMV=1 at more than one row)
         programs = triton.cdiv(n_out, cfg["BLOCK_N"])
-        supported = pdl_supported(x.device)
-        pdl = cfg.get("PDL", pdl_mode(programs, w.numel() * w.element_size()) if supported else 0)
-        gdc = bool(pdl) and supported  # (a PDL config elsewhere: the same order of loads, no grid-dependency ops)
+        pdl = cfg.get("PDL", pdl_mode(x.device, programs, w.numel() * w.element_size()))
+        gdc = bool(pdl) and pdl_supported(x.device)  # (a PDL config elsewhere: PDL's order of loads, no gdc ops)
         _gemv_kernel[(programs,)](
             *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
+from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 
 _TARGET_ELEMS = 4096  # elements per program: rows are packed until a program holds about this many
 
@@ -29,9 +29,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, hidden, eps,
     cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
     col_ok = cols < hidden
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + W_OFFSET
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(GDC)
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)  # row * stride can pass 2^31 for large batches
     x_off = (rows64 // heads) * stride_x + (rows64 % heads) * stride_xh  # [ROWS]

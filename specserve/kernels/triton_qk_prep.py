@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import one_wave_pdl, pdl_kwargs
+from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_rope import load_cos_sin, mrope_args
 
 _TILE_ELEMS = 4096  # elements per head-block program: heads are packed until a program holds about this many
@@ -112,9 +112,7 @@ def _qk_prep_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, cs_p
                     BLOCK_D: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # q head blocks, then k head blocks, then v head blocks
-    if GDC:  # launched with PDL (kernels/launch.py one_wave_pdl): the next kernel may launch; wait for our inputs
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(GDC)  # launched with PDL (one_wave_pdl): the next kernel may launch; wait for our inputs
     if part >= num_q_blocks + num_k_blocks:
         slot = tl.load(loc_ptr + t).to(tl.int64)
         h0 = (part - num_q_blocks - num_k_blocks) * BLOCK_HK
