@@ -1,10 +1,11 @@
-"""Adaptive speculation (engine/adaptive_spec.py) and the worker's plain step (speculative/worker.py): a plain step
-in a speculating engine samples what plain decoding would and keeps the draft in step, so any interleaving of
-plain and speculative steps gives plain decoding's greedy tokens — on a dense target, the hybrid family (recurrent
-state slots) and GLM-5 with truly sparse attention; the width-1 runners' static replay equals their eager forward
-with shrinking and growing batches; the policy measures both modes per batch-size bucket, picks the faster, probes
-the other, and follows the accept rate; it is off by default on a CPU. The sampled interleavings are checked
-against the exact distribution in test_sampling_lossless.py."""
+"""Adaptive speculation (engine/adaptive_spec.py) and the worker's plain step (speculative/worker.py): a plain step in
+a speculating engine samples what plain decoding would and runs no draft; the draft catches up over the positions it
+missed before the next speculative step (speculative/draft_lag.py), so any interleaving of plain and speculative
+steps gives plain decoding's greedy tokens (also when the lag fills up and forces a catch-up) — on a dense target,
+the hybrid family (recurrent state slots) and GLM-5 with truly sparse attention; the width-1 runners' static replay
+equals their eager forward with shrinking and growing batches; the policy measures both modes per batch-size bucket,
+picks the faster, probes the other, and follows the accept rate; it is off by default on a CPU. The sampled
+interleavings are checked against the exact distribution in test_sampling_lossless.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_spec_greedy import _prompts
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation, bucket
 from specserve.graphs.padding import LiveInputs
+from specserve.speculative.draft_lag import DraftLag
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 20
@@ -77,20 +79,16 @@ def test_plain_steps_keep_greedy_lossless(models, plain_ref, key, pattern):
 
 
 def test_plain_runners_replay_equals_eager(models):
-    """The target's width-1 verify runner and the plain draft extend: padded static replay == eager."""
+    """The target's width-1 verify runner: padded static replay == eager."""
     mr = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)[0].mr
-    runners = [mr.runners["target_decode"], mr.spec.plain.runners["draft_extend"]]
-    assert all(r.width == 1 for r in runners) and runners[1] in mr.spec.graph_runners()
+    runners = [mr.runners["target_decode"]]
+    assert runners[0].width == 1 and mr.spec.plain_step_graph in mr.spec.graph_runners()
     for runner in runners:
         for i, bs in enumerate([7, 3, 1, 5, 8, 2]):
             handles, rows, s = _requests(mr, bs, 3, seed=i)
             g = torch.Generator().manual_seed(i)
             ids = torch.randint(0, 256, (bs,), generator=g)
-            if runner is runners[0]:
-                live = LiveInputs(bs, ids, s, rows, s + 1, int(s.max()) + 1)
-            else:
-                live = LiveInputs(bs, ids, s, rows, s + 1, int(s.max()) + 1, accept_len=torch.zeros(bs,
-                                  dtype=torch.int64), hidden=torch.randn(bs, mr.draft.feature_size, generator=g))
+            live = LiveInputs(bs, ids, s, rows, s + 1, int(s.max()) + 1)
             eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
             before = runner.replays
             out = runner.run(live)
@@ -122,8 +120,9 @@ def test_the_policy_in_the_engine(models, plain_ref):
 
 
 def test_plain_steps_keep_the_draft_in_step(models):
-    """After k plain steps the draft's next token and hidden state are what a fresh prefill of the same tokens
-    gives (its draft extend over the whole sequence): the draft KV and state followed every plain step."""
+    """After k plain steps and the catch-up the draft's next token and hidden state are what a fresh prefill of the
+    same tokens gives (its draft extend over the whole sequence): the catch-up filled the draft KV of every
+    position the plain steps skipped."""
     from specserve.engine.request import Req
     from specserve.engine.sampling_params import SamplingParams
 
@@ -136,7 +135,11 @@ def test_plain_steps_keep_the_draft_in_step(models):
         sched.add_request(r)
         while len(r.output_ids) < until:
             sched.step()
-        st = sched.mr.spec.state
+        w, row = sched.mr.spec, r.kv.row
+        assert w.lag.pending.get(row, 0) == until - 1 == int(w.lag.count[row])  # one position per plain step
+        w.catch_up([row], [r.seq_len], [r.seq_len])
+        assert not w.lag.pending.get(row) and int(w.lag.count[row]) == 0
+        st = w.state
         return r.output_ids, int(st.draft_token[r.kv.row]), st.draft_hidden[r.kv.row].clone()
 
     out, d1, hidden = start(prompt, k + 1)  # t0 from the prefill, then k plain steps
@@ -145,6 +148,23 @@ def test_plain_steps_keep_the_draft_in_step(models):
     assert out2 == out[-1:]
     assert d1 == d1_fresh
     torch.testing.assert_close(hidden, hidden_fresh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("key", ["llama", "glm"])
+def test_a_full_lag_catches_up_before_the_next_plain_step(models, plain_ref, key):
+    """With room for 3 pending positions, runs of 7 plain steps catch up twice inside the run: still plain
+    decoding's tokens, and no row ever lags more than the capacity."""
+    prompts, ref = plain_ref
+    sched, _ = build_scheduler(models[key], max_total_tokens=4096, **SPEC)
+    w = sched.mr.spec
+    w.lag = w.plain.lag = DraftLag.allocate(w.lag.count.shape[0], w.draft.feature_size, w.lag.hidden.dtype,
+                                            w.device, capacity=3)
+    sched.adaptive = ForcedSteps([True] * 7 + [False])
+    assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
+    assert max(w.lag.pending.values(), default=0) <= 3 and int(w.lag.count[1:].max()) <= 3
+    # forced catch-ups inside the plain runs, not only before the spec steps: 7 plain steps each, 3 of room
+    assert w.catch_ups["forced"] > 0 and w.catch_ups["positions"] > 7 * len(prompts)
+    sched.check_idle_invariants()
 
 
 def test_accept_average_weighs_requests_not_steps():

@@ -161,18 +161,20 @@ def test_graphs_on_and_off_give_same_tokens(tiny_models):
 
 @pytest.mark.parametrize("pattern", [[True, False], [True]])
 def test_adaptive_plain_steps_gpu(tiny_models, pattern):
-    """Adaptive speculation is on by default on CUDA: the plain-step runners and the one-graph plain step are
-    captured, and plain steps interleaved with speculative ones (forced) give transformers' greedy tokens."""
+    """Adaptive speculation is on by default on CUDA: the target's width-1 runner and the one-graph plain step are
+    captured, and plain steps interleaved with speculative ones (forced; the draft catching up before each
+    speculative step) give transformers' greedy tokens."""
     prompts = _prompts()
     ref = _hf_greedy(tiny_models["llama_mtp"], prompts)
     spec, _ = build_scheduler(tiny_models["llama_mtp"], device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE,
                               speculative_algorithm="MTP", speculative_num_steps=3)
     mr = spec.mr
-    assert mr.adaptive_spec and mr.runners["target_decode"].graphs and mr.spec.plain.runners["draft_extend"].graphs
+    assert mr.adaptive_spec and mr.runners["target_decode"].graphs and mr.spec.prefill.graphs
     spec.adaptive = ForcedSteps(pattern)
     assert [r.output_ids for r in _run(spec, prompts)] == ref
     one = mr.spec.plain_step_graph
     assert one.graphs and spec.stats.spec_plain_steps > 0 and one.replays_by_kind["greedy"] > 0
+    assert mr.spec.catch_ups["before_spec"] > 0 or pattern == [True]
     spec.check_idle_invariants()
 
 

@@ -34,9 +34,10 @@
 #   ninth     what the first session of 2026-12-02 left unmeasured: PDL on the RMSNorm and SiLU-and-mul kernels,
 #             the 8B GEMVs without PDL again (over 8 MB), the sampled accept kernels over vocabulary chunks, the
 #             plain and speculative SmolLM2 steps (greedy and sampled) and gpt-fast.
-# Order for a fresh lease (30 device-minutes), as left by the first session of 2026-12-02 (seventh and eighth ran
-# then: BENCHMARKS §21): ninth (~7 min), then smollm2_round.sh keep / join / qspec (the sampled speculation with
-# the shipped head after PDL, which made plain steps 15% faster and the spec step no faster).
+#   tenth     the speculating engine's plain step without the draft (speculative/draft_lag.py): the adaptive GPU
+#             tests (dense and GLM-5, the catch-up's prefill graphs), then smollm2_round.sh keep / join / qspec.
+# Order for a fresh lease (30 device-minutes), as left by the second session of 2026-12-02 (ninth ran then:
+# BENCHMARKS §22): tenth, then smollm2_round.sh keep / join / qspec.
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -149,5 +150,10 @@ case "${1:-}" in
     [ -d .gpt-fast ] && timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast \
       --output-file "$OUT/vs_gpt_fast.jsonl" 2>&1 | grep -v -i warn | tail -4
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth" >&2; exit 2 ;;
+  tenth)  # the plain step without the draft, and its catch-up
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
+      -k "adaptive or plain_step or spec_greedy" 2>&1 | grep -v -i warn | tail -4
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth" >&2
+     exit 2 ;;
 esac

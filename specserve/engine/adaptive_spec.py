@@ -1,5 +1,6 @@
-"""Adaptive speculation: per decode step, speculate (N drafts) or take a plain step (no drafts; the worker keeps
-the draft in step), whichever gives more tokens per second at the running batch size.
+"""Adaptive speculation: per decode step, speculate (N drafts) or take a plain step (no drafts, no draft forward;
+the draft catches up before the next speculative step), whichever gives more tokens per second at the running
+batch size.
 
 Estimates, per batch-size bucket (the batch size rounded up to a power of two):
 - the wall time of a speculative step and of a plain step (exponential moving averages of what the scheduler

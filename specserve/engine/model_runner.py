@@ -266,7 +266,7 @@ class ModelRunner:
         if not self.adaptive_spec or self.spec is None or self.spec.plain is None:
             return []
         one = [self.spec.plain_step_graph] if self.spec.plain_step_graph is not None else []
-        return [self.runners["target_decode"], self.spec.plain.runners["draft_extend"]] + one
+        return [self.runners["target_decode"]] + one
 
     def _drop_plain_steps(self) -> None:
         self.adaptive_spec = False

@@ -156,5 +156,11 @@ class EngineLoop:
             spec_accepted_drafts=s.spec_accepted_drafts,
             recent_accept_length=sum(recent) / len(recent) if recent else 0.0,
             spec_plain_steps=s.spec_plain_steps,
-            spec_adaptive=self.sched.adaptive.summary() if self.sched.adaptive is not None else None,
+            spec_adaptive=self._adaptive_summary(),
         )
+
+    def _adaptive_summary(self) -> dict | None:
+        """Adaptive speculation's step counts and estimates, with the draft's catch-ups after plain steps."""
+        if self.sched.adaptive is None:
+            return None
+        return {**self.sched.adaptive.summary(), "draft_catch_ups": dict(self.core.model_runner.spec.catch_ups)}

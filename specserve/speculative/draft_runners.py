@@ -80,11 +80,3 @@ class DraftExtendRunner(PhaseRunner):
         # the next d1, at sequence index last + 1
         tokens, (q_ids, q_probs) = self.chooser.sample_drafts(sel, hist, last, t.draft_sampling, last + 1)
         return {"tokens": tokens, "q_ids": q_ids, "q_probs": q_probs, "hidden": self.ctx.model.chained(sel)}
-
-
-class DraftExtendPlainRunner(DraftExtendRunner):
-    """The draft extend of a plain step: one position (the token the target just consumed, with its features) ->
-    next d1 and draft hidden state."""
-
-    name = "draft_extend_plain"
-

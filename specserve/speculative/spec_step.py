@@ -43,9 +43,9 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     token, not yet in the KV, sits at index S); pos0 [bs] is the rope position of index S; max_s bounds s.
 
     Returns (accept_len [bs] in 0..N, verified [bs, N+1]): the tokens at S+1..S+accept_len+1 are new. No host
-    sync. N = 0 (the worker's plain step) is a plain decode step that keeps the draft in step: the target over the
-    last token alone (its features kept), the token plain decoding samples, the draft extend over that one position
-    (the draft KV at S, the next d1 and draft hidden state).
+    sync. N = 0 (the worker's plain step) is a plain decode step: the target over the last token alone, the token
+    plain decoding samples; the draft runs nothing, its input at S (the target's features, the new token) is kept
+    for the worker's catch-up (speculative/draft_lag.py).
 
     draft_sb: sb again when the draft phases run inline (the one-graph step) and draw sampled rows' drafts from the
     head's distribution (--speculative-draft-sampling sample); None: deterministic drafts. With sampled drafting on
@@ -102,6 +102,11 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     if row_state.tokens is not None:  # token history for context lookup: verified tokens at S+1..S+N+1
         row_state.tokens[rows[:, None], s[:, None] + 1 + offs[None, :]] = verified
 
+    w.last_token[rows] = verified[torch.arange(bs, device=dev), accept_len]
+    if n == 0:  # a plain step: the draft lags; its input at S (features, the new token) waits for the catch-up
+        w.lag.record(rows, hidden[:, 0], verified[:, 0])
+        return accept_len, verified
+
     # 4. draft extend over the same N+1 positions with the verified tokens, row accept_len -> next d1, g
     live = LiveInputs(bs, verified.reshape(-1), verify_pos, rows, s + width, max_s + width, accept_len=accept_len,
                       hidden=hidden.reshape(bs * width, -1), draft_sampling=draft_sb)
@@ -111,16 +116,14 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     else:
         row_state.draft_token[rows] = ext["tokens"]
     row_state.draft_hidden[rows] = ext["hidden"].to(row_state.draft_hidden.dtype)
-    w.last_token[rows] = verified[torch.arange(bs, device=dev), accept_len]
     return accept_len, verified
 
 
 class SpecStepRunner(StepGraphRunner):
     """The speculative step as one graph per captured batch size and sampling kind (CPU: the same function run
     eagerly over the static inputs, as the phase runners' static replay; graphs/step_graph.py). Output:
-    [bs, 1 + N + 1] = accept_len, verified. Over a worker's PlainStepView (N = 0, its width-1 runners) it is the
-    speculating engine's plain step as one graph: target, sampling and the draft's extend in one replay, not two
-    replays with eager sampling between them."""
+    [bs, 1 + N + 1] = accept_len, verified. Over a worker's PlainStepView (N = 0, the target's width-1 runner) it is the
+    speculating engine's plain step as one graph: the target and sampling in one replay, the draft's input kept."""
 
     def __init__(self, worker: SpecWorker | PlainStepView, capture_bs: list[int], use_graphs: bool,
                  name: str = "spec_step"):

@@ -14,10 +14,12 @@ Batches that fit the captured sizes, greedy, sampled or mixed, run all of it as 
 larger ones run the phases' own graphs with the glue in between (spec_step_device).
 
 With adaptive speculation (engine/adaptive_spec.py) the worker also takes plain steps: the same device function at
-N = 0 (target over the last token with its features, plain sampling, the draft extend over that one position), so
-the draft's KV, d1 and hidden state stay in step and the next step may speculate again; captured as one graph
-too (`plain_step_graph`: BENCHMARKS §19.3 measured the phase-by-phase plain step, eager sampling between two
-replays, at 1.34x a plain engine's step with drafts drawn from the head).
+N = 0, the target alone over the last token (its features kept), plain sampling: a plain engine's step, as one graph
+(`plain_step_graph`). The draft runs no forward in a plain step; it lags one position per plain step, the target's
+features and the sampled token kept for it (speculative/draft_lag.py), and catches up over all of them in one
+prefill forward before the next speculative step (`catch_up`): the same draft KV, d1 and draft hidden state as if it
+had followed every plain step. (BENCHMARKS §22 measured the plain step that ran the draft's extend each time at
+0.88-0.94x a plain engine's throughput when adaptive speculation chose plain steps.)
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from specserve.graphs.prefill import PrefillRunner
 from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import SamplingBatch
-from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendPlainRunner, DraftExtendRunner
+from specserve.speculative.draft_lag import DraftLag
+from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
 from specserve.speculative.draft_state import DRAFT_CANDIDATES, DraftChooser, DraftState
 from specserve.speculative.spec_step import SpecStepRunner, spec_step_device
 
@@ -47,13 +50,14 @@ class SpecStepResult:
 
 @dataclass
 class PlainStepView:
-    """What spec_step_device reads of a worker, for its plain step (N = 0): the worker's row state, last tokens and
-    target state, with the width-1 runners under the phase names."""
+    """What spec_step_device reads of a worker, for its plain step (N = 0): the worker's row state, last tokens,
+    target state and the draft's lag, with the target's width-1 runner under the verify phase's name."""
 
     state: DraftState
     last_token: torch.Tensor
     target_state: StatePool | None
-    runners: dict[str, PhaseRunner]  # "target_verify": the target at width 1, "draft_extend": the draft at width 1
+    runners: dict[str, PhaseRunner]  # "target_verify": the target at width 1
+    lag: DraftLag
     num_steps: int = 0
 
 
@@ -114,11 +118,14 @@ class SpecWorker:
         self.runners["draft_extend"] = DraftExtendRunner(self.ctx, self.chooser, n + 1, s.capture_bs, s.use_graphs)
         self.spec_step = SpecStepRunner(self, s.capture_bs, s.use_graphs) if s.spec_step_graph else None
         self.plain: PlainStepView | None = None
+        self.lag: DraftLag | None = None  # the draft's pending positions after plain steps
+        # catch-up forwards (before a spec step, or forced by a full lag) and the positions they extended over
+        self.catch_ups = {"before_spec": 0, "forced": 0, "positions": 0}
         self.plain_step_graph: SpecStepRunner | None = None
         if target_decode is not None:
-            self.plain = PlainStepView(self.state, last_token, target_state, {
-                "target_verify": target_decode,
-                "draft_extend": DraftExtendPlainRunner(self.ctx, self.chooser, 1, s.capture_bs, s.use_graphs)})
+            self.lag = DraftLag.allocate(rows, draft.feature_size, target_ctx.dtype, self.device)
+            self.plain = PlainStepView(self.state, last_token, target_state, {"target_verify": target_decode},
+                                       self.lag)
             if s.spec_step_graph:
                 self.plain_step_graph = SpecStepRunner(self.plain, s.capture_bs, s.use_graphs, "plain_spec_step")
         self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, s.prefill_graph_tokens,
@@ -129,8 +136,6 @@ class SpecWorker:
     def graph_runners(self) -> list:
         """The runners this worker captures (the target's verify runner is the model runner's to capture)."""
         own = [r for name, r in self.runners.items() if name != "target_verify"]
-        if self.plain is not None:
-            own.append(self.plain.runners["draft_extend"])
         steps = [g for g in (self.spec_step, self.plain_step_graph) if g is not None]
         return own + steps + [self.prefill]
 
@@ -146,7 +151,10 @@ class SpecWorker:
         """Draft extend over a prefill batch's positions: input at position p is (target features at p, token p+1)
         (`shifted` [T]: each chunk shifted left by one, its next prompt token or t0 appended), which fills the draft
         KV; for final chunks (token index final_idx [F] of rows final_rows [F] whose committed tokens end at
-        final_pos [F]) it sets d1 and the draft hidden state."""
+        final_pos [F]) it sets d1 and the draft hidden state. The rows' lag starts over (a new sequence, or the
+        catch-up's own positions)."""
+        if self.lag is not None:
+            self.lag.clear(batch.rows)
         dh = self.prefill.run(ExtendBatch(shifted, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
                                           batch.extend_lens, target_hidden))  # [T, H]
         if final_idx is None:
@@ -161,7 +169,9 @@ class SpecWorker:
     @torch.inference_mode()
     def step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
              sb: SamplingBatch) -> SpecStepResult:
-        """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S)."""
+        """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S);
+        rows that plain steps left the draft behind on catch up first."""
+        self.catch_up(rows_host, s_host, pos0_host, "before_spec")
         one_graph = self.spec_step
         if one_graph is not None and one_graph.covers(len(rows_host), sb):
             out = one_graph.run(rows_host, s_host, pos0_host, sb)
@@ -177,11 +187,14 @@ class SpecWorker:
     @torch.inference_mode()
     def plain_step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
                    sb: SamplingBatch) -> SpecStepResult:
-        """One plain decode step for the running rows that keeps the draft in step (accept_len 0, one token each):
-        the token is the one plain decoding samples (same noise), so a plain step is lossless by construction."""
+        """One plain decode step for the running rows (accept_len 0, one token each): the token is the one plain
+        decoding samples (same noise), so a plain step is lossless by construction. The draft lags one more
+        position (a row at the lag's capacity catches up first)."""
         view = self.plain
         if view is None:
             raise RuntimeError("plain steps need the target's width-1 runner (adaptive speculation is off)")
+        if view.lag.full(rows_host):
+            self.catch_up(rows_host, s_host, pos0_host, "forced")
         one_graph = self.plain_step_graph
         if one_graph is not None and one_graph.covers(len(rows_host), sb):
             verified = one_graph.run(rows_host, s_host, pos0_host, sb)[:, 1:]  # [bs, 1]
@@ -189,8 +202,42 @@ class SpecWorker:
             rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
             _, verified = spec_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
                                            max(s_host), sb)
+        view.lag.advance(rows_host)
         toks = verified[:, 0].tolist()  # the step's one host sync
         return SpecStepResult([0] * len(toks), [[t] for t in toks])
+
+    @torch.inference_mode()
+    def catch_up(self, rows_host: list[int], s_host: list[int], pos0_host: list[int], why: str = "before_spec"
+                 ) -> None:
+        """The draft's extend over the positions plain steps left it behind on, for the rows that lag (page-table
+        rows, committed lengths S, rope positions of S): a row L behind gets positions S-L..S-1, each with the
+        target's features kept there and the token that followed, in one prefill forward (the worker's prefill
+        runner: graphs up to its size). That fills the draft KV there and sets d1 and the draft hidden state from
+        the last one, as a prefill of the same tokens would (d1 the head's argmax, one-hot)."""
+        lag = self.lag
+        picked = [] if lag is None else lag.lagging(rows_host)
+        if not picked:
+            return
+        rows = [rows_host[i] for i in picked]
+        lens = [lag.pending[r] for r in rows]
+        self.catch_ups[why] += 1
+        self.catch_ups["positions"] += sum(lens)
+        ends = [s_host[i] for i in picked]
+        flat_rows, cols, seq_idx, pos = [], [], [], []
+        for i, r, n in zip(picked, rows, lens):
+            flat_rows += [r] * n
+            cols += range(n)
+            seq_idx += range(s_host[i] - n, s_host[i])
+            pos += range(pos0_host[i] - n, pos0_host[i])
+        idx = torch.tensor([flat_rows, cols, seq_idx, pos], dtype=torch.int64).to(self.device, non_blocking=True)
+        flat_r, col = idx[0], idx[1]
+        ids = lag.tokens[flat_r, col]  # [T]
+        hidden = lag.hidden[flat_r, col]  # [T, F]
+        out_loc = self.ctx.req_to_token.table[flat_r, idx[2]]
+        tail = torch.tensor([rows, ends], dtype=torch.int64).to(self.device, non_blocking=True)
+        final_idx = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
+        self.prefill_draft(ExtendBatch(ids, idx[3], out_loc, rows, ends, lens, hidden), ids, hidden, final_idx,
+                           tail[0], tail[1])
 
 
 def _step_inputs(rows_host: list[int], s_host: list[int], pos0_host: list[int],
