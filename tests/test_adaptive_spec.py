@@ -167,6 +167,19 @@ def test_a_full_lag_catches_up_before_the_next_plain_step(models, plain_ref, key
     sched.check_idle_invariants()
 
 
+@pytest.mark.parametrize("key", ["llama", "qwen3_next"])
+def test_lagging_rows_under_retraction(models, plain_ref, key):
+    """A KV pool too small for the batch while the draft lags: retracted rows are re-prefilled (possibly into a row
+    another request left lagging), and the prefill starts their lag over; the tokens stay plain decoding's."""
+    prompts, ref = plain_ref
+    sched, _ = build_scheduler(models[key], max_total_tokens=72, page_size=1, chunked_prefill_size=16,
+                               context_length=64, **SPEC)
+    sched.adaptive = ForcedSteps([True, True, True, False])
+    assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
+    assert sched.stats.num_retractions > 0 and sched.mr.spec.catch_ups["before_spec"] > 0
+    sched.check_idle_invariants()
+
+
 def test_accept_average_weighs_requests_not_steps():
     """One batch-1 step with a poor accept length moves the accept average little (a sample of one request), a
     batch-32 step with the same mean much more: single noisy steps do not flip the policy near break-even."""
