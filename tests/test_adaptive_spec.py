@@ -119,26 +119,32 @@ def test_the_policy_in_the_engine(models, plain_ref):
     sched.check_idle_invariants()
 
 
-def test_plain_steps_keep_the_draft_in_step(models):
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_plain_steps_keep_the_draft_in_step(models, capacity):
     """After k plain steps and the catch-up the draft's next token and hidden state are what a fresh prefill of the
     same tokens gives (its draft extend over the whole sequence): the catch-up filled the draft KV of every
-    position the plain steps skipped."""
+    position the plain steps skipped — also with room for only 3 pending positions (forced catch-ups between)."""
     from specserve.engine.request import Req
     from specserve.engine.sampling_params import SamplingParams
 
-    path, prompt, k = models["llama"], _prompts()[0], 5
+    path, prompt, k = models["llama"], _prompts()[0], 7
 
     def start(ids, until):
         sched, _ = build_scheduler(path, max_total_tokens=4096, **SPEC)
+        w = sched.mr.spec
+        if capacity is not None:
+            w.lag = w.plain.lag = DraftLag.allocate(w.lag.tokens.shape[0], w.draft.feature_size,
+                                                    w.lag.hidden.dtype, w.device, capacity=capacity)
         sched.adaptive = ForcedSteps([True])
         r = Req("r", list(ids), SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True), seed=0)
         sched.add_request(r)
         while len(r.output_ids) < until:
             sched.step()
-        w, row = sched.mr.spec, r.kv.row
-        assert w.lag.pending.get(row, 0) == until - 1 == int(w.lag.count[row])  # one position per plain step
+        row = r.kv.row
+        plain = until - 1  # one position per plain step; a forced catch-up at capacity starts the count over
+        assert w.lag.pending.get(row, 0) == (plain if capacity is None or not plain else (plain - 1) % capacity + 1)
         w.catch_up([row], [r.seq_len], [r.seq_len])
-        assert not w.lag.pending.get(row) and int(w.lag.count[row]) == 0
+        assert not w.lag.pending.get(row)
         st = w.state
         return r.output_ids, int(st.draft_token[r.kv.row]), st.draft_hidden[r.kv.row].clone()
 
@@ -153,18 +159,20 @@ def test_plain_steps_keep_the_draft_in_step(models):
 @pytest.mark.parametrize("key", ["llama", "glm"])
 def test_a_full_lag_catches_up_before_the_next_plain_step(models, plain_ref, key):
     """With room for 3 pending positions, runs of 7 plain steps catch up twice inside the run: still plain
-    decoding's tokens, and no row ever lags more than the capacity."""
+    decoding's tokens (test_plain_steps_keep_the_draft_in_step checks the draft state itself at capacity 3)."""
     prompts, ref = plain_ref
-    sched, _ = build_scheduler(models[key], max_total_tokens=4096, **SPEC)
-    w = sched.mr.spec
-    w.lag = w.plain.lag = DraftLag.allocate(w.lag.count.shape[0], w.draft.feature_size, w.lag.hidden.dtype,
-                                            w.device, capacity=3)
-    sched.adaptive = ForcedSteps([True] * 7 + [False])
-    assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
-    assert max(w.lag.pending.values(), default=0) <= 3 and int(w.lag.count[1:].max()) <= 3
-    # forced catch-ups inside the plain runs, not only before the spec steps: 7 plain steps each, 3 of room
-    assert w.catch_ups["forced"] > 0 and w.catch_ups["positions"] > 7 * len(prompts)
-    sched.check_idle_invariants()
+    for capacity in (3, None):
+        sched, _ = build_scheduler(models[key], max_total_tokens=4096, **SPEC)
+        w = sched.mr.spec
+        if capacity is not None:
+            w.lag = w.plain.lag = DraftLag.allocate(w.lag.tokens.shape[0], w.draft.feature_size,
+                                                    w.lag.hidden.dtype, w.device, capacity=capacity)
+        sched.adaptive = ForcedSteps([True] * 7 + [False])
+        assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
+        # forced catch-ups inside the plain runs (capacity 3) or none (capacity 32)
+        assert (w.catch_ups["forced"] > 0) == (capacity is not None)
+        assert w.catch_ups["positions"] >= 7 * len(prompts)
+        sched.check_idle_invariants()
 
 
 @pytest.mark.parametrize("key", ["llama", "qwen3_next"])

@@ -100,8 +100,10 @@ def test_spec_greedy_equals_plain_fp32(tiny_models, n):
     assert [r.output_ids for r in _run(spec, prompts)] == ref
     seqs = {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, ref))}
     oracle = OracleDraft(64, seqs, wrong_every=5, vocab=256)
+    # every step speculates (the accept length is the point; adaptive speculation would take plain steps here)
     spec, _ = build_scheduler(tiny_models["llama_mtp"], draft=oracle, device="cuda", max_total_tokens=4096,
-                              cuda_graph_bs=CAPTURE, speculative_algorithm="MTP", speculative_num_steps=n)
+                              cuda_graph_bs=CAPTURE, speculative_algorithm="MTP", speculative_num_steps=n,
+                              speculative_adaptive=False)
     reqs = _run(spec, prompts)
     assert [r.output_ids for r in reqs] == ref
     assert spec.stats.spec_accept_length > 1.0 + 0.4 * min(n, 3)

@@ -7,9 +7,10 @@ positions are pending. Before the next speculative step the worker extends the d
 forward (`SpecWorker.catch_up`), which leaves the draft KV, d1 and the draft hidden state exactly as a plain step
 that ran the draft each time would have: the same forward over the same inputs, batched.
 
-Device side (graph-safe, no host read): `record` writes column `count[row]` and advances it; padded graph rows
-(row 0) pile up in the last column. Host side: `pending` mirrors the counts of live rows, so the worker knows when
-to catch up without a sync; a row's count is reset when a prefill gives it a new sequence.
+Device side (graph-safe, no host read, no counter): the position at sequence index p goes to column p % C, so a
+row's pending positions S-L..S-1 (L <= C) never overwrite each other; padded graph rows (row 0) write their own
+columns of the dummy row. Host side: `pending` counts each live row's positions, so the worker knows when and over
+what to catch up without a sync; a prefill that gives a row a new sequence starts its count over.
 """
 
 from __future__ import annotations
@@ -23,32 +24,29 @@ LAG_CAPACITY = 32  # positions a row may lag; a row that reaches it catches up b
 
 @dataclass
 class DraftLag:
-    hidden: torch.Tensor  # [rows, C, F] the target's features at each pending position
+    hidden: torch.Tensor  # [rows, C, F] the target's features at pending positions (column = sequence index % C)
     tokens: torch.Tensor  # [rows, C] the token after each pending position (the draft's input there)
-    count: torch.Tensor  # [rows] int64 pending positions (device)
-    pending: dict[int, int] = field(default_factory=dict)  # row -> pending positions (host mirror, live rows)
+    pending: dict[int, int] = field(default_factory=dict)  # row -> pending positions (host, live rows)
 
     @staticmethod
     def allocate(rows: int, feature_size: int, dtype: torch.dtype, device: torch.device,
                  capacity: int = LAG_CAPACITY) -> DraftLag:
         return DraftLag(hidden=torch.zeros((rows, capacity, feature_size), dtype=dtype, device=device),
-                        tokens=torch.zeros((rows, capacity), dtype=torch.int64, device=device),
-                        count=torch.zeros(rows, dtype=torch.int64, device=device))
+                        tokens=torch.zeros((rows, capacity), dtype=torch.int64, device=device))
 
     @property
     def capacity(self) -> int:
         return self.tokens.shape[1]
 
-    def record(self, rows: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
-        """A plain step's position for rows [bs]: the target's features there hidden [bs, F] and the sampled token
-        tokens [bs]. Device only (inside the plain step's graph)."""
-        col = self.count[rows].clamp(max=self.capacity - 1)  # [bs]
+    def record(self, rows: torch.Tensor, s: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor) -> None:
+        """A plain step over sequence index s [bs] of rows [bs]: the target's features there hidden [bs, F] and the
+        sampled token tokens [bs]. Device only (inside the plain step's graph)."""
+        col = s % self.capacity  # [bs]
         self.hidden[rows, col] = hidden.to(self.hidden.dtype)
         self.tokens[rows, col] = tokens
-        self.count[rows] = col + 1
 
     def advance(self, rows: list[int]) -> None:
-        """The host mirror of `record` for the live rows of a plain step."""
+        """The host count of `record` for the live rows of a plain step."""
         for r in rows:
             self.pending[r] = self.pending.get(r, 0) + 1
 
@@ -61,7 +59,6 @@ class DraftLag:
         return any(self.pending.get(r, 0) >= self.capacity for r in rows)
 
     def clear(self, rows: list[int]) -> None:
-        """Rows caught up, or given a new sequence by a prefill: nothing pending (device counts too)."""
-        stale = [r for r in rows if self.pending.pop(r, 0)]
-        if stale:
-            self.count[torch.tensor(stale, dtype=torch.int64).to(self.count.device, non_blocking=True)] = 0
+        """Rows caught up, or given a new sequence by a prefill: nothing pending."""
+        for r in rows:
+            self.pending.pop(r, None)

@@ -104,7 +104,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
 
     w.last_token[rows] = verified[torch.arange(bs, device=dev), accept_len]
     if n == 0:  # a plain step: the draft lags; its input at S (features, the new token) waits for the catch-up
-        w.lag.record(rows, hidden[:, 0], verified[:, 0])
+        w.lag.record(rows, s, hidden[:, 0], verified[:, 0])
         return accept_len, verified
 
     # 4. draft extend over the same N+1 positions with the verified tokens, row accept_len -> next d1, g

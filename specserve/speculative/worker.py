@@ -223,20 +223,19 @@ class SpecWorker:
         self.catch_ups[why] += 1
         self.catch_ups["positions"] += sum(lens)
         ends = [s_host[i] for i in picked]
-        flat_rows, cols, seq_idx, pos = [], [], [], []
+        flat_rows, seq_idx, pos = [], [], []
         for i, r, n in zip(picked, rows, lens):
             flat_rows += [r] * n
-            cols += range(n)
             seq_idx += range(s_host[i] - n, s_host[i])
             pos += range(pos0_host[i] - n, pos0_host[i])
-        idx = torch.tensor([flat_rows, cols, seq_idx, pos], dtype=torch.int64).to(self.device, non_blocking=True)
-        flat_r, col = idx[0], idx[1]
+        idx = torch.tensor([flat_rows, seq_idx, pos], dtype=torch.int64).to(self.device, non_blocking=True)
+        flat_r, col = idx[0], idx[1] % lag.capacity
         ids = lag.tokens[flat_r, col]  # [T]
         hidden = lag.hidden[flat_r, col]  # [T, F]
-        out_loc = self.ctx.req_to_token.table[flat_r, idx[2]]
+        out_loc = self.ctx.req_to_token.table[flat_r, idx[1]]
         tail = torch.tensor([rows, ends], dtype=torch.int64).to(self.device, non_blocking=True)
         final_idx = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
-        self.prefill_draft(ExtendBatch(ids, idx[3], out_loc, rows, ends, lens, hidden), ids, hidden, final_idx,
+        self.prefill_draft(ExtendBatch(ids, idx[2], out_loc, rows, ends, lens, hidden), ids, hidden, final_idx,
                            tail[0], tail[1])
 
 
