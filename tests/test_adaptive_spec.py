@@ -20,7 +20,9 @@ from test_spec_greedy import _prompts
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation, bucket
 from specserve.graphs.padding import LiveInputs
+from specserve.layers.sampler import GREEDY
 from specserve.speculative.draft_lag import DraftLag
+from specserve.speculative.spec_step import plain_step_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 20
@@ -97,6 +99,36 @@ def test_plain_runners_replay_equals_eager(models):
                 torch.testing.assert_close(out[k], eager[k], rtol=1e-5, atol=1e-5, msg=f"{runner.name} bs={bs}")
             for h in handles:
                 mr.kv.release(h)
+
+
+def test_plain_step_graph_replay_equals_eager(models):
+    """The speculating engine's plain step as one graph (PlainSpecStepRunner, static replay on CPU) == its eager
+    function over the phase's eager backends, with shrinking and growing batches: the tokens, the last-token rows,
+    the token history and the lag's kept features and tokens."""
+    mr = build_scheduler(models["llama"], max_total_tokens=4096, speculative_ngram_lookup=True, **SPEC)[0].mr
+    w = mr.spec
+    one, view = w.plain_step_graph, w.plain
+    r = view.runners["target_verify"]
+    for i, bs in enumerate([7, 3, 1, 5, 8, 2]):
+        handles, rows, s = _requests(mr, bs, 3, seed=i)
+        mr.last_token[rows] = torch.randint(0, 256, (bs,), generator=torch.Generator().manual_seed(i))
+        before = mr.last_token.clone()
+        eager = plain_step_device(view, lambda name, live: r.forward_phase(live, r.eager_backends, False), rows, s, s,
+                                  int(s.max()), GREEDY)
+        kept = [t[rows, s % w.lag.capacity].clone() for t in (w.lag.hidden, w.lag.tokens)]
+        hist = w.state.tokens[rows, s + 1].clone()
+        mr.last_token.copy_(before)
+        w.lag.hidden.zero_()
+        w.state.tokens[rows, s + 1] = -1
+        replays = one.replays
+        out = one.run(rows.tolist(), s.tolist(), s.tolist(), GREEDY)
+        assert one.replays == replays + 1
+        assert torch.equal(out, eager) and torch.equal(mr.last_token[rows], eager), f"bs={bs}"
+        assert torch.equal(w.state.tokens[rows, s + 1], hist) and torch.equal(hist, eager)
+        torch.testing.assert_close(w.lag.hidden[rows, s % w.lag.capacity], kept[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(w.lag.tokens[rows, s % w.lag.capacity], kept[1])
+        for h in handles:
+            mr.kv.release(h)
 
 
 def test_off_by_default_on_cpu(models):

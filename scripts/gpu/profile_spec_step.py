@@ -1,6 +1,8 @@
-"""Per-kernel GPU time of one speculative step run as one CUDA graph at batch 1, against a plain decode step:
-random SmolLM2-135M weights (only shapes matter for timing) with the shipped draft head and context lookup. Greedy,
-and with --sampled at temperature 0.7, top-p 0.95 (argmax drafts, and drafts drawn from the head).
+"""Per-kernel GPU time of one speculative step run as one CUDA graph at batch 1, against a plain engine's decode
+step (its one graph: decode, sampling, last-token update) and a speculating engine's plain step (adaptive
+speculation's: the target alone, the draft's inputs kept): random SmolLM2-135M weights (only shapes matter for
+timing) with the shipped draft head and context lookup. Greedy, and with --sampled at temperature 0.7, top-p 0.95
+(argmax drafts, and drafts drawn from the head).
 
     python3 scripts/gpu/profile_spec_step.py [--sampled] [N ...]
 """
@@ -13,8 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.phase_setup import fake_requests, random_models
 from specserve.engine.model_runner import ModelRunner
-from specserve.graphs.padding import LiveInputs
-from specserve.layers.sampler import GREEDY, SamplingBatch, sample
+from specserve.layers.sampler import GREEDY, SamplingBatch
 from specserve.models.loader import LoadedTarget, ModelSource, load_mtp_draft
 from specserve.server_args import ServerArgs
 
@@ -63,17 +64,10 @@ def sampled_batch() -> SamplingBatch:
 def profile_plain(sb: SamplingBatch) -> None:
     mr = ModelRunner(ServerArgs(**common), target, cfg, None, dev, dtype, ctx_len)
     mr.capture_graphs()
-    reqs = fake_requests(mr, 1, 512)
-    rows = torch.tensor([reqs[0].kv.row], device=dev)
-    s = torch.tensor([512], device=dev)
-
-    def step():
-        live = LiveInputs(1, mr.last_token[rows], s, rows, s + 1, 513)
-        tok = sample(mr.runners["decode"].run(live)["logits"], sb, s + 1)
-        mr.last_token[rows] = tok
-        return tok.tolist()
-
-    kernel_table(step, 20, f"plain decode ({'greedy' if sb.all_greedy else 'sampled'})")
+    row = fake_requests(mr, 1, 512)[0].kv.row
+    assert mr.plain_step.covers(1, sb)
+    kernel_table(lambda: mr.plain_step.run([row], [512], [512], sb).tolist(), 20,
+                 f"plain engine's decode step (one graph, {'greedy' if sb.all_greedy else 'sampled'})")
 
 
 def profile_spec(n: int, sb: SamplingBatch, draft_sampling: str) -> None:
@@ -85,6 +79,11 @@ def profile_spec(n: int, sb: SamplingBatch, draft_sampling: str) -> None:
     label = "greedy" if sb.all_greedy else f"sampled, {draft_sampling} drafts"
     kernel_table(lambda: mr.spec.spec_step.run([row], [512], [512], sb).tolist(), 20,
                  f"spec step N={n} (one graph, {label})")
+    if draft_sampling == "argmax":  # the speculating engine's plain step (the draft lags; no catch-up here)
+        one = mr.spec.plain_step_graph
+        assert one is not None and one.covers(1, sb)
+        kernel_table(lambda: one.run([row], [512], [512], sb).tolist(), 20,
+                     f"speculating engine's plain step N={n} ({'greedy' if sb.all_greedy else 'sampled'})")
 
 
 args = sys.argv[1:]

@@ -43,9 +43,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     token, not yet in the KV, sits at index S); pos0 [bs] is the rope position of index S; max_s bounds s.
 
     Returns (accept_len [bs] in 0..N, verified [bs, N+1]): the tokens at S+1..S+accept_len+1 are new. No host
-    sync. N = 0 (the worker's plain step) is a plain decode step: the target over the last token alone, the token
-    plain decoding samples; the draft runs nothing, its input at S (the target's features, the new token) is kept
-    for the worker's catch-up (speculative/draft_lag.py).
+    sync. N >= 1 (the plain step with no drafts is plain_step_device).
 
     draft_sb: sb again when the draft phases run inline (the one-graph step) and draw sampled rows' drafts from the
     head's distribution (--speculative-draft-sampling sample); None: deterministic drafts. With sampled drafting on
@@ -66,7 +64,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
         more = dd["tokens"]  # [bs, N-1]
         drafts = torch.cat((d1[:, None], more), dim=1)  # [bs, N]
     else:
-        drafts = d1[:, None][:, :n]  # [bs, N], N = 1 or 0 (a plain step: no drafts)
+        drafts = d1[:, None]  # [bs, 1]
 
     # 2. target verify over [last, d1..dN] at sequence indices S..S+N
     width = n + 1
@@ -77,10 +75,7 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     logits, hidden = out["logits"], out["hidden"]  # [bs, width, V], [bs, width, F]
 
     # 3. accept
-    if n == 0:  # a plain step: the token plain decoding would sample (same noise), nothing to accept
-        verified = sample(logits[:, 0], sb, s + 1)[:, None]  # [bs, 1]
-        accept_len = torch.zeros(bs, dtype=torch.int64, device=dev)
-    elif sb.all_greedy:
+    if sb.all_greedy:
         accept_len, verified = verify_greedy(drafts, logits)
     else:
         probs = probs_from_logits(logits.reshape(bs * width, -1), sb.repeat(width)).view(bs, width, -1)
@@ -102,11 +97,6 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     if row_state.tokens is not None:  # token history for context lookup: verified tokens at S+1..S+N+1
         row_state.tokens[rows[:, None], s[:, None] + 1 + offs[None, :]] = verified
 
-    w.last_token[rows] = verified[torch.arange(bs, device=dev), accept_len]
-    if n == 0:  # a plain step: the draft lags; its input at S (features, the new token) waits for the catch-up
-        w.lag.record(rows, s, hidden[:, 0], verified[:, 0])
-        return accept_len, verified
-
     # 4. draft extend over the same N+1 positions with the verified tokens, row accept_len -> next d1, g
     live = LiveInputs(bs, verified.reshape(-1), verify_pos, rows, s + width, max_s + width, accept_len=accept_len,
                       hidden=hidden.reshape(bs * width, -1), draft_sampling=draft_sb)
@@ -116,23 +106,43 @@ def spec_step_device(w: SpecWorker, phase: PhaseFn, rows: torch.Tensor, s: torch
     else:
         row_state.draft_token[rows] = ext["tokens"]
     row_state.draft_hidden[rows] = ext["hidden"].to(row_state.draft_hidden.dtype)
+    w.last_token[rows] = verified[torch.arange(bs, device=dev), accept_len]
     return accept_len, verified
+
+
+def plain_step_device(v: PlainStepView, phase: PhaseFn, rows: torch.Tensor, s: torch.Tensor, pos0: torch.Tensor,
+                      max_s: int, sb: SamplingBatch) -> torch.Tensor:
+    """A speculating engine's plain step (adaptive speculation) for page-table rows [bs] of committed length S = s
+    [bs] (pos0 [bs]: the rope position of index S): the target's width-1 verify pass over the last token, the token
+    plain decoding samples (same noise) -> tokens [bs] at index S + 1. No draft forward: the target's features at S
+    and the new token are kept for the worker's catch-up (speculative/draft_lag.py). As lean as a plain engine's
+    step (graphs/step_graph.py PlainStepRunner) plus the lag's two writes, the token history and the recurrent
+    commit where they exist."""
+    out = phase("target_verify", LiveInputs(rows.shape[0], v.last_token[rows], pos0, rows, s + 1, max_s + 1))
+    tokens = sample(out["logits"][:, 0], sb, s + 1)  # [bs]
+    v.last_token[rows] = tokens
+    if v.target_state is not None:  # the state after S (the verify pass's slot 0) is current
+        v.target_state.commit(v.target_state.row_state[rows], torch.zeros_like(rows))
+    if v.state.tokens is not None:  # context lookup's token history
+        v.state.tokens[rows, s + 1] = tokens
+    v.lag.record(rows, s, out["hidden"][:, 0], tokens)
+    return tokens
 
 
 class SpecStepRunner(StepGraphRunner):
     """The speculative step as one graph per captured batch size and sampling kind (CPU: the same function run
     eagerly over the static inputs, as the phase runners' static replay; graphs/step_graph.py). Output:
-    [bs, 1 + N + 1] = accept_len, verified. Over a worker's PlainStepView (N = 0, the target's width-1 runner) it is the
-    speculating engine's plain step as one graph: the target and sampling in one replay, the draft's input kept."""
+    [bs, 1 + N + 1] = accept_len, verified. (PlainSpecStepRunner: the speculating engine's plain
+    step.)"""
 
-    def __init__(self, worker: SpecWorker | PlainStepView, capture_bs: list[int], use_graphs: bool,
-                 name: str = "spec_step"):
+    name = "spec_step"
+
+    def __init__(self, worker: SpecWorker, capture_bs: list[int], use_graphs: bool):
         verify_ctx = worker.runners["target_verify"].ctx
         # the target's vocabulary: it is what is sampled
         super().__init__(capture_bs, use_graphs, verify_ctx.device, verify_ctx.model.config.vocab_size,
                          verify_ctx.graph_max_seq_len, worker.num_steps + 1)
         self.worker = worker
-        self.name = name
 
     def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
         """inputs [3, pbs] (rows, S, rope position of S) -> [pbs, N + 2]; each phase's forward with its runner's
@@ -148,3 +158,20 @@ class SpecStepRunner(StepGraphRunner):
         accept_len, verified = spec_step_device(self.worker, phase, inputs[0], inputs[1], inputs[2], max_s, sb,
                                                 draft_sb)
         return torch.cat((accept_len[:, None], verified), dim=1)
+
+
+class PlainSpecStepRunner(StepGraphRunner):
+    """The speculating engine's plain step (plain_step_device) as one graph per captured batch size and sampling
+    kind, over a worker's PlainStepView (the target's width-1 verify runner) -> tokens [pbs]."""
+
+    name = "plain_spec_step"
+
+    def __init__(self, view: PlainStepView, capture_bs: list[int], use_graphs: bool):
+        ctx = view.runners["target_verify"].ctx
+        super().__init__(capture_bs, use_graphs, ctx.device, ctx.model.config.vocab_size, ctx.graph_max_seq_len, 1)
+        self.view = view
+
+    def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
+        r = self.view.runners["target_verify"]
+        return plain_step_device(self.view, lambda name, live: r.forward_phase(live, r.backends, graph_mode=True),
+                                 inputs[0], inputs[1], inputs[2], max_s, sb)

@@ -13,13 +13,13 @@ Per step, for the whole running batch:
 Batches that fit the captured sizes, greedy, sampled or mixed, run all of it as one graph (spec_step.SpecStepRunner);
 larger ones run the phases' own graphs with the glue in between (spec_step_device).
 
-With adaptive speculation (engine/adaptive_spec.py) the worker also takes plain steps: the same device function at
-N = 0, the target alone over the last token (its features kept), plain sampling: a plain engine's step, as one graph
-(`plain_step_graph`). The draft runs no forward in a plain step; it lags one position per plain step, the target's
-features and the sampled token kept for it (speculative/draft_lag.py), and catches up over all of them in one
-prefill forward before the next speculative step (`catch_up`): the same draft KV, d1 and draft hidden state as if it
-had followed every plain step. (BENCHMARKS §22 measured the plain step that ran the draft's extend each time at
-0.88-0.94x a plain engine's throughput when adaptive speculation chose plain steps.)
+With adaptive speculation (engine/adaptive_spec.py) the worker also takes plain steps (spec_step.plain_step_device):
+the target alone over the last token (its width-1 verify pass, features kept), plain sampling: a plain engine's
+step, as one graph (`plain_step_graph`). The draft runs no forward in a plain step; it lags one position per plain
+step, the target's features and the sampled token kept for it (speculative/draft_lag.py), and catches up over all of
+them in one prefill forward before the next speculative step (`catch_up`): the same draft KV, d1 and draft hidden
+state as if it had followed every plain step. (BENCHMARKS §22 measured the plain step that ran the draft's extend
+each time at 0.88-0.94x a plain engine's throughput when adaptive speculation chose plain steps.)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from specserve.layers.sampler import SamplingBatch
 from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
 from specserve.speculative.draft_state import DRAFT_CANDIDATES, DraftChooser, DraftState
-from specserve.speculative.spec_step import SpecStepRunner, spec_step_device
+from specserve.speculative.spec_step import PlainSpecStepRunner, SpecStepRunner, plain_step_device, spec_step_device
 
 
 @dataclass
@@ -50,7 +50,7 @@ class SpecStepResult:
 
 @dataclass
 class PlainStepView:
-    """What spec_step_device reads of a worker, for its plain step (N = 0): the worker's row state, last tokens,
+    """What plain_step_device reads of a worker: the worker's row state, last tokens,
     target state and the draft's lag, with the target's width-1 runner under the verify phase's name."""
 
     state: DraftState
@@ -58,7 +58,6 @@ class PlainStepView:
     target_state: StatePool | None
     runners: dict[str, PhaseRunner]  # "target_verify": the target at width 1
     lag: DraftLag
-    num_steps: int = 0
 
 
 @dataclass(kw_only=True)
@@ -121,13 +120,13 @@ class SpecWorker:
         self.lag: DraftLag | None = None  # the draft's pending positions after plain steps
         # catch-up forwards (before a spec step, or forced by a full lag) and the positions they extended over
         self.catch_ups = {"before_spec": 0, "forced": 0, "positions": 0}
-        self.plain_step_graph: SpecStepRunner | None = None
+        self.plain_step_graph: PlainSpecStepRunner | None = None
         if target_decode is not None:
             self.lag = DraftLag.allocate(rows, draft.feature_size, target_ctx.dtype, self.device)
             self.plain = PlainStepView(self.state, last_token, target_state, {"target_verify": target_decode},
                                        self.lag)
             if s.spec_step_graph:
-                self.plain_step_graph = SpecStepRunner(self.plain, s.capture_bs, s.use_graphs, "plain_spec_step")
+                self.plain_step_graph = PlainSpecStepRunner(self.plain, s.capture_bs, s.use_graphs)
         self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, s.prefill_graph_tokens,
                                      s.prefill_graph_rows, s.use_graphs, hidden_width=draft.feature_size,
                                      max_attended=s.prefill_graph_attended)
@@ -197,13 +196,13 @@ class SpecWorker:
             self.catch_up(rows_host, s_host, pos0_host, "forced")
         one_graph = self.plain_step_graph
         if one_graph is not None and one_graph.covers(len(rows_host), sb):
-            verified = one_graph.run(rows_host, s_host, pos0_host, sb)[:, 1:]  # [bs, 1]
+            tokens = one_graph.run(rows_host, s_host, pos0_host, sb)  # [bs]
         else:
             rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
-            _, verified = spec_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
-                                           max(s_host), sb)
+            tokens = plain_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
+                                       max(s_host), sb)
         view.lag.advance(rows_host)
-        toks = verified[:, 0].tolist()  # the step's one host sync
+        toks = tokens.tolist()  # the step's one host sync
         return SpecStepResult([0] * len(toks), [[t] for t in toks])
 
     @torch.inference_mode()
