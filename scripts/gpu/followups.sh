@@ -36,8 +36,11 @@
 #             plain and speculative SmolLM2 steps (greedy and sampled) and gpt-fast.
 #   tenth     the speculating engine's plain step without the draft (speculative/draft_lag.py): the adaptive GPU
 #             tests (dense and GLM-5, the catch-up's prefill graphs), then smollm2_round.sh keep / join / qspec.
-# Order for a fresh lease (30 device-minutes), as left by the second session of 2026-12-02 (ninth ran then:
-# BENCHMARKS §22): tenth, then smollm2_round.sh keep / join / qspec.
+#   eleventh  the lean plain step of a speculating engine (spec_step.plain_step_device, BENCHMARKS §22.6): the
+#             adaptive GPU tests and both plain steps side by side (profile_spec_step.py), then
+#             smollm2_round.sh keep / join / qspec (is adaptive speculation now >= plain at batch 1 sampled?).
+# Order for a fresh lease (30 device-minutes), as left by the second session of 2026-12-02 (ninth and tenth ran
+# then: BENCHMARKS §22): eleventh, then smollm2_round.sh keep / join / qspec.
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -154,6 +157,11 @@ case "${1:-}" in
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
       -k "adaptive or plain_step or spec_greedy" 2>&1 | grep -v -i warn | tail -4
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth" >&2
+  eleventh)  # the lean plain step of a speculating engine, against the plain engine's
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
+      -k "adaptive or plain_step or spec_greedy" 2>&1 | grep -v -i warn | tail -4
+    timeout 150 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn | grep "wall"
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh" >&2
      exit 2 ;;
 esac
