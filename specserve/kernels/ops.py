@@ -84,6 +84,31 @@ def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
 
 
 
+TOPK_CHUNK = 1024  # values of a row per first-stage chunk of row_topk
+
+
+def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, V] -> (values [R, k] descending, indices [R, k]): torch.topk's result (equal values may come in another
+    order). On CUDA a row of many values goes in two stages (topk_two_stage): torch's one-stage top-k walks a row
+    with one thread block, 89 us for one row of 49152 on the H200 (BENCHMARKS §22.5, the drawn drafts' step)."""
+    if x.is_cuda and x.shape[-1] >= 4 * TOPK_CHUNK and 4 * k <= TOPK_CHUNK:
+        return topk_two_stage(x, k)
+    return x.topk(k, dim=-1)
+
+
+def topk_two_stage(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_topk in two stages: the k largest of every chunk of `chunk` values (R x chunks short rows, which fill
+    the device), then the k largest of those R x chunks x k survivors. Exact: a row's k largest are each among the
+    k largest of their chunk. x [R, V] (padded with -inf to whole chunks) -> (values, indices) [R, k]."""
+    r, v = x.shape
+    n = -(-v // chunk)
+    xp = x if n * chunk == v else F.pad(x, (0, n * chunk - v), value=float("-inf"))
+    vals, idx = xp.reshape(r * n, chunk).topk(k, dim=-1)  # [R * n, k]
+    idx = idx.view(r, n, k) + torch.arange(0, n * chunk, chunk, device=x.device)[:, None]
+    top, pos = vals.view(r, n * k).topk(k, dim=-1)  # [R, k]
+    return top, idx.view(r, n * k).gather(1, pos)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """Routed experts (kernels/reference.py fused_moe): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K]

@@ -137,7 +137,7 @@ class MTPDraftModel(nn.Module):
         """The head's k most likely tokens for hidden [T, H] -> (logits [T, k] float32 descending, target ids
         [T, k], logsumexp of all its logits [T]): what a sampled draft is drawn from (k <= draft_vocab_size())."""
         logits = self.compute_logits(hidden)  # [T, Vd]
-        vals, idx = logits.topk(k, dim=-1)
+        vals, idx = ops.row_topk(logits, k)
         ids = idx if self.draft_vocab is None else self.draft_vocab[idx]
         return vals, ids, torch.logsumexp(logits, dim=-1)
 
