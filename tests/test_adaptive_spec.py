@@ -131,6 +131,18 @@ def test_plain_step_graph_replay_equals_eager(models):
             mr.kv.release(h)
 
 
+def test_the_lag_counted_in_the_budget_is_what_it_allocates(models):
+    """The engine takes the lag's buffers out of its memory budget by DraftLag.bytes_per_row (model_runner.py):
+    that is what they take, for every page-table row; without adaptive speculation there is none."""
+    on, off = (build_scheduler(models["llama"], speculative_algorithm="MTP", speculative_num_steps=3,
+                               speculative_adaptive=a)[0].mr for a in (True, False))
+    lag = on.spec.lag
+    rows = on.req_to_token.table.shape[0]
+    assert off.spec.lag is None and lag.tokens.shape[0] == rows and lag.hidden.shape[2] == on.draft.feature_size
+    counted = rows * DraftLag.bytes_per_row(on.draft.feature_size, lag.hidden.dtype)
+    assert counted == lag.hidden.numel() * lag.hidden.element_size() + lag.tokens.numel() * lag.tokens.element_size()
+
+
 def test_off_by_default_on_cpu(models):
     sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, speculative_algorithm="MTP",
                                speculative_num_steps=3)

@@ -44,6 +44,7 @@ from specserve.layers.sampler import check_sampling_kernels
 from specserve.models.config import ModelConfig
 from specserve.models.dense import set_decode_gemv
 from specserve.server_args import ServerArgs
+from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.worker import SpecWorker, WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,10 @@ class ModelRunner:
             self.max_running = min(self.max_running, fit)
             if budget is not None:
                 budget -= self.max_running * per_row
+        self.adaptive_spec = draft is not None and (args.speculative_adaptive if args.speculative_adaptive is not None
+                                                    else device.type == "cuda")
+        if self.adaptive_spec and budget is not None:  # the draft's lag after plain steps (speculative/draft_lag.py)
+            budget -= (self.max_running + 1) * DraftLag.bytes_per_row(draft.feature_size, dtype)
         self.max_total_tokens = self._kv_tokens(per_tok, budget)
         min_tokens = self.row_width + self.page_size
         if self.max_total_tokens < min_tokens:
@@ -140,7 +145,6 @@ class ModelRunner:
         max_prefill = self._max_prefill_graph_tokens()
         prefill_rows = min(self.max_running, _PREFILL_GRAPH_ROWS)
         self.spec: SpecWorker | None = None  # the speculative worker: draft model, pools, runners, state
-        self.adaptive_spec = False  # plain steps may replace speculative ones (resolved below when speculating)
         self.plain_step: PlainStepRunner | None = None  # a plain decode step as one graph (graphs/step_graph.py)
         self.decode_sampling = SamplingCache(cfg.vocab_size, device)  # the running batch's, per composition
         if draft is None:
@@ -149,8 +153,6 @@ class ModelRunner:
         else:
             n = self.num_steps
             self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
-            self.adaptive_spec = (args.speculative_adaptive if args.speculative_adaptive is not None
-                                  else device.type == "cuda")
             if self.adaptive_spec:  # plain steps in a speculating engine (engine/adaptive_spec.py)
                 self.runners["target_decode"] = TargetDecodeRunner(tctx, 1, capture, self.use_graphs)
             self.spec = SpecWorker(draft, tctx, self.runners["target_verify"], self.last_token, self.caches.state,

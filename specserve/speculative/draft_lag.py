@@ -34,6 +34,11 @@ class DraftLag:
         return DraftLag(hidden=torch.zeros((rows, capacity, feature_size), dtype=dtype, device=device),
                         tokens=torch.zeros((rows, capacity), dtype=torch.int64, device=device))
 
+    @staticmethod
+    def bytes_per_row(feature_size: int, dtype: torch.dtype, capacity: int = LAG_CAPACITY) -> int:
+        """Device bytes `allocate` takes per row (the engine counts them in its memory budget)."""
+        return capacity * (feature_size * dtype.itemsize + torch.int64.itemsize)
+
     @property
     def capacity(self) -> int:
         return self.tokens.shape[1]
