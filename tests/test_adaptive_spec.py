@@ -232,6 +232,33 @@ def test_lagging_rows_under_retraction(models, plain_ref, key):
     sched.check_idle_invariants()
 
 
+def test_the_catch_up_is_charged_to_the_plain_steps():
+    """A catch-up's cost is spread over the plain steps that left the lag (seconds x rows / positions) and added to
+    their estimate, not to the speculative step that ran it: here it turns plain from faster to slower."""
+    a = AdaptiveSpeculation()
+    a.record(1, False, 0.010, 2.2)  # 220 tokens/s speculating
+    a.record(1, True, 0.0044, 1.0)  # 227 tokens/s plain
+    assert a.plain_is_faster(1) is True
+    a.record(1, False, 0.010, 2.2, catch_up=(0.0124, 1, 31))  # 31 positions of one row: 0.4 ms a plain step
+    assert a.catch_up_s[1] == pytest.approx(0.0004)
+    assert a.spec_s[1] == pytest.approx(0.010)  # the speculative step's own time only
+    assert a.plain_is_faster(1) is False  # 1 / 4.8 ms = 208 tokens/s
+    assert a.summary()["buckets"][1]["catch_up_ms_per_plain_step"] == pytest.approx(0.4)
+
+
+def test_the_scheduler_times_catch_ups_apart(models):
+    """Each speculative step after a run of plain steps hands the policy its catch-up: the rows that lagged and
+    their positions, at most one per plain step of the run."""
+    prompts, _ = _prompts(), None
+    sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)
+    sched.adaptive = forced = ForcedSteps([True, True, True, False])
+    run_greedy(sched, prompts, NEW)
+    caught = [(plain, c) for (_, plain, _), c in zip(forced.recorded, forced.caught) if c is not None]
+    assert caught and all(not plain for plain, _ in caught)  # catch-ups only before speculative steps here
+    assert all(secs > 0 and 0 < rows <= positions <= 3 * rows for _, (secs, rows, positions) in caught)
+    assert sum(p for _, (_, _, p) in caught) == sched.mr.spec.catch_ups["positions"]
+
+
 def test_accept_average_weighs_requests_not_steps():
     """One batch-1 step with a poor accept length moves the accept average little (a sample of one request), a
     batch-32 step with the same mean much more: single noisy steps do not flip the policy near break-even."""

@@ -10,10 +10,16 @@ Estimates, per batch-size bucket (the batch size rounded up to a power of two):
   step's accept length (1 to N + 1) is a noisy sample, and a fast average of it let a few short steps hold a
   policy near break-even on plain steps for whole probe intervals.
 
-A plain step is taken when 1 / t_plain > tokens_per_spec_step / t_spec. A bucket measures speculation first, then
-one plain step; after that every `probe_every`-th step there takes the mode not chosen, so both estimates follow
-load, contexts and acceptance as they change. Greedy outputs do not depend on the choice (both modes are lossless);
-sampled outputs are samples of the same distribution.
+- the draft's catch-up after plain steps (speculative/draft_lag.py), per plain step: a plain step runs no draft,
+  and the draft extends over the positions it missed before the next speculative step. That cost belongs to the
+  plain steps that left it, not to the speculative step that pays it (which would make every probe of speculation
+  after a run of plain steps look slower than speculation is): the scheduler passes it apart, and it is spread over
+  the plain steps it covers (seconds x rows / positions).
+
+A plain step is taken when 1 / (t_plain + t_catch_up) > tokens_per_spec_step / t_spec. A bucket measures
+speculation first, then one plain step; after that every `probe_every`-th step there takes the mode not chosen, so
+both estimates follow load, contexts and acceptance as they change. Greedy outputs do not depend on the choice
+(both modes are lossless); sampled outputs are samples of the same distribution.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class AdaptiveSpeculation:
     token_alpha: float = 0.02  # weight of one request's tokens of one step in the accept average
     spec_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per speculative step
     plain_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per plain step
+    catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> the draft's catch-up per plain step
     tokens_per_spec: float | None = None  # accepted drafts + 1 per request per speculative step
     steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps decided there
     num_plain: int = 0
@@ -43,7 +50,7 @@ class AdaptiveSpeculation:
         b = bucket(bs)
         if b not in self.spec_s or b not in self.plain_s or self.tokens_per_spec is None:
             return None
-        return 1.0 / self.plain_s[b] > self.tokens_per_spec / self.spec_s[b]
+        return 1.0 / (self.plain_s[b] + self.catch_up_s.get(b, 0.0)) > self.tokens_per_spec / self.spec_s[b]
 
     def choose_plain(self, bs: int) -> bool:
         """Decide the next step of a batch of `bs` requests: True for a plain step."""
@@ -57,12 +64,15 @@ class AdaptiveSpeculation:
         plain = bool(self.plain_is_faster(bs))
         return (not plain) if n % self.probe_every == 0 else plain
 
-    def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float) -> None:
-        """A finished step of bs requests: its wall time and (speculative steps) its mean tokens per request."""
+    def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float,
+               catch_up: tuple[float, int, int] | None = None) -> None:
+        """A finished step of bs requests: its wall time without the draft's catch-up, (speculative steps) its mean
+        tokens per request, and the catch-up it ran first, if any: (seconds, rows, positions)."""
         b = bucket(bs)
-        table = self.plain_s if plain else self.spec_s
-        old = table.get(b)
-        table[b] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._average(self.plain_s if plain else self.spec_s, b, seconds)
+        if catch_up is not None and catch_up[2] > 0:
+            secs, rows, positions = catch_up
+            self._average(self.catch_up_s, b, secs * rows / positions)  # per plain step of the rows that lagged
         if plain:
             self.num_plain += 1
         else:
@@ -71,11 +81,17 @@ class AdaptiveSpeculation:
             a = 1.0 - (1.0 - self.token_alpha) ** max(bs, 1)  # bs samples of weight token_alpha each
             self.tokens_per_spec = tokens_per_request if t is None else t + a * (tokens_per_request - t)
 
+    def _average(self, table: dict[int, float], b: int, seconds: float) -> None:
+        old = table.get(b)
+        table[b] = seconds if old is None else old + self.alpha * (seconds - old)
+
     def summary(self) -> dict:
         """For /get_server_info: the step counts and the estimates per bucket (milliseconds)."""
         return {"plain_steps": self.num_plain, "spec_steps": self.num_spec,
                 "tokens_per_spec_step": self.tokens_per_spec,
                 "buckets": {b: {"spec_ms": 1e3 * self.spec_s[b] if b in self.spec_s else None,
                                 "plain_ms": 1e3 * self.plain_s[b] if b in self.plain_s else None,
+                                "catch_up_ms_per_plain_step": (1e3 * self.catch_up_s[b] if b in self.catch_up_s
+                                                               else None),
                                 "plain_is_faster": self.plain_is_faster(b)}
                             for b in sorted(set(self.spec_s) | set(self.plain_s))}}

@@ -68,7 +68,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
         # speculate or take a plain step, per step (engine/adaptive_spec.py); any object with choose_plain(bs) and
-        # record(bs, plain, seconds, tokens_per_request) may stand in (tests force patterns)
+        # record(bs, plain, seconds, tokens_per_request, catch_up) may stand in (tests force patterns)
         self.adaptive = AdaptiveSpeculation() if mr.spec is not None and mr.adaptive_spec else None
         # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
         self.mirror: TPLeader | None = None
@@ -221,7 +221,9 @@ class Scheduler:
             self.mirror.send(decode_message(self.mr, "plain" if plain else "spec", reqs))
         res = run_spec_step(self.mr, reqs, plain)
         if self.adaptive is not None:
-            self.adaptive.record(len(reqs), plain, time.perf_counter() - t0, 1 + sum(res.accept_len) / len(reqs))
+            caught = self.mr.spec.take_catch_up()  # the draft's catch-up inside this step, timed apart
+            self.adaptive.record(len(reqs), plain, time.perf_counter() - t0 - (caught[0] if caught else 0.0),
+                                 1 + sum(res.accept_len) / len(reqs), caught)
         if plain:
             self.stats.spec_plain_steps += 1
         for req, k, toks in zip(reqs, res.accept_len, res.tokens):

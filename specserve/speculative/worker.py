@@ -24,6 +24,7 @@ each time at 0.88-0.94x a plain engine's throughput when adaptive speculation ch
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -120,6 +121,7 @@ class SpecWorker:
         self.lag: DraftLag | None = None  # the draft's pending positions after plain steps
         # catch-up forwards (before a spec step, or forced by a full lag) and the positions they extended over
         self.catch_ups = {"before_spec": 0, "forced": 0, "positions": 0}
+        self._caught: tuple[float, int, int] | None = None  # this step's catch-ups: (seconds, rows, positions)
         self.plain_step_graph: PlainSpecStepRunner | None = None
         if target_decode is not None:
             self.lag = DraftLag.allocate(rows, draft.feature_size, target_ctx.dtype, self.device)
@@ -217,6 +219,7 @@ class SpecWorker:
         picked = [] if lag is None else lag.lagging(rows_host)
         if not picked:
             return
+        t0 = time.perf_counter()
         rows = [rows_host[i] for i in picked]
         lens = [lag.pending[r] for r in rows]
         self.catch_ups[why] += 1
@@ -236,6 +239,16 @@ class SpecWorker:
         final_idx = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
         self.prefill_draft(ExtendBatch(ids, idx[2], out_loc, rows, ends, lens, hidden), ids, hidden, final_idx,
                            tail[0], tail[1])
+        # timed apart for adaptive speculation (take_catch_up): the one extra host sync, on catch-up steps only
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        prev = self._caught or (0.0, 0, 0)
+        self._caught = (prev[0] + time.perf_counter() - t0, prev[1] + len(rows), prev[2] + sum(lens))
+
+    def take_catch_up(self) -> tuple[float, int, int] | None:
+        """The catch-ups run since the last call, as (seconds, rows, positions) summed; None if none ran."""
+        caught, self._caught = self._caught, None
+        return caught
 
 
 def _step_inputs(rows_host: list[int], s_host: list[int], pos0_host: list[int],
