@@ -16,13 +16,15 @@ def test_bench_batch_rows_and_runner_state(tiny_models, capsys):
     cpu = torch.device("cpu")
     t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, cpu, 200)
     draft = random_draft(t.config, t.model, torch.float32, cpu, 200)
-    pair = make_runners(t.model, draft, t.config, torch.float32, cpu, 2, 4, 128, disable_graphs=False)
+    pair = make_runners(t.model, draft, t.config, torch.float32, cpu, 2, 4, 128, disable_graphs=False, adaptive=True)
     batches = [bench_batch(pair, bs, 16, 2) for bs in (1, 3)]
     for b in batches:
-        for k in ("spec_iter_ms", "spec_iter_phases_ms", "spec_iter_eager_ms", "plain_step_ms"):
+        for k in ("spec_iter_ms", "spec_iter_phases_ms", "spec_iter_eager_ms", "plain_step_ms", "spec_plain_step_ms"):
             assert b[k] > 0, k
+        assert b["spec_plain_over_plain_step"] == b["spec_plain_step_ms"] / b["plain_step_ms"]
         for name in ("decode", "target_verify", "draft_decode", "draft_extend"):
             assert b[name]["eager_ms"] > 0, name
+    assert not pair.spec.spec.lag.pending  # the timed plain steps left no lag behind
     spec = pair.spec.spec
     assert spec.spec_step.use_graphs and all(r.use_graphs for r in spec.runners.values())
     replays = spec.spec_step.replays
@@ -30,4 +32,4 @@ def test_bench_batch_rows_and_runner_state(tiny_models, capsys):
     assert spec.spec_step.replays > replays  # the step as run is the one-graph step again
     print_table({"model": "tiny", "device": "cpu", "N": 2, "prefix_len": 16, "batches": batches})
     text = capsys.readouterr().out
-    assert "spec phases" in text and "spec iter / plain step" in text
+    assert "spec phases" in text and "spec iter / plain step" in text and "plain (spec)" in text

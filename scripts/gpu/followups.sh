@@ -37,7 +37,8 @@
 #   tenth     the speculating engine's plain step without the draft (speculative/draft_lag.py): the adaptive GPU
 #             tests (dense and GLM-5, the catch-up's prefill graphs), then smollm2_round.sh keep / join / qspec.
 #   eleventh  the lean plain step of a speculating engine (spec_step.plain_step_device, BENCHMARKS §22.6): the
-#             adaptive GPU tests and both plain steps side by side (profile_spec_step.py), then
+#             adaptive GPU tests, both plain steps side by side (profile_spec_step.py; bench-phases' "plain (spec)"
+#             row on 8B shapes), then
 #             smollm2_round.sh keep / join / qspec (is adaptive speculation now >= plain at batch 1 sampled?).
 # Order for a fresh lease (30 device-minutes), as left by the second session of 2026-12-02 (ninth and tenth ran
 # then: BENCHMARKS §22): eleventh, then smollm2_round.sh keep / join / qspec.
@@ -161,6 +162,8 @@ case "${1:-}" in
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
       -k "adaptive or plain_step or spec_greedy" 2>&1 | grep -v -i warn | tail -4
     timeout 150 python3 scripts/gpu/profile_spec_step.py --sampled 4 2>&1 | grep -v -i warn | grep "wall"
+    timeout 100 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
+      --prefill-tokens 0 2>&1 | grep -v -i warn | grep "plain\|spec iter"
     ;;
   *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh" >&2
      exit 2 ;;

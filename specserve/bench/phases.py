@@ -115,8 +115,14 @@ def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
                                                max(3, iters // 4))
             for rr in switchable:
                 rr.use_graphs = bool(rr.graphs) or dev.type != "cuda"
+            if mr.spec.plain is not None:  # adaptive speculation's plain step (the draft lags; cleared each time)
+                rows = [r.kv.row for r in reqs]
+                out["spec_plain_step_ms"] = timeit(lambda mr=mr, reqs=reqs, rows=rows: (
+                    run_spec_step(mr, reqs, plain=True), mr.spec.lag.clear(rows)), dev, iters)
         release(mr, reqs)
     out["spec_iter_over_plain_step"] = out["spec_iter_ms"] / out["plain_step_ms"]
+    if "spec_plain_step_ms" in out:
+        out["spec_plain_over_plain_step"] = out["spec_plain_step_ms"] / out["plain_step_ms"]
     return out
 
 
@@ -281,6 +287,9 @@ def print_table(r: dict) -> None:
         print(f"{b['bs']:>4} | {'spec iter':<14} | {b['spec_iter_eager_ms']:9.3f} | {b['spec_iter_ms']:9.3f} | "
               f"{b['spec_iter_eager_ms'] / b['spec_iter_ms']:6.1f}x")
         print(f"{b['bs']:>4} | {'plain step':<14} | {'':9} | {b['plain_step_ms']:9.3f} |")
+        if "spec_plain_step_ms" in b:  # what adaptive speculation's plain steps cost against a plain engine's
+            print(f"{b['bs']:>4} | {'plain (spec)':<14} | {'':9} | {b['spec_plain_step_ms']:9.3f} |  "
+                  f"(a speculating engine's plain step: {b['spec_plain_over_plain_step']:.2f}x a plain engine's)")
         print(f"{b['bs']:>4} | spec iter / plain step = {b['spec_iter_over_plain_step']:.2f}x")
     if "prefill" in r:
         pf = r["prefill"]
