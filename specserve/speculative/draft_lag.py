@@ -57,13 +57,16 @@ class DraftLag:
 
     def lagging(self, rows: list[int]) -> list[int]:
         """Indices into rows of those with pending positions."""
+        if not self.pending:  # the common case while speculating: nothing lags
+            return []
         return [i for i, r in enumerate(rows) if self.pending.get(r, 0)]
 
     def full(self, rows: list[int]) -> bool:
         """Whether a row would overflow on one more plain step."""
-        return any(self.pending.get(r, 0) >= self.capacity for r in rows)
+        return bool(self.pending) and any(self.pending.get(r, 0) >= self.capacity for r in rows)
 
     def clear(self, rows: list[int]) -> None:
         """Rows caught up, or given a new sequence by a prefill: nothing pending."""
-        for r in rows:
-            self.pending.pop(r, None)
+        if self.pending:
+            for r in rows:
+                self.pending.pop(r, None)
