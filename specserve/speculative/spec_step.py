@@ -132,8 +132,7 @@ def plain_step_device(v: PlainStepView, phase: PhaseFn, rows: torch.Tensor, s: t
 class SpecStepRunner(StepGraphRunner):
     """The speculative step as one graph per captured batch size and sampling kind (CPU: the same function run
     eagerly over the static inputs, as the phase runners' static replay; graphs/step_graph.py). Output:
-    [bs, 1 + N + 1] = accept_len, verified. (PlainSpecStepRunner: the speculating engine's plain
-    step.)"""
+    [bs, 1 + N + 1] = accept_len, verified. (PlainSpecStepRunner below is the speculating engine's plain step.)"""
 
     name = "spec_step"
 

@@ -51,8 +51,8 @@ class SpecStepResult:
 
 @dataclass
 class PlainStepView:
-    """What plain_step_device reads of a worker: the worker's row state, last tokens,
-    target state and the draft's lag, with the target's width-1 runner under the verify phase's name."""
+    """What plain_step_device reads of a worker: the worker's row state, last tokens, target state and the draft's
+    lag, with the target's width-1 runner under the verify phase's name."""
 
     state: DraftState
     last_token: torch.Tensor
