@@ -1,8 +1,9 @@
 """Programmatic dependent launch (PDL) under CUDA graphs on a GPU that has it (compute capability 9.0+): chains of
 decode kernels where each reads what the one before wrote, replayed many times over fresh inputs, must give
 exactly the outputs of the same chain launched without PDL (kernels/triton_gemv.py, triton_norm.py, triton_act.py,
-triton_qk_prep.py, triton_attention.py launch with it by default; a kernel that read its input before the
-grid-dependency wait would read the previous replay's values here). Skipped elsewhere."""
+triton_qk_prep.py, triton_attention.py launch with it by default, and at decode sizes the router, MoE, indexer,
+top-k and MLA kernels: launch.grid_pdl; a kernel that read its input before the grid-dependency wait would read
+the previous replay's values here). Skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -125,3 +126,90 @@ def test_pdl_attention_chain_equals_eager_over_replays():
         want = step(sync=True)  # eager, one launch at a time: the same kernels, the same cache before the step
         assert torch.equal(got, want), t
         snapshot = (k_cache.clone(), v_cache.clone())
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_pdl_moe_chain_equals_eager_over_replays(tokens):
+    """Layers of the fused norm + router + top-k and the fused MoE (one token: the direct path), each launched with
+    PDL at decode sizes, each layer consuming the last one's output and residual, in one graph replayed over fresh
+    inputs: equal to the same kernels launched one at a time with a synchronisation after each."""
+    from specserve.graphs.capture import capture_graph
+    from specserve.kernels.triton_moe import fused_moe
+    from specserve.kernels.triton_router import norm_router_topk_triton
+
+    g = torch.Generator(device=DEV).manual_seed(11 + tokens)
+    layers, e, k, h, i = 6, 32, 4, 256, 128
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=DEV) * scale).to(BF16)
+
+    ws = [(rand(e, h, scale=h ** -0.5), 1 + rand(h, scale=0.1), rand(e, 2 * i, h, scale=h ** -0.5),
+           rand(e, h, i, scale=i ** -0.5)) for _ in range(layers)]
+    x, res = rand(tokens, h), rand(tokens, h)
+
+    def chain(sync: bool = False):
+        out, r = x, res
+        for router_w, norm_w, w13, w2 in ws:
+            wts, ids, xn, r = norm_router_topk_triton(out, r, norm_w, 1e-6, 0.0, router_w, k, True)
+            if sync:
+                torch.cuda.synchronize()
+            out = fused_moe(xn, w13, w2, wts, ids)
+            if sync:
+                torch.cuda.synchronize()
+        return out, r
+
+    graph, outs, _ = capture_graph(chain, None)
+    for _ in range(40):
+        x.copy_(rand(tokens, h))
+        res.copy_(rand(tokens, h))
+        graph.replay()
+        got = [t.clone() for t in outs]
+        for a, b in zip(got, chain(sync=True)):
+            assert torch.equal(a, b)
+
+
+def test_pdl_dsa_chain_equals_eager_over_replays():
+    """Indexer scores -> the top-k's passes -> sparse MLA and its split merge (all launched with PDL at one query),
+    three layers deep (each next index query a slice of the last attention output), in one graph replayed over
+    fresh queries, keys and latent rows: equal to the kernels run eagerly with a synchronisation after each."""
+    from specserve.graphs.capture import capture_graph
+    from specserve.kernels.triton_indexer import index_scores_triton
+    from specserve.kernels.triton_mla import mla_decode_triton
+    from specserve.kernels.triton_topk import index_topk_triton
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    kv, di, hi, heads, c, r, topk, layers = 4096, 64, 16, 32, 256, 64, 512, 3
+    rows = torch.zeros((kv + 16, di), device=DEV, dtype=BF16)
+    lat = torch.zeros((kv + 16, c + r), device=DEV, dtype=BF16)
+    kv_slots = (torch.randperm(kv, device=DEV, generator=g) + 16).view(1, kv)
+    lens = torch.full((1,), kv, dtype=torch.int64, device=DEV)
+    q = torch.zeros((1, hi, di), device=DEV, dtype=BF16)
+    wts = torch.zeros((1, hi), device=DEV)
+    qm = torch.zeros((1, heads, c + r), device=DEV, dtype=BF16)
+
+    def chain(sync: bool = False):
+        def done(t):
+            if sync:
+                torch.cuda.synchronize()
+            return t
+
+        qi, outs = q, []
+        for _ in range(layers):
+            s = done(index_scores_triton(qi, wts, rows, None, kv_slots, lens, 1))
+            sel, cnt = done(index_topk_triton(s, lens, kv_slots, 1, topk))
+            o = done(mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c))
+            outs.append(o)
+            qi = o[:, :hi, :di].contiguous()
+        return outs
+
+    graph, outs, _ = capture_graph(chain, None)
+    for step in range(24):
+        for buf in (rows, lat, q, qm):
+            buf.copy_(torch.randn(tuple(buf.shape), generator=g, device=DEV).to(BF16))
+        wts.copy_(torch.randn(tuple(wts.shape), generator=g, device=DEV))
+        if step % 3 == 0:  # exact ties (ReLU zeros) every third step
+            rows[16:16 + kv // 2].zero_()
+        graph.replay()
+        got = [t.clone() for t in outs]
+        for a, b in zip(got, chain(sync=True)):
+            assert torch.equal(a, b), step

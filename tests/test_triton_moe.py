@@ -76,6 +76,23 @@ def test_fused_moe_matches_reference(dtype, t, kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["distinct", "one_expert", "repeats"])
+def test_fused_moe_direct_equals_aligned(dtype, kind):
+    """One token's pairs as blocks of their own (the default at one token: no alignment launch) give the aligned
+    path's output bit for bit, repeated experts included; forced on at several tokens it still equals it."""
+    g = torch.Generator().manual_seed(7 + len(kind))
+    w13, w2 = _weights(NUM_E, HIDDEN, INTER, dtype, g)
+    for t in (1, 3):
+        x = (torch.randn((t, HIDDEN), generator=g) * 2).to(dtype).to(DEV)
+        topk_weights, topk_ids = _routing(kind, t, NUM_E, TOP_K, g)
+        aligned = fused_moe(x, w13, w2, topk_weights, topk_ids, direct=False)
+        assert torch.equal(fused_moe(x, w13, w2, topk_weights, topk_ids, direct=True), aligned)
+        if t == 1:
+            assert torch.equal(fused_moe(x, w13, w2, topk_weights, topk_ids), aligned)
+        _assert_close(aligned, ref.fused_moe(x, w13, w2, topk_weights, topk_ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_prefill_blocks(dtype):
     """A prefill-sized batch: 128-row blocks and their wider tiles."""
     t = 512
@@ -133,11 +150,12 @@ def test_block_m_from_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_cuda_graph_replay(dtype):
-    """Captured once with fixed shapes; replays with new routings (different experts, counts, and empty experts)
-    equal the reference."""
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_cuda_graph_replay(dtype, t):
+    """Captured once with fixed shapes (one token: the direct path, with PDL on sm_90); replays with new routings
+    (different experts, counts, and empty experts) equal the reference."""
     dev = torch.device("cuda")
-    e, h, i, t, k = 16, 256, 128, 5, 4
+    e, h, i, k = 16, 256, 128, 4
     g = torch.Generator().manual_seed(0)
     w13, w2 = (w.to(dev) for w in _weights(e, h, i, dtype, g))
     x = (torch.randn((t, h), generator=g)).to(dtype).to(dev)

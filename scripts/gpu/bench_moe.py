@@ -106,6 +106,13 @@ def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
         bw = f"{gbs:7.0f} {gbs * 1e9 / PEAK_BW:7.1%}"
     print(f"{t:5d} {used:7d} {loop_ms:9.3f} {fused_ms:9.3f} {graph_ms:9.3f} {loop_ms / fused_ms:7.1f}x "
           f"{loop_ms / graph_ms:7.1f}x {bw:>15} {err_loop:9.2e} {err_fused:9.2e}")
+    if t == 1:  # the direct path (the default at one token) against the aligned one, both graphed, side by side
+        replay_a, out_a = graphed(lambda: fused_moe(*moe_args, direct=False))
+        aligned_ms = time_ms(replay_a, args.iters, args.warmup, flush)
+        direct_ms = time_ms(replay, args.iters, args.warmup, flush)
+        assert torch.equal(out_a, graph_out), "the direct path differs from the aligned one"
+        print(f"      one token, graphed: direct {direct_ms:.4f} ms, aligned {aligned_ms:.4f} ms "
+              f"({aligned_ms / direct_ms:.2f}x)")
 
 
 def main() -> None:

@@ -158,6 +158,27 @@ case "${1:-}" in
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
       -k "adaptive or plain_step or spec_greedy" 2>&1 | grep -v -i warn | tail -4
     ;;
+  twelfth)  # PDL for the router, MoE, indexer, top-k and MLA kernels, the MoE's direct path at one token; carry
+    # .bench_prev (the previous commit's specserve/ and scripts/) for the side-by-side rows. Part a: kernels
+    timeout 260 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_pdl.py tests/test_triton_moe.py \
+      tests/test_triton_router.py tests/test_triton_indexer.py tests/test_triton_topk.py 2>&1 | grep -v -i warn | tail -4
+    timeout 90 python3 scripts/gpu/bench_moe.py --tokens 1 2 4 8 --iters 100 2>&1 | grep -v -i warn | tail -7
+    for tree in . .bench_prev; do
+      echo "=== tree: $tree ==="
+      (cd "$tree" && PYTHONPATH=$PWD timeout 60 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 \
+        | grep -v -i warn | grep -A 12 "===")
+    done
+    ;;
+  twelfth-b)  # part b: model level, this tree and the previous commit's side by side; then the engines' GPU tests
+    for tree in . .bench_prev; do
+      echo "=== tree: $tree ==="
+      (cd "$tree" && PYTHONPATH=$PWD timeout 120 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b \
+        --batch-sizes 1 --iters 20 --idle-steps 0 --prefill-tokens 0 2>&1 | grep -v -i warn \
+        | grep "decode\|verify\|spec iter\|plain\|draft\|bandwidth")
+    done
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py tests/test_gpu_hybrid.py \
+      -k "greedy or mtp or plain_step" 2>&1 | grep -v -i warn | tail -4
+    ;;
   eleventh)  # the lean plain step of a speculating engine, against the plain engine's
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
       -k "adaptive or plain_step or spec_greedy" 2>&1 | grep -v -i warn | tail -4

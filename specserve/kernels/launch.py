@@ -62,6 +62,21 @@ def one_wave_pdl(device: torch.device, programs: int) -> bool:
     return pdl_supported(device) and programs <= sm_count(device)
 
 
+PDL_MAX_ROWS = 128  # rows (tokens, pairs, queries) up to which a launch is decode-sized: latency-bound
+
+
+def grid_pdl(device: torch.device, programs: int, rows: int) -> int:
+    """How a kernel of `programs` programs over `rows` rows launches (its PDL constexpr): 0 without programmatic
+    dependent launch (unsupported: pdl_supported, or more than PDL_MAX_ROWS rows: prefill-sized launches, which
+    latency does not bound); 1 when its grid fits in one wave (one_wave_pdl): the next kernel may launch at once
+    (`pdl_wait`); 2 for a grid of more waves: launched with PDL (it waits for its inputs), but the next kernel may
+    launch only once this one's programs are past their main loop (`pdl_release`) or done, so that kernel's waiting
+    programs never hold SMs this grid's later waves need. Shapes and the device only."""
+    if not pdl_supported(device) or rows > PDL_MAX_ROWS:
+        return 0
+    return 1 if programs <= sm_count(device) else 2
+
+
 def pdl_kwargs(on: bool) -> dict:
     """The Triton launch option for programmatic dependent launch (none when off)."""
     return {"launch_pdl": True} if on else {}
@@ -75,3 +90,21 @@ def pdl_enter(GDC: tl.constexpr):
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """In a kernel launched with PDL mode PDL (grid_pdl; 0: nothing): mode 1 lets the next kernel launch at once;
+    both wait until the previous kernel's outputs are complete and visible. Call it before the first read of
+    anything another kernel writes and before any store."""
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL != 0:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Mode 2 (grid_pdl): let the next kernel launch, after this program's main loop (its epilogue may follow)."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_wait
 from specserve.kernels.triton_dot import dot
 
 
@@ -53,9 +54,10 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                          stride_sl, stride_ob, stride_ow,
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr, F32_DOT: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # key block
+    pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
     b = t // W
     i = t % W
     seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
@@ -131,13 +133,15 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     sc, sc_stride = (rows, 0) if scales is None else (scales, scales.stride(0))  # rows: an unused pointer
     f32_dot = not q.is_cuda
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
-    _index_scores_kernel[(num_tokens, triton.cdiv(max_kv, block_n))](
+    grid = (num_tokens, triton.cdiv(max_kv, block_n))
+    pdl = grid_pdl(q.device, grid[0] * grid[1], num_tokens)
+    _index_scores_kernel[grid](
         q, weights, rows, sc, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, out, num_heads, dim,
         max_kv,
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), rows.stride(0), sc_stride,
         kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0), out.stride(0), out.stride(1),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SCALES=scales is not None,
-        HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision,
-        num_warps=4 if block_h * block_d <= 4096 else 8, num_stages=2,
+        HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, PDL=pdl,
+        num_warps=4 if block_h * block_d <= 4096 else 8, num_stages=2, **pdl_kwargs(bool(pdl)),
     )
     return out

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import target_programs
+from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_wait, target_programs
 from specserve.kernels.triton_dot import dot
 
 _LOG2E = 1.4426950408889634
@@ -65,10 +65,11 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr,
                        W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr,
                        HAS_SEL: tl.constexpr, HAS_ROWS: tl.constexpr, F32_DOT: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     hb = tl.program_id(1)  # head block
     split = tl.program_id(2)  # run of key blocks
+    pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, the latent rows and the selection
     b = t // W
     i = t % W
     seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
@@ -136,12 +137,13 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr,
 
 @triton.jit
 def _mla_combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, num_heads, kv_lora_rank, num_splits, stride_ot, stride_oh,
-                        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     """One program per (query token, head, BLOCK_C latent dims): all the token's splits at once, reduced in
     registers (no serial walk over the splits)."""
     t = tl.program_id(0)  # query token
     h = tl.program_id(1)  # head
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] this program's latent dims
+    pdl_wait(PDL)
     sp = tl.arange(0, BLOCK_S)  # [BLOCK_S] splits
     s_ok = sp < num_splits
     part = t.to(tl.int64) * num_splits + sp  # [BLOCK_S]
@@ -217,6 +219,7 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     else:
         ws_acc = ws_ml = out  # unused
     num_warps = 4 if block_c <= 256 else 8
+    pdl = grid_pdl(q.device, num_tokens * head_blocks * num_splits, num_tokens)
     _mla_decode_kernel[(num_tokens, head_blocks, num_splits)](
         q, rows, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, sel, out, ws_acc, ws_ml,
         scale * _LOG2E, num_heads, max_kv, c, rope,
@@ -224,13 +227,15 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         *sel_strides, out.stride(0), out.stride(1),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, NUM_SPLITS=num_splits,
         HAS_ROPE=rope > 0, HAS_SEL=selection is not None, HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot,
-        PRECISION=precision,
-        num_warps=num_warps, num_stages=2,
+        PRECISION=precision, PDL=pdl,
+        num_warps=num_warps, num_stages=2, **pdl_kwargs(bool(pdl)),
     )
     if num_splits > 1:
         block_s = max(2, triton.next_power_of_2(num_splits))
         combine_c = max(16, min(block_c, 4096 // block_s))  # [splits, dims] tile of at most 4096 floats a program
-        _mla_combine_kernel[(num_tokens, num_heads, triton.cdiv(c, combine_c))](
+        grid = (num_tokens, num_heads, triton.cdiv(c, combine_c))
+        pdl = grid_pdl(q.device, grid[0] * grid[1] * grid[2], num_tokens)
+        _mla_combine_kernel[grid](
             ws_acc, ws_ml, out, num_heads, c, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=block_s, BLOCK_C=combine_c, num_warps=4)
+            BLOCK_S=block_s, BLOCK_C=combine_c, PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
     return out

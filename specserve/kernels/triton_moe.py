@@ -24,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_release, pdl_wait
 from specserve.kernels.triton_dot import dot
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
+DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
 
 
 @triton.jit
@@ -102,10 +104,11 @@ def _place_kernel(ids_ptr, offs_ptr, pad_end_ptr, num_padded_ptr, sorted_ptr, bl
 @triton.jit
 def _align_one_chunk_kernel(ids_ptr, pad_end_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs,
                             num_experts, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_B: tl.constexpr):
+                            BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     """The three alignment kernels in one program, for batches of at most CHUNK pairs (decode, short verify): the
     histogram, the padded per-expert runs, the stable placement, the padding rows and the block owners, with the
     same results as _count_kernel + _offsets_kernel + _place_kernel (one launch instead of three)."""
+    pdl_wait(PDL)
     r = tl.arange(0, CHUNK)
     ok = r < n_pairs
     e = tl.load(ids_ptr + r, mask=ok, other=num_experts).to(tl.int32)  # [CHUNK]; lanes past the pairs: no expert
@@ -140,14 +143,33 @@ def _align_one_chunk_kernel(ids_ptr, pad_end_ptr, sorted_ptr, block_expert_ptr, 
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden, inter,
-                    stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+def _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M: tl.constexpr,
+           DIRECT: tl.constexpr):
+    """(live, expert, pairs [BLOCK_M]; n_pairs marks padding) of block pid_m. Aligned: the block's run of
+    sorted_ids and its owner; live while the block is below the live padded total (the grid covers the bound).
+    DIRECT (one token, no alignment): block pid_m is pair pid_m alone, its expert read from the router's ids."""
+    lane = tl.arange(0, BLOCK_M)
+    if DIRECT:
+        live = pid_m < n_pairs
+        e = tl.load(ids_ptr + pid_m).to(tl.int64)
+        pair = tl.where(lane == 0, pid_m, n_pairs)
+    else:
+        live = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + lane)
+    return live, e, pair
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
+                    inter, stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                    DIRECT: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(num_padded_ptr):  # the grid covers the bound; the live total is on the device
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M]; n_pairs marks padding
+    pdl_wait(PDL)  # the routing (and x) come from the kernels before
+    live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
+    if live:
         row_ok = pair < n_pairs
         tok = (pair // TOP_K).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,19 +189,20 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pad
         dt = act_ptr.dtype.element_ty
         gate = acc_g.to(dt).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        pdl_release(PDL)
         tl.store(act_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], act.to(dt),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden, inter,
-                 stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
+                 inter, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 F32_DOT: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M]
+    pdl_wait(PDL)
+    live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
+    if live:
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,15 +215,18 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_padded
             k_ok = k0 + k < inter
             a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc += dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), F32_DOT, PRECISION)
+        pdl_release(PDL)
         # each expert's product rounded to x's dtype, as the reference does before its weighted sum
         tl.store(y_ptr + rows[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pdl_wait(PDL)
     ok = cols < hidden
     acc = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(TOP_K):  # fixed order: deterministic
@@ -219,12 +245,12 @@ def moe_block_m(n_pairs: int, num_experts: int) -> int:
     return min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * n_pairs, num_experts))))
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool = True):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool = True, pdl: int = 0):
     """topk_ids [T, K] -> (sorted_ids [P] int32: pair indices t*K + k grouped by expert, each expert's run padded to
     a multiple of block_m with the sentinel T*K; block_expert [P / block_m] int32; num_padded [1] int32, the live
     padded total). P = block_m * ((T*K + min(E, T*K) * (block_m - 1)) // block_m) is the bound from shapes.
     Batches of one chunk (at most 128 pairs: decode, short verify) take one launch (one_launch; False: the three
-    kernels every larger batch takes, which give the same results)."""
+    kernels every larger batch takes, which give the same results). pdl: the one launch's PDL mode (grid_pdl)."""
     ids = topk_ids.reshape(-1)  # [T*K]
     n_pairs, dev = ids.numel(), ids.device
     max_blocks = (n_pairs + min(num_experts, n_pairs) * (block_m - 1)) // block_m
@@ -241,7 +267,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch
     if num_chunks == 1 and one_launch:
         _align_one_chunk_kernel[(1,)](ids, pad_end, sorted_ids, block_expert, num_padded, n_pairs, num_experts,
                                       max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCK_B=block_b,
-                                      num_warps=4)
+                                      PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
         return sorted_ids, block_expert, num_padded
     _count_kernel[(num_chunks,)](ids, hist, n_pairs, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
     _offsets_kernel[(1,)](hist, offs, pad_end, sorted_ids, num_padded, n_pairs, num_experts, num_chunks,
@@ -268,9 +294,14 @@ def _gemm_configs(block_m: int) -> tuple[dict, dict]:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, direct: bool | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
-    int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable."""
+    int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable.
+
+    direct (default: at one token): no alignment; each (token, k) pair is a block of its own whose expert the GEMMs
+    read from topk_ids (one launch fewer; a router's top-k experts of one token are distinct, so each is read once).
+    The products are those of the aligned path at one token (a pair per 16-row block there too), bit for bit.
+    Decode-sized batches launch with programmatic dependent launch where supported (launch.grid_pdl)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -282,23 +313,40 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if x.stride(-1) != 1:
         x = x.contiguous()
     n_pairs = num_tokens * top_k
-    block_m = moe_block_m(n_pairs, num_experts)
-    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
-    max_blocks = block_expert.shape[0]
-    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=x.device)  # [T*K, I] silu(gate) * up per pair
-    y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=x.device)  # [T*K, H] each expert's output per pair
+    direct = num_tokens == 1 if direct is None else direct
+    dev = x.device
+    ids = topk_ids.reshape(-1)  # [T*K]
+    if direct:
+        block_m = DIRECT_BLOCK_M
+        sorted_ids = block_expert = num_padded = ids  # unused by the direct kernels
+        blocks = n_pairs
+    else:
+        block_m = moe_block_m(n_pairs, num_experts)
+        sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m,
+                                                         pdl=grid_pdl(dev, 1, n_pairs))
+        blocks = block_expert.shape[0]
+    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=dev)  # [T*K, I] silu(gate) * up per pair
+    y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=dev)  # [T*K, H] each expert's output per pair
     f32_dot = not x.is_cuda
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch reference
     cfg_gu, cfg_down = _gemm_configs(block_m)
     if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones
         cfg_gu, cfg_down = ({**c, "BLOCK_K": c["BLOCK_K"] // 2} for c in (cfg_gu, cfg_down))
-    _gate_up_kernel[(max_blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
-        x, w13, act, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, **cfg_gu)
-    _down_kernel[(max_blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))](
-        act, w2, y, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
-        BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, **cfg_down)
+    grid_gu = (blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))
+    pdl = grid_pdl(dev, grid_gu[0] * grid_gu[1], n_pairs)
+    _gate_up_kernel[grid_gu](
+        x, w13, act, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, PDL=pdl,
+        **cfg_gu, **pdl_kwargs(bool(pdl)))
+    grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
+    pdl = grid_pdl(dev, grid_down[0] * grid_down[1], n_pairs)
+    _down_kernel[grid_down](
+        act, w2, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
+        BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, PDL=pdl, **cfg_down,
+        **pdl_kwargs(bool(pdl)))
     block = min(1024, triton.next_power_of_2(hidden))
-    _sum_k_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, topk_weights.reshape(-1), out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4)
+    grid_sum = (num_tokens, triton.cdiv(hidden, block))
+    pdl = grid_pdl(dev, grid_sum[0] * grid_sum[1], n_pairs)
+    _sum_k_kernel[grid_sum](y, topk_weights.reshape(-1), out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block,
+                            PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
     return out

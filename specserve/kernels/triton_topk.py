@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import chunk_for_grid, target_programs
+from specserve.kernels.launch import chunk_for_grid, grid_pdl, pdl_kwargs, pdl_wait, target_programs
 
 CHUNKS = (2048, 1024, 512, 256)  # positions per program: pick_chunk's choices, largest first
 BLOCK = 1024  # positions per step of a program, at most
@@ -87,9 +87,11 @@ def _prefix(hist_row_ptr, k, PASS: tl.constexpr):
 
 @triton.jit
 def _hist_kernel(scores_ptr, seq_lens_ptr, hist_ptr, k, max_kv, stride_sr, stride_sl,
-                 W: tl.constexpr, PASS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 W: tl.constexpr, PASS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
     row = tl.program_id(0)
     lo = tl.program_id(1) * CHUNK
+    pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): the scores and the earlier passes' histograms
     kv_len = _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W)
     hi = tl.minimum(lo + CHUNK, kv_len)
     if (kv_len > k) & (lo < hi):
@@ -129,7 +131,8 @@ def _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W: tl.constexpr, CHUN
 
 @triton.jit
 def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num_chunks, stride_sr, stride_sl,
-                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row, chunk, lo, hi, kv_len, t, need = _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W, CHUNK)
     scores_row = scores_ptr + row.to(tl.int64) * stride_sr
     gt = tl.zeros([], tl.int32)
@@ -149,7 +152,8 @@ def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num
 def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, kv_rows_ptr, out_ptr, out_counts_ptr,
                   k, max_kv, num_chunks, out_k, stride_sr, stride_sl, stride_kvb, stride_kvn, stride_or,
                   W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                  HAS_ROWS: tl.constexpr):
+                  HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row, chunk, lo, hi, kv_len, t, need = _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W, CHUNK)
     # what the earlier chunks take: their keys above T and their share of the first `need` ties
     c = tl.arange(0, MAX_CHUNKS)
@@ -217,7 +221,8 @@ def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: to
     hist = torch.zeros((rows, 4, _BINS), dtype=torch.int32, device=dev)
     counts = torch.empty((rows, num_chunks, 2), dtype=torch.int32, device=dev)
     grid = (rows, num_chunks)
-    common = dict(W=width, CHUNK=chunk, BLOCK=block, num_warps=4)
+    pdl = grid_pdl(dev, rows * num_chunks, rows)
+    common = dict(W=width, CHUNK=chunk, BLOCK=block, PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
     stride_sr = scores.stride(1)
     for p in range(4):
         _hist_kernel[grid](scores, seq_lens, hist, k, max_kv, stride_sr, seq_lens.stride(0), PASS=p, **common)
