@@ -23,6 +23,7 @@ from specserve.graphs.padding import LiveInputs
 from specserve.layers.sampler import GREEDY
 from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.spec_step import plain_step_device
+from specserve.speculative.worker import catch_up_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 20
@@ -217,6 +218,30 @@ def test_a_full_lag_catches_up_before_the_next_plain_step(models, plain_ref, key
         assert (w.catch_ups["forced"] > 0) == (capacity is not None)
         assert w.catch_ups["positions"] >= 7 * len(prompts)
         sched.check_idle_invariants()
+
+
+def test_catch_up_groups_fit_the_largest_prefill_graph():
+    assert catch_up_groups([7, 7, 7, 7, 7], 16, 8) == [[0, 1], [2, 3], [4]]
+    assert catch_up_groups([3, 20, 2, 2], 16, 8) == [[0], [1], [2, 3]]  # a row past the largest graph goes alone
+    assert catch_up_groups([1, 1, 1, 1, 1], 64, 2) == [[0, 1], [2, 3], [4]]  # rows per graph batch
+    assert catch_up_groups([5, 6], 0, 8) == [[0, 1]]  # no prefill graphs: one eager forward
+    assert catch_up_groups([], 16, 8) == []
+
+
+def test_catch_ups_replay_prefill_graphs(models, plain_ref):
+    """Five rows 7 positions behind catch up in forwards of at most 16 positions (the largest draft prefill graph
+    here), every one a graph replay (CPU: static replay), and the tokens stay plain decoding's."""
+    prompts, ref = plain_ref
+    sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, cuda_graph_max_prefill_tokens=16,
+                               chunked_prefill_size=16, **SPEC)
+    sched.adaptive = ForcedSteps([True] * 7 + [False])
+    w = sched.mr.spec
+    assert w.prefill.max_tokens == 16 and len(prompts) * 7 > 16
+    before = w.prefill.eager_runs
+    assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref["llama"]
+    assert w.catch_ups["positions"] >= 7 * len(prompts)
+    assert w.prefill.eager_runs == before and w.prefill.replays > 0
+    sched.check_idle_invariants()
 
 
 @pytest.mark.parametrize("key", ["llama", "qwen3_next"])

@@ -28,6 +28,10 @@ from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_release, pdl_wait
 from specserve.kernels.triton_dot import dot
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
+# Programmatic dependent launch for the MoE kernels at decode sizes: off. In a Qwen3-30B-A3B decode step at batch 1
+# it cost 6% (BENCHMARKS.md §23.2: its early-resident waiting programs slowed the expert GEMMs), though it gained in
+# fused_moe alone.
+MOE_PDL = False
 DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
 
 
@@ -301,7 +305,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     direct (default: at one token): no alignment; each (token, k) pair is a block of its own whose expert the GEMMs
     read from topk_ids (one launch fewer; a router's top-k experts of one token are distinct, so each is read once).
     The products are those of the aligned path at one token (a pair per 16-row block there too), bit for bit.
-    Decode-sized batches launch with programmatic dependent launch where supported (launch.grid_pdl)."""
+    The kernels take a PDL mode (launch.grid_pdl) but launch without it (MOE_PDL)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -323,7 +327,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     else:
         block_m = moe_block_m(n_pairs, num_experts)
         sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m,
-                                                         pdl=grid_pdl(dev, 1, n_pairs))
+                                                         pdl=grid_pdl(dev, 1, n_pairs) if MOE_PDL else 0)
         blocks = block_expert.shape[0]
     act = torch.empty((n_pairs, inter), dtype=x.dtype, device=dev)  # [T*K, I] silu(gate) * up per pair
     y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=dev)  # [T*K, H] each expert's output per pair
@@ -333,20 +337,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones
         cfg_gu, cfg_down = ({**c, "BLOCK_K": c["BLOCK_K"] // 2} for c in (cfg_gu, cfg_down))
     grid_gu = (blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))
-    pdl = grid_pdl(dev, grid_gu[0] * grid_gu[1], n_pairs)
+    pdl = grid_pdl(dev, grid_gu[0] * grid_gu[1], n_pairs) if MOE_PDL else 0
     _gate_up_kernel[grid_gu](
         x, w13, act, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, PDL=pdl,
         **cfg_gu, **pdl_kwargs(bool(pdl)))
     grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
-    pdl = grid_pdl(dev, grid_down[0] * grid_down[1], n_pairs)
+    pdl = grid_pdl(dev, grid_down[0] * grid_down[1], n_pairs) if MOE_PDL else 0
     _down_kernel[grid_down](
         act, w2, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
         BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, PDL=pdl, **cfg_down,
         **pdl_kwargs(bool(pdl)))
     block = min(1024, triton.next_power_of_2(hidden))
     grid_sum = (num_tokens, triton.cdiv(hidden, block))
-    pdl = grid_pdl(dev, grid_sum[0] * grid_sum[1], n_pairs)
+    pdl = grid_pdl(dev, grid_sum[0] * grid_sum[1], n_pairs) if MOE_PDL else 0
     _sum_k_kernel[grid_sum](y, topk_weights.reshape(-1), out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block,
                             PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
     return out

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_release, pdl_wait
 from specserve.kernels.triton_gemv import _rounded
+from specserve.kernels.triton_moe import MOE_PDL
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
     nw itself (rounded as reference.add_rms_norm), routes the normed row, and the programs of column block 0 store
     it (xn [T, H], the experts' input) and h (the new residual), both contiguous.
 
-    PDL: launched with programmatic dependent launch in that mode (launch.grid_pdl; decode-sized batches)."""
+    PDL: launched with programmatic dependent launch in that mode (launch.grid_pdl; off: triton_moe.MOE_PDL)."""
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < num_cols
     block = tl.program_id(1)
@@ -294,7 +295,7 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm):
     # Per call, not cached: inside a CUDA graph capture it is a fixed address of the graph's pool.
     scratch = torch.empty((t, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, cfg["BLOCK_E"]), triton.cdiv(t, cfg["T_BLOCK"]))
-    pdl = grid_pdl(x.device, grid[0] * grid[1], t)
+    pdl = grid_pdl(x.device, grid[0] * grid[1], t) if MOE_PDL else 0
     _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids,
                                    x if residual is None else residual, x if norm_w is None else norm_w.contiguous(),
                                    x if xn is None else xn, x if hh is None else hh, t, cols, num_experts,

@@ -224,6 +224,20 @@ class SpecWorker:
         lens = [lag.pending[r] for r in rows]
         self.catch_ups[why] += 1
         self.catch_ups["positions"] += sum(lens)
+        for group in catch_up_groups(lens, self.prefill.max_tokens, self.prefill.max_rows):
+            self._catch_up_rows([picked[j] for j in group], [lens[j] for j in group], rows_host, s_host, pos0_host)
+        # timed apart for adaptive speculation (take_catch_up): the one extra host sync, on catch-up steps only
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        prev = self._caught or (0.0, 0, 0)
+        self._caught = (prev[0] + time.perf_counter() - t0, prev[1] + len(rows), prev[2] + sum(lens))
+
+    def _catch_up_rows(self, picked: list[int], lens: list[int], rows_host: list[int], s_host: list[int],
+                       pos0_host: list[int]) -> None:
+        """One prefill forward of the draft over the lagging positions of the rows picked (indices into the step's
+        rows), lens[j] positions each."""
+        lag = self.lag
+        rows = [rows_host[i] for i in picked]
         ends = [s_host[i] for i in picked]
         flat_rows, seq_idx, pos = [], [], []
         for i, r, n in zip(picked, rows, lens):
@@ -239,16 +253,30 @@ class SpecWorker:
         final_idx = torch.cumsum(torch.tensor(lens, device=self.device), 0) - 1
         self.prefill_draft(ExtendBatch(ids, idx[2], out_loc, rows, ends, lens, hidden), ids, hidden, final_idx,
                            tail[0], tail[1])
-        # timed apart for adaptive speculation (take_catch_up): the one extra host sync, on catch-up steps only
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        prev = self._caught or (0.0, 0, 0)
-        self._caught = (prev[0] + time.perf_counter() - t0, prev[1] + len(rows), prev[2] + sum(lens))
 
     def take_catch_up(self) -> tuple[float, int, int] | None:
         """The catch-ups run since the last call, as (seconds, rows, positions) summed; None if none ran."""
         caught, self._caught = self._caught, None
         return caught
+
+
+def catch_up_groups(lens: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """The lagging rows (lens[j] positions each) in consecutive groups of at most max_tokens positions and max_rows
+    rows, so that each catch-up forward fits the draft's largest prefill graph (a row longer than max_tokens goes
+    alone); without prefill graphs (max_tokens 0) one group, one eager forward. -> groups of indices into lens, in
+    order."""
+    if max_tokens <= 0:
+        return [list(range(len(lens)))] if lens else []
+    groups: list[list[int]] = []
+    total = 0
+    for j, n in enumerate(lens):
+        if groups and total + n <= max_tokens and len(groups[-1]) < max(1, max_rows):
+            groups[-1].append(j)
+            total += n
+        else:
+            groups.append([j])
+            total = n
+    return groups
 
 
 def _step_inputs(rows_host: list[int], s_host: list[int], pos0_host: list[int],
