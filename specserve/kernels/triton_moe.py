@@ -12,9 +12,10 @@ Capturable with fixed shapes: nothing is read back to the host and every buffer 
     the [rows, 2I] product is never written. Rounding follows the reference: gate and up rounded to x's dtype,
     silu rounded, then the product rounded.
   * Down (`_down_kernel`): act @ w2[e]^T per block, rounded to x's dtype and written per pair to y [T*K, H].
-  * `_sum_k_kernel`: out[t] = sum_k w[t, k] * y[t*K + k] in float32, in k order, then cast. No atomics anywhere,
-    so the result is deterministic run to run (it may differ from the reference's expert-order float32 sum in the
-    last bit).
+  * `_sum_k_kernel`: out[t] = sum_k w[t, k] * y[t*K + k] in float32, in k order, then cast; at one token (the
+    direct path) the down GEMM's last program per column block does it instead (an arrival counter). The sums
+    never use float atomics, so the result is deterministic run to run (it may differ from the reference's
+    expert-order float32 sum in the last bit).
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
 """
 
@@ -33,6 +34,19 @@ _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk
 # fused_moe alone.
 MOE_PDL = False
 DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
+SUM_COUNTERS = 4096  # column blocks of the down GEMM that can sum in-kernel at one token (more: _sum_k_kernel)
+
+# Zero-initialised int32 arrival counters per device, one per column block of the one-token down GEMM, shared by
+# every fused_moe call on it: each launch leaves them at 0 again (as kernels/triton_router.py's counters), made on
+# first use, which is eager (graphs/capture.py warms up before capturing) and never replaced. One stream at a time.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(SUM_COUNTERS, dtype=torch.int32, device=device)
+    return c
 
 
 @triton.jit
@@ -200,8 +214,12 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
-                 inter, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 F32_DOT: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr):
+                 inter, stride_we, stride_wn, wts_ptr, out_ptr, counter_ptr, TOP_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
+    """SUM (one token, direct): the last of the TOP_K programs of column block pid_n to finish (counter pid_n) also
+    sums their outputs into out [1, H] as _sum_k_kernel does (weights wts [K], in k order, float32), and resets
+    the counter to 0: no sum launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(PDL)
@@ -223,6 +241,19 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
         # each expert's product rounded to x's dtype, as the reference does before its weighted sum
         tl.store(y_ptr + rows[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
+        if SUM:
+            # The barrier orders every thread's y stores before the one-thread atomic, whose release makes them
+            # visible at GPU scope to the program that acquires the final count; it reads y through L2 (.cg).
+            tl.debug_barrier()
+            counter = counter_ptr + pid_n
+            if tl.atomic_add(counter, 1, sem="acq_rel") == n_pairs - 1:
+                total = tl.zeros([BLOCK_N], tl.float32)
+                for kk in tl.static_range(TOP_K):  # fixed order: deterministic, _sum_k_kernel's sum
+                    wk = tl.load(wts_ptr + kk).to(tl.float32)
+                    total += wk * tl.load(y_ptr + kk * hidden + n, mask=n_ok, other=0.0,
+                                          cache_modifier=".cg").to(tl.float32)
+                tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.store(counter, 0)  # the next launch (or graph replay) counts from 0 again
 
 
 @triton.jit
@@ -303,8 +334,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable.
 
     direct (default: at one token): no alignment; each (token, k) pair is a block of its own whose expert the GEMMs
-    read from topk_ids (one launch fewer; a router's top-k experts of one token are distinct, so each is read once).
-    The products are those of the aligned path at one token (a pair per 16-row block there too), bit for bit.
+    read from topk_ids (a router's top-k experts of one token are distinct, so each is read once), and at one token
+    the down GEMM's last program of each column block sums the k outputs (two launches in all instead of four). The
+    result is the aligned path's at one token (a pair per 16-row block there too), bit for bit.
     The kernels take a PDL mode (launch.grid_pdl) but launch without it (MOE_PDL)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
@@ -344,13 +376,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         **cfg_gu, **pdl_kwargs(bool(pdl)))
     grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
     pdl = grid_pdl(dev, grid_down[0] * grid_down[1], n_pairs) if MOE_PDL else 0
+    fused_sum = direct and num_tokens == 1 and grid_down[1] <= SUM_COUNTERS
+    wts = topk_weights.reshape(-1)  # [T*K]
     _down_kernel[grid_down](
         act, w2, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
-        BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, PDL=pdl, **cfg_down,
-        **pdl_kwargs(bool(pdl)))
+        wts, out, _counters(dev) if fused_sum else ids, TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot,
+        PRECISION=precision, DIRECT=direct, SUM=fused_sum, PDL=pdl, **cfg_down, **pdl_kwargs(bool(pdl)))
+    if fused_sum:
+        return out
     block = min(1024, triton.next_power_of_2(hidden))
     grid_sum = (num_tokens, triton.cdiv(hidden, block))
     pdl = grid_pdl(dev, grid_sum[0] * grid_sum[1], n_pairs) if MOE_PDL else 0
-    _sum_k_kernel[grid_sum](y, topk_weights.reshape(-1), out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block,
+    _sum_k_kernel[grid_sum](y, wts, out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block,
                             PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
     return out
