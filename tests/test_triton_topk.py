@@ -55,11 +55,13 @@ def _check(scores, valid, kv_slots, lens, width, k, **kw):
 
 @pytest.mark.parametrize("width", [1, 4])
 @pytest.mark.parametrize("k", [5, 40, 200])
-def test_topk_matches_reference_with_ties(width, k):
+@pytest.mark.parametrize("local", [True, False])
+def test_topk_matches_reference_with_ties(width, k, local):
+    """local: the last histogram pass keeps per-chunk counts (decode sizes' default); False: the count kernel."""
     g = torch.Generator().manual_seed(width * 100 + k)
     seq_lens = [300, width, 37, 129 + width, 64] if width == 1 else [width, 300, 90, 150]
     scores, valid, kv_slots, lens = _batch(seq_lens, width, 300, g)
-    _check(scores, valid, kv_slots, lens, width, k, chunk=64, block=32)
+    _check(scores, valid, kv_slots, lens, width, k, chunk=64, block=32, local=local)
 
 
 def test_topk_spread_scores_default_chunk():
@@ -85,12 +87,14 @@ def test_chunk_shrinks_until_the_grid_fills_the_device():
         _check(scores, valid, kv_slots, lens, 1, 100, chunk=chunk)
 
 
-def test_all_ties_take_the_earliest():
+@pytest.mark.parametrize("local", [True, False])
+def test_all_ties_take_the_earliest(local):
     """Every score equal: the first k positions of each query."""
     g = torch.Generator().manual_seed(4)
     scores, valid, kv_slots, lens = _batch([200, 150], 1, 200, g)
     scores = torch.where(valid, 1.0, float("nan"))
-    got, counts = index_topk_triton(scores.to(DEV), lens.to(DEV), kv_slots.to(DEV), 1, 30, chunk=64, block=16)
+    got, counts = index_topk_triton(scores.to(DEV), lens.to(DEV), kv_slots.to(DEV), 1, 30, chunk=64, block=16,
+                                    local=local)
     assert got.cpu()[:, :30].tolist() == kv_slots[:, :30].tolist() and counts.tolist() == [30, 30]
 
 

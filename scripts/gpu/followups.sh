@@ -179,6 +179,16 @@ case "${1:-}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py tests/test_gpu_hybrid.py \
       -k "greedy or mtp or plain_step" 2>&1 | grep -v -i warn | tail -4
     ;;
+  thirteenth)  # the one-token MoE's in-kernel sum, the top-k without its count kernel, the sparse MLA's splits,
+    # the catch-up in prefill-graph-sized groups (the hybrid all-phases test of §23.5)
+    timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_topk.py tests/test_triton_moe.py \
+      tests/test_gpu_pdl.py 2>&1 | grep -v -i warn | tail -3
+    timeout 50 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 | grep -v -i warn | grep "===\|splits"
+    timeout 80 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1 --iters 30 \
+      --idle-steps 0 --prefill-tokens 0 2>&1 | grep -v -i warn | grep "| decode\|plain step  \|bandwidth ="
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_hybrid.py -k "fp32_all_phases" 2>&1 \
+      | grep -v -i warn | tail -2
+    ;;
   eleventh)  # the lean plain step of a speculating engine, against the plain engine's
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
       -k "adaptive or plain_step or spec_greedy" 2>&1 | grep -v -i warn | tail -4

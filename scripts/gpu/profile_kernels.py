@@ -22,8 +22,8 @@ from specserve.kernels.triton_topk import index_topk_triton
 DEV = torch.device("cuda")
 
 
-def breakdown(label: str, fn, iters: int) -> None:
-    graph, _, _ = capture_graph(fn, None)
+def replay_us(graph, iters: int) -> float:
+    """Mean wall time of a graph replay, back to back, after 5 warm-up replays."""
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
@@ -33,7 +33,12 @@ def breakdown(label: str, fn, iters: int) -> None:
         graph.replay()
     end.record()
     end.synchronize()
-    wall = start.elapsed_time(end) / iters * 1e3
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def breakdown(label: str, fn, iters: int) -> None:
+    graph, _, _ = capture_graph(fn, None)
+    wall = replay_us(graph, iters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             graph.replay()
@@ -84,6 +89,15 @@ def dsa(iters: int) -> None:
 
     breakdown("DSA bs 1, 32k keys: scores + top-k + sparse MLA", sparse, iters)
     breakdown("dense MLA bs 1, 32k keys", lambda: mla_decode_triton(qm, lat, kv_slots, lens, 1, 0.07, c), iters)
+    # the sparse MLA's key splits over the 2048 chosen keys (num_key_splits picks 16: 4 key blocks a split)
+    s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1)
+    sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk)
+    want = mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
+    for splits in (8, 16, 32, 64):
+        fn = lambda n=splits: mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c, num_splits=n)  # noqa: E731
+        torch.testing.assert_close(fn(), want, rtol=2e-2, atol=2e-2)
+        graph, _, _ = capture_graph(fn, None)
+        print(f"sparse MLA over {topk} chosen keys, {splits:2d} splits: replay {replay_us(graph, iters):.1f} us")
 
 
 def main() -> None:

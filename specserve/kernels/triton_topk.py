@@ -17,7 +17,9 @@ negative ones flipped), 8 bits a pass, most significant first:
    Each program first re-derives the prefix and the number still to take from the earlier passes' histograms
    (`_prefix`: the largest digit whose count of keys at or above it reaches what is still needed). After four
    passes the prefix is the k-th largest key T itself and `need` is how many keys equal to T to take;
-2. `_count_kernel` counts per chunk the keys above T and the keys equal to T;
+2. `_count_kernel` counts per chunk the keys above T and the keys equal to T. Decode-sized batches (`local`) skip
+   it: their last histogram pass also stores, per chunk, its counts of the keys above the 24-bit prefix and of the
+   matching keys at or above each last digit, from which the write kernel reads both counts at T's digit;
 3. `_write_kernel`: each chunk takes its keys above T and the ties of lowest position up to `need` (the ties before
    it, from the earlier chunks' counts, come first), and writes their slots at its offset: the sum of what the
    earlier chunks take. Chunk 0 also writes counts and the -1 tail.
@@ -40,6 +42,7 @@ from specserve.kernels.launch import chunk_for_grid, grid_pdl, pdl_kwargs, pdl_w
 
 CHUNKS = (2048, 1024, 512, 256)  # positions per program: pick_chunk's choices, largest first
 BLOCK = 1024  # positions per step of a program, at most
+LOCAL_MAX_BYTES = 16 << 20  # per-chunk counts of the last pass up to this workspace; beyond, the count kernel
 _BINS = tl.constexpr(512)  # 256 digits + a bin for the keys outside the prefix (tl.histogram wants a power of two)
 
 
@@ -86,9 +89,12 @@ def _prefix(hist_row_ptr, k, PASS: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(scores_ptr, seq_lens_ptr, hist_ptr, k, max_kv, stride_sr, stride_sl,
+def _hist_kernel(scores_ptr, seq_lens_ptr, hist_ptr, local_ptr, k, max_kv, num_chunks, stride_sr, stride_sl,
                  W: tl.constexpr, PASS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 PDL: tl.constexpr):
+                 LOCAL: tl.constexpr, PDL: tl.constexpr):
+    """Pass PASS of the radix select (module docstring). LOCAL (last pass only): each program also stores its
+    chunk's counts for the write kernel, in local [rows, chunks, _BINS]: at d < 256 the keys matching the 24-bit
+    prefix whose last digit is >= d, at 256 the keys whose top 24 bits are above the prefix (no count kernel)."""
     row = tl.program_id(0)
     lo = tl.program_id(1) * CHUNK
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): the scores and the earlier passes' histograms
@@ -99,6 +105,7 @@ def _hist_kernel(scores_ptr, seq_lens_ptr, hist_ptr, k, max_kv, stride_sr, strid
         prefix, rem = _prefix(hist_row, k, PASS)
         scores_row = scores_ptr + row.to(tl.int64) * stride_sr
         acc = tl.zeros([_BINS], tl.int32)
+        above = tl.zeros([], tl.int32)
         for n0 in range(lo, hi, BLOCK):
             n = n0 + tl.arange(0, BLOCK)
             ok = n < hi
@@ -106,8 +113,15 @@ def _hist_kernel(scores_ptr, seq_lens_ptr, hist_ptr, k, max_kv, stride_sr, strid
             match = ok & ((u >> (32 - 8 * PASS)) == prefix)
             digit = tl.where(match, (u >> (24 - 8 * PASS)) & 255, 256).to(tl.int32)
             acc += tl.histogram(digit, _BINS)
+            if LOCAL:
+                above += tl.sum((ok & ((u >> (32 - 8 * PASS)) > prefix)).to(tl.int32), axis=0)
         d_idx = tl.arange(0, _BINS)
         tl.atomic_add(hist_row + PASS * _BINS + d_idx, acc, mask=(d_idx < 256) & (acc > 0))
+        if LOCAL:
+            h = tl.where(d_idx < 256, acc, 0)
+            ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # [_BINS] matching keys with digit >= d
+            local = local_ptr + (row.to(tl.int64) * num_chunks + tl.program_id(1)) * _BINS
+            tl.store(local + d_idx, tl.where(d_idx == 256, above, ge), mask=d_idx <= 256)
 
 
 @triton.jit
@@ -152,15 +166,31 @@ def _count_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, k, max_kv, num
 def _write_kernel(scores_ptr, seq_lens_ptr, hist_ptr, counts_ptr, kv_slots_ptr, kv_rows_ptr, out_ptr, out_counts_ptr,
                   k, max_kv, num_chunks, out_k, stride_sr, stride_sl, stride_kvb, stride_kvn, stride_or,
                   W: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                  HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
+                  HAS_ROWS: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
+    """LOCAL: the earlier chunks' counts come from the last histogram pass's per-chunk counts (counts_ptr then
+    points at them, [rows, chunks, _BINS]) instead of _count_kernel's [rows, chunks, 2]."""
     pdl_wait(PDL)
     row, chunk, lo, hi, kv_len, t, need = _program(seq_lens_ptr, hist_ptr, k, max_kv, stride_sl, W, CHUNK)
     # what the earlier chunks take: their keys above T and their share of the first `need` ties
     c = tl.arange(0, MAX_CHUNKS)
     before = c < chunk
-    base = counts_ptr + row.to(tl.int64) * num_chunks * 2
-    gt_c = tl.load(base + 2 * c, mask=before, other=0)
-    eq_c = tl.load(base + 2 * c + 1, mask=before, other=0)
+    if LOCAL:
+        if kv_len > k:  # selecting: T = (24-bit prefix, last digit d); past kv_len a chunk stored nothing
+            live = before & (c * CHUNK < kv_len)
+            d = (t & 255).to(tl.int32)
+            base = counts_ptr + (row.to(tl.int64) * num_chunks + c) * _BINS  # [MAX_CHUNKS]
+            ge_d = tl.load(base + d, mask=live, other=0)
+            ge_next = tl.load(base + tl.minimum(d + 1, 255), mask=live, other=0)
+            ge_next = tl.where(d < 255, ge_next, 0)  # no digit above 255
+            gt_c = tl.load(base + 256, mask=live, other=0) + ge_next
+            eq_c = ge_d - ge_next
+        else:  # a query seeing <= k keys takes them all: each earlier chunk is full
+            gt_c = tl.where(before, tl.minimum(tl.maximum(kv_len - c * CHUNK, 0), CHUNK), 0)
+            eq_c = tl.zeros([MAX_CHUNKS], tl.int32)
+    else:
+        base = counts_ptr + row.to(tl.int64) * num_chunks * 2
+        gt_c = tl.load(base + 2 * c, mask=before, other=0)
+        eq_c = tl.load(base + 2 * c + 1, mask=before, other=0)
     eq_prior = tl.cumsum(eq_c, axis=0) - eq_c  # ties in the chunks before each one
     taken_c = gt_c + tl.minimum(tl.maximum(need - eq_prior, 0), eq_c)
     offset = tl.sum(taken_c, axis=0)
@@ -197,13 +227,16 @@ pick_chunk = functools.partial(chunk_for_grid, CHUNKS)  # (rows, max_kv, target)
 
 def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor, width: int, k: int, *,
                       chunk: int | None = None, block: int = BLOCK,
-                      kv_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_rows: torch.Tensor | None = None, local: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [bs, width, max_kv] float32 (the indexer's; positions past a query's causal length are ignored);
     seq_lens [bs] int64 (device); kv_slots [bs, max_kv] int64 -> (slots [bs * width, K] int64: the chosen
     positions' slots in position order, then -1; counts [bs * width] int64), K = min(k, max_kv). Capturable.
     chunk: positions per program (None: pick_chunk; under the interpreter the largest); block: positions per step
     (powers of two, at most chunk). kv_rows [bs] int64:
-    request b's slots are kv_slots[kv_rows[b]] (token rows of a prefill; kv_slots then any [rows, max_kv] table)."""
+    request b's slots are kv_slots[kv_rows[b]] (token rows of a prefill; kv_slots then any [rows, max_kv] table).
+    local: the last histogram pass keeps per-chunk counts for the write kernel, one launch fewer (default: while
+    that workspace is at most LOCAL_MAX_BYTES: decode, verify and draft batches; False: the count kernel)."""
     bs, w, max_kv = scores.shape
     assert w == width and seq_lens.shape == (bs,) and k > 0 and kv_slots.shape[1] == max_kv
     assert kv_slots.shape[0] == bs if kv_rows is None else (kv_rows.shape == (bs,) and kv_rows.dtype == torch.int64)
@@ -219,17 +252,22 @@ def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: to
         return out, out_counts
     num_chunks = triton.cdiv(max_kv, chunk)
     hist = torch.zeros((rows, 4, _BINS), dtype=torch.int32, device=dev)
-    counts = torch.empty((rows, num_chunks, 2), dtype=torch.int32, device=dev)
+    if local is None:
+        local = rows * num_chunks * _BINS * 4 <= LOCAL_MAX_BYTES
+    # LOCAL: the last pass keeps per-chunk counts ([rows, chunks, _BINS]), else _count_kernel's [rows, chunks, 2]
+    counts = torch.empty((rows, num_chunks, _BINS if local else 2), dtype=torch.int32, device=dev)
     grid = (rows, num_chunks)
     pdl = grid_pdl(dev, rows * num_chunks, rows)
     common = dict(W=width, CHUNK=chunk, BLOCK=block, PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
     stride_sr = scores.stride(1)
     for p in range(4):
-        _hist_kernel[grid](scores, seq_lens, hist, k, max_kv, stride_sr, seq_lens.stride(0), PASS=p, **common)
-    _count_kernel[grid](scores, seq_lens, hist, counts, k, max_kv, num_chunks, stride_sr, seq_lens.stride(0),
-                        **common)
+        _hist_kernel[grid](scores, seq_lens, hist, counts, k, max_kv, num_chunks, stride_sr, seq_lens.stride(0),
+                           PASS=p, LOCAL=local and p == 3, **common)
+    if not local:
+        _count_kernel[grid](scores, seq_lens, hist, counts, k, max_kv, num_chunks, stride_sr, seq_lens.stride(0),
+                            **common)
     _write_kernel[grid](scores, seq_lens, hist, counts, kv_slots, kv_slots if kv_rows is None else kv_rows, out,
                         out_counts, k, max_kv, num_chunks, out_k, stride_sr, seq_lens.stride(0), kv_slots.stride(0),
                         kv_slots.stride(1), out.stride(0), MAX_CHUNKS=max(2, triton.next_power_of_2(num_chunks)),
-                        HAS_ROWS=kv_rows is not None, **common)
+                        HAS_ROWS=kv_rows is not None, LOCAL=local, **common)
     return out, out_counts
