@@ -175,7 +175,7 @@ def test_pdl_dsa_chain_equals_eager_over_replays():
     from specserve.graphs.capture import capture_graph
     from specserve.kernels.triton_indexer import index_scores_triton
     from specserve.kernels.triton_mla import mla_decode_triton
-    from specserve.kernels.triton_topk import index_topk_triton
+    from specserve.kernels.triton_topk import index_topk_triton, topk_workspace
 
     g = torch.Generator(device=DEV).manual_seed(5)
     kv, di, hi, heads, c, r, topk, layers = 4096, 64, 16, 32, 256, 64, 512, 3
@@ -195,8 +195,9 @@ def test_pdl_dsa_chain_equals_eager_over_replays():
 
         qi, outs = q, []
         for _ in range(layers):
-            s = done(index_scores_triton(qi, wts, rows, None, kv_slots, lens, 1))
-            sel, cnt = done(index_topk_triton(s, lens, kv_slots, 1, topk))
+            hist = topk_workspace(1, DEV)  # the scores kernel does the top-k's first pass, as the backend has it
+            s = done(index_scores_triton(qi, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk))
+            sel, cnt = done(index_topk_triton(s, lens, kv_slots, 1, topk, hist=hist))
             o = done(mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c))
             outs.append(o)
             qi = o[:, :hi, :di].contiguous()

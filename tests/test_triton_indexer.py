@@ -166,3 +166,48 @@ def test_token_rows_read_the_table_through_kv_rows():
     kv_rows = torch.arange(len(seq_lens), 0, -1, device=DEV)
     got = index_scores_triton(q, weights, rows, scales, table, lens, 1, kv_rows=kv_rows)
     assert torch.equal(got, index_scores_triton(q, weights, rows, scales, kv_slots, lens, 1))
+
+
+def _first_pass_hist(scores: torch.Tensor, lens: torch.Tensor, width: int, k: int) -> torch.Tensor:
+    """[bs * width, 256] int32: per selecting query (causal length > k), its visible keys' top 8 bits of the
+    order-preserving key (the top-k's first radix digit); zeros for the others."""
+    bs, w, max_kv = scores.shape
+    s = scores.reshape(bs * w, max_kv).cpu().clone()
+    s[s == 0.0] = 0.0  # -0.0 as +0.0
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2 ** 31  # [T, max_kv] in [0, 2^32)
+    q_len = (lens.cpu()[:, None] - width + torch.arange(width)[None, :] + 1).reshape(-1).clamp(max=max_kv)
+    out = torch.zeros((bs * w, 256), dtype=torch.int32)
+    for t in range(bs * w):
+        n = int(q_len[t])
+        if n > k:
+            out[t] = torch.bincount(ordered[t, :n] >> 24, minlength=256).to(torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("width,kv_rows_path", [(1, False), (4, False), (1, True)])
+def test_first_topk_pass_inside_the_scores_kernel(width, kv_rows_path):
+    """With the top-k's workspace the scores kernel adds the top-k's first histogram pass as it writes the scores
+    (for queries that select): that histogram is the first radix digit's counts of the written scores, and the top-k
+    that takes it over chooses what the top-k doing all four passes itself chooses, exact ties (ReLU zeros of
+    zeroed keys) included."""
+    from specserve.kernels.triton_topk import index_topk_triton, topk_workspace
+
+    g = torch.Generator().manual_seed(31 + width + kv_rows_path)
+    seq_lens = [MAX_KV, width, 64, 65, width] if width == 1 else [width, 66, MAX_KV, 9, 130]
+    q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, width, 4, 32, torch.float32, "q", g)
+    rows[: NUM_SLOTS // 3].zero_()
+    k = 40
+    table, kv_rows = kv_slots, None
+    if kv_rows_path:
+        table = torch.cat([torch.zeros_like(kv_slots[:1]), kv_slots.flip(0)])
+        kv_rows = torch.arange(len(seq_lens), 0, -1, device=DEV)
+    hist = topk_workspace(q.shape[0], q.device)
+    scores = index_scores_triton(q, weights, rows, scales, table, lens, width, hist=hist, k=k, kv_rows=kv_rows)
+    assert torch.equal(scores, index_scores_triton(q, weights, rows, scales, table, lens, width, kv_rows=kv_rows))
+    first = hist[:, 0, :256].cpu()
+    assert first.sum() > 0 and hist[:, 0, 256:].count_nonzero() == 0 and hist[:, 1:].count_nonzero() == 0
+    assert torch.equal(first, _first_pass_hist(scores, lens, width, k))
+    got = index_topk_triton(scores, lens, table, width, k, hist=hist, kv_rows=kv_rows)
+    want = index_topk_triton(scores, lens, table, width, k, kv_rows=kv_rows)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

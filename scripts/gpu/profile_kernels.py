@@ -17,7 +17,7 @@ from specserve.graphs.capture import capture_graph
 from specserve.kernels.triton_indexer import index_scores_triton
 from specserve.kernels.triton_mla import mla_decode_triton
 from specserve.kernels.triton_sample import sample_triton
-from specserve.kernels.triton_topk import index_topk_triton
+from specserve.kernels.triton_topk import index_topk_triton, topk_workspace
 
 DEV = torch.device("cuda")
 
@@ -82,9 +82,10 @@ def dsa(iters: int) -> None:
     wts = torch.randn((1, hi), device=DEV, generator=g)
     qm = torch.randn((1, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
 
-    def sparse():
-        s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1)
-        sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk)
+    def sparse():  # as attention/torch_mla_backend.py TritonIndexBackend: the scores kernel does the first pass
+        hist = topk_workspace(1, DEV)
+        s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk)
+        sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk, hist=hist)
         return mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
 
     breakdown("DSA bs 1, 32k keys: scores + top-k + sparse MLA", sparse, iters)

@@ -45,16 +45,17 @@ import triton.language as tl
 
 from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_wait
 from specserve.kernels.triton_dot import dot
+from specserve.kernels.triton_topk import add_first_pass
 
 
 @triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, out_ptr,
-                         num_heads, head_dim, max_kv,
+                         hist_ptr, num_heads, head_dim, max_kv, k_sel,
                          stride_qt, stride_qh, stride_wt, stride_wh, stride_rs, stride_sc, stride_kvb, stride_kvn,
-                         stride_sl, stride_ob, stride_ow,
+                         stride_sl, stride_ob, stride_ow, stride_hist,
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr, F32_DOT: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # key block
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
@@ -94,13 +95,17 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
             wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
             acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)  # [BLOCK_N]
         score = tl.where(key_ok, acc, float("-inf"))
+        if HIST:  # noqa: SIM102 (a constexpr, then a runtime test) the top-k first pass, for queries that select
+            if kv_len > k_sel:
+                add_first_pass(hist_ptr + t.to(tl.int64) * stride_hist, score, key_ok)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + i * stride_ow + n, score, mask=n < max_kv)
 
 
 def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                         kv_slots: torch.Tensor, seq_lens: torch.Tensor, width: int, *, block_n: int = 64,
                         block_h: int | None = None, out: torch.Tensor | None = None,
-                        kv_rows: torch.Tensor | None = None) -> torch.Tensor:
+                        kv_rows: torch.Tensor | None = None, hist: torch.Tensor | None = None,
+                        k: int = 0) -> torch.Tensor:
     """DSA indexer scores of a fixed-width batch.
 
     q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
@@ -109,11 +114,14 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     -> out [bs, width, max_kv] float32, -inf where a query may not see the key (position >= its causal length).
     Launch shape from host ints and tensor shapes only: capturable. block_n: keys per program (power of two >= 16);
     block_h: heads per tl.dot (power of two >= 16; default Hi padded, at most 64). kv_rows [bs] int64: request b's
-    keys are kv_slots[kv_rows[b]] (token rows of a prefill, as kernels/triton_mla.py mla_decode_triton)."""
+    keys are kv_slots[kv_rows[b]] (token rows of a prefill, as kernels/triton_mla.py mla_decode_triton).
+    hist: kernels/triton_topk.py topk_workspace(bs * width): the top-k's first histogram pass (for its k) is done
+    here, as the scores are written; then pass it to index_topk_triton with the same k."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
     assert num_tokens == bs * width and seq_lens.shape == (bs,) and rows.shape[1] == dim
+    assert hist is None or (hist.shape[0] == num_tokens and hist.dtype == torch.int32 and k > 0)
     assert kv_rows is None or kv_rows.dtype == torch.int64
     assert weights.shape == (num_tokens, num_heads) and weights.dtype == torch.float32
     if scales is None:
@@ -136,12 +144,13 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     grid = (num_tokens, triton.cdiv(max_kv, block_n))
     pdl = grid_pdl(q.device, grid[0] * grid[1], num_tokens)
     _index_scores_kernel[grid](
-        q, weights, rows, sc, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, out, num_heads, dim,
-        max_kv,
+        q, weights, rows, sc, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, out,
+        seq_lens if hist is None else hist, num_heads, dim, max_kv, k,
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), rows.stride(0), sc_stride,
         kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0), out.stride(0), out.stride(1),
+        0 if hist is None else hist.stride(0),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SCALES=scales is not None,
-        HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, PDL=pdl,
+        HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, HIST=hist is not None, PDL=pdl,
         num_warps=4 if block_h * block_d <= 4096 else 8, num_stages=2, **pdl_kwargs(bool(pdl)),
     )
     return out

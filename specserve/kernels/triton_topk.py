@@ -11,9 +11,11 @@ runs: the common case early in a request, which torch.topk over the padded graph
 Selection is an exact radix select over a 32-bit order-preserving key of each score (the float's bits with the
 negative ones flipped), 8 bits a pass, most significant first:
 
-1. four histogram passes (`_hist_kernel`, grid (rows, chunks of CHUNK positions)): pass p counts, over the keys
-   whose top 8p bits equal the prefix found so far, their next 8 bits into 256 bins, and adds the chunk's counts
-   to the row's histogram with integer atomics (integer sums: the same totals in any order, so deterministic).
+1. four histogram passes (`_hist_kernel`, grid (rows, chunks of CHUNK positions); the first one can be done by the
+   indexer's scores kernel as it writes the scores, `add_first_pass` into `topk_workspace`, as the DSA backend
+   has it): pass p counts, over the keys whose top 8p bits equal the prefix found so far, their next 8 bits into
+   256 bins, and adds the chunk's counts to the row's histogram with integer atomics (integer sums: the same
+   totals in any order, so deterministic).
    Each program first re-derives the prefix and the number still to take from the earlier passes' histograms
    (`_prefix`: the largest digit whose count of keys at or above it reaches what is still needed). After four
    passes the prefix is the k-th largest key T itself and `need` is how many keys equal to T to take;
@@ -57,11 +59,33 @@ def _causal_len(seq_lens_ptr, row, stride_sl, max_kv, W: tl.constexpr):
 @triton.jit
 def _keys(scores_ptr, n, ok):
     """Scores at positions n -> int64 keys in [0, 2^32), ordered as the floats (-0.0 as +0.0)."""
-    s = tl.load(scores_ptr + n, mask=ok, other=0.0)
+    return score_keys(tl.load(scores_ptr + n, mask=ok, other=0.0))
+
+
+@triton.jit
+def score_keys(s):
+    """float32 scores -> int64 keys in [0, 2^32), ordered as the floats (-0.0 as +0.0)."""
     s = tl.where(s == 0.0, 0.0, s)
     bits = s.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return ordered.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def add_first_pass(hist_row_ptr, s, ok):
+    """The first histogram pass over some of a query's scores s [N] float32 (ok: positions it sees), added to its
+    histogram row (hist [rows, 4, _BINS], first pass) with integer atomics: what _hist_kernel's pass 0 adds, from
+    another kernel's registers (kernels/triton_indexer.py, as it writes the scores)."""
+    digit = tl.where(ok, score_keys(s) >> 24, 256).to(tl.int32)
+    acc = tl.histogram(digit, _BINS)
+    d_idx = tl.arange(0, _BINS)
+    tl.atomic_add(hist_row_ptr + d_idx, acc, mask=(d_idx < 256) & (acc > 0))
+
+
+def topk_workspace(rows: int, device: torch.device) -> torch.Tensor:
+    """The zeroed histograms of index_topk_triton for `rows` queries [rows, 4, _BINS] int32: pass it to
+    kernels/triton_indexer.py index_scores_triton (which then does the first pass) and to index_topk_triton."""
+    return torch.zeros((rows, 4, _BINS), dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -227,8 +251,8 @@ pick_chunk = functools.partial(chunk_for_grid, CHUNKS)  # (rows, max_kv, target)
 
 def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor, width: int, k: int, *,
                       chunk: int | None = None, block: int = BLOCK,
-                      kv_rows: torch.Tensor | None = None, local: bool | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_rows: torch.Tensor | None = None, local: bool | None = None,
+                      hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [bs, width, max_kv] float32 (the indexer's; positions past a query's causal length are ignored);
     seq_lens [bs] int64 (device); kv_slots [bs, max_kv] int64 -> (slots [bs * width, K] int64: the chosen
     positions' slots in position order, then -1; counts [bs * width] int64), K = min(k, max_kv). Capturable.
@@ -236,7 +260,8 @@ def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: to
     (powers of two, at most chunk). kv_rows [bs] int64:
     request b's slots are kv_slots[kv_rows[b]] (token rows of a prefill; kv_slots then any [rows, max_kv] table).
     local: the last histogram pass keeps per-chunk counts for the write kernel, one launch fewer (default: while
-    that workspace is at most LOCAL_MAX_BYTES: decode, verify and draft batches; False: the count kernel)."""
+    that workspace is at most LOCAL_MAX_BYTES: decode, verify and draft batches; False: the count kernel).
+    hist: topk_workspace(bs * width) with its first pass done by index_scores_triton (same k): one launch fewer."""
     bs, w, max_kv = scores.shape
     assert w == width and seq_lens.shape == (bs,) and k > 0 and kv_slots.shape[1] == max_kv
     assert kv_slots.shape[0] == bs if kv_rows is None else (kv_rows.shape == (bs,) and kv_rows.dtype == torch.int64)
@@ -251,7 +276,10 @@ def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: to
     if rows == 0:
         return out, out_counts
     num_chunks = triton.cdiv(max_kv, chunk)
-    hist = torch.zeros((rows, 4, _BINS), dtype=torch.int32, device=dev)
+    first = 0 if hist is None else 1  # the first pass already done as the scores were written
+    if hist is None:
+        hist = topk_workspace(rows, dev)
+    assert hist.shape == (rows, 4, _BINS) and hist.dtype == torch.int32
     if local is None:
         local = rows * num_chunks * _BINS * 4 <= LOCAL_MAX_BYTES
     # LOCAL: the last pass keeps per-chunk counts ([rows, chunks, _BINS]), else _count_kernel's [rows, chunks, 2]
@@ -260,7 +288,7 @@ def index_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, kv_slots: to
     pdl = grid_pdl(dev, rows * num_chunks, rows)
     common = dict(W=width, CHUNK=chunk, BLOCK=block, PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
     stride_sr = scores.stride(1)
-    for p in range(4):
+    for p in range(first, 4):
         _hist_kernel[grid](scores, seq_lens, hist, counts, k, max_kv, num_chunks, stride_sr, seq_lens.stride(0),
                            PASS=p, LOCAL=local and p == 3, **common)
     if not local:
