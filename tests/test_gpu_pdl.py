@@ -1,9 +1,10 @@
 """Programmatic dependent launch (PDL) under CUDA graphs on a GPU that has it (compute capability 9.0+): chains of
 decode kernels where each reads what the one before wrote, replayed many times over fresh inputs, must give
 exactly the outputs of the same chain launched without PDL (kernels/triton_gemv.py, triton_norm.py, triton_act.py,
-triton_qk_prep.py, triton_attention.py launch with it by default, and at decode sizes the router, MoE, indexer,
-top-k and MLA kernels: launch.grid_pdl; a kernel that read its input before the grid-dependency wait would read
-the previous replay's values here). Skipped elsewhere."""
+triton_qk_prep.py, triton_attention.py launch with it by default, and at decode sizes the indexer, top-k and MLA
+kernels: launch.grid_pdl; a kernel that read its input before the grid-dependency wait would read the previous
+replay's values here; the router and MoE kernels, which launch without it, run here beside the kernels that do).
+Skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -130,9 +131,10 @@ def test_pdl_attention_chain_equals_eager_over_replays():
 
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_pdl_moe_chain_equals_eager_over_replays(tokens):
-    """Layers of the fused norm + router + top-k and the fused MoE (one token: the direct path), each launched with
-    PDL at decode sizes, each layer consuming the last one's output and residual, in one graph replayed over fresh
-    inputs: equal to the same kernels launched one at a time with a synchronisation after each."""
+    """Layers of the fused norm + router + top-k and the fused MoE (one token: the direct path with its in-kernel
+    sum, arrival counters shared across layers), each layer consuming the last one's output and residual, in one
+    graph replayed over fresh inputs: equal to the same kernels launched one at a time with a synchronisation after
+    each."""
     from specserve.graphs.capture import capture_graph
     from specserve.kernels.triton_moe import fused_moe
     from specserve.kernels.triton_router import norm_router_topk_triton

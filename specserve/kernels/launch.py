@@ -70,8 +70,8 @@ def grid_pdl(device: torch.device, programs: int, rows: int) -> int:
     dependent launch (unsupported: pdl_supported, or more than PDL_MAX_ROWS rows: prefill-sized launches, which
     latency does not bound); 1 when its grid fits in one wave (one_wave_pdl): the next kernel may launch at once
     (`pdl_wait`); 2 for a grid of more waves: launched with PDL (it waits for its inputs), but the next kernel may
-    launch only once this one's programs are past their main loop (`pdl_release`) or done, so that kernel's waiting
-    programs never hold SMs this grid's later waves need. Shapes and the device only."""
+    launch only once this one is done, so that kernel's waiting programs never hold SMs this grid's later waves
+    need. Shapes and the device only."""
     if not pdl_supported(device) or rows > PDL_MAX_ROWS:
         return 0
     return 1 if programs <= sm_count(device) else 2
@@ -88,8 +88,7 @@ def pdl_enter(GDC: tl.constexpr):
     previous one's outputs are complete and visible. Call it before the first read of anything another kernel
     writes (reads of weights may come before it) and before any store."""
     if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+        pdl_wait(1)
 
 
 @triton.jit
@@ -101,10 +100,3 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
     if PDL != 0:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def pdl_release(PDL: tl.constexpr):
-    """Mode 2 (grid_pdl): let the next kernel launch, after this program's main loop (its epilogue may follow)."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()

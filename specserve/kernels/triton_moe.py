@@ -25,14 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_release, pdl_wait
 from specserve.kernels.triton_dot import dot
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
-# Programmatic dependent launch for the MoE kernels at decode sizes: off. In a Qwen3-30B-A3B decode step at batch 1
-# it cost 6% (BENCHMARKS.md §23.2: its early-resident waiting programs slowed the expert GEMMs), though it gained in
-# fused_moe alone.
-MOE_PDL = False
 DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
 SUM_COUNTERS = 4096  # column blocks of the down GEMM that can sum in-kernel at one token (more: _sum_k_kernel)
 
@@ -122,11 +117,10 @@ def _place_kernel(ids_ptr, offs_ptr, pad_end_ptr, num_padded_ptr, sorted_ptr, bl
 @triton.jit
 def _align_one_chunk_kernel(ids_ptr, pad_end_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs,
                             num_experts, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_B: tl.constexpr):
     """The three alignment kernels in one program, for batches of at most CHUNK pairs (decode, short verify): the
     histogram, the padded per-expert runs, the stable placement, the padding rows and the block owners, with the
     same results as _count_kernel + _offsets_kernel + _place_kernel (one launch instead of three)."""
-    pdl_wait(PDL)
     r = tl.arange(0, CHUNK)
     ok = r < n_pairs
     e = tl.load(ids_ptr + r, mask=ok, other=num_experts).to(tl.int32)  # [CHUNK]; lanes past the pairs: no expert
@@ -182,10 +176,9 @@ def _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
                     inter, stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                    DIRECT: tl.constexpr, PDL: tl.constexpr):
+                    DIRECT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pdl_wait(PDL)  # the routing (and x) come from the kernels before
     live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
     if live:
         row_ok = pair < n_pairs
@@ -207,7 +200,6 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
         dt = act_ptr.dtype.element_ty
         gate = acc_g.to(dt).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
-        pdl_release(PDL)
         tl.store(act_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], act.to(dt),
                  mask=row_ok[:, None] & n_ok[None, :])
 
@@ -216,13 +208,12 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
 def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
                  inter, stride_we, stride_wn, wts_ptr, out_ptr, counter_ptr, TOP_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
-                 PRECISION: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr):
+                 PRECISION: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr):
     """SUM (one token, direct): the last of the TOP_K programs of column block pid_n to finish (counter pid_n) also
     sums their outputs into out [1, H] as _sum_k_kernel does (weights wts [K], in k order, float32), and resets
     the counter to 0: no sum launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pdl_wait(PDL)
     live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
     if live:
         row_ok = pair < n_pairs
@@ -237,7 +228,6 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
             k_ok = k0 + k < inter
             a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc += dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), F32_DOT, PRECISION)
-        pdl_release(PDL)
         # each expert's product rounded to x's dtype, as the reference does before its weighted sum
         tl.store(y_ptr + rows[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
@@ -257,11 +247,9 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
 
 
 @triton.jit
-def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
+def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    pdl_wait(PDL)
     ok = cols < hidden
     acc = tl.zeros([BLOCK], tl.float32)
     for k in tl.static_range(TOP_K):  # fixed order: deterministic
@@ -280,12 +268,12 @@ def moe_block_m(n_pairs: int, num_experts: int) -> int:
     return min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * n_pairs, num_experts))))
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool = True, pdl: int = 0):
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch: bool = True):
     """topk_ids [T, K] -> (sorted_ids [P] int32: pair indices t*K + k grouped by expert, each expert's run padded to
     a multiple of block_m with the sentinel T*K; block_expert [P / block_m] int32; num_padded [1] int32, the live
     padded total). P = block_m * ((T*K + min(E, T*K) * (block_m - 1)) // block_m) is the bound from shapes.
     Batches of one chunk (at most 128 pairs: decode, short verify) take one launch (one_launch; False: the three
-    kernels every larger batch takes, which give the same results). pdl: the one launch's PDL mode (grid_pdl)."""
+    kernels every larger batch takes, which give the same results)."""
     ids = topk_ids.reshape(-1)  # [T*K]
     n_pairs, dev = ids.numel(), ids.device
     max_blocks = (n_pairs + min(num_experts, n_pairs) * (block_m - 1)) // block_m
@@ -302,7 +290,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch
     if num_chunks == 1 and one_launch:
         _align_one_chunk_kernel[(1,)](ids, pad_end, sorted_ids, block_expert, num_padded, n_pairs, num_experts,
                                       max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCK_B=block_b,
-                                      PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
+                                      num_warps=4)
         return sorted_ids, block_expert, num_padded
     _count_kernel[(num_chunks,)](ids, hist, n_pairs, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
     _offsets_kernel[(1,)](hist, offs, pad_end, sorted_ids, num_padded, n_pairs, num_experts, num_chunks,
@@ -337,7 +325,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     read from topk_ids (a router's top-k experts of one token are distinct, so each is read once), and at one token
     the down GEMM's last program of each column block sums the k outputs (two launches in all instead of four). The
     result is the aligned path's at one token (a pair per 16-row block there too), bit for bit.
-    The kernels take a PDL mode (launch.grid_pdl) but launch without it (MOE_PDL)."""
+    No programmatic dependent launch here: in a Qwen3-30B-A3B decode step at batch 1 it cost 6% (BENCHMARKS.md §23.3;
+    the next kernel's early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -358,8 +347,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         blocks = n_pairs
     else:
         block_m = moe_block_m(n_pairs, num_experts)
-        sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m,
-                                                         pdl=grid_pdl(dev, 1, n_pairs) if MOE_PDL else 0)
+        sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
         blocks = block_expert.shape[0]
     act = torch.empty((n_pairs, inter), dtype=x.dtype, device=dev)  # [T*K, I] silu(gate) * up per pair
     y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=dev)  # [T*K, H] each expert's output per pair
@@ -368,25 +356,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg_gu, cfg_down = _gemm_configs(block_m)
     if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones
         cfg_gu, cfg_down = ({**c, "BLOCK_K": c["BLOCK_K"] // 2} for c in (cfg_gu, cfg_down))
-    grid_gu = (blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))
-    pdl = grid_pdl(dev, grid_gu[0] * grid_gu[1], n_pairs) if MOE_PDL else 0
-    _gate_up_kernel[grid_gu](
+    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
         x, w13, act, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, PDL=pdl,
-        **cfg_gu, **pdl_kwargs(bool(pdl)))
+        w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, **cfg_gu)
     grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
-    pdl = grid_pdl(dev, grid_down[0] * grid_down[1], n_pairs) if MOE_PDL else 0
     fused_sum = direct and num_tokens == 1 and grid_down[1] <= SUM_COUNTERS
     wts = topk_weights.reshape(-1)  # [T*K]
     _down_kernel[grid_down](
         act, w2, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
         wts, out, _counters(dev) if fused_sum else ids, TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot,
-        PRECISION=precision, DIRECT=direct, SUM=fused_sum, PDL=pdl, **cfg_down, **pdl_kwargs(bool(pdl)))
+        PRECISION=precision, DIRECT=direct, SUM=fused_sum, **cfg_down)
     if fused_sum:
         return out
     block = min(1024, triton.next_power_of_2(hidden))
-    grid_sum = (num_tokens, triton.cdiv(hidden, block))
-    pdl = grid_pdl(dev, grid_sum[0] * grid_sum[1], n_pairs) if MOE_PDL else 0
-    _sum_k_kernel[grid_sum](y, wts, out, hidden, out.stride(0), TOP_K=top_k, BLOCK=block,
-                            PDL=pdl, num_warps=4, **pdl_kwargs(bool(pdl)))
+    _sum_k_kernel[(num_tokens, triton.cdiv(hidden, block))](y, wts, out, hidden, out.stride(0), TOP_K=top_k,
+                                                            BLOCK=block, num_warps=4)
     return out

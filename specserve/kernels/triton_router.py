@@ -20,9 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_release, pdl_wait
 from specserve.kernels.triton_gemv import _rounded
-from specserve.kernels.triton_moe import MOE_PDL
 
 
 @triton.jit
@@ -114,8 +112,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
                              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, T_BLOCK: tl.constexpr,
                              R_BLOCK: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr,
                              K_PAD: tl.constexpr, SHARED: tl.constexpr, ROUND_BF16: tl.constexpr,
-                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
-                             PDL: tl.constexpr):
+                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr):
     """Grid (cdiv(num_cols, BLOCK_E), cdiv(num_tokens, T_BLOCK)): program (i, b) computes the logit columns
     i*BLOCK_E .. + BLOCK_E (rows of the weight wt [num_cols, H]) of tokens b*T_BLOCK .. + T_BLOCK into scratch
     [num_tokens, num_cols] float32. The last program of token block b to finish (counter b) routes its tokens from
@@ -123,9 +120,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
 
     NORM: x is the un-normed input; each program computes its tokens' RMSNorm of h = x (+ residual r) with weight
     nw itself (rounded as reference.add_rms_norm), routes the normed row, and the programs of column block 0 store
-    it (xn [T, H], the experts' input) and h (the new residual), both contiguous.
-
-    PDL: launched with programmatic dependent launch in that mode (launch.grid_pdl; off: triton_moe.MOE_PDL)."""
+    it (xn [T, H], the experts' input) and h (the new residual), both contiguous."""
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < num_cols
     block = tl.program_id(1)
@@ -135,7 +130,6 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
     x_rows = x_ptr + tok.to(tl.int64)[:, None, None] * stride_xt  # [T_BLOCK, 1, 1]
     dtype = x_ptr.dtype.element_ty
     writer = tl.program_id(0) == 0
-    pdl_wait(PDL)  # x and the residual come from the kernel before
     if NORM:  # each token's mean square over H, of h rounded to x's dtype, in float32
         sq = tl.zeros([T_BLOCK, 1, BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_K):
@@ -175,7 +169,6 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
         logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(scratch_ptr + tok.to(tl.int64)[:, None] * num_cols + cols[None, :], logits,
              mask=tok_ok[:, None] & col_ok[None, :])
-    pdl_release(PDL)
     # Last program finishes. The barrier orders every thread's scratch stores before the (one-thread) atomic, whose
     # release makes them visible at GPU scope to the program that acquires the final count; that program reads the
     # scratch through L2 (.cg), never a stale L1 line.
@@ -295,13 +288,11 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm):
     # Per call, not cached: inside a CUDA graph capture it is a fixed address of the graph's pool.
     scratch = torch.empty((t, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, cfg["BLOCK_E"]), triton.cdiv(t, cfg["T_BLOCK"]))
-    pdl = grid_pdl(x.device, grid[0] * grid[1], t) if MOE_PDL else 0
     _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids,
                                    x if residual is None else residual, x if norm_w is None else norm_w.contiguous(),
                                    x if xn is None else xn, x if hh is None else hh, t, cols, num_experts,
                                    x.stride(0), weight.stride(0), float(eps), H=h, TOP_K=top_k, RENORM=renormalize,
                                    E_PAD=triton.next_power_of_2(num_experts), K_PAD=triton.next_power_of_2(top_k),
                                    SHARED=shared_gate, ROUND_BF16=x.dtype == torch.bfloat16, NORM=norm is not None,
-                                   HAS_RESIDUAL=residual is not None, W_OFFSET=float(offset), PDL=pdl, **cfg,
-                                   **pdl_kwargs(bool(pdl)))
+                                   HAS_RESIDUAL=residual is not None, W_OFFSET=float(offset), **cfg)
     return w, ids, xn, hh
