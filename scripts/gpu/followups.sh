@@ -40,8 +40,9 @@
 #             adaptive GPU tests, both plain steps side by side (profile_spec_step.py; bench-phases' "plain (spec)"
 #             row on 8B shapes), then
 #             smollm2_round.sh keep / join / qspec (is adaptive speculation now >= plain at batch 1 sampled?).
-# Order for a fresh lease (30 device-minutes), as left by the second session of 2026-12-02 (ninth and tenth ran
-# then: BENCHMARKS §22): eleventh, then smollm2_round.sh keep / join / qspec.
+#   twelfth / twelfth-b / thirteenth  the one-token MoE path, PDL at decode sizes, the DSA top-k's launches.
+# Every entry above has run (thirteenth last: BENCHMARKS §24.1); nothing written is left unmeasured. For a fresh
+# lease start from the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`, `profile_kernels.py --parts dsa`).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -196,6 +197,6 @@ case "${1:-}" in
     timeout 100 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
       --prefill-tokens 0 2>&1 | grep -v -i warn | grep "plain\|spec iter"
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh" >&2
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh|twelfth|twelfth-b|thirteenth" >&2
      exit 2 ;;
 esac
