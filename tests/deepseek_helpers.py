@@ -97,3 +97,58 @@ def build_tiny_dsa(folder: str, arch: str, seed: int = 0, index_topk: int = 1024
     model.save_pretrained(folder, safe_serialization=True)
     _tiny_tokenizer_files(folder, cfg.vocab_size)
     return folder
+
+
+def hf_logits_and_index_scores(hf, ids: list[int]):
+    """transformers' logits for `ids` [T, V] and, for every layer that runs its own indexer, (scores [T, T], chosen
+    [T, min(index_topk, T)]): the index scores recomputed from the inputs the indexer was called with (the formula
+    of its forward, masked keys -inf), beside the top-k indices it returned. Shared GLM layers have no indexer."""
+    import torch.nn.functional as F
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer, apply_rotary_pos_emb
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, apply_rotary_pos_emb_interleave
+
+    rope = {DeepseekV32Indexer: apply_rotary_pos_emb, GlmMoeDsaIndexer: apply_rotary_pos_emb_interleave}
+    seen = []
+
+    def hook(mod, args, out):
+        h, q_resid, (cos, sin), mask = args[:4]  # [1, T, H], [1, T, Q], rope tables, [1, T, T] (bool or additive)
+        t, r = h.shape[1], mod.qk_rope_head_dim
+        q = mod.wq_b(q_resid).view(1, t, mod.n_heads, mod.head_dim)  # [1, T, Hi, Di]
+        k = mod.k_norm(mod.wk(h)).unsqueeze(2)  # [1, T, 1, Di]
+        q_rot, k_rot = rope[type(mod)](q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q[..., r:]], -1)[0]  # [T, Hi, Di]
+        k = torch.cat([k_rot, k[..., r:]], -1)[0, :, 0]  # [T, Di]
+        s = F.relu(torch.einsum("thd,kd->thk", q.float(), k.float()) * mod.softmax_scale)  # [T, Hi, T]
+        w = mod.weights_proj(h[0].to(mod.weights_proj.weight.dtype)).float() * mod.n_heads ** -0.5  # [T, Hi]
+        scores = torch.einsum("th,thk->tk", w, s)
+        causal = mask[0] if mask.dtype == torch.bool else mask[0] == 0  # [T, T]
+        seen.append((scores.masked_fill(~causal, float("-inf")), out[0].long()))
+
+    hooks = [m.register_forward_hook(hook) for m in hf.modules() if type(m) in rope]
+    try:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0]  # [T, V]
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, seen
+
+
+def check_selection_is_tie_free(seen, k: int, rel: float = 1e-4) -> int:
+    """Precondition of a logits comparison with a truly sparse top-k: in every indexer row with more than k causal
+    keys, the k-th and (k+1)-th best scores are apart by more than `rel` of the row's largest |score| (no tie, exact
+    or within rounding, straddles the boundary, so any correct top-k picks the same set), and the recomputed scores'
+    top-k is the set transformers chose. -> the number of rows whose selection excludes some causal key."""
+    sparse = 0
+    for scores, chosen in seen:  # [T, T], [T, k']
+        for i in range(scores.shape[0]):
+            n = i + 1  # causal keys of row i
+            top = torch.sort(scores[i, :n], descending=True)
+            if n <= k:
+                assert set(chosen[i].tolist()) >= set(range(n))
+                continue
+            gap = float(top.values[k - 1] - top.values[k])
+            assert gap > rel * float(top.values.abs().max()), f"row {i}: a tie at the top-{k} boundary ({gap})"
+            assert set(chosen[i].tolist()) == set(top.indices[:k].tolist()), f"row {i}: not transformers' choice"
+            sparse += 1
+    return sparse

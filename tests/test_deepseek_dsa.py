@@ -1,15 +1,22 @@
 """MLA + DeepSeek sparse attention (DeepSeek-V3.2, GLM-5 with a "shared" indexer layer) on small random checkpoints:
 - with index_topk >= the sequence (sparse == dense exactly): logits == transformers for a chunked prefill and
   4-token verifies;
-- with a truly sparse index_topk: every phase agrees with every other (one-shot prefill == chunked prefill == the
-  last position of each verify; greedy MTP == plain for N 1..3, page sizes 1 and 16, chunked prefill, retraction);
+- with a truly sparse index_topk: logits == transformers for a chunked prefill and decode steps (8 index heads and a
+  prompt checked to have no tie at any top-k boundary, where transformers' torch.topk may choose either key);
+  every phase agrees with every other (one-shot prefill == chunked prefill == the last position of each verify;
+  greedy MTP == plain for N 1..3, page sizes 1 and 16, chunked prefill, retraction);
 - the tie-break: equal index scores keep the earlier token, in the top-k mask itself and through the model (an
   indexer whose scores all tie selects each query's first index_topk tokens in every phase);
 - graph static replay == eager for every phase, and the one-graph spec step."""
 
 import pytest
 import torch
-from deepseek_helpers import build_tiny_dsa, random_mla_mtp_tensors
+from deepseek_helpers import (
+    build_tiny_dsa,
+    check_selection_is_tie_free,
+    hf_logits_and_index_scores,
+    random_mla_mtp_tensors,
+)
 from helpers import _index_all_shards
 from safetensors.torch import save_file
 from spec_fixtures import build_scheduler, run_greedy
@@ -123,6 +130,43 @@ def test_dense_equivalent_logits_match_hf(dsa, arch):
             torch.testing.assert_close(out[b], _hf_logits(hf, seqs[b])[-4:], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def dsa_tie_free(tmp_path_factory):
+    """index_topk 5 with 8 index heads (not 2): ReLU still zeroes many (head, key) scores and some whole keys, but
+    rarely enough that the test's prompt has no tie at any row's top-k boundary (checked, not assumed)."""
+    root = tmp_path_factory.mktemp("dsa_k")
+    return {arch: build_tiny_dsa(str(root / arch), arch, seed=71, index_topk=5, index_n_heads=8)
+            for arch in ("deepseek_v32", "glm_moe_dsa")}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_logits_match_hf(dsa_tie_free, arch):
+    """index_topk 5 of up to 28 tokens against transformers, whose indexer masks attention to its own top-k: a
+    chunked prefill (16 + 8) and 4 decode steps. Precondition, from transformers' index scores: no tie at a top-k
+    boundary (torch.topk's choice among ties is unspecified), so the logits agree only if our indexer (its RoPE
+    layout: rotate-half for V3.2, interleaved for GLM) and top-k choose the same keys in every layer (GLM's layer
+    2 reusing layer 1's choice)."""
+    path = dsa_tie_free[arch]
+    hf = _hf(path)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 250, (28,), generator=g).tolist()
+    want, seen = hf_logits_and_index_scores(hf, ids)  # [28, V]
+    assert len(seen) == (2 if arch == "glm_moe_dsa" else 3)  # GLM: layer 2 is "shared", no indexer of its own
+    assert check_selection_is_tie_free(seen, 5) == len(seen) * (28 - 5)  # every row past the 5th is sparse
+    assert any(bool((scores == 0).any()) for scores, _ in seen)  # exact ReLU ties there are, off the boundary
+    mr, t = _runner(path, n=0)
+    assert [s.kind for s in t.model.cache_specs()].count(CacheKind.INDEX_KEYS) == len(seen)
+    h = KVHandle()
+    assert mr.kv.assign_row(h) and mr.kv.ensure([h], [28])
+    got = _prefill(mr, t, [ids[:24]], [h], chunk=16)[0]
+    torch.testing.assert_close(got, want[:24], rtol=1e-4, atol=1e-4)
+    rows = torch.tensor([h.row])
+    for p in range(24, 28):
+        out = mr.runners["decode"].run(LiveInputs(1, torch.tensor([ids[p]]), torch.tensor([p]), rows,
+                                                  torch.tensor([p + 1]), p + 1))["logits"]  # [1, V]
+        torch.testing.assert_close(out[0], want[p], rtol=1e-4, atol=1e-4, msg=f"decode at {p}")
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
 def test_sparse_phases_agree(dsa, arch):
     """index_topk 5 of up to 40 tokens: one-shot prefill == chunked prefill (chunks of 7) == verify steps."""
@@ -215,8 +259,9 @@ def greedy_plain(dsa):
     return prompts, out
 
 
-@pytest.mark.parametrize("key", ["deepseek_v32_dense", "deepseek_v32_sparse", "glm_moe_dsa_sparse"])
-@pytest.mark.parametrize("n,page_size", [(1, 1), (2, 16), (3, 1), (3, 16)])
+@pytest.mark.parametrize("key,n,page_size", [
+    (key, n, page_size) for key in ("deepseek_v32_dense", "deepseek_v32_sparse", "glm_moe_dsa_sparse")
+    for n, page_size in ((1, 1), (2, 16), (3, 1), (3, 16))] + [("glm_moe_dsa_dense", 3, 16)])
 def test_spec_greedy_equals_plain(dsa, greedy_plain, key, n, page_size):
     prompts, ref = greedy_plain
     sched, _ = build_scheduler(dsa[key], page_size=page_size, max_total_tokens=4096, chunked_prefill_size=16,
@@ -235,27 +280,46 @@ def test_dense_equivalent_greedy_matches_hf(dsa, greedy_plain):
 
 
 def test_all_tied_scores_select_the_earliest_tokens_in_every_phase(dsa):
-    """weights_proj zeroed: every index score is 0, so each query keeps its first index_topk (5) tokens, in prefill
-    and in verify."""
+    """weights_proj zeroed: every index score is 0, so each query keeps its first index_topk (5) tokens, in prefill,
+    plain decode, target verify, draft decode (its last step) and draft extend."""
     path = dsa["deepseek_v32_sparse"]
+    first5 = lambda sel: bool(sel[..., :5].all()) and not sel[..., 5:].any()  # [..., kv] over the first 5 keys
+    prompt = list(range(3, 23))
     mr, t = _runner(path, n=3)
-    for m in list(t.model.modules()) + list(mr.draft.modules()):
+    plain, tp = _runner(path, n=0)
+    for m in list(t.model.modules()) + list(mr.draft.modules()) + list(tp.model.modules()):
         if isinstance(m, DSAIndexer):
             m.weights_proj.weight.data.zero_()
-    h = KVHandle()
+    h, hp = KVHandle(), KVHandle()
     assert mr.kv.assign_row(h) and mr.kv.ensure([h], [32])
-    prompt = list(range(3, 23))
+    assert plain.kv.assign_row(hp) and plain.kv.ensure([hp], [32])
     _prefill(mr, t, [prompt], [h], chunk=20)
     sel = mr.prefill.eager_backends[CacheKind.INDEX_KEYS].last[0]  # [20, 20] the last layer's selection
     want = torch.zeros(20, 20, dtype=torch.bool)
     for i in range(20):
         want[i, :min(i + 1, 5)] = True
     assert torch.equal(sel, want)
+    _prefill(plain, tp, [prompt], [hp], chunk=20)
+    decode = plain.runners["decode"]
+    decode.run(LiveInputs(1, torch.tensor([5]), torch.tensor([20]), torch.tensor([hp.row]), torch.tensor([21]), 21))
+    dsel = decode.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [1, max_kv]
+    assert dsel.shape[-1] >= 21 and first5(dsel), "decode"
+    rows = torch.tensor([h.row])
     verify = mr.spec.runners["target_verify"]
-    verify.run(LiveInputs(1, torch.tensor([5, 6, 7, 8]), torch.arange(20, 24), torch.tensor([h.row]),
-                          torch.tensor([24]), 24))
+    verify.run(LiveInputs(1, torch.tensor([5, 6, 7, 8]), torch.arange(20, 24), rows, torch.tensor([24]), 24))
     vsel = verify.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [4, max_kv]
-    assert vsel[:, :5].all() and not vsel[:, 5:].any()
+    assert vsel.shape[-1] >= 24 and first5(vsel), "target verify"
+    g = torch.Generator().manual_seed(0)
+    extend = mr.spec.runners["draft_extend"]
+    extend.run(LiveInputs(1, torch.tensor([5, 6, 7, 8]), torch.arange(20, 24), rows, torch.tensor([24]), 24,
+                          accept_len=torch.tensor([1]), hidden=torch.randn(4, mr.draft.feature_size, generator=g)))
+    esel = extend.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [4, max_kv]
+    assert esel.shape[-1] >= 24 and first5(esel), "draft extend"
+    dd = mr.spec.runners["draft_decode"]  # 2 steps, at positions 22 and 23 over 23 and 24 keys
+    dd.run(LiveInputs(1, torch.tensor([9]), torch.tensor([22]), rows, torch.tensor([23]), 23 + 3,
+                      hidden=torch.randn(1, mr.cfg.hidden_size, generator=g)))
+    ddsel = dd.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [1, max_kv] of the last step
+    assert ddsel.shape[-1] >= 24 and first5(ddsel), "draft decode"
 
 
 @pytest.mark.parametrize("spec", [None, 3])

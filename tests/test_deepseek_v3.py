@@ -165,6 +165,16 @@ def test_mtp_chain_before_or_after_the_final_norm(deepseek, greedy_ref, page_siz
     assert normed.shape == stream.shape and not torch.allclose(normed, stream, atol=1e-2)
     rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mr.draft.config.rms_norm_eps)
     torch.testing.assert_close(normed, rms(stream) * mr.draft.final_norm.weight, rtol=1e-4, atol=1e-4)
+    # chained on from there: draft decode's N - 1 = 2 steps from the same d1, each way -> different drafts
+    dd = mr.spec.runners["draft_decode"]
+    last = live.seq_lens - 4 + live.accept_len + 1  # [8] committed tokens after the extend: d1 sits at `last`
+    drafts = {}
+    for prenorm in (False, True):
+        mr.draft.set_chain_prenorm(prenorm)
+        step = LiveInputs(8, out[False]["tokens"], last, live.req_pool_indices, last + 1, int(last.max()) + 3,
+                          hidden=out[prenorm]["hidden"])
+        drafts[prenorm] = dd.forward_phase(step, dd.eager_backends, False)["tokens"]  # [8, 2]
+    assert drafts[False].shape == (8, 2) and not torch.equal(drafts[False], drafts[True])
 
 
 def test_prefill_graph_token_rows_equal_eager(deepseek):
