@@ -1,8 +1,8 @@
 """GPU tests of the hybrid linear-attention family (skipped on CPU; run on the H200 and recorded in BENCHMARKS.md):
 
-- every phase runner (target decode, target verify, draft decode, draft extend, prefill) is captured, and its CUDA
-  graph replay equals the eager run with shrinking then growing batch sizes, the GDN state slots included; so does
-  the greedy step captured as one graph;
+- every phase runner (target decode: a plain engine's decode and a speculating engine's plain step; target verify,
+  draft decode, draft extend, prefill) is captured, and its CUDA graph replay equals the eager run with shrinking
+  then growing batch sizes, the GDN state slots included; so does the greedy step captured as one graph;
 - greedy MTP == plain == transformers on the GPU in float32 with every phase graphed (the checkpoint's mtp.* layer);
   in bfloat16 the spec-vs-plain match rate is printed;
 - a mixed workload with retractions leaves no page, page-table row or state row behind.
@@ -15,8 +15,10 @@ from spec_fixtures import build_scheduler, run_greedy
 from test_gpu import CAPTURE, _cuda_spec_runner, _to
 from test_prefill_graph import check_padded_prefill, prefill_runner
 from test_qwen3_next import _hf, _hf_greedy, _hf_logits
-from test_runners import _inputs, check_one_graph_step
+from test_runners import _inputs, _requests, check_one_graph_step, token_caches
 from test_spec_greedy import _prompts
+
+from specserve.graphs.padding import LiveInputs
 
 pytestmark = pytest.mark.gpu
 NEW = 24
@@ -32,13 +34,22 @@ def _state(mr):
     return s.conv.transpose(0, 1)[1:], s.ssm.transpose(0, 1)[1:]  # every row but the dummy
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_graph_replay_equals_eager_every_phase(hybrid, page_size):
-    mr = _cuda_spec_runner(hybrid, 3, page_size)
-    assert all(r.graphs for r in mr.spec.runners.values()), "every phase must be captured"
-    for name, runner in mr.spec.runners.items():
+def _phase_inputs(mr, name, bs, seed):
+    """test_runners._inputs, plus the width-1 target decode (a plain decode, or a speculating engine's plain
+    step): one token per request at position S."""
+    if name not in ("decode", "target_decode"):
+        return _inputs(mr, name, bs, seed)
+    handles, rows, s = _requests(mr, bs, mr.num_steps, seed)
+    ids = torch.randint(0, 256, (bs,), generator=torch.Generator().manual_seed(seed + 1))
+    return handles, LiveInputs(bs, ids, s, rows, s + 1, int(s.max()) + 1)
+
+
+def _check_replay_equals_eager(mr, runners, page_size):
+    """Each runner's graph replay against its eager run, bs shrinking then growing: outputs and every state row."""
+    assert all(r.graphs for r in runners.values()), "every phase must be captured"
+    for name, runner in runners.items():
         for i, bs in enumerate([13, 9, 5, 3, 1, 2, 7, 16]):
-            handles, live = _inputs(mr, name, bs, seed=100 * i + page_size)
+            handles, live = _phase_inputs(mr, name, bs, seed=100 * i + page_size)
             live = _to(live, mr.device)
             before = [t.clone() for t in _state(mr)]
             eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
@@ -52,7 +63,25 @@ def test_graph_replay_equals_eager_every_phase(hybrid, page_size):
                 torch.testing.assert_close(got, w, rtol=2e-4, atol=2e-4, msg=f"{name} bs={bs} state")
             for h in handles:
                 mr.kv.release(h)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_replay_equals_eager_every_phase(hybrid, page_size):
+    mr = _cuda_spec_runner(hybrid, 3, page_size)
+    # the target's runners (verify, and decode for the plain steps of adaptive speculation, on by default on a GPU)
+    # and the draft's; the target verify is in both
+    runners = {**mr.runners, **mr.spec.runners}
+    assert sorted(runners) == ["draft_decode", "draft_extend", "target_decode", "target_verify"]
+    _check_replay_equals_eager(mr, runners, page_size)
     check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
+    # a plain engine's target decode
+    plain = build_scheduler(hybrid, device="cuda", page_size=page_size, max_total_tokens=16384,
+                            max_running_requests=32, cuda_graph_bs=CAPTURE)[0].mr
+    g = torch.Generator(device=plain.device).manual_seed(0)
+    for cache in token_caches(plain.caches):  # non-trivial K/V, so attention over the prefix matters
+        cache.copy_(torch.randn(cache.shape, generator=g, device=plain.device))
+    assert sorted(plain.runners) == ["decode"]
+    _check_replay_equals_eager(plain, plain.runners, page_size)
 
 
 def test_prefill_graphs_equal_eager_gpu(hybrid):

@@ -1,16 +1,19 @@
-"""The hybrid linear-attention family (Qwen3-Next, Qwen3.5, Qwen3.5-MoE and the Qwen3.5-MoE vision-language layout
-read as text) on small random checkpoints, against transformers:
+"""The hybrid linear-attention family (Qwen3-Next, Qwen3.5, Qwen3.5-MoE and the Qwen3.5 / Qwen3.5-MoE
+vision-language layouts read as text) on small random checkpoints, against transformers:
 - logits of a chunked prefill (several requests, one prompt longer than a chunk), a step decode, and 4-token
   verifies; after each verify the accept commit makes accept count a = 0..N current and the next verify continues
   from that slot (== transformers over prompt + accepted tokens);
-- greedy MTP (the checkpoint's `mtp.*` layer) == plain == transformers greedy, N 1..4, page sizes 1 and 16,
-  chunked prefill; retraction and aborts in a mixed workload return the KV and state pools to their start;
+- config parsing: `full_attention_interval` in place of `layer_types`, `mamba_ssm_dtype` (the state pool's dtype);
+- the MTP layer's draft logits in DRAFT_EXTEND against a reference assembled from transformers' modules;
+- greedy MTP (the checkpoint's `mtp.*` layer) == plain == transformers greedy, N 1..4, page sizes 1 and 16
+  (Qwen3-Next; Qwen3.5-MoE at one N), chunked prefill; retraction and aborts in a mixed workload return the KV and
+  state pools to their start;
 - the graph runners' static replay == eager with shrinking and growing batches (decode/verify phases, the
   one-graph spec step, prefill padded to a token ladder), and lossless speculative sampling on a hybrid target."""
 
 import pytest
 import torch
-from hybrid_helpers import ARCHS, build_tiny_hybrid
+from hybrid_helpers import ARCHS, build_tiny_hybrid, edit_config, hf_mtp_logits
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_abort_frees_kv as abort_workload
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
@@ -25,8 +28,8 @@ from specserve.graphs.prefill import ExtendBatch
 from specserve.kvcache.manager import KVHandle
 from specserve.layers.gdn import GatedDeltaNet
 from specserve.layers.moe import GatedMLP, SparseMoEBlock
-from specserve.models.loader import ModelSource, load_mtp_draft, load_target
-from specserve.models.qwen3_next import HybridForCausalLM
+from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target
+from specserve.models.qwen3_next import FULL, LINEAR, HybridConfig, HybridForCausalLM
 from specserve.server_args import ServerArgs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,15 +77,15 @@ def test_family_layers_and_caches(hybrids):
     assert [s.kind.value for s in specs] == ["recurrent"] * 3 + ["mha"]
     assert specs[0].conv_shape == (3, 2 * 32 + 64) and specs[0].ssm_shape == (4, 16, 16)
     assert specs[0].ssm_dtype == torch.float32 and t.has_mtp
-    for kind in ("qwen3_5", "qwen3_5_moe_vl"):  # dense MLPs everywhere; the VL checkpoint loads as text
+    for kind in ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe_vl"):  # one MLP kind everywhere; VL checkpoints as text
         m = load_target(ModelSource.resolve(hybrids[kind]), torch.float32, CPU, 600).model
-        want = GatedMLP if kind == "qwen3_5" else SparseMoEBlock
+        want = SparseMoEBlock if "moe" in kind else GatedMLP
         assert all(type(lay.mlp) is want for lay in m.model.layers)
         assert sum(isinstance(x, GatedDeltaNet) for x in m.modules()) == 3
 
 
-def _runner(path, n=3, **kw):
-    t = load_target(ModelSource.resolve(path), torch.float32, CPU, 600)
+def _runner(path, n=3, hf_config=None, **kw):
+    t = load_target(ModelSource.resolve(path), torch.float32, CPU, 600, hf_config=hf_config)
     draft = load_mtp_draft(t, None, torch.float32, CPU, 600) if n else None
     args = ServerArgs(model_path=path, max_total_tokens=4096, max_running_requests=8, cuda_graph_bs=[1, 2, 4],
                       **({"speculative_algorithm": "MTP", "speculative_num_steps": n} if n else {}), **kw)
@@ -149,7 +152,7 @@ def test_prefill_verify_commit_logits_match_hf(hybrids, kind):
     assert state.num_free_rows == state.max_rows
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_decode_logits_match_hf(hybrids, kind):
     """Plain decode (one state slot per row, updated in place) after a chunked prefill."""
     path = hybrids[kind]
@@ -173,13 +176,100 @@ def test_decode_logits_match_hf(hybrids, kind):
             torch.testing.assert_close(out["logits"][b], _hf_logits(hf, seqs[b])[-1], rtol=1e-4, atol=1e-4)
 
 
+def _prefill_logits_match_hf(mr, t, hf, lens, chunk, atol=1e-4, rtol=1e-4):
+    """Chunked prefill of random prompts of `lens` tokens against transformers; the pages and rows are freed."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (k,), generator=g).tolist() for k in lens]
+    handles = [KVHandle() for _ in prompts]
+    for h, p in zip(handles, prompts):
+        assert mr.kv.assign_row(h) and mr.kv.ensure([h], [len(p)])
+    for p, got in zip(prompts, _prefill(mr, t, prompts, handles, chunk)):
+        torch.testing.assert_close(got, _hf_logits(hf, p), rtol=rtol, atol=atol)
+    for h in handles:
+        mr.kv.release(h)
+
+
+def test_full_attention_interval_in_place_of_layer_types(hybrids, tmp_path):
+    """A config that names `full_attention_interval` and no `layer_types` (Qwen3-Next's own config.json) gets the
+    layer kinds of the equivalent `layer_types`: parsed by HybridConfig (4 by default), and as a checkpoint read
+    through transformers, whose logits the engine's then match (two full-attention layers: MHA cache indices 0, 1)."""
+    arch = "Qwen3NextForCausalLM"
+    hf_cfg = load_hf_config(ModelSource.resolve(hybrids["qwen3_next"]))
+    assert HybridConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR] * 3 + [FULL]
+    hf_cfg.layer_types = None
+    assert HybridConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR] * 3 + [FULL]  # no interval either: 4
+    hf_cfg.full_attention_interval = 2
+    assert HybridConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR, FULL] * 2
+    path = build_tiny_hybrid(str(tmp_path / "m"), "qwen3_next", seed=3, layer_types=None, full_attention_interval=2)
+    edit_config(path, drop=("layer_types",), full_attention_interval=2)
+    mr, t = _runner(path, n=0)
+    layers = t.model.model.layers
+    assert [lay.kind for lay in layers] == [LINEAR, FULL] * 2 == t.config.layer_types
+    assert [layers[1].self_attn.attn.cache_index, layers[3].self_attn.attn.cache_index] == [0, 1]
+    assert [layers[0].linear_attn.cache_index, layers[2].linear_attn.cache_index] == [0, 1]
+    hf = _hf(path, "qwen3_next")
+    assert hf.config.layer_types == [LINEAR, FULL] * 2
+    _prefill_logits_match_hf(mr, t, hf, (21, 6), chunk=8)
+
+
+def test_mamba_ssm_dtype_sets_state_pool_dtype(hybrids):
+    """mamba_ssm_dtype (float32 by default) is the SSM state's dtype, not the model's: the state pool takes it, the
+    conv state keeps the model's, and with a bfloat16 state the logits stay near transformers' (float32 state).
+    A dtype that is not floating point is a ValueError naming the field."""
+    src = ModelSource.resolve(hybrids["qwen3_5"])
+    arch = "Qwen3_5ForCausalLM"
+    hf_cfg = load_hf_config(src)
+    for name, want in (("float16", torch.float16), ("torch.bfloat16", torch.bfloat16), (torch.float16, torch.float16),
+                       ("float32", torch.float32)):
+        hf_cfg.mamba_ssm_dtype = name
+        assert HybridConfig.from_hf(hf_cfg, arch).ssm_dtype == want, name
+    for bad in ("int8", "bool", "float17", "auto"):
+        hf_cfg.mamba_ssm_dtype = bad
+        with pytest.raises(ValueError, match="mamba_ssm_dtype"):
+            HybridConfig.from_hf(hf_cfg, arch)
+    hf_cfg.mamba_ssm_dtype = "bfloat16"
+    mr, t = _runner(hybrids["qwen3_5"], n=0, hf_config=hf_cfg)
+    assert all(s.ssm_dtype == torch.bfloat16 for s in t.model.cache_specs() if s.kind.value == "recurrent")
+    state = mr.caches.state
+    assert state.ssm.dtype == torch.bfloat16 and state.conv.dtype == torch.float32
+    # logits up to ~7: a bfloat16 state carried over two chunk boundaries is off by ~0.06, a float8 one by ~2
+    _prefill_logits_match_hf(mr, t, _hf(hybrids["qwen3_5"], "qwen3_5"), (21, 6), chunk=8, atol=0.1, rtol=0.0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_mtp_draft_extend_logits_match_reference(hybrids, kind):
+    """The draft's logits over a 20-token prompt in DRAFT_EXTEND (the prefill's draft pass, two chunks: the second
+    attends to the draft KV of the first), fed transformers' target hidden states, against the layer assembled from
+    transformers' modules (hybrid_helpers.hf_mtp_logits): checks the [embedding ; hidden] order into mtp.fc, the
+    zero-centred norms, the block and the shared head (a swapped concat order or swapped norms fail it)."""
+    path = hybrids[kind]
+    hf = _hf(path, kind)
+    mr, _ = _runner(path, n=2)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 250, (21,), generator=g)
+    t = ids.shape[0] - 1
+    with torch.no_grad():
+        hidden = hf.model(ids[None]).last_hidden_state[0, :t]  # [T, H] after the target's final norm
+    want = hf_mtp_logits(hf, path, ids[1:], hidden)
+    h = KVHandle()
+    assert mr.kv.assign_row(h) and mr.kv.ensure([h], [t])
+    loc = mr.req_to_token.table[h.row, :t]
+    got = []
+    for a, b in ((0, 8), (8, t)):  # input at p: (token p + 1, target hidden at p)
+        x = ExtendBatch(ids[a + 1:b + 1], torch.arange(a, b), loc[a:b], [h.row], [b], [b - a], hidden[a:b])
+        got.append(mr.draft.compute_logits(mr.spec.prefill.run(x)))
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+    mr.kv.release(h)
+
+
 @pytest.fixture(scope="module")
 def greedy_ref(hybrids):
     prompts = _prompts()
-    return prompts, {k: _hf_greedy(_hf(hybrids[k], k), prompts, NEW) for k in ("qwen3_next", "qwen3_5")}
+    kinds = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+    return prompts, {k: _hf_greedy(_hf(hybrids[k], k), prompts, NEW) for k in kinds}
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_plain_greedy_matches_hf(hybrids, greedy_ref, kind):
     prompts, ref = greedy_ref
     sched, _ = build_scheduler(hybrids[kind], max_total_tokens=4096, chunked_prefill_size=16)
@@ -205,6 +295,21 @@ def test_spec_greedy_dense_qwen3_5(hybrids, greedy_ref):
                                speculative_num_steps=3)
     assert isinstance(sched.mr.draft.decoder.mlp, GatedMLP)
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref["qwen3_5"]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_spec_greedy_mtp_qwen3_5_moe_matches_plain_and_hf(hybrids, greedy_ref, page_size):
+    """Qwen3.5-MoE: its mtp.* layer (an MoE block) drafts, N = 2, prompts prefilled in chunks of 16 tokens -> the
+    tokens of the same engine decoding plainly, and transformers' greedy tokens."""
+    prompts, ref = greedy_ref
+    kw = dict(page_size=page_size, max_total_tokens=4096, chunked_prefill_size=16)
+    plain, _ = build_scheduler(hybrids["qwen3_5_moe"], **kw)
+    spec, _ = build_scheduler(hybrids["qwen3_5_moe"], speculative_algorithm="MTP", speculative_num_steps=2, **kw)
+    assert isinstance(spec.mr.draft.decoder.mlp, SparseMoEBlock)
+    want = [r.output_ids for r in run_greedy(plain, prompts, NEW)]
+    reqs = run_greedy(spec, prompts, NEW)
+    assert [r.output_ids for r in reqs] == want == ref["qwen3_5_moe"]
+    assert all(r.spec_verify_ct > 0 for r in reqs)
 
 
 def test_phase_replay_equals_eager_and_isolation(hybrids):
