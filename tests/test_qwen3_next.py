@@ -215,7 +215,7 @@ def test_full_attention_interval_in_place_of_layer_types(hybrids, tmp_path):
 def test_mamba_ssm_dtype_sets_state_pool_dtype(hybrids):
     """mamba_ssm_dtype (float32 by default) is the SSM state's dtype, not the model's: the state pool takes it, the
     conv state keeps the model's, and with a bfloat16 state the logits stay near transformers' (float32 state).
-    A dtype that is not floating point is a ValueError naming the field."""
+    A dtype other than float32, bfloat16 and float16 is a ValueError naming the field."""
     src = ModelSource.resolve(hybrids["qwen3_5"])
     arch = "Qwen3_5ForCausalLM"
     hf_cfg = load_hf_config(src)
@@ -223,7 +223,7 @@ def test_mamba_ssm_dtype_sets_state_pool_dtype(hybrids):
                        ("float32", torch.float32)):
         hf_cfg.mamba_ssm_dtype = name
         assert HybridConfig.from_hf(hf_cfg, arch).ssm_dtype == want, name
-    for bad in ("int8", "bool", "float17", "auto"):
+    for bad in ("int8", "bool", "float17", "auto", "float8_e4m3fn", torch.float64):
         hf_cfg.mamba_ssm_dtype = bad
         with pytest.raises(ValueError, match="mamba_ssm_dtype"):
             HybridConfig.from_hf(hf_cfg, arch)
