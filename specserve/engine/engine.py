@@ -26,6 +26,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker, output_text
 from specserve.engine.tp_ranks import TPLeader
 from specserve.layers.quant import quantize_draft
+from specserve.models.config import ModelConfig
 from specserve.models.loader import (
     LoadedTarget,
     ModelSource,
@@ -70,7 +71,7 @@ def load_models(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> Lo
     hf_config = load_hf_config(src)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     cfg_ctx = getattr(getattr(hf_config, "text_config", None) or hf_config, "max_position_embeddings", 4096)
-    context_len = args.context_length or cfg_ctx
+    context_len = ModelConfig.from_hf(hf_config).context_len(args.context_length)  # within a sliding window
     max_positions = max(context_len, cfg_ctx) + args.num_draft_steps + 2
     torch.manual_seed(args.random_seed)
     target = load_target(src, dtype, device, max_positions, hf_config, tp=tp)

@@ -57,6 +57,10 @@ class ModelConfig:
     aux_hidden_layers: list[int] = field(default_factory=list)
     # rope: the fraction of each head's dims that rotate (top-level or in rope_parameters, as the config has it)
     partial_rotary_factor: float = 1.0
+    # the window of the architecture's sliding-window attention, as its config turns it on (None: full attention).
+    # Attention here is full attention, which equals a window's only while the whole context fits in the window,
+    # so the context served is bounded by it (context_len)
+    sliding_window: int | None = None
     # the tensor-parallel group the model is built for (distributed/tp.py; size 1: one device)
     tp: TPGroup = field(default=TP1, repr=False, compare=False)
 
@@ -82,6 +86,19 @@ class ModelConfig:
             aux_hidden_layers=[int(i) for i in getattr(hf_config, "aux_hidden_state_layer_ids", None) or []],
             partial_rotary_factor=float(partial),
         )
+
+    def context_len(self, asked: int | None) -> int:
+        """The context length to serve: `asked` (--context-length), else max_position_embeddings; with a sliding
+        window, at most the window (ValueError when `asked` exceeds it: our full attention would attend to tokens
+        the window hides)."""
+        window = self.sliding_window
+        if window is None:
+            return asked or self.max_position_embeddings
+        if asked is not None and asked > window:
+            raise ValueError(f"--context-length {asked} exceeds the {self.architecture} config's sliding_window="
+                             f"{window}: attention here is full attention, which equals sliding-window attention "
+                             f"only while the context fits in the window; pass --context-length {window} or less")
+        return asked or min(self.max_position_embeddings, window)
 
     @staticmethod
     def from_hf(hf_config) -> ModelConfig:

@@ -1,13 +1,15 @@
-"""Dense decoder family: Llama (and SmolLM), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
+"""Dense decoder family: Llama (and SmolLM), Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
 
-One implementation with three switches from the config; the HF `transformers` implementations are the oracle in
-tests. Parameter layout: fused qkv_proj and gate_up_proj (fewer, larger GEMMs on the GPU).
+One implementation with three switches, set per architecture (DENSE_ARCHITECTURES) and by the config; the HF
+`transformers` implementations are the oracle in tests. Parameter layout: fused qkv_proj and gate_up_proj (fewer,
+larger GEMMs on the GPU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -30,13 +32,15 @@ from specserve.layers.parallel import (
 )
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
 from specserve.models.config import ModelConfig, optional, require, text_config
+from specserve.models.dense_arch import DENSE_ARCHITECTURES, SILU, DenseArch, sliding_window
 
 _FEATURE_MODES = (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
-
-
 @dataclass
 class DenseConfig(ModelConfig):
     """The dense family's config: the core fields plus its attention and MLP shapes and switches."""
+
+    # the architectures this config class parses (a family built on this one has its own table)
+    arch_features: ClassVar[dict[str, DenseArch]] = DENSE_ARCHITECTURES
 
     num_heads: int = 0
     num_kv_heads: int = 0
@@ -46,24 +50,30 @@ class DenseConfig(ModelConfig):
     o_bias: bool = False
     qk_norm: bool = False
 
-    @staticmethod
-    def dense_fields(hf_config, arch: str) -> dict:
+    @classmethod
+    def dense_fields(cls, hf_config, arch: str) -> dict:
+        if arch not in cls.arch_features:
+            raise ValueError(f"{cls.__name__} does not parse architecture {arch!r}; it parses: "
+                             f"{', '.join(sorted(cls.arch_features))}")
+        features = cls.arch_features[arch]
         text = text_config(hf_config)
         num_heads = require(text, "num_attention_heads")
         if getattr(text, "mlp_bias", False):
             raise ValueError("mlp_bias=True checkpoints are not supported")
-        # Qwen2 has q/k/v biases and no o_proj bias; Llama/Qwen3's attention_bias covers all four projections.
+        act = optional(text, "hidden_act", "silu")
+        if act not in SILU:
+            raise ValueError(f"{arch}: hidden_act={act!r} is not supported (silu only)")
         attn_bias = bool(getattr(text, "attention_bias", False))
-        family = arch.removesuffix("NextN")
-        qwen2 = family.startswith("Qwen2")
+        qkv_bias = features.qkv_bias
         return dict(
             num_heads=num_heads,
             num_kv_heads=optional(text, "num_key_value_heads", num_heads),
             head_dim=optional(text, "head_dim", require(text, "hidden_size") // num_heads),
             intermediate_size=require(text, "intermediate_size"),
-            qkv_bias=True if qwen2 else attn_bias,
-            o_bias=False if qwen2 else attn_bias,
-            qk_norm=family.startswith("Qwen3") or bool(getattr(text, "qk_norm", False)),
+            qkv_bias=attn_bias if qkv_bias is None else qkv_bias,
+            o_bias=attn_bias if qkv_bias is None else False,
+            qk_norm=features.qk_norm or bool(getattr(text, "qk_norm", False)),
+            sliding_window=sliding_window(text, features),
         )
 
     @classmethod

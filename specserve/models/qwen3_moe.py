@@ -11,6 +11,7 @@ block's [E, ...] tensors as they stream in (layers/moe.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -19,12 +20,17 @@ from specserve.layers.moe import SparseMoEBlock
 from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.config import ModelConfig, optional, require, text_config
 from specserve.models.dense import DenseConfig, DenseDecoderLayer, DenseForCausalLM, load_dense_tensor
+from specserve.models.dense_arch import DenseArch, with_drafts
 
 _MLP = ".mlp."
 
 
 @dataclass
 class Qwen3MoeConfig(DenseConfig):
+    # the attention of Qwen3 (per-head q/k RMSNorm; a sliding window only with use_sliding_window)
+    arch_features: ClassVar[dict[str, DenseArch]] = with_drafts({
+        "Qwen3MoeForCausalLM": DenseArch(qk_norm=True, window_switch="use_sliding_window")})
+
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -35,7 +41,7 @@ class Qwen3MoeConfig(DenseConfig):
     @classmethod
     def from_hf(cls, hf_config, arch: str) -> Qwen3MoeConfig:
         text = text_config(hf_config)
-        cfg = cls(**ModelConfig.core_fields(hf_config, arch), **DenseConfig.dense_fields(hf_config, arch),
+        cfg = cls(**ModelConfig.core_fields(hf_config, arch), **cls.dense_fields(hf_config, arch),
                   num_experts=require(text, "num_experts"), num_experts_per_tok=require(text, "num_experts_per_tok"),
                   moe_intermediate_size=require(text, "moe_intermediate_size"),
                   norm_topk_prob=bool(optional(text, "norm_topk_prob", True)),
