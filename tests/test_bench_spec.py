@@ -77,3 +77,23 @@ def test_bench_spec_sampled(tiny_models, tmp_path, capsys):
         if r["N"]:
             assert 1.0 <= r["accept_length"] <= 3.0 and r["spec_plain_steps"] == 0  # adaptive is off on a CPU
     assert "sampled: temperature 0.8" in capsys.readouterr().out
+
+
+def test_bench_spec_compares_mtp_chains(tiny_models, tmp_path):
+    """--compare-mtp-chain gives every N of the acceptance table once per chained hidden state (after the draft's
+    final norm, before it), and each run's draft really chains that way."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in ("abc abc abc", "hello there")))
+    out = tmp_path / "res.jsonl"
+    argv = ["--model-path", tiny_models["llama"], "--speculative-draft-model-path", tiny_models["llama_draft"],
+            "--prompts", str(prompts), "--prompts-per-file", "2", "--max-new-tokens", "10", "--accept-steps", "1,3",
+            "--speed-steps", "", "--context-length", "256", "--device", "cpu", "--output-file", str(out)]
+    assert main(argv + ["--compare-mtp-chain"]) == 0
+    acc = json.loads(out.read_text().splitlines()[-1])["acceptance"]["p.jsonl"]
+    assert set(acc) == {"1/normed", "1/prenorm", "3/normed", "3/prenorm"}
+    assert all(1.0 <= v <= 1 + int(k.split("/")[0]) for k, v in acc.items())
+    assert acc["1/normed"] == acc["1/prenorm"]  # one draft step reads the target's hidden state only
+    b = Bench(build_parser().parse_args(argv))
+    for chain in ("prenorm", "normed"):
+        b.scheduler(SpeedConfig(3, mtp_chain=chain), 2)
+        assert b.draft.chain_prenorm == (chain == "prenorm")

@@ -15,6 +15,7 @@ loaded once:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,6 +45,7 @@ class SpeedConfig:
     float_draft: bool = False  # the head without its int8 weights (when the bench quantizes it)
     prefill_graph: bool = True  # prefill as CUDA graphs (False: eager, --cuda-graph-max-prefill-tokens 0)
     draft_sampling: str = "argmax"  # sampled requests' drafts (--speculative-draft-sampling)
+    mtp_chain: str = "normed"  # the draft's chained hidden state (--speculative-mtp-chain)
 
     @property
     def label(self) -> str:
@@ -51,7 +53,8 @@ class SpeedConfig:
         if self.n == 0:
             return "plain" + eager
         return (f"MTP N={self.n}" + ("" if self.one_graph else " phases") + (" float" if self.float_draft else "")
-                + (" q-drafts" if self.draft_sampling == "sample" else "") + eager)
+                + (" q-drafts" if self.draft_sampling == "sample" else "")
+                + (" prenorm" if self.mtp_chain == "prenorm" else "") + eager)
 
     @property
     def baseline(self) -> SpeedConfig:
@@ -127,7 +130,7 @@ class Bench:
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
                         speculative_ngram_lookup=a.speculative_ngram_lookup and bool(n),
                         speculative_ngram_confidence=a.speculative_ngram_confidence,
-                        speculative_draft_sampling=cfg.draft_sampling)
+                        speculative_draft_sampling=cfg.draft_sampling, speculative_mtp_chain=cfg.mtp_chain)
         mr = ModelRunner(sa, self.target.model, self.target.config, draft, self.device, self.dtype,
                          self.context_len)
         mr.capture_graphs()
@@ -214,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampled requests' drafts: the head's argmax or drawn from its distribution")
     p.add_argument("--compare-draft-sampling", action="store_true",
                    help="also time each N with the other --speculative-draft-sampling, interleaved with the rest")
+    p.add_argument("--speculative-mtp-chain", choices=("normed", "prenorm"), default="normed",
+                   help="the draft's hidden state chained into its next step: after its final norm or before")
+    p.add_argument("--compare-mtp-chain", action="store_true",
+                   help="acceptance table: every N with both chains (the draft is shared, so not in the speed table)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling of every run, acceptance and speed (0: greedy; sampled speculation is lossless in "
                         "distribution, so outputs are compared with plain only when greedy)")
@@ -244,20 +251,29 @@ def main(argv: list[str] | None = None) -> int:
                                  "min_p": args.min_p},
                     "acceptance": {}, "speed": []}
     if steps:
+        # columns: N, or (with --compare-mtp-chain) N with the normed chain, then N with the pre-norm chain
+        chains = ("normed", "prenorm") if args.compare_mtp_chain else (args.speculative_mtp_chain,)
+        cols = [(n, c) for n in steps for c in chains]
+
+        def key(n: int, chain: str) -> str:
+            return str(n) if len(chains) == 1 else f"{n}/{chain}"
+
         print(f"\n=== acceptance ({mode}, {args.max_new_tokens} new tokens) ===")
-        print(f"{'file':<28} " + " ".join(f"N={n:<5}" for n in steps))
+        print(f"{'file':<28} " + " ".join(f"N={key(n, c):<12}" for n, c in cols))
         big = max(len(v) for v in sets.values())
         for name, prompts in sets.items():
             row = {}
-            for n in steps:
-                sched = b.scheduler(SpeedConfig(n, draft_sampling=args.speculative_draft_sampling), min(big, 64))
-                row[str(n)] = round(accept_length(b.run(sched, prompts, args.max_new_tokens).reqs), 3)
+            for n, c in cols:
+                cfg = SpeedConfig(n, draft_sampling=args.speculative_draft_sampling, mtp_chain=c)
+                sched = b.scheduler(cfg, min(big, 64))  # built and run one at a time: the shared draft's chain
+                row[key(n, c)] = round(accept_length(b.run(sched, prompts, args.max_new_tokens).reqs), 3)
                 del sched
             result["acceptance"][name] = row
-            print(f"{name:<28} " + " ".join(f"{row[str(n)]:<7.3f}" for n in steps))
-        mean = {str(n): round(sum(r[str(n)] for r in result["acceptance"].values()) / len(sets), 3) for n in steps}
+            print(f"{name:<28} " + " ".join(f"{row[key(n, c)]:<14.3f}" for n, c in cols))
+        mean = {key(n, c): round(sum(r[key(n, c)] for r in result["acceptance"].values()) / len(sets), 3)
+                for n, c in cols}
         result["acceptance"]["mean"] = mean
-        print(f"{'mean':<28} " + " ".join(f"{mean[str(n)]:<7.3f}" for n in steps))
+        print(f"{'mean':<28} " + " ".join(f"{mean[key(n, c)]:<14.3f}" for n, c in cols))
     if speed_steps and conc:
         pool = [x for v in sets.values() for x in v]
         prompts = [pool[i * len(pool) // args.speed_prompts] for i in range(min(args.speed_prompts, len(pool)))]
@@ -278,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                 configs += [SpeedConfig(n, float_draft=True) for n in speed_steps]
             if args.compare_prefill_graph:
                 configs += [SpeedConfig(n, prefill_graph=False) for n in [0] + speed_steps]
+            # one chain for every speculating row: the runners below share the one draft, whose chain the last
+            # runner built would otherwise set for all
+            configs = [dataclasses.replace(x, mtp_chain=args.speculative_mtp_chain) if x.n else x for x in configs]
             scheds = {cfg: b.scheduler(cfg, c) for cfg in configs}
             for sched in scheds.values():
                 b.run(sched, prompts[:min(2, len(prompts))], 16)  # warm-up
