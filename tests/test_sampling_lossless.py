@@ -1,12 +1,13 @@
 """Lossless speculative sampling: with speculation, sampled tokens follow the target's distribution exactly.
 
 On a tiny-vocabulary random model (V = 12) we compute the exact distribution of the first three generated tokens
-with transformers (temperature / top-k / top-p applied by an independent implementation here) and run a
+with transformers (temperature / top-k / top-p / min-p applied by an independent implementation here) and run a
 chi-square goodness-of-fit test on the samples of plain decoding and of speculative decoding (N = 2 and 3, MTP
-layer in the checkpoint). Threshold: p-value > 1e-3 for every test, with fixed seeds (so the test is
-deterministic; a wrong verifier — e.g. accepting drafts without the p(d) test, or sampling the residual without
-removing d — fails with p < 1e-10 here). The drafter proposes the greedy continuation of the (shared) prompt and
-the target is low-entropy, so drafts are accepted often and every accept/reject/bonus path is sampled.
+layer in the checkpoint), also for batches mixing greedy rows and rows of different sampling parameters.
+Threshold: p-value > 1e-3 for every test, with fixed seeds (so the test is deterministic; a wrong verifier — e.g.
+accepting drafts without the p(d) test, or sampling the residual without removing d — fails with p < 1e-10 here).
+The drafter proposes the greedy continuation of the (shared) prompt and the target is low-entropy, so drafts are
+accepted often and every accept/reject/bonus path is sampled.
 """
 
 import itertools
@@ -20,13 +21,16 @@ from spec_fixtures import ForcedSteps, OracleDraft, build_scheduler
 
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
+from specserve.layers.sampler import GREEDY
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # thousands of tiny steps: intra-op threads only spin
 
 V = 12
 PROMPT = [3, 7, 1, 9, 4]
 NUM = 3000
 
 
-def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
     p = np.exp((logits - logits.max()) / temperature)
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
@@ -36,6 +40,8 @@ def _filtered(logits: np.ndarray, temperature: float, top_k: int, top_p: float) 
         if rank >= top_k:
             break
         if cum >= top_p and rank > 0:
+            break
+        if p[i] < min_p * p[order[0]]:  # min-p: relative to the most likely token (after temperature)
             break
         keep[i] = True
         cum += p[i]
@@ -76,23 +82,34 @@ def _greedy(path, device: str = "cpu") -> list[int]:
     return r.output_ids
 
 
+def _sampling(params) -> SamplingParams:
+    """(temperature, top_k, top_p[, min_p]) -> a request's parameters (temperature 0: greedy)."""
+    temperature, top_k, top_p, min_p = (*params, 0.0)[:4]
+    return SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          ignore_eos=True)
+
+
 def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu", force_plain: list | None = None,
-             drafts_drawn: list | None = None, **spec) -> np.ndarray:
-    """graphed_steps: if a list, receives the one-graph spec step's (greedy, sampled, filtered) replay counts;
-    force_plain: a repeating pattern of plain (True) and speculative steps (adaptive speculation); drafts_drawn: if
-    a list, receives how often the drafter's distribution was sampled (draft_candidates calls)."""
-    temperature, top_k, top_p = params
+             drafts_drawn: list | None = None, num: int = NUM, wrong_every: int | None = None,
+             batch_mix: list | None = None, **spec) -> np.ndarray:
+    """params: (temperature, top_k, top_p[, min_p]) for every request, or a list of them, request i taking entry
+    i % len(params) (mixed batches); graphed_steps: if a list, receives the one-graph spec step's (greedy,
+    sampled, filtered) replay counts and then the number of decode steps; force_plain: a repeating pattern of
+    plain (True) and speculative steps (adaptive speculation); drafts_drawn: if a list, receives how often the
+    drafter's distribution was sampled (draft_candidates calls); wrong_every: the oracle drafter's mistakes
+    (OracleDraft); batch_mix: if a list, receives (greedy rows, sampled rows) of each one-graph spec step run."""
+    groups = params if isinstance(params, list) else [params]
     draft = None
     if spec:
         seq = PROMPT + _greedy(path, device)
-        draft = OracleDraft(32, {row: seq for row in range(1, 65)}, wrong_every=None, vocab=V)
+        draft = OracleDraft(32, {row: seq for row in range(1, 65)}, wrong_every=wrong_every, vocab=V)
     sched, _ = build_scheduler(path, draft=draft, max_total_tokens=1 << 15, max_running_requests=64, device=device,
                                **spec)
     if force_plain is not None:
         sched.adaptive = ForcedSteps(force_plain)
-    reqs = [Req(f"r{i}", list(PROMPT), SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k,
-                                                      top_p=top_p, ignore_eos=True), seed=1000 + i)
-            for i in range(NUM)]
+    if batch_mix is not None:
+        _record_batch_mix(sched.mr.spec.spec_step, batch_mix)
+    reqs = [Req(f"r{i}", list(PROMPT), _sampling(groups[i % len(groups)]), seed=1000 + i) for i in range(num)]
     for r in reqs:
         sched.add_request(r)
     while sched.has_work:
@@ -105,8 +122,21 @@ def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu
         drafts_drawn.append(draft.logit_calls)
     if graphed_steps is not None and sched.mr.spec is not None and sched.mr.spec.spec_step is not None:
         one = sched.mr.spec.spec_step
-        graphed_steps += list(one.replays_by_kind.values())
+        graphed_steps += list(one.replays_by_kind.values()) + [sched.stats.num_decode_steps]
     return np.array([r.output_ids for r in reqs])
+
+
+def _record_batch_mix(one, batch_mix: list) -> None:
+    """Wrap the one-graph spec step's run (called only for the batches it covers) to record each batch's greedy
+    and sampled rows."""
+    run = one.run
+
+    def recording(rows, seq_lens, pos0, sb=GREEDY):
+        greedy = len(rows) if sb.all_greedy else int(sb.greedy.sum())
+        batch_mix.append((greedy, len(rows) - greedy))
+        return run(rows, seq_lens, pos0, sb)
+
+    one.run = recording
 
 
 def _gof(observed_tokens: np.ndarray, expected_probs: np.ndarray) -> float:
@@ -159,7 +189,7 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_model, params):
         s = _samples(small_vocab_model, params, graphed_steps=graphed, drafts_drawn=drawn,
                      speculative_algorithm="MTP", speculative_num_steps=3, speculative_draft_sampling="sample",
                      **extra)
-        assert drawn[0] > 0 and sum(graphed[1:]) > 0, (name, drawn, graphed)
+        assert drawn[0] > 0 and sum(graphed[1:3]) > 0, (name, drawn, graphed)
         _assert_fits(joint, s, name)
     # adaptive speculation: plain and speculative steps interleaved (the first decode step plain)
     for pattern in ([True, False], [True, True, False]):
@@ -170,8 +200,14 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_model, params):
 
 def _assert_graph_set(graphed: list[int], params) -> None:
     """The sampled steps ran as the one-graph spec step, with the filter iff the params ask for one."""
-    kind = 2 if params[1] < V or params[2] < 1.0 else 1
+    kind = 2 if _filters(params) else 1
     assert graphed[kind] > 0 and graphed[3 - kind] == 0 and graphed[0] == 0, graphed
+
+
+def _filters(params) -> bool:
+    """Whether (temperature, top_k, top_p[, min_p]) asks for the top-k / top-p / min-p filter."""
+    temperature, top_k, top_p, min_p = (*params, 0.0)[:4]
+    return top_k < V or top_p < 1.0 or min_p > 0
 
 
 def _assert_fits(joint: np.ndarray, s: np.ndarray, name: str) -> None:
@@ -185,12 +221,65 @@ def _assert_fits(joint: np.ndarray, s: np.ndarray, name: str) -> None:
         assert p > 1e-3, (name, (a, b), p)
 
 
+ONE_GRAPH = {"speculative_algorithm": "MTP", "speculative_num_steps": 3, "cuda_graph_bs": [1, 2, 4, 8, 16, 32, 64]}
+
+
+@pytest.mark.parametrize("params", [(1.0, V, 1.0, 0.1), (0.7, 8, 0.95, 0.1)],
+                         ids=["t1-minp0.1", "t0.7-k8-p0.95-minp0.1"])
+def test_spec_sampling_min_p_matches_exact_distribution(small_vocab_model, params):
+    """min-p, alone and with top-k / top-p, as a per-row input of the one-graph spec step (one-hot drafts and drafts
+    drawn from the drafter's distribution) samples the exact joint of the filtered target, as plain decoding does."""
+    joint = _exact_joint(small_vocab_model, params)
+    # min-p drops mass that the other filters keep here, so a step that ignored it would not fit
+    assert np.abs(joint - _exact_joint(small_vocab_model, params[:3])).sum() > 0.1
+    cases = {"plain": {}, "spec3_one_graph": ONE_GRAPH,
+             "q_one_graph": {**ONE_GRAPH, "speculative_draft_sampling": "sample"}}
+    for name, spec in cases.items():
+        graphed, drawn = [], []
+        s = _samples(small_vocab_model, params, graphed_steps=graphed,
+                     drafts_drawn=drawn if name.startswith("q") else None, **spec)
+        if spec:
+            _assert_graph_set(graphed, params)
+            assert graphed[2] == graphed[3], (name, graphed)  # every decode step ran as the one graph
+        if drawn:
+            assert drawn[0] > 0, (name, drawn)
+        _assert_fits(joint, s, name)
+
+
+def test_mixed_greedy_sampled_batches_one_graph(small_vocab_model):
+    """Batches mixing greedy rows and sampled rows of different parameters (temperature, top-k, top-p, min-p; a
+    seed per row) run as the one-graph spec step: each sampled group samples its own exact joint and the greedy
+    rows emit plain greedy decoding's tokens, with one-hot and with sampled drafts (the oracle drafter errs, so
+    greedy rows also reject)."""
+    groups = [(0.0, V, 1.0), (1.0, V, 1.0), (0.7, 6, 0.9), (0.7, 8, 0.95, 0.1)]  # request i takes groups[i % 4]
+    joints = {g: _exact_joint(small_vocab_model, g) for g in groups[1:]}
+    want = _greedy(small_vocab_model)[:3]
+    cases = {"plain": {}, "spec3_one_graph": ONE_GRAPH,
+             "q_one_graph": {**ONE_GRAPH, "speculative_draft_sampling": "sample"}}
+    for name, spec in cases.items():
+        graphed, mix = [], []
+        s = _samples(small_vocab_model, groups, graphed_steps=graphed, num=len(groups) * NUM, wrong_every=3,
+                     batch_mix=mix if spec else None, **spec)
+        if spec:
+            # every decode step ran as the one graph (the filtered kind wherever a row filters), nearly all of
+            # them over greedy and sampled rows together
+            assert sum(graphed[:3]) == graphed[3] and graphed[2] > 0, (name, graphed)
+            both = sum(1 for g, smp in mix if g and smp)
+            assert len(mix) == graphed[3] and both >= 0.9 * len(mix), (name, both, len(mix))
+        greedy_rows = s[0::len(groups)]
+        assert (greedy_rows == want).all(), (name, np.unique(greedy_rows, axis=0))
+        for i, g in enumerate(groups[1:], start=1):
+            _assert_fits(joints[g], s[i::len(groups)], f"{name} {g}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("draft_sampling", ["argmax", "sample"])
-@pytest.mark.parametrize("params", [(1.0, V, 1.0), (0.7, 6, 0.9)], ids=["t1", "t0.7-k6-p0.9"])
+@pytest.mark.parametrize("params", [(1.0, V, 1.0), (0.7, 6, 0.9), (0.7, 8, 0.95, 0.1)],
+                         ids=["t1", "t0.7-k6-p0.9", "t0.7-k8-p0.95-minp0.1"])
 def test_spec_sampling_one_graph_exact_on_gpu(small_vocab_model, params, draft_sampling):
     """The sampled one-graph spec step captured and replayed as CUDA graphs (float32) samples the exact joint, with
-    one-hot drafts and with drafts drawn from the drafter's distribution."""
+    one-hot drafts and with drafts drawn from the drafter's distribution (min-p through the Triton sampler's own
+    path on CUDA)."""
     joint = _exact_joint(small_vocab_model, params)
     graphed: list[int] = []
     s = _samples(small_vocab_model, params, graphed_steps=graphed, device="cuda", speculative_algorithm="MTP",
