@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DECODE_GEMV = ("auto", "triton", "cublas")  # dense layers' decode-row projections (kernels/gemv_policy.py)
 LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-attention layers (layers/gdn.py)
 INDEXER_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the sparse-attention indexer's key cache (auto: --kv-cache-dtype)
+MLA_PREFILL = ("auto", "absorbed", "mha")  # eager prefill of dense MLA layers (attention/mla_prefill.py)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ServerArgs:
     linear_attn_prefill: str = "chunked"
     decode_gemv: str = "auto"
     indexer_cache_dtype: str = "auto"
+    mla_prefill: str = "auto"
     speculative_mtp_chain: str = "normed"
     # sampling
     random_seed: int = 0
@@ -175,6 +177,8 @@ class ServerArgs:
         if self.indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
             raise ValueError(f"--indexer-cache-dtype must be one of {INDEXER_CACHE_DTYPES}, got "
                              f"{self.indexer_cache_dtype!r}")
+        if self.mla_prefill not in MLA_PREFILL:
+            raise ValueError(f"--mla-prefill must be one of {MLA_PREFILL}, got {self.mla_prefill!r}")
         if self.decode_gemv not in DECODE_GEMV:
             raise ValueError(f"--decode-gemv must be one of {DECODE_GEMV}, got {self.decode_gemv!r}")
         if self.linear_attn_prefill not in LINEAR_ATTN_PREFILL:
@@ -322,6 +326,11 @@ class ServerArgs:
         a("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
           help="the sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): auto (the KV cache's dtype) or "
                "fp8_e4m3 with a float32 scale per token")
+        a("--mla-prefill", default="auto", choices=MLA_PREFILL,
+          help="MLA attention of eager prefill batches (DeepSeek-V3): absorbed (one latent key/value head, as decode), "
+               "mha (each request's latent rows decompressed into per-head keys and values by kv_b_proj, then "
+               "ordinary causal attention) or auto (absorbed for now). Prefill graphs, decode, verify, the draft "
+               "phases and sparse-attention (DSA) layers attend absorbed in every mode")
         a("--random-seed", type=int, default=0, help="seed of requests that give none")
         a("--sampling-defaults", default="model", choices=("model", "openai"),
           help="model: unset sampling options come from the model's generation config; openai: OpenAI's defaults")

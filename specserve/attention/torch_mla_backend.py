@@ -6,7 +6,8 @@ shared key/value head: every query head scores the cached latent row [c ; k_rope
 takes its values from the row's first kv_lora_rank dims, c. So this backend is the MHA reference's metadata (which
 slots each query sees, causal within its request; graphs/padding.py's padded rows see only slot 0) over a one-head
 cache whose value is a prefix of its key. Capturable in fixed-width modes (decode, verify, the draft phases), like the
-MHA reference; variable-length batches read their lengths on the host (CPU static replay only).
+MHA reference; variable-length batches read their lengths on the host (CPU static replay only). Eager prefill of
+dense MLA layers may instead attend decompressed (--mla-prefill; attention/mla_prefill.py).
 """
 
 from __future__ import annotations
@@ -16,26 +17,46 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.attention.torch_backend import TorchAttentionBackend, _FixedMeta
-from specserve.batch import CacheKind, ForwardBatch
-
-# The most attention (or index) scores, heads x queries x keys, one eager prefill call materialises: a request
-# piece's queries go in blocks under it, so a long prompt's chunk over a long prefix stays bounded in memory
-# (8192 queries over 32k keys at 64 heads would be 17 G scores). Rows are independent: the result does not depend
-# on the blocking.
-MAX_SCORES = 1 << 28
-
-
-def query_blocks(queries: int, per_query: int, max_scores: int) -> list[tuple[int, int]]:
-    """[(start, end)) blocks of `queries` rows with at most max_scores // per_query rows each (at least one)."""
-    step = max(1, max_scores // max(per_query, 1))
-    return [(a, min(queries, a + step)) for a in range(0, queries, step)]
+from specserve.attention.eager_blocks import MAX_SCORES, query_blocks
+from specserve.attention.mla_prefill import MAX_KV_VALUES, MHAPrefillMeta, mha_prefill_attention, prefill_is_mha
+from specserve.attention.torch_backend import TorchAttentionBackend, _ExtendMeta, _FixedMeta
+from specserve.batch import CacheKind, ForwardBatch, ForwardMode
 
 
 class TorchMLABackend(TorchAttentionBackend):
     kind = CacheKind.MLA
     captures_varlen = False
     max_scores = MAX_SCORES  # per instance where a test wants blocks of a few queries
+    max_kv_values = MAX_KV_VALUES  # forward_mha's decompressed values per head group (per instance: tests)
+
+    def __init__(self, req_to_token, kv_pool, mla_prefill: str = "absorbed"):
+        """mla_prefill: --mla-prefill, the form of eager EXTEND batches' dense attention (attention/mla_prefill.py);
+        every other batch attends absorbed."""
+        super().__init__(req_to_token, kv_pool)
+        self.mla_prefill = mla_prefill
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        super().init_forward_metadata(fb)
+        # only the target's eager prefill: graphs build their metadata elsewhere, and the draft's prefill is a draft
+        # phase (DRAFT_EXTEND)
+        if (fb.mode is ForwardMode.EXTEND and isinstance(self.meta, _ExtendMeta)
+                and prefill_is_mha(self.mla_prefill, self.meta.pieces)):
+            self.meta = MHAPrefillMeta(self.meta.pieces)
+
+    @property
+    def prefill_mha(self) -> bool:
+        """Do this forward's dense MLA layers attend decompressed (forward_mha) rather than absorbed (forward)?"""
+        return isinstance(self.meta, MHAPrefillMeta)
+
+    def forward_mha(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, w_kv: torch.Tensor,
+                    layer, fb: ForwardBatch) -> torch.Tensor:
+        """The non-absorbed form, where prefill_mha: q_nope [T, H, nope], q_rope [T, H, R] (rotated); latent [T, C + R]
+        this batch's new rows (stored at fb.out_cache_loc); w_kv [H, nope + v, C] kv_b_proj's weight -> [T, H, v],
+        o_proj's input."""
+        rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
+        rows[fb.out_cache_loc] = latent.to(rows.dtype)
+        return mha_prefill_attention(q_nope, q_rope, rows, w_kv, self.meta, layer.scaling, self.max_scores,
+                                     self.max_kv_values)
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
@@ -197,8 +218,8 @@ class TritonMLABackend(_TokenRowsGraphs, TorchMLABackend):
     absorbed-MLA kernel (kernels/triton_mla.py; each key's latent row read once for a block of heads), eager prefill
     batches through the torch reference. Chosen by --attention-backend triton, and by auto on CUDA."""
 
-    def __init__(self, req_to_token, kv_pool):
-        super().__init__(req_to_token, kv_pool)
+    def __init__(self, req_to_token, kv_pool, mla_prefill: str = "absorbed"):
+        super().__init__(req_to_token, kv_pool, mla_prefill)
         from specserve.kernels.triton_mla import mla_decode_triton  # triton only where this backend is chosen
 
         self._kernel = mla_decode_triton

@@ -94,6 +94,9 @@ class ModelRunner:
         draft_specs = draft.cache_specs() if draft is not None else []
         self.kind_dtypes = ({CacheKind.INDEX_KEYS: torch.float8_e4m3fn} if args.indexer_cache_dtype == "fp8_e4m3"
                             else {})
+        if args.mla_prefill == "mha" and any(s.kind is CacheKind.INDEX_KEYS for s in target_specs):
+            logger.warning("--mla-prefill mha: sparse-attention (DSA) layers attend each query's top-k rows, "
+                           "absorbed as in every other phase; only dense MLA layers prefill decompressed")
         per_tok = bytes_per_token(target_specs + draft_specs, kv_dtype, self.kind_dtypes)
         self.row_width = -(-(context_len + self.num_steps + 1) // self.page_size) * self.page_size
         self.max_running = args.max_running_requests or (256 if device.type == "cuda" else 64)
@@ -195,7 +198,9 @@ class ModelRunner:
         """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
         twice: for its graph metadata and for its eager path)."""
         chunked = self.args.linear_attn_prefill == "chunked"
-        classes = {**self._token_backend_classes(),
+        token = self._token_backend_classes()
+        mla, mla_prefill = token[CacheKind.MLA], self.args.mla_prefill
+        classes = {**token, CacheKind.MLA: lambda table, pool: mla(table, pool, mla_prefill),
                    CacheKind.RECURRENT: lambda table, pool: RecurrentStateBackend(table, pool, chunked)}
         missing = [k.value for k in caches.kinds if k not in classes]
         if missing:

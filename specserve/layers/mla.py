@@ -11,6 +11,9 @@ The up-projections are absorbed into the query (W_UK^T) and the output (W_UV), s
 attention is one shared key/value head of C + R dims (values: the first C); attention/torch_mla_backend.py. Rope
 layout: DeepSeek's checkpoints rotate interleaved pairs (rope_interleave); both q_rope and k_rope are de-interleaved
 into the rotate-half layout before the rotation, which leaves every q . k unchanged.
+
+Eager prefill of dense layers may instead decompress the cached rows into per-head keys and values and attend
+without the absorption (--mla-prefill; attention/mla_prefill.py): the same cache, the same scores.
 """
 
 from __future__ import annotations
@@ -91,15 +94,18 @@ class MLAAttention(nn.Module):
         else:
             q_rope, k_rope = q_rope.contiguous(), k_rope.contiguous()
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope)  # [T, H, R], [T, 1, R]
-        w = self.kv_b_proj.weight.view(nh, self.nope + self.v_head_dim, c)
+        w = self.kv_b_proj.weight.view(nh, self.nope + self.v_head_dim, c)  # [H, nope + v, C]: [W_UK ; W_UV]
+        latent = torch.cat((c_new, k_rope.view(t, self.rope)), dim=-1)  # [T, C + R]
+        mla = fb.backend(CacheKind.MLA)
+        if self.indexer is None and not self.shared_index and mla.prefill_mha:  # dense layer, eager prefill
+            out = mla.forward_mha(q_nope, q_rope, latent, w, self, fb)  # [T, H, V]: decompressed keys and values
+            return self.o_proj(out.reshape(t, nh * self.v_head_dim))
         q_abs = torch.einsum("thn,hnc->thc", q_nope, w[:, :self.nope])  # [T, H, C]: W_UK absorbed
         selection = None
         if self.indexer is not None:
             selection = fb.backend(CacheKind.INDEX_KEYS).select(self.indexer(positions, h, q_resid), self.indexer, fb)
         elif self.shared_index:
             selection = fb.backend(CacheKind.INDEX_KEYS).last
-        out = fb.backend(CacheKind.MLA).forward(torch.cat((q_abs, q_rope), dim=-1),
-                                                torch.cat((c_new, k_rope.view(t, self.rope)), dim=-1), self, fb,
-                                                selection)
+        out = mla.forward(torch.cat((q_abs, q_rope), dim=-1), latent, self, fb, selection)
         out = torch.einsum("thc,hvc->thv", out, w[:, self.nope:])  # [T, H, V]: W_UV absorbed
         return self.o_proj(out.reshape(t, nh * self.v_head_dim))
