@@ -329,7 +329,7 @@ class ServerArgs:
         a("--mla-prefill", default="auto", choices=MLA_PREFILL,
           help="MLA attention of eager prefill batches (DeepSeek-V3): absorbed (one latent key/value head, as decode), "
                "mha (each request's latent rows decompressed into per-head keys and values by kv_b_proj, then "
-               "ordinary causal attention) or auto (absorbed for now). Prefill graphs, decode, verify, the draft "
+               "ordinary causal attention) or auto (mha). Prefill graphs, decode, verify, the draft "
                "phases and sparse-attention (DSA) layers attend absorbed in every mode")
         a("--random-seed", type=int, default=0, help="seed of requests that give none")
         a("--sampling-defaults", default="model", choices=("model", "openai"),

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py does the same)
 pytest.importorskip("triton")
 
-from specserve.kernels.triton_mla import mla_decode_triton  # noqa: E402
+from specserve.kernels.triton_mla import default_block_h, mla_decode_triton  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,6 +96,32 @@ def test_mla_decode_matches_reference(dtype, width, heads, c, r, selection):
     assert got.shape == (len(seq_lens) * width, heads, c) and got.dtype == dtype
     _assert_close(got, reference(q, rows, kv_slots, lens, width, scale, c, sel))
     assert torch.equal(mla_decode_triton(q, rows, kv_slots, lens, width, scale, c, sel), got)  # deterministic
+
+
+def test_default_head_blocks_from_shapes():
+    """64 heads a program from 4 query tokens on (16-bit q, 64+ heads; from 8 over at most 2048 keys), 32 below 64
+    heads or for float32 q; 16 or 32 heads (long contexts) in smaller launches."""
+    assert default_block_h(4, 64, 4096, wide=False) == 64 and default_block_h(256, 128, 2048, wide=False) == 64
+    assert default_block_h(4, 64, 2048, wide=False) == 16 and default_block_h(8, 64, 2048, wide=False) == 64
+    assert default_block_h(4, 64, 4096, wide=True) == 32 and default_block_h(8, 40, 4096, wide=False) == 32
+    assert default_block_h(8, 16, 4096, wide=False) == 16
+    assert default_block_h(1, 64, 4096, wide=False) == 16 and default_block_h(3, 64, 32768, wide=False) == 32
+    assert default_block_h(1, 16, 32768, wide=False) == 16
+
+
+@pytest.mark.parametrize("selection", [None, "sparse"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_64_head_blocks_match_reference(selection, num_splits):
+    """The default launch of a 64-head model at 4 query tokens in bfloat16 (one block of 64 heads, 4 warps or 8):
+    == the reference, key splits or not, dense or sparse."""
+    g = torch.Generator().manual_seed(64 + num_splits)
+    q, rows, kv_slots, lens, sel = _batch([MAX_KV, 4, 33], 4, 64, 32, 16, torch.bfloat16, g, selection)
+    assert default_block_h(q.shape[0], 64, MAX_KV, wide=False) == 64  # 12 query tokens
+    want = reference(q, rows, kv_slots, lens, 4, 0.1, 32, sel)
+    for warps in (None, 4):
+        got = mla_decode_triton(q, rows, kv_slots, lens, 4, 0.1, 32, sel, num_splits=num_splits, num_warps=warps,
+                                num_stages=1 if warps else 2)
+        _assert_close(got, want)
 
 
 def test_small_key_blocks_and_out_buffer():

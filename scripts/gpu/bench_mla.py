@@ -6,14 +6,19 @@ one layer, bf16, timed as CUDA-graph replays (the kernels without the host launc
   rows read once) at the measured copy bandwidth;
 - sparse MLA over per-query lists of 2048 rows (every query token its own row), the kernel only;
 - the indexer: the Triton scores over every key plus the stable top-k (topk_slots), against the torch reference's
-  einsum scores.
+  einsum scores;
+- `sweep` (only when asked): the absorbed-MLA kernel's launch options (heads per program, keys per step, warps,
+  pipeline stages) searched per shape, dense and sparse, against the defaults; ends with a dict literal of the best
+  options per shape for a policy.
 
-    python3 scripts/gpu/bench_mla.py [sparse] [mla] [indexer]     (default: all three)
+    python3 scripts/gpu/bench_mla.py [sparse] [mla] [indexer] [sweep [--budget SECONDS]]
+                                                                  (default: the first three; sweep budget 240 s)
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -150,13 +155,123 @@ def indexer_rows(bw: float) -> None:
         indexer_row(bs, 4, 32768, bw, live=1024)
 
 
+# --- sweep: the kernel's launch options, per shape ---
+
+SWEEP_DENSE = ((1, 1, 4096), (1, 1, 32768), (8, 1, 32768), (1, 4, 4096), (8, 4, 4096), (64, 4, 4096),
+               (32, 1, 32768), (8, 4, 32768))  # (bs, w, keys)
+SWEEP_SPARSE = (1, 4, 32, 256)  # query tokens, each over its own TOPK rows
+
+
+def acc_fits(block_h: int, num_warps: int) -> bool:
+    """The float32 [heads, C] accumulator at most 64 x 256 per 4 warps (128 registers a thread); larger spills."""
+    return block_h * C <= 64 * 256 * num_warps // 4
+
+
+def label(k: dict) -> str:
+    return f"h{k['block_h']} n{k['block_n']} w{k['num_warps']} s{k['num_stages']}"
+
+
+def tile_configs(w: int) -> list[dict]:
+    """Stage 1: every heads-per-program at 32 keys a step and 2 stages, with 4 and 8 warps where the accumulator
+    fits; 64 heads (one Hopper warpgroup MMA) first."""
+    return [dict(block_h=bh, block_n=32, num_warps=nw, num_stages=2) for bh in (64, 32, 16) for nw in (8, 4)
+            if acc_fits(bh, nw)]
+
+
+def neighbours(k: dict) -> list[dict]:
+    """Stage 2: a stage-1 winner with the other keys per step and stages."""
+    return [dict(k, block_n=bn, num_stages=ns) for bn in (32, 64) for ns in (1, 2)]
+
+
+def sweep_shape(name: str, q, rows, kv_slots, lens, w: int, floor: float, deadline: float) -> tuple[float, dict]:
+    """Times the defaults and the configs of both stages until `deadline` (time.perf_counter()); each config's
+    output is checked against the defaults' first. -> (best us, best options; {} for the defaults)."""
+    call = lambda **k: mla_decode_triton(q, rows, kv_slots, lens, w, 0.07, C, **k)
+    want = call().float()
+    default = bench_graph(call, reps=10) * 1e3
+    timed: dict[str, float] = {}
+    known: dict[str, dict] = {}  # label -> options, of every config tried
+    failed, wrong, left = [], [], 0
+    for stage in (1, 2):
+        if stage == 1:
+            configs = tile_configs(w)
+        else:  # the two fastest tiles of stage 1, varied
+            configs = [n for key in sorted(timed, key=timed.get)[:2] for n in neighbours(known[key])]
+        for k in configs:
+            key = label(k)
+            if key in known:
+                continue
+            if time.perf_counter() > deadline:
+                left += 1
+                continue
+            known[key] = k
+            try:
+                got = call(**k).float()
+                if not torch.allclose(got, want, atol=2e-2 * want.abs().max().item(), rtol=0):
+                    wrong.append(key)
+                    continue
+                timed[key] = bench_graph(lambda k=k: call(**k), reps=10) * 1e3
+            except Exception as e:  # out of shared memory / registers, or a compile error: report, keep going
+                failed.append(f"{key} ({type(e).__name__}: {str(e)[:60]})")
+    best_key = min(timed, key=timed.get) if timed else None
+    best = timed[best_key] if best_key else float("nan")
+    speedup = default / best if best_key else float("nan")
+    print(f"{name:>22} | {default:9.1f} {best:9.1f} {speedup:7.2f}x | {floor:7.1f} | {len(timed):>3} timed "
+          f"{left:>3} left | {best_key}")
+    for f in failed:
+        print(f"{'':>24}failed: {f}")
+    for f in wrong:
+        print(f"{'':>24}WRONG OUTPUT: {f}")
+    if best_key is None or best >= default:
+        return default, {}
+    return best, known[best_key]
+
+
+def sweep(bw: float, budget: float) -> None:
+    print(f"\n--- absorbed-MLA launch options (us per layer; {budget:.0f} s budget shared by the shapes; floor = rows "
+          f"once at {bw / 1e9:.0f} GB/s; best config: heads / value dims / query tokens a program, keys a step, "
+          "warps, stages) ---")
+    print(f"{'shape':>22} | {'default':>9} {'best':>9} {'speedup':>8} | {'floor':>7} | {'configs':>16} | best config")
+    shapes = len(SWEEP_DENSE) + len(SWEEP_SPARSE)
+    start = time.perf_counter()
+    policy = {}
+    for n, (bs, w, kv) in enumerate(SWEEP_DENSE):
+        q, rows, kv_slots, lens = dense_inputs(bs, w, kv)
+        floor = bs * kv * (C + R) * 2 / bw * 1e6
+        us, k = sweep_shape(f"dense bs{bs} w{w} kv{kv}", q, rows, kv_slots, lens, w, floor,
+                            start + budget * (n + 1) / shapes)
+        policy[("dense", bs, w, kv)] = (k, us)
+        del q, rows, kv_slots, lens
+        torch.cuda.empty_cache()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rows = torch.randn((32768 * 4, C + R), device=DEV, dtype=BF, generator=g)
+    for n, tokens in enumerate(SWEEP_SPARSE, start=len(SWEEP_DENSE)):
+        sel = torch.randint(1, rows.shape[0], (tokens, TOPK), device=DEV, generator=g)
+        counts = torch.full((tokens,), TOPK, dtype=torch.int64, device=DEV)
+        q = torch.randn((tokens, H, C + R), device=DEV, dtype=BF, generator=g)
+        floor = tokens * TOPK * (C + R) * 2 / bw * 1e6
+        us, k = sweep_shape(f"sparse {tokens} x {TOPK}", q, rows, sel, counts, 1, floor,
+                            start + budget * (n + 1) / shapes)
+        policy[("sparse", tokens, 1, TOPK)] = (k, us)
+    print(f"\nsweep took {time.perf_counter() - start:.0f} s. Best options per shape ((kind, bs or tokens, w, keys); "
+          "{} = the defaults):\nMLA_LAUNCH = {")
+    for key, (k, us) in policy.items():
+        opts = ", ".join(f"{a}={b}" for a, b in k.items())
+        print(f"    {key!r}: dict({opts}),  # {us:.1f} us")
+    print("}")
+
+
 def main() -> None:
-    parts = sys.argv[1:] or ["sparse", "mla", "indexer"]
+    args = sys.argv[1:]
+    budget = float(args[args.index("--budget") + 1]) if "--budget" in args else 240.0
+    parts = [a for a in args if a in ("sparse", "mla", "indexer", "sweep")] or ["sparse", "mla", "indexer"]
     bw = copy_bw()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s")
     for name, fn in (("sparse", sparse_rows), ("mla", mla_rows), ("indexer", indexer_rows)):
         if name in parts:
             fn(bw)
+    if "sweep" in parts:
+        sweep(bw, budget)
 
 
 if __name__ == "__main__":

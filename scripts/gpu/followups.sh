@@ -41,8 +41,13 @@
 #             row on 8B shapes), then
 #             smollm2_round.sh keep / join / qspec (is adaptive speculation now >= plain at batch 1 sampled?).
 #   twelfth / twelfth-b / thirteenth  the one-token MoE path, PDL at decode sizes, the DSA top-k's launches.
-# Every entry above has run (thirteenth last: BENCHMARKS §24.1); nothing written is left unmeasured. For a fresh
-# lease start from the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`, `profile_kernels.py --parts dsa`).
+#   fourteenth / fourteenth-b  the MLA kernel's launch sweep, MLA prefill absorbed vs decompressed, the GPU tests
+#             of 2026-12-03 (ran: BENCHMARKS §25.2-25.3).
+#   fifteenth issue 12's and 13's phase tables at batch 1/8/32/64, every phase eager against graph: NOT RUN YET
+#             (no device time left on 2026-12-03); also unrun: tests/test_gpu_moe.py and the hybrid every-phase test
+#             ran only on a helper's tree, the min-p GPU lossless case, all of tests/test_gpu_mla.py after §25.3.
+# For a fresh lease start with `fifteenth`, then the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`,
+# `profile_kernels.py --parts dsa`: issue 14's sparse/dense ratio against the faster dense MLA of §25.3).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -197,6 +202,33 @@ case "${1:-}" in
     timeout 100 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
       --prefill-tokens 0 2>&1 | grep -v -i warn | grep "plain\|spec iter"
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh|twelfth|twelfth-b|thirteenth" >&2
+  fourteenth)  # the MLA kernel's config sweep on GLM-5 shapes, MLA prefill absorbed against decompressed
+    # (--mla-prefill), the tests written on 2026-12-03 that need a GPU: the MLA kernel, min-p in the sampled
+    # one-graph step (ran at 3f7b733 with a kernel generalisation that was then dropped: BENCHMARKS §25.3)
+    timeout 220 python3 scripts/gpu/bench_mla.py sweep --budget 190 2>&1 | tee "$OUT/mla_sweep.log" \
+      | grep -v -i warn | tail -45
+    timeout 120 python3 scripts/gpu/bench_mla_prefill.py 2>&1 | tee "$OUT/mla_prefill.log" | grep -v -i warn \
+      | tail -30
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py \
+      "tests/test_sampling_lossless.py::test_spec_sampling_one_graph_exact_on_gpu" 2>&1 \
+      | tee "$OUT/gpu_tests.log" | grep -v -i warn | tail -6
+    ;;
+  fourteenth-b)  # the MLA kernel's new default head blocks: GPU kernel tests, the sweep against the new defaults,
+    # the MLA / DSA model tests on the GPU
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -x tests/test_triton_mla.py -k "cuda or 64_head" -rf \
+      2>&1 | tee "$OUT/gpu_mla_kernel.log" | grep -v -i warn | tail -4
+    timeout 80 python3 scripts/gpu/bench_mla.py sweep --budget 60 2>&1 | tee "$OUT/mla_sweep_b.log" \
+      | grep -v -i warn | grep "|" | head -14
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gpu_mla.py 2>&1 \
+      | tee "$OUT/gpu_mla.log" | grep -v -i warn | tail -4
+    ;;
+  fifteenth)  # issue 12's and 13's phase tables at batch 1, 8, 32, 64, every phase eager against graph
+    timeout 290 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1,8,32,64 --iters 10 \
+      --idle-steps 5 --prefill-tokens 0 --output-file "$OUT/phases_moe.jsonl" 2>&1 | grep -v -i warn | tail -36
+    timeout 290 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,8,32,64 \
+      --prefix-len 1024 --context-length 2048 --iters 10 --idle-steps 5 --prefill-tokens 0 \
+      --project-accept-lengths 3.0,3.7 --output-file "$OUT/phases_next.jsonl" 2>&1 | grep -v -i warn | tail -40
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh|twelfth|twelfth-b|thirteenth|fourteenth|fourteenth-b|fifteenth" >&2
      exit 2 ;;
 esac

@@ -31,11 +31,10 @@ MAX_KV_VALUES = 1 << 28
 
 def prefill_is_mha(choice: str, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> bool:
     """The one place that picks the form of an eager EXTEND batch's dense MLA attention: --mla-prefill absorbed or
-    mha as asked. auto is absorbed until GPU measurements (scripts/gpu/bench_mla_prefill.py) say from which chunk
-    and prefix lengths (the pieces' new tokens and keys: (q_start, q_len, slots [s], mask)) mha is faster."""
-    if choice == "auto":
-        return False
-    return choice == "mha"
+    mha as asked; auto is mha, measured faster on the H200 at every chunk (512 to 8192 tokens) and prefix (0 to 32k)
+    of scripts/gpu/bench_mla_prefill.py (BENCHMARKS.md §25). `pieces` (q_start, q_len, slots [s], mask) per request:
+    what a shape-dependent choice would read; small chunks on a GPU mostly run as prefill graphs (absorbed) anyway."""
+    return choice in ("auto", "mha")
 
 
 @dataclass

@@ -35,12 +35,13 @@ m = -1e30, l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: e
 SM, at most one split per 4 key blocks of max_kv; one split (no workspace, no second kernel) once the batch alone
 fills the GPU.
 
-Block sizes: BLOCK_H = 32 for more than 16 heads and 4 or more query tokens, else 16 (tl.dot's smallest M; fewer
-heads are masked; on the H200 32 is faster from 4 tokens on, 16 for a single token: BENCHMARKS.md), BLOCK_N = 64
-keys (32 when the row is wider than 256, to bound the c tile's registers), num_warps 4 (8 when BLOCK_C > 256, where
-the [BLOCK_H, BLOCK_C] float32 accumulator and the c tile dominate). `F32_DOT` computes the products in float32:
-set for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9); probabilities are
-still rounded to the value dtype first, as on the GPU.
+Block sizes (defaults; each is a launch option, swept on the H200 in BENCHMARKS.md §12.2 and §25):
+BLOCK_H from `default_block_h` (64 heads a program for 16-bit q once the launch has enough query rows, fewer heads
+are masked; 16 or 32 in small launches), BLOCK_N = 64 keys (32 when the row is wider than 256, to bound the c
+tile's registers), num_warps 4 (8 when BLOCK_C > 256 and the launch is not small or q is float32, where the
+[BLOCK_H, BLOCK_C] float32 accumulator and the c tile dominate), num_stages 2. `F32_DOT` computes the products in
+float32: set for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9);
+probabilities are still rounded to the value dtype first, as on the GPU.
 """
 
 from __future__ import annotations
@@ -160,6 +161,23 @@ def _mla_combine_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, num_heads, kv_lora_rank,
              mask=c < kv_lora_rank)
 
 
+def few_rows(num_tokens: int, max_kv: int) -> bool:
+    """A launch too small for 64-head programs: under 4 query tokens, or under 8 over at most 2048 keys (a DSA
+    verify's 4 tokens over their top-k rows), where more, smaller programs win."""
+    return num_tokens < 4 or (num_tokens < 8 and max_kv <= 2048)
+
+
+def default_block_h(num_tokens: int, num_heads: int, max_kv: int, wide: bool) -> int:
+    """Heads per program from shapes only. A launch of enough query rows: 64 heads in one program for 16-bit q with
+    64 or more heads (each latent row read once for all of them, and M = 64 fills a warpgroup's tensor-core tile;
+    float32 tiles of 64 x C would not fit), else 32. A small launch (few_rows): smaller blocks for more programs, 32
+    heads over long contexts (the key splits already make enough programs), else 16 (tl.dot's smallest M).
+    wide: q is float32."""
+    if not few_rows(num_tokens, max_kv):
+        return 64 if num_heads >= 64 and not wide else (32 if num_heads > 16 else 16)
+    return 32 if num_heads > 16 and max_kv >= 16384 else 16
+
+
 def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) -> int:
     """Key splits for a launch of `num_programs` (query token, head block) programs: enough for about
     `target` programs in all, at most one per 4 key blocks of max_kv, at least 1. Shapes only."""
@@ -172,7 +190,8 @@ def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) ->
 def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tensor, seq_lens: torch.Tensor,
                       width: int, scale: float, kv_lora_rank: int, selection: torch.Tensor | None = None, *,
                       block_h: int | None = None, block_n: int | None = None, num_splits: int | None = None,
-                      out: torch.Tensor | None = None, kv_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, num_stages: int = 2, out: torch.Tensor | None = None,
+                      kv_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA attention of a fixed-width batch.
 
     q [bs * width, H, C + R] (latent-absorbed nope part | rope part); rows [slots, C + R] the latent cache;
@@ -182,7 +201,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     the page table; a prefill runs as token rows: width 1, each token its own request with its causal length).
     block_h: heads per program (power of two >= 16; default 32 for more than 16 heads and 4 or more tokens, else
     16); block_n: keys per step (default from the row width);
-    num_splits: key splits per query (default from the launch size, `num_key_splits`)."""
+    num_splits: key splits per query (default from the launch size, `num_key_splits`);
+    num_warps (default from C and the launch size), num_stages: Triton's launch options."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
@@ -195,8 +215,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     assert out.shape == (num_tokens, num_heads, c) and out.dtype == q.dtype and out.stride(-1) == 1
     if num_tokens == 0:
         return out
-    if block_h is None:  # 16 for one to three query tokens (latency: more, smaller programs), else 32 if it fits
-        block_h = 32 if num_heads > 16 and num_tokens >= 4 else 16
+    if block_h is None:
+        block_h = default_block_h(num_tokens, num_heads, max_kv, q.dtype == torch.float32)
     block_c = max(16, triton.next_power_of_2(c))
     block_r = max(16, triton.next_power_of_2(rope)) if rope > 0 else 16
     if block_n is None:
@@ -218,7 +238,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         ws_ml = torch.empty((num_tokens, num_splits, 2, num_heads), dtype=torch.float32, device=q.device)
     else:
         ws_acc = ws_ml = out  # unused
-    num_warps = 4 if block_c <= 256 else 8
+    if num_warps is None:  # 16-bit q and a small launch: small head blocks, for which 4 warps suffice
+        num_warps = 4 if block_c <= 256 or (few_rows(num_tokens, max_kv) and q.dtype != torch.float32) else 8
     pdl = grid_pdl(q.device, num_tokens * head_blocks * num_splits, num_tokens)
     _mla_decode_kernel[(num_tokens, head_blocks, num_splits)](
         q, rows, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, sel, out, ws_acc, ws_ml,
@@ -228,7 +249,7 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, NUM_SPLITS=num_splits,
         HAS_ROPE=rope > 0, HAS_SEL=selection is not None, HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot,
         PRECISION=precision, PDL=pdl,
-        num_warps=num_warps, num_stages=2, **pdl_kwargs(bool(pdl)),
+        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(bool(pdl)),
     )
     if num_splits > 1:
         block_s = max(2, triton.next_power_of_2(num_splits))
