@@ -62,7 +62,7 @@ def _prefill_logits(path, prompts, mla_prefill, page_size=1, max_scores=None, ma
 
 def test_the_choice():
     """auto is mha (measured faster on the H200 at every chunk and prefix); the flag takes only its three values."""
-    assert [prefill_is_mha(c, []) for c in ("auto", "absorbed", "mha")] == [True, False, True]
+    assert [prefill_is_mha(c) for c in ("auto", "absorbed", "mha")] == [True, False, True]
     assert ServerArgs(mla_prefill="mha").mla_prefill == "mha" and ServerArgs().mla_prefill == "auto"
     with pytest.raises(ValueError, match="--mla-prefill"):
         ServerArgs(mla_prefill="flash")

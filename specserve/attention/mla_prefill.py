@@ -29,11 +29,11 @@ from specserve.attention.torch_backend import _ExtendMeta
 MAX_KV_VALUES = 1 << 28
 
 
-def prefill_is_mha(choice: str, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> bool:
+def prefill_is_mha(choice: str) -> bool:
     """The one place that picks the form of an eager EXTEND batch's dense MLA attention: --mla-prefill absorbed or
     mha as asked; auto is mha, measured faster on the H200 at every chunk (512 to 8192 tokens) and prefix (0 to 32k)
-    of scripts/gpu/bench_mla_prefill.py (BENCHMARKS.md §25). `pieces` (q_start, q_len, slots [s], mask) per request:
-    what a shape-dependent choice would read; small chunks on a GPU mostly run as prefill graphs (absorbed) anyway."""
+    of scripts/gpu/bench_mla_prefill.py (BENCHMARKS.md §25); small chunks on a GPU mostly run as prefill graphs
+    (absorbed) anyway."""
     return choice in ("auto", "mha")
 
 

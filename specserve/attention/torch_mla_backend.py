@@ -40,7 +40,7 @@ class TorchMLABackend(TorchAttentionBackend):
         # only the target's eager prefill: graphs build their metadata elsewhere, and the draft's prefill is a draft
         # phase (DRAFT_EXTEND)
         if (fb.mode is ForwardMode.EXTEND and isinstance(self.meta, _ExtendMeta)
-                and prefill_is_mha(self.mla_prefill, self.meta.pieces)):
+                and prefill_is_mha(self.mla_prefill)):
             self.meta = MHAPrefillMeta(self.meta.pieces)
 
     @property

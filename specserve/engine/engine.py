@@ -70,9 +70,9 @@ def load_models(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> Lo
     src = ModelSource.resolve(model_path)
     hf_config = load_hf_config(src)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    cfg_ctx = getattr(getattr(hf_config, "text_config", None) or hf_config, "max_position_embeddings", 4096)
-    context_len = ModelConfig.from_hf(hf_config).context_len(args.context_length)  # within a sliding window
-    max_positions = max(context_len, cfg_ctx) + args.num_draft_steps + 2
+    model_cfg = ModelConfig.from_hf(hf_config)
+    context_len = model_cfg.context_len(args.context_length)  # within a sliding window
+    max_positions = max(context_len, model_cfg.max_position_embeddings) + args.num_draft_steps + 2
     torch.manual_seed(args.random_seed)
     target = load_target(src, dtype, device, max_positions, hf_config, tp=tp)
     draft = None
