@@ -21,6 +21,7 @@ from helpers import _index_all_shards
 from safetensors.torch import save_file
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
+from test_overlap_schedule import test_arrivals_and_aborts_while_a_step_is_in_flight as overlap_arrivals
 from test_prefill_graph import check_padded_prefill, prefill_runner, prefill_runners
 from test_qwen3_next import _hf_logits, _prefill, _runner
 from test_runners import _spec_runner, check_one_graph_step, check_phase_replay
@@ -325,6 +326,11 @@ def test_all_tied_scores_select_the_earliest_tokens_in_every_phase(dsa):
 @pytest.mark.parametrize("spec", [None, 3])
 def test_mixed_workload_with_retractions(dsa, spec):
     mixed_workload(dsa, spec, 16, key="glm_moe_dsa_sparse")
+
+
+def test_overlap_schedule_arrivals_and_aborts(dsa):
+    overlap_arrivals(dsa, key="glm_moe_dsa_sparse")
+    overlap_arrivals(dsa, key="glm_moe_dsa_sparse", spec=dict(speculative_algorithm="MTP", speculative_num_steps=3))
 
 
 def test_phase_replay_equals_eager(dsa):

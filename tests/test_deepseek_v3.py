@@ -11,6 +11,8 @@ import torch
 from deepseek_helpers import build_tiny_deepseek
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
+from test_overlap_schedule import test_mixed_workload_matches_synchronous as overlap_workload
+from test_overlap_schedule import test_spec_mixed_workload_matches_synchronous as overlap_spec_workload
 from test_prefill_graph import check_padded_prefill, prefill_runner
 from test_qwen3_next import _hf_greedy, _hf_logits, _prefill, _runner
 from test_runners import _inputs, _spec_runner, check_isolation, check_one_graph_step, check_phase_replay
@@ -113,6 +115,11 @@ def test_spec_greedy_mtp_matches_plain_and_hf(deepseek, greedy_ref, n, page_size
 @pytest.mark.parametrize("spec", [None, 3])
 def test_mixed_workload_with_retractions(deepseek, spec):
     mixed_workload(deepseek, spec, 16, key="mtp")
+
+
+def test_overlap_schedule_matches_synchronous(deepseek):
+    overlap_workload(deepseek, 160, key="mtp")
+    overlap_spec_workload(deepseek, 3, 160, key="mtp")
 
 
 def test_phase_replay_equals_eager_and_isolation(deepseek):

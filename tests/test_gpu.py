@@ -5,7 +5,9 @@
 - greedy speculative output equals greedy plain output on the GPU in float32 (random MTP layer, and an oracle
   drafter that exercises every accept path); in bfloat16 the match rate is measured and printed;
 - no KV leak after a mixed workload with retractions;
-- graphs on and --disable-cuda-graph give the same greedy tokens.
+- graphs on and --disable-cuda-graph give the same greedy tokens;
+- the overlap schedule (on by default on a GPU) gives the synchronous schedule's tokens, with retractions, arrivals
+  while a step is in flight and aborts.
 """
 
 import pytest
@@ -199,4 +201,54 @@ def test_plain_step_graph_gpu(tiny_models, temperature):
         one = eng.core.model_runner.plain_step
         assert bool(one.graphs) != off and (one.replays > 0) != off
         eng.core.scheduler.check_idle_invariants()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+@pytest.mark.parametrize("total", [8192, 160])
+def test_overlap_schedule_matches_synchronous_gpu(tiny_models, total, spec):
+    from test_kv_accounting import _workload
+    from test_overlap_schedule import _drive, _reqs
+
+    from specserve import Engine
+
+    prompts, params = _workload()
+    kw = dict(model_path=tiny_models["llama_mtp" if spec else "llama"], context_length=128, chunked_prefill_size=32,
+              max_running_requests=8, schedule_conservativeness=0.0, max_total_tokens=total, cuda_graph_bs=[1, 2, 4, 8])
+    if spec:
+        kw.update(speculative_algorithm="MTP", speculative_num_steps=spec)
+    sync = Engine(disable_overlap_schedule=True, **kw)
+    eng = Engine(**kw)
+    assert eng.scheduler.overlap and not sync.scheduler.overlap
+    exp = sync.generate(input_ids=prompts, sampling_params=params)
+    got = eng.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in exp]
+    st = eng.scheduler.stats
+    assert st.num_overlapped_steps > st.num_decode_steps // 3 and (st.num_retractions > 0) == (total == 160)
+    mr = eng.core.model_runner
+    assert (mr.spec.spec_step if spec else mr.plain_step).replays > 0
+    eng.scheduler.check_idle_invariants()
+    outs = []
+    for e in (sync, eng):
+        reqs = _reqs(6, 14)
+        _drive(e.scheduler, reqs, {0: 0, 1: 0, 2: 3, 3: 4, 4: 9, 5: 9}, {1: 6, 4: 12})
+        outs.append([r.output_ids for r in reqs])
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert b == a if i not in (1, 4) else b == a[:len(b)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_spec_overlap_long_accepts_gpu(tiny_models, n):
+    """An oracle drafter (runs of accepted drafts: S advances by 1..N+1 on the device between reads), float32
+    graphs: the overlap schedule's tokens == the synchronous schedule's."""
+    from spec_fixtures import run_greedy
+    from test_overlap_schedule import _oracle_scheduler
+
+    outs = []
+    for overlap in (False, True):
+        sched, prompts, ref = _oracle_scheduler(tiny_models, n, overlap, device="cuda", cuda_graph_bs=CAPTURE)
+        reqs = run_greedy(sched, prompts, len(ref[0]))
+        outs.append([r.output_ids for r in reqs])
+        assert sched.mr.spec.spec_step.replays > 0 and (sched.stats.num_overlapped_steps > 0) == overlap
+        assert max(sched.stats.recent_accept) == n + 1
     assert outs[0] == outs[1]

@@ -17,6 +17,9 @@ from hybrid_helpers import ARCHS, build_tiny_hybrid, edit_config, hf_mtp_logits
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_abort_frees_kv as abort_workload
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
+from test_overlap_schedule import test_arrivals_and_aborts_while_a_step_is_in_flight as overlap_arrivals
+from test_overlap_schedule import test_mixed_workload_matches_synchronous as overlap_workload
+from test_overlap_schedule import test_spec_mixed_workload_matches_synchronous as overlap_spec_workload
 from test_prefill_graph import check_padded_prefill, prefill_runner
 from test_runners import CAPTURE, _inputs, _spec_runner, check_isolation, check_one_graph_step
 from test_sampling_lossless import V, _exact_joint, _gof, _samples
@@ -346,6 +349,13 @@ def test_mixed_workload_with_retractions(hybrids, spec):
 
 def test_abort_frees_pages_and_state_rows(hybrids):
     abort_workload(hybrids, key="qwen3_5_moe")
+
+
+def test_overlap_schedule_matches_synchronous(hybrids):
+    """State rows freed, re-zeroed and reused while a plain step is in flight (stops, retractions, aborts)."""
+    overlap_workload(hybrids, 160, key="qwen3_next")
+    overlap_arrivals(hybrids, key="qwen3_5_moe")
+    overlap_spec_workload(hybrids, 3, 160, key="qwen3_next")  # the accept commit of rows continuing on the device
 
 
 def test_padded_prefill_graph_equals_eager(hybrids):

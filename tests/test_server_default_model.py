@@ -38,6 +38,7 @@ def test_default_embedded_model(tmp_path):
         sinfo = httpx.get(srv.url + "/get_server_info").json()
         assert sinfo["speculative_ngram_lookup"] is True
         assert sinfo["speculative_draft_model_quantization"] == "int8"  # on a CPU (this test's device)
+        assert sinfo["overlap_schedule"] is False and sinfo["num_overlapped_steps"] == 0  # a CPU steps synchronously
         assert sinfo["speculative_algorithm"] == "MTP" and sinfo["speculative_draft_model_path"].endswith(
             "smollm2-135m-mtp")
         assert g["meta_info"]["spec_verify_ct"] > 0 and r.usage.model_extra["spec"]["verify_ct"] > 0

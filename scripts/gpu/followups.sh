@@ -46,6 +46,9 @@
 #   fifteenth issue 12's and 13's phase tables at batch 1/8/32/64, every phase eager against graph: NOT RUN YET
 #             (no device time left on 2026-12-03); also unrun: tests/test_gpu_moe.py and the hybrid every-phase test
 #             ran only on a helper's tree, the min-p GPU lossless case, all of tests/test_gpu_mla.py after §25.3.
+#   sixteenth the overlap schedule (engine/overlap.py): tests/test_gpu.py -k overlap, vs_gpt_fast.py with both
+#             schedules (carry .gpt-fast), the 8B decode graph in the same lease.
+#   seventeenth the overlap schedule for speculative steps too: tests/test_gpu.py -k overlap, bench_overlap.py.
 # For a fresh lease start with `fifteenth`, then the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`,
 # `profile_kernels.py --parts dsa`: issue 14's sparse/dense ratio against the faster dense MLA of §25.3).
 . scripts/gpu/env.sh
@@ -229,6 +232,20 @@ case "${1:-}" in
       --prefix-len 1024 --context-length 2048 --iters 10 --idle-steps 5 --prefill-tokens 0 \
       --project-accept-lengths 3.0,3.7 --output-file "$OUT/phases_next.jsonl" 2>&1 | grep -v -i warn | tail -40
     ;;
-  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh|twelfth|twelfth-b|thirteenth|fourteenth|fourteenth-b|fifteenth" >&2
+  sixteenth)  # the overlap schedule: its GPU test, then gpt-fast side by side (carry .gpt-fast) with the 8B decode
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \
+      | tail -6
+    timeout 330 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast --output-file "$OUT/vs_gpt_fast.jsonl" 2>&1 \
+      | grep -v -i warn | tail -6
+    timeout 90 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
+      --prefill-tokens 0 2>&1 | grep -v -i warn | tail -14
+    ;;
+  seventeenth)  # the overlap schedule for speculative steps: GPU tests, then overlap vs synchronous side by side
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \
+      | tail -6
+    timeout 360 python3 scripts/gpu/bench_overlap.py --presets smollm2-135m,llama-3.1-8b,qwen3-30b-a3b \
+      --batch-sizes 1,8,32 --tokens 96 --repeats 2 --output-file "$OUT/overlap.jsonl" 2>&1 | grep -v -i warn | tail -20
+    ;;
+  *) echo "usage: $0 adaptive|tp|gptfast|plain|sample|gemv|gemvsweep|moe|next|seventh|eighth|ninth|tenth|eleventh|twelfth|twelfth-b|thirteenth|fourteenth|fourteenth-b|fifteenth|sixteenth|seventeenth" >&2
      exit 2 ;;
 esac

@@ -9,9 +9,11 @@ compiled the way its generate.py compiles it (torch.compile, mode "reduce-overhe
 inductor settings: coordinate-descent tuning on) and samples the way generate.py samples (logits / temperature, the
 top-k kept, softmax, an exponential race), here at temperature 0.8 and top-k 200. specserve serves the same shapes
 as a plain engine (random bf16 weights, bench/phase_setup.py presets; --attention-backend auto) with the same
-sampling, timed through Scheduler.step: the step as served (input staging, the one-graph plain step, the host read
-of the token). Both decode --tokens tokens after a prompt of --prompt-len random tokens, after a warm-up run;
-the median of --repeats runs is printed per shape with the ratio. Only shapes matter for time: weights are random
+sampling, timed through Scheduler.step as a loop: the steps as served (input staging, the one-graph plain step, the
+host read of the tokens), under the overlap schedule (a GPU's default: each step launched before the previous one's
+token is read) and, for reference, the synchronous one (--disable-overlap-schedule). Both decode --tokens tokens
+after a prompt of --prompt-len random tokens, after a warm-up run; the median of --repeats runs is printed per shape
+with the ratio. Only shapes matter for time: weights are random
 on both sides. `--gpt-fast ""` runs specserve alone (a smoke test; also on a CPU with --device cpu).
 """
 
@@ -40,33 +42,35 @@ def sync(dev: torch.device) -> None:
 
 
 def specserve_decode(preset: str, dev: torch.device, prompt_len: int, tokens: int, repeats: int,
-                     temperature: float, top_k: int, decode_gemv: str = "auto") -> list[float]:
-    """Seconds per decoded token of each timed run (prefill steps excluded)."""
+                     temperature: float, top_k: int, decode_gemv: str = "auto") -> dict[str, list[float]]:
+    """Seconds per decoded token of each timed run (the prefill step excluded), under the overlap schedule and
+    the synchronous one (the same engine, runs alternating)."""
     ctx = prompt_len + tokens + 64
     target, _, cfg = random_models(preset, torch.bfloat16, dev, ctx + 8)
     args = ServerArgs(context_length=ctx, max_running_requests=1, cuda_graph_max_bs=1, max_total_tokens=2 * ctx,
                       decode_gemv=decode_gemv)
     mr = ModelRunner(args, target, cfg, None, dev, torch.bfloat16, ctx)
     mr.capture_graphs()
-    sched = Scheduler(mr, StopChecker(None, set()), args.chunked_prefill_size)
+    scheds = {name: Scheduler(mr, StopChecker(None, set()), args.chunked_prefill_size, overlap=on)
+              for name, on in (("overlap", dev.type == "cuda"), ("sync", False))}
     prompt = torch.randint(10, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = []
+    out = {name: [] for name in scheds}
     for i in range(repeats + 1):  # the first run warms up
-        r = Req(f"r{i}", list(prompt), SamplingParams(max_new_tokens=tokens, temperature=temperature, top_k=top_k,
-                                                      ignore_eos=True), seed=i)
-        sched.add_request(r)
-        decode_s = 0.0
-        while sched.has_work:
-            n_prefill = sched.stats.num_prefill_steps
+        for name, sched in scheds.items():
+            r = Req(f"r{i}", list(prompt), SamplingParams(max_new_tokens=tokens, temperature=temperature,
+                                                          top_k=top_k, ignore_eos=True), seed=i)
+            sched.add_request(r)
+            sched.step()  # the prefill: the first token (it ends in the step's host read)
+            assert sched.stats.num_prefill_steps == i + 1 and len(r.output_ids) == 1
             sync(dev)
             t = time.perf_counter()
-            sched.step()  # ends in the step's host read of the tokens
-            if sched.stats.num_prefill_steps == n_prefill:
-                decode_s += time.perf_counter() - t
-        if i:
-            out.append(decode_s / (len(r.output_ids) - 1))  # the first token comes from prefill
-    sched.check_idle_invariants()
-    del sched, mr, target
+            while sched.has_work:  # decode steps as the engine runs them, timed as a loop (as gpt-fast's)
+                sched.step()
+            sync(dev)
+            if i:
+                out[name].append((time.perf_counter() - t) / (len(r.output_ids) - 1))
+            sched.check_idle_invariants()
+    del scheds, mr, target
     return out
 
 
@@ -141,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
                "top_k": a.top_k, "decode_gemv": a.decode_gemv}
         ours = specserve_decode(shape, dev, a.prompt_len, a.tokens, a.repeats, a.temperature, a.top_k,
                                 a.decode_gemv)
-        row["specserve_ms"] = 1e3 * statistics.median(ours)
-        line = f"{shape:<14} specserve {row['specserve_ms']:.3f} ms/token"
+        row["specserve_ms"] = 1e3 * statistics.median(ours["overlap"])
+        row["specserve_sync_ms"] = 1e3 * statistics.median(ours["sync"])
+        line = (f"{shape:<14} specserve {row['specserve_ms']:.3f} ms/token (synchronous schedule "
+                f"{row['specserve_sync_ms']:.3f})")
         if a.gpt_fast:
             theirs = gpt_fast_decode(a.gpt_fast, shape, dev, a.prompt_len, a.tokens, a.repeats, a.temperature,
                                      a.top_k, not a.no_coordinate_descent)

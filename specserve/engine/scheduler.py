@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation
 from specserve.engine.model_runner import ModelRunner
+from specserve.engine.overlap import InFlightDecode, TokenReadback
 from specserve.engine.request import Req, ReqState
-from specserve.engine.steps import Chunk, run_decode, run_prefill, run_spec_step
+from specserve.engine.steps import Chunk, launch_decode, run_decode, run_prefill, run_spec_step
 from specserve.engine.stop import StopChecker
 from specserve.engine.tp_ranks import TPLeader, decode_message, prefill_message
+from specserve.speculative.worker import SpecStepResult
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ RETRACT_RATIO_STEP = 0.2  # added after a retraction
 class SchedulerStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
+    num_overlapped_steps: int = 0  # decode steps launched before the previous one's tokens were read
     num_retractions: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
@@ -57,7 +60,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, mr: ModelRunner, stop_checker: StopChecker, chunked_prefill_size: int):
+    def __init__(self, mr: ModelRunner, stop_checker: StopChecker, chunked_prefill_size: int,
+                 overlap: bool | None = None):
+        """overlap: launch each plain decode step before reading the previous one's tokens (engine/overlap.py);
+        None: as --disable-overlap-schedule says, on a GPU only (a CPU computes as it launches: nothing to hide)."""
         self.mr = mr
         self.stop = stop_checker
         self.n = mr.num_steps
@@ -76,6 +82,13 @@ class Scheduler:
         self.conservativeness = mr.args.schedule_conservativeness
         self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
         self._touched: dict[str, Req] = {}  # requests changed since the last step() returned
+        if overlap is None:
+            overlap = not mr.args.disable_overlap_schedule and mr.device.type == "cuda"
+        self.overlap = overlap
+        self._readback = TokenReadback(mr.max_running * (self.n + 2), mr.device) if overlap else None
+        self._inflight: InFlightDecode | None = None
+        self._plain_chosen: bool | None = None  # adaptive speculation's choice, made while trying to overlap
+        self._last_read = 0.0  # when the last speculative step's output was read
 
     # ------------------------------------------------------------------ queue
     def add_request(self, req: Req) -> None:
@@ -97,7 +110,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self._inflight)
 
     @property
     def num_running(self) -> int:
@@ -105,12 +118,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[Req]:
-        """Run one forward step; returns the requests that changed (new tokens or finished)."""
+        """Run one forward step; returns the requests that changed (new tokens or finished). Under the overlap
+        schedule a plain decode step's tokens come with the next step() (engine/overlap.py)."""
         chunks = self._schedule_prefill()
         if chunks:
             self._run_prefill(chunks)
         elif self.running:
             self._run_decode()
+        elif self._inflight is not None:
+            self._drain()
         out = list(self._touched.values())
         self._touched = {}
         for r in out:
@@ -196,13 +212,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> None:
+        if self.overlap and self.mirror is None and self._launch_overlapped():
+            self._update_token_ratio(retracted=False)
+            return
+        self._drain()  # retraction and the synchronous steps see every token
+        plain, self._plain_chosen = self._plain_chosen, None
         retracted = self.stats.num_retractions
         self._ensure_decode_capacity()
-        c = self.conservativeness
-        if self.stats.num_retractions > retracted:
-            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP * c)
-        else:
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * c, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY * c)
+        self._update_token_ratio(self.stats.num_retractions > retracted)
         if not self.running:
             return
         self.stats.num_decode_steps += 1
@@ -215,18 +232,28 @@ class Scheduler:
                 req.seq_len += 1
                 self._append(req, [t])
             return
-        plain = self.adaptive is not None and self.adaptive.choose_plain(len(reqs))
+        if plain is None:
+            plain = self.adaptive is not None and self.adaptive.choose_plain(len(reqs))
         t0 = time.perf_counter()
         if self.mirror is not None:
             self.mirror.send(decode_message(self.mr, "plain" if plain else "spec", reqs))
         res = run_spec_step(self.mr, reqs, plain)
+        now = time.perf_counter()
         if self.adaptive is not None:
             caught = self.mr.spec.take_catch_up()  # the draft's catch-up inside this step, timed apart
-            self.adaptive.record(len(reqs), plain, time.perf_counter() - t0 - (caught[0] if caught else 0.0),
+            self.adaptive.record(len(reqs), plain, now - t0 - (caught[0] if caught else 0.0),
                                  1 + sum(res.accept_len) / len(reqs), caught)
+        self._last_read = now
+        self._apply_spec(reqs, res, plain)
+
+    def _apply_spec(self, reqs: list[Req], res: SpecStepResult, plain: bool) -> None:
+        """A read speculative (or, plain, adaptive speculation's plain) step's tokens; requests finished meanwhile
+        (under the overlap schedule: one step earlier, or aborted) drop theirs."""
         if plain:
             self.stats.spec_plain_steps += 1
         for req, k, toks in zip(reqs, res.accept_len, res.tokens):
+            if req.finished:
+                continue
             req.seq_len += k + 1
             if not plain:  # a plain step verifies nothing: acceptance counts speculative steps only
                 req.spec_verify_ct += 1
@@ -235,6 +262,105 @@ class Scheduler:
                 self.stats.spec_accepted_drafts += k
                 self.stats.recent_accept.append(k + 1)
             self._append(req, toks)
+
+    def _update_token_ratio(self, retracted: bool) -> None:
+        c = self.conservativeness
+        if retracted:
+            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP * c)
+        else:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * c, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY * c)
+
+    def _launch_overlapped(self) -> bool:
+        """Launch a decode step for the running requests that the step in flight (if any) does not finish by
+        length (engine/overlap.py), then read and apply the step in flight. False (nothing done) when the step
+        cannot go without a read first (pages only a retraction frees; for speculation: a plain step chosen, a row
+        lagging, a batch outside the one-step graphs): the caller drains and steps synchronously."""
+        prev = self._inflight
+        pending = set(prev.reqs) if prev is not None else set()
+        reqs = [r for r in self.running if not self._ends_by_length(r, 1 if r in pending else 0)]
+        if self.n:
+            if prev is not None and prev.spec:
+                # rows the speculative step in flight may bring within reach of the context wait for its read
+                reqs = [r for r in reqs if r not in pending
+                        or len(r.origin_input_ids) + len(r.output_ids) + self.n < self.mr.context_len]
+            if not reqs or not self._launch_spec(reqs, pending if prev is not None and prev.spec else set(), prev):
+                return False
+        elif reqs:
+            if not self.mr.kv.ensure([r.kv for r in reqs], [r.seq_len + 1 for r in reqs]):
+                return False
+            tokens = self._readback.start(launch_decode(self.mr, reqs))
+            for r in reqs:
+                r.seq_len += 1
+            self._inflight = InFlightDecode(reqs, tokens)
+        else:
+            self._inflight = None
+        if self._inflight is not None and self._inflight is not prev:
+            self.stats.num_decode_steps += 1
+            self.stats.num_overlapped_steps += prev is not None
+        if prev is not None:
+            self._apply(prev)
+        return True
+
+    def _launch_spec(self, reqs: list[Req], cont_reqs: set[Req], prev: InFlightDecode | None) -> bool:
+        """A speculating engine's next step for reqs, as one graph, without a read first: speculative (those in
+        cont_reqs continuing from the speculative step in flight, their S on the device) or adaptive speculation's
+        plain step (after a plain step or none: every S is the host's). False when it cannot go so."""
+        spec = self.mr.spec
+        plain = self.adaptive is not None and self.adaptive.choose_plain(len(reqs))
+        sb = self.mr.decode_sampling.get(reqs)
+        rows = [r.kv.row for r in reqs]
+        n1 = self.n + 1
+        cont = [r in cont_reqs for r in reqs]
+        s = [r.seq_len + (n1 if c else 0) for r, c in zip(reqs, cont)]  # continuing rows: a bound of S
+        pos = [x + r.mrope_delta for x, r in zip(s, reqs)]
+        if plain:
+            ok = (prev is None or not prev.spec) and spec.can_launch_plain(rows, sb)
+        else:
+            ok = spec.can_launch(rows, sb)
+        if not ok or not self.mr.kv.ensure([r.kv for r in reqs], [x + n1 for x in s]):
+            self._plain_chosen = plain  # the synchronous step takes the choice
+            return False
+        now = time.perf_counter()
+        if plain:
+            tokens = self._readback.start(spec.launch_plain(rows, s, pos, sb))
+            for r in reqs:
+                r.seq_len += 1
+            self.stats.spec_plain_steps += 1
+            self._inflight = InFlightDecode(reqs, tokens, launched=now)
+        else:
+            out = spec.launch(rows, s, pos, sb, cont)
+            self._inflight = InFlightDecode(reqs, self._readback.start(out), spec=True, launched=now)
+        return True
+
+    def _ends_by_length(self, req: Req, pending: int) -> bool:
+        """Whether `req` is finished by length once its `pending` tokens in flight are read (at least)."""
+        n = len(req.output_ids) + pending
+        return n >= req.sampling.max_new_tokens or len(req.origin_input_ids) + n >= self.mr.context_len
+
+    def _drain(self) -> None:
+        """Read and apply the step in flight, if any."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._apply(prev)
+
+    def _apply(self, step: InFlightDecode) -> None:
+        """Append a read step's tokens; requests finished meanwhile (a stop token one step earlier, an abort) drop
+        theirs. When nothing of the step now in flight is still running, it is let go unread."""
+        out = step.tokens.wait()
+        now = time.perf_counter()
+        res = SpecStepResult.parse(out) if step.spec else None
+        if self.adaptive is not None:  # back to back, a step's cost is the time between two reads
+            self.adaptive.record(len(step.reqs), not step.spec, now - max(step.launched, self._last_read),
+                                 1 + sum(res.accept_len) / len(step.reqs) if res else 1.0)
+        self._last_read = now
+        if res is not None:
+            self._apply_spec(step.reqs, res, plain=False)
+        else:
+            for req, t in zip(step.reqs, out):
+                if not req.finished:
+                    self._append(req, [t])
+        if self._inflight is not None and all(r.finished for r in self._inflight.reqs):
+            self._inflight = None
 
     def _ensure_decode_capacity(self) -> None:
         mr = self.mr

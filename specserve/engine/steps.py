@@ -97,13 +97,20 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
 
 @torch.inference_mode()
 def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
+    """Plain decode, read back at once (the step's host sync)."""
+    return launch_decode(mr, reqs).tolist()
+
+
+@torch.inference_mode()
+def launch_decode(mr: ModelRunner, reqs: list[Req]) -> torch.Tensor:
     """Plain decode: one token per request — as one graph (decode, sampling, last-token update) when the batch fits
-    the plain-step graphs, else through the decode runner (graph), then sampling."""
+    the plain-step graphs, else through the decode runner (graph), then sampling. Returns the tokens [bs] on the
+    device without waiting for them (a graph's static output: read or copy it before the next step)."""
     sb = mr.decode_sampling.get(reqs)
     one = mr.plain_step
     if one is not None and one.covers(len(reqs), sb):
         return one.run([r.kv.row for r in reqs], [r.seq_len for r in reqs],
-                       [r.seq_len + r.mrope_delta for r in reqs], sb).tolist()
+                       [r.seq_len + r.mrope_delta for r in reqs], sb)
     dev = mr.device
     rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
     s_host = [r.seq_len for r in reqs]
@@ -113,7 +120,7 @@ def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
     logits = mr.runners["decode"].run(live)["logits"]
     tokens = sample(logits, sb, s + 1)
     mr.last_token[rows] = tokens
-    return tokens.tolist()
+    return tokens
 
 
 @torch.inference_mode()

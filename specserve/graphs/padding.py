@@ -166,8 +166,12 @@ def stage_extend(buf: ExtendBuffers, x: ExtendBatch, padded: int) -> None:
     buf.meta.copy_(host, non_blocking=True)
 
 
-def stage_step(buf: torch.Tensor, rows: list[int], seq_lens: list[int], pos0: list[int], pbs: int) -> None:
-    """The whole-step graph's inputs [3, max_bs] (page-table row, S, rope position of S) for a padded batch."""
-    pad = [DUMMY_ROW] * (pbs - len(rows))
-    host = torch.tensor([rows + pad, seq_lens + [0] * len(pad), pos0 + [0] * len(pad)], dtype=torch.int64)
+def stage_step(buf: torch.Tensor, rows: list[int], seq_lens: list[int], pos0: list[int], pbs: int,
+               cont: list[bool] | None = None) -> None:
+    """The whole-step graph's inputs [4, max_bs] (page-table row, S, rope position of S, whether the step takes S and
+    its position from the row's previous step on the device instead: the overlap schedule's rows in flight) for a
+    padded batch; padded rows never continue."""
+    n = len(pad := [DUMMY_ROW] * (pbs - len(rows)))
+    flags = [int(c) for c in cont] if cont is not None else [0] * len(rows)
+    host = torch.tensor([rows + pad, seq_lens + [0] * n, pos0 + [0] * n, flags + [0] * n], dtype=torch.int64)
     buf[:, :pbs].copy_(host, non_blocking=True)

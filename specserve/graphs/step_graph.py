@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepGraphRunner(LadderRunner, abc.ABC):
-    """A step function over static inputs [3, pbs] (rows, S, rope position of S) and a sampling batch, captured per
+    """A step function over static inputs [4, pbs] (rows, S, rope position of S, continuing-row flags: graphs/padding.py
+    stage_step) and a sampling batch, captured per
     batch size of `capture_bs` and sampling kind. `ladder` holds the greedy graphs; `sampled` and `filtered` the
     sampling ones. lookahead: how far past S the step writes (its KV length bound is S + lookahead)."""
 
@@ -39,12 +40,13 @@ class StepGraphRunner(LadderRunner, abc.ABC):
         self.ladder = GraphLadder(self.capture_bs, device, self.use_graphs)
         self.sampled = GraphLadder(self.capture_bs, device, self.use_graphs)
         self.filtered = GraphLadder(self.capture_bs, device, self.use_graphs)
-        self.inputs = torch.zeros((3, max(self.max_bs, 1)), dtype=torch.int64, device=device)  # rows, S, pos of S
+        self.inputs = torch.zeros((4, max(self.max_bs, 1)), dtype=torch.int64, device=device)  # rows, S, pos, cont
         self.sampling = SamplingBuffers(max(self.max_bs, 1), vocab_size, device)
 
     @abc.abstractmethod
     def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
-        """inputs [3, pbs] (rows, S, rope position of S); max_s bounds S -> the step's output [pbs, ...]."""
+        """inputs [4, pbs] (rows, S, rope position of S, continuing flags); max_s bounds S -> the step's output
+        [pbs, ...]."""
 
     @property
     def graphs(self) -> dict:
@@ -98,11 +100,13 @@ class StepGraphRunner(LadderRunner, abc.ABC):
         return pool
 
     @torch.inference_mode()
-    def run(self, rows: list[int], seq_lens: list[int], pos0: list[int], sb: SamplingBatch = GREEDY) -> torch.Tensor:
-        """Host lists of the running requests (bs <= max_bs) and their sampling batch -> [bs, ...] on the device."""
+    def run(self, rows: list[int], seq_lens: list[int], pos0: list[int], sb: SamplingBatch = GREEDY,
+            cont: list[bool] | None = None) -> torch.Tensor:
+        """Host lists of the running requests (bs <= max_bs) and their sampling batch -> [bs, ...] on the device.
+        cont: the rows whose S the runner's previous steps advanced on the device (runners that keep it)."""
         bs = len(rows)
         pbs = self.padded_bs(bs)
-        stage_step(self.inputs, rows, seq_lens, pos0, pbs)
+        stage_step(self.inputs, rows, seq_lens, pos0, pbs, cont)
         static_sb = GREEDY
         if not sb.all_greedy:
             self.sampling.stage(sb, pbs)

@@ -54,6 +54,7 @@ class EngineInfo:
     spec_num_steps: int = 0
     draft_model_path: str | None = None
     spec_ngram_lookup: bool = False
+    overlap_schedule: bool = False  # decode steps launched before the previous one is read (engine/overlap.py)
     draft_quantization: str | None = None  # "int8" (CPU), else None
     default_max_tokens: int | None = None  # a chat request without max_tokens gets this (None: the context's room)
 
@@ -85,6 +86,7 @@ class EngineStats:
     spec_accepted_drafts: int = 0
     recent_accept_length: float = 0.0  # mean over the last few hundred verifies (0 without speculation)
     spec_plain_steps: int = 0  # plain steps of a speculating engine (adaptive speculation)
+    num_overlapped_steps: int = 0  # decode steps launched before the previous one's output was read
     spec_adaptive: dict | None = None  # AdaptiveSpeculation.summary() (None: adaptive speculation off)
 
     @property

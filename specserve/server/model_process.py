@@ -75,6 +75,7 @@ def _engine_info(core) -> EngineInfo:
         spec_num_steps=core.args.num_draft_steps,
         draft_model_path=core.args.speculative_draft_model_path if core.args.spec_enabled else None,
         spec_ngram_lookup=core.args.spec_enabled and core.args.speculative_ngram_lookup,
+        overlap_schedule=core.scheduler.overlap,
         draft_quantization=(core.args.speculative_draft_model_quantization
                             if core.args.speculative_draft_model_quantization != "none" else None),
         load_time=core.load_time,
@@ -156,6 +157,7 @@ class EngineLoop:
             spec_accepted_drafts=s.spec_accepted_drafts,
             recent_accept_length=sum(recent) / len(recent) if recent else 0.0,
             spec_plain_steps=s.spec_plain_steps,
+            num_overlapped_steps=s.num_overlapped_steps,
             spec_adaptive=self._adaptive_summary(),
         )
 

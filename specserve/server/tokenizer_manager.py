@@ -393,6 +393,8 @@ class TokenizerManager:
             "num_retractions": s.num_retractions,
             "num_prefill_steps": s.num_prefill_steps,
             "num_decode_steps": s.num_decode_steps,
+            "overlap_schedule": i.overlap_schedule,  # off: --disable-overlap-schedule, or a CPU
+            "num_overlapped_steps": s.num_overlapped_steps,
             "spec_enabled": i.spec_enabled,
             "speculative_algorithm": i.spec_algorithm,
             "speculative_num_steps": i.spec_num_steps,

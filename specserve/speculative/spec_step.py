@@ -132,7 +132,11 @@ def plain_step_device(v: PlainStepView, phase: PhaseFn, rows: torch.Tensor, s: t
 class SpecStepRunner(StepGraphRunner):
     """The speculative step as one graph per captured batch size and sampling kind (CPU: the same function run
     eagerly over the static inputs, as the phase runners' static replay; graphs/step_graph.py). Output:
-    [bs, 1 + N + 1] = accept_len, verified. (PlainSpecStepRunner below is the speculating engine's plain step.)"""
+    [bs, 1 + N + 1] = accept_len, verified. (PlainSpecStepRunner below is the speculating engine's plain step.)
+
+    Each step also leaves every row's next S and rope position in `row_s` [2, page-table rows], so that the overlap
+    schedule can launch a row's next step before the host has read this one's accept lengths: rows flagged as
+    continuing take S from there instead of the staged inputs (engine/overlap.py)."""
 
     name = "spec_step"
 
@@ -142,10 +146,13 @@ class SpecStepRunner(StepGraphRunner):
         super().__init__(capture_bs, use_graphs, verify_ctx.device, verify_ctx.model.config.vocab_size,
                          verify_ctx.graph_max_seq_len, worker.num_steps + 1)
         self.worker = worker
+        self.row_s = torch.zeros((2, worker.ctx.req_to_token.table.shape[0]), dtype=torch.int64,
+                                 device=verify_ctx.device)  # [S, rope position of S] after each row's last step
 
     def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
-        """inputs [3, pbs] (rows, S, rope position of S) -> [pbs, N + 2]; each phase's forward with its runner's
-        graph-mode backends. sb: GREEDY, or the static sampling buffers' batch."""
+        """inputs [4, pbs] (rows, S, rope position of S, continuing flags) -> [pbs, N + 2]; each phase's forward
+        with its runner's graph-mode backends. sb: GREEDY, or the static sampling buffers' batch. max_s bounds
+        the staged and the continuing rows' S alike (the graphs' bound)."""
         runners = self.worker.runners
 
         def phase(name: str, live: LiveInputs) -> dict[str, torch.Tensor]:
@@ -154,8 +161,11 @@ class SpecStepRunner(StepGraphRunner):
             return r.forward_phase(live, r.backends, graph_mode=True)
 
         draft_sb = sb if self.worker.state.sampled_drafting and not sb.all_greedy else None
-        accept_len, verified = spec_step_device(self.worker, phase, inputs[0], inputs[1], inputs[2], max_s, sb,
-                                                draft_sb)
+        rows, cont = inputs[0], inputs[3].bool()
+        s = torch.where(cont, self.row_s[0, rows], inputs[1])
+        pos0 = torch.where(cont, self.row_s[1, rows], inputs[2])
+        accept_len, verified = spec_step_device(self.worker, phase, rows, s, pos0, max_s, sb, draft_sb)
+        self.row_s[:, rows] = torch.stack((s, pos0)) + (accept_len + 1)[None, :]  # (padded rows: the dummy row's)
         return torch.cat((accept_len[:, None], verified), dim=1)
 
 

@@ -48,6 +48,11 @@ class SpecStepResult:
     accept_len: list[int]  # accepted drafts per request (0..N)
     tokens: list[list[int]]  # the accept_len + 1 new tokens per request
 
+    @staticmethod
+    def parse(res: list[list[int]]) -> SpecStepResult:
+        """A step's output rows [accept_len, verified N + 1 tokens] read back."""
+        return SpecStepResult([r[0] for r in res], [r[1:r[0] + 2] for r in res])
+
 
 @dataclass
 class PlainStepView:
@@ -182,8 +187,38 @@ class SpecWorker:
                                                     pos0, max(s_host), sb)
             out = torch.cat((accept_len[:, None], verified), dim=1)
         # the one host sync of the step: accept lengths and verified tokens in one copy
-        res = out.tolist()  # [bs, 1 + N + 1]
-        return SpecStepResult([r[0] for r in res], [r[1:r[0] + 2] for r in res])
+        return SpecStepResult.parse(out.tolist())
+
+    def can_launch(self, rows_host: list[int], sb: SamplingBatch) -> bool:
+        """Whether a step for these rows can be launched without reading anything back first (launch): it runs as
+        the one graph, and no row lags behind (a catch-up needs the host's S)."""
+        one_graph = self.spec_step
+        return (one_graph is not None and one_graph.covers(len(rows_host), sb)
+                and (self.lag is None or not self.lag.lagging(rows_host)))
+
+    @torch.inference_mode()
+    def launch(self, rows_host: list[int], s_host: list[int], pos0_host: list[int], sb: SamplingBatch,
+               cont: list[bool]) -> torch.Tensor:
+        """The one-graph step of `step` for rows that can_launch, left on the device: -> [bs, 1 + N + 1] (accept
+        lengths, verified tokens; the graph's output: copy it before the next step). Rows flagged in cont take S and
+        its rope position from their previous one-graph step on the device (their s_host: a bound, S + N + 1)."""
+        return self.spec_step.run(rows_host, s_host, pos0_host, sb, cont)
+
+    def can_launch_plain(self, rows_host: list[int], sb: SamplingBatch) -> bool:
+        """Whether a plain step for these rows can be launched without reading anything back first (launch_plain):
+        it runs as the one graph, and no row's lag is full (a forced catch-up needs the host's S)."""
+        one_graph = self.plain_step_graph
+        return (one_graph is not None and one_graph.covers(len(rows_host), sb) and self.plain is not None
+                and not self.plain.lag.full(rows_host))
+
+    @torch.inference_mode()
+    def launch_plain(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
+                     sb: SamplingBatch) -> torch.Tensor:
+        """The one-graph plain step of `plain_step` for rows that can_launch_plain, left on the device: -> tokens
+        [bs] (the graph's output: copy it before the next step). The draft lags one more position."""
+        tokens = self.plain_step_graph.run(rows_host, s_host, pos0_host, sb)
+        self.plain.lag.advance(rows_host)
+        return tokens
 
     @torch.inference_mode()
     def plain_step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
@@ -196,14 +231,13 @@ class SpecWorker:
             raise RuntimeError("plain steps need the target's width-1 runner (adaptive speculation is off)")
         if view.lag.full(rows_host):
             self.catch_up(rows_host, s_host, pos0_host, "forced")
-        one_graph = self.plain_step_graph
-        if one_graph is not None and one_graph.covers(len(rows_host), sb):
-            tokens = one_graph.run(rows_host, s_host, pos0_host, sb)  # [bs]
+        if self.can_launch_plain(rows_host, sb):
+            tokens = self.launch_plain(rows_host, s_host, pos0_host, sb)  # [bs]
         else:
             rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
             tokens = plain_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
                                        max(s_host), sb)
-        view.lag.advance(rows_host)
+            view.lag.advance(rows_host)
         toks = tokens.tolist()  # the step's one host sync
         return SpecStepResult([0] * len(toks), [[t] for t in toks])
 
