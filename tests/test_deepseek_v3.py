@@ -211,3 +211,28 @@ def test_mla_prefill_graphs_bound_the_attended_pairs(deepseek):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for h in handles:
         mr.kv.release(h)
+
+
+@pytest.mark.parametrize("key", ["type", "rope_type"])
+def test_yarn_attention_scale_from_an_old_style_config(key):
+    """DeepSeek's yarn mscale multiplies the attention scale, whether the config names the rope type `type` (an old
+    config.json's rope_scaling, a GGUF) or `rope_type`: equal to transformers' attention module's scale."""
+    from types import SimpleNamespace
+
+    from deepseek_helpers import TINY_DEEPSEEK
+    from transformers import DeepseekV3Config as HFConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from specserve.models.deepseek_v3 import DeepseekV3Config
+
+    yarn = {"factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+    hf = HFConfig(**TINY_DEEPSEEK, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **yarn})
+    hf.architectures = ["DeepseekV3ForCausalLM"]
+    plain = hf.to_dict()
+    plain.pop("rope_parameters")
+    plain.update(rope_theta=10000.0, rope_scaling={key: "yarn", **yarn})
+    ours = DeepseekV3Config.from_hf(SimpleNamespace(**plain), "DeepseekV3ForCausalLM").attn_scaling
+    ref = DeepseekV3Attention(hf, 0).scaling
+    assert ours == pytest.approx(ref, rel=1e-6)
+    assert ours > (TINY_DEEPSEEK["qk_nope_head_dim"] + TINY_DEEPSEEK["qk_rope_head_dim"]) ** -0.5 * 1.4  # scaled

@@ -22,7 +22,7 @@ from specserve.kvcache.cache_spec import CacheSpec
 from specserve.layers.mla import MLAAttention
 from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
-from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config, rope_parameters
+from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config, rope_parameters, rope_type_of
 from specserve.models.config import ModelConfig, optional, require, text_config
 from specserve.models.dense import PreNormDecoderLayer, load_param
 from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -60,7 +60,7 @@ class DeepseekV3Config(ModelConfig):
         nope, rope = require(text, "qk_nope_head_dim"), require(text, "qk_rope_head_dim")
         scaling = (nope + rope) ** -0.5
         params = rope_parameters(text)
-        if params.get("rope_type", "default") not in ("default", None) and params.get("mscale_all_dim"):
+        if rope_type_of(params) != "default" and params.get("mscale_all_dim"):
             factor = float(params["factor"])
             mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
             scaling *= mscale * mscale  # as transformers' yarn_apply_mscale
