@@ -68,7 +68,7 @@ class ServerArgs:
     cuda_graph_bs: list[int] | None = None
     disable_cuda_graph: bool = False
     disable_spec_step_graph: bool = False  # greedy spec steps phase by phase instead of as one graph
-    disable_overlap_schedule: bool = False  # read each plain decode step's tokens before launching the next
+    disable_overlap_schedule: bool = False  # read each decode step's output before launching the next
     cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (graphs/prefill.py)
     attention_backend: str = "auto"
     linear_attn_prefill: str = "chunked"
@@ -308,9 +308,9 @@ class ServerArgs:
           help="run speculative steps phase by phase (each phase its own graph, host glue between) instead of as "
                "one CUDA graph per batch size")
         a("--disable-overlap-schedule", action="store_true",
-          help="read each plain decode step's tokens before launching the next (default on a GPU: the next step is "
-               "launched first, so the host's work between steps runs while the device computes; a CPU computes as "
-               "it launches and always steps synchronously; speculative steps are not overlapped)")
+          help="read each decode step's output before launching the next (default on a GPU: the next step, plain or "
+               "speculative, is launched first, so the host's work between steps runs while the device computes; a "
+               "CPU computes as it launches, and a tensor-parallel engine, always step synchronously)")
         a("--cuda-graph-max-prefill-tokens", type=int, default=None,
           help="run prefill batches of up to this many tokens (and 16 requests) as CUDA graphs, padded up a ladder "
                "of token counts; larger ones run eagerly. 0: eager prefill. Default 2048 on a GPU; on a CPU 0 (a "

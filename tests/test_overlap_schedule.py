@@ -87,6 +87,25 @@ def test_tokens_arrive_one_step_late_and_nothing_is_lost(tiny_models):
     sched.check_idle_invariants()
 
 
+@pytest.mark.parametrize("spec", [None, dict(speculative_algorithm="MTP", speculative_num_steps=2)])
+def test_a_prefill_reads_the_step_in_flight_first(tiny_models, spec):
+    """A chunked prompt arriving while a decode step is in flight: that step's tokens come with the first chunk's
+    step, not after the whole prefill."""
+    eng = overlapped(Engine(model_path=tiny_models["llama_mtp" if spec else "llama"], max_total_tokens=4096,
+                            chunked_prefill_size=8, **(spec or {})))
+    sched = eng.scheduler
+    a = Req("a", [3, 4, 5, 6], SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.0), seed=0)
+    sched.add_request(a)
+    sched.step()  # a's prefill: t0
+    assert sched.step() == [] and sched._inflight is not None  # a's first decode step, in flight
+    sched.add_request(Req("b", list(range(3, 83)), SamplingParams(max_new_tokens=4, ignore_eos=True), seed=1))
+    assert [r.rid for r in sched.step()] == ["a"] and len(a.output_ids) > 1  # b's first chunk, a's step read
+    assert sched.prefilling is not None and sched._inflight is None
+    while sched.has_work:
+        sched.step()
+    sched.check_idle_invariants()
+
+
 def _reqs(n: int, new: int) -> list[Req]:
     g = torch.Generator().manual_seed(5)
     out = []

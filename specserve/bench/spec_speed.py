@@ -6,7 +6,8 @@ loaded once:
     on the same chat-templated prompts, greedy by default (or sampled: --temperature, --top-p, --top-k, --min-p,
     the same for every configuration, a seed per prompt), with the speculative/plain ratio end to end (prefill
     included, the number to quote) and over the time outside prefill steps (what the decode steps alone gain), and
-    the share of the wall time spent in prefill steps.
+    the share of the wall time spent in prefill steps. Each engine runs as served, so on a GPU under the overlap
+    schedule (engine/overlap.py): a prefill step's time then also holds the rest of the decode step in flight.
 
     specserve bench-spec --model-path M --speculative-draft-model-path D --prompts qa.jsonl sum.jsonl \
         --accept-steps 1,2,3,4,5 --speed-steps 3,4 --concurrency 1,8

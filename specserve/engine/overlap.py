@@ -13,8 +13,9 @@ therefore also leaves each row's next S on the device (speculative/spec_step.py 
 takes S from there for the rows continuing from step k; the host reserves pages for the longest outcome of both
 steps (S + 2(N + 1) positions) and learns the lengths when it reads step k. Requests that step k may bring within
 N + 1 positions of the context wait for that read; those it may finish by max_new_tokens run on, their tokens
-dropped if it did. Anything else (a plain step of adaptive speculation, a draft catch-up, a step outside the graphs,
-a retraction) reads the step in flight first and runs synchronously.
+dropped if it did. Anything else (a prefill, a switch between adaptive speculation's plain and speculative steps with
+its draft catch-up, a step outside the graphs, a retraction) reads the step in flight first and runs synchronously.
+Runs of plain steps of a speculating engine overlap as a plain engine's do.
 
 Everything runs on one stream, so pages, page-table rows and state rows freed while a step is in flight can only be
 reused by work queued after it. The host reads a step's tokens from one of two pinned buffers, filled by an

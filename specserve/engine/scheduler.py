@@ -62,8 +62,9 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, mr: ModelRunner, stop_checker: StopChecker, chunked_prefill_size: int,
                  overlap: bool | None = None):
-        """overlap: launch each plain decode step before reading the previous one's tokens (engine/overlap.py);
-        None: as --disable-overlap-schedule says, on a GPU only (a CPU computes as it launches: nothing to hide)."""
+        """overlap: launch each decode step before reading the previous one's output (engine/overlap.py); None: as
+        --disable-overlap-schedule says, on a GPU only (a CPU computes as it launches: nothing to hide) and on one
+        rank (a tensor-parallel engine steps synchronously)."""
         self.mr = mr
         self.stop = stop_checker
         self.n = mr.num_steps
@@ -83,7 +84,7 @@ class Scheduler:
         self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
         self._touched: dict[str, Req] = {}  # requests changed since the last step() returned
         if overlap is None:
-            overlap = not mr.args.disable_overlap_schedule and mr.device.type == "cuda"
+            overlap = not mr.args.disable_overlap_schedule and mr.device.type == "cuda" and mr.args.tp_size == 1
         self.overlap = overlap
         self._readback = TokenReadback(mr.max_running * (self.n + 2), mr.device) if overlap else None
         self._inflight: InFlightDecode | None = None
@@ -122,6 +123,9 @@ class Scheduler:
         schedule a plain decode step's tokens come with the next step() (engine/overlap.py)."""
         chunks = self._schedule_prefill()
         if chunks:
+            # the step in flight is read first (the device has most likely finished it): its tokens, and the
+            # requests it finished, are not held through a chunked prefill, and its time holds no prefill
+            self._drain()
             self._run_prefill(chunks)
         elif self.running:
             self._run_decode()
