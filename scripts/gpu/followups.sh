@@ -49,8 +49,11 @@
 #   sixteenth the overlap schedule (engine/overlap.py): tests/test_gpu.py -k overlap, vs_gpt_fast.py with both
 #             schedules (carry .gpt-fast), the 8B decode graph in the same lease.
 #   seventeenth the overlap schedule for speculative steps too: tests/test_gpu.py -k overlap, bench_overlap.py.
-# For a fresh lease start with `fifteenth`, then the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`,
-# `profile_kernels.py --parts dsa`: issue 14's sparse/dense ratio against the faster dense MLA of §25.3).
+# `fifteenth`, `sixteenth` and `seventeenth` ran on 2026-12-03 (BENCHMARKS §26). For a fresh lease start with
+# `tests/test_gpu.py -k overlap` (its speculative cases after runs of adaptive plain steps began to overlap: not yet
+# run on a GPU), then issue 17's serving sweep again (the server now overlaps by default; `smollm2_round.sh`), then
+# the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`, `profile_kernels.py --parts dsa`: issue 14's
+# sparse/dense ratio against the faster dense MLA of §25.3).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
