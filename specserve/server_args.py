@@ -69,6 +69,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     disable_spec_step_graph: bool = False  # greedy spec steps phase by phase instead of as one graph
     disable_overlap_schedule: bool = False  # read each decode step's output before launching the next
+    enable_overlap_schedule: bool = False  # overlap also where it is off by default (a CPU)
     cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (graphs/prefill.py)
     attention_backend: str = "auto"
     linear_attn_prefill: str = "chunked"
@@ -108,6 +109,8 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError("--enable-overlap-schedule and --disable-overlap-schedule contradict each other")
         if self.speculative_algorithm is not None:
             self.speculative_algorithm = str(self.speculative_algorithm).upper()
         if self.spec_enabled:
@@ -311,6 +314,9 @@ class ServerArgs:
           help="read each decode step's output before launching the next (default on a GPU: the next step, plain or "
                "speculative, is launched first, so the host's work between steps runs while the device computes; a "
                "CPU computes as it launches, and a tensor-parallel engine, always step synchronously)")
+        a("--enable-overlap-schedule", action="store_true",
+          help="the overlap schedule also on a CPU (where it gains nothing: for testing the GPU's schedule); "
+               "a tensor-parallel engine still steps synchronously")
         a("--cuda-graph-max-prefill-tokens", type=int, default=None,
           help="run prefill batches of up to this many tokens (and 16 requests) as CUDA graphs, padded up a ladder "
                "of token counts; larger ones run eagerly. 0: eager prefill. Default 2048 on a GPU; on a CPU 0 (a "

@@ -172,6 +172,9 @@ def test_default_and_flag():
     args = ServerArgs.from_cli_args(parser.parse_args(["--disable-overlap-schedule"]))
     assert args.disable_overlap_schedule
     assert not ServerArgs().disable_overlap_schedule
+    assert ServerArgs.from_cli_args(parser.parse_args(["--enable-overlap-schedule"])).enable_overlap_schedule
+    with pytest.raises(ValueError, match="contradict"):
+        ServerArgs(enable_overlap_schedule=True, disable_overlap_schedule=True).validate()
 
 
 @pytest.mark.parametrize("n", [1, 3])

@@ -1,6 +1,7 @@
-"""A live server with MTP speculation (tiny target + a separate random draft checkpoint): accept length in usage.spec
-(OpenAI routes), meta_info (/generate), /get_server_info and /metrics; then SIGTERM during an in-flight stream ends
-the stream with finish_reason "abort" and the server exits 0 with its engine process gone."""
+"""A live server with MTP speculation (tiny target + a separate random draft checkpoint) under the overlap schedule
+(a GPU's default, forced on this CPU): accept length in usage.spec (OpenAI routes), meta_info (/generate),
+/get_server_info and /metrics; then SIGTERM during an in-flight stream ends the stream with finish_reason "abort" and
+the server exits 0 with its engine process gone."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def spec_server(tmp_path_factory) -> LiveServer:
     draft = build_draft_folder(str(root / "draft"), model, seed=9)
     srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--speculative-algorithm", "MTP",
                         "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
-                        "--served-model-name", "tiny-mtp"], str(root / "server.log"))
+                        "--served-model-name", "tiny-mtp", "--enable-overlap-schedule"],  # the GPU's schedule
+                       str(root / "server.log"))
     yield srv
     srv.terminate()
 
@@ -58,6 +60,7 @@ def test_usage_reports_accept_length(spec_server):
     info = spec_server.server_info()
     assert info["spec_enabled"] and info["spec_verify_ct"] > 0 and info["avg_spec_accept_length"] >= 1.0
     assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == 2
+    assert info["overlap_schedule"] is True and 0 < info["num_overlapped_steps"] < info["num_decode_steps"]
     metrics = httpx.get(spec_server.url + "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("specserve:spec_accept_length{"))
     assert float(line.split()[-1]) >= 1.0

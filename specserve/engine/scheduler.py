@@ -62,9 +62,9 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, mr: ModelRunner, stop_checker: StopChecker, chunked_prefill_size: int,
                  overlap: bool | None = None):
-        """overlap: launch each decode step before reading the previous one's output (engine/overlap.py); None: as
-        --disable-overlap-schedule says, on a GPU only (a CPU computes as it launches: nothing to hide) and on one
-        rank (a tensor-parallel engine steps synchronously)."""
+        """overlap: launch each decode step before reading the previous one's output (engine/overlap.py); None: on
+        a GPU unless --disable-overlap-schedule, on a CPU (which computes as it launches: nothing to hide) with
+        --enable-overlap-schedule, and on one rank only (a tensor-parallel engine steps synchronously)."""
         self.mr = mr
         self.stop = stop_checker
         self.n = mr.num_steps
@@ -84,7 +84,9 @@ class Scheduler:
         self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
         self._touched: dict[str, Req] = {}  # requests changed since the last step() returned
         if overlap is None:
-            overlap = not mr.args.disable_overlap_schedule and mr.device.type == "cuda" and mr.args.tp_size == 1
+            a = mr.args
+            overlap = ((mr.device.type == "cuda" or a.enable_overlap_schedule) and not a.disable_overlap_schedule
+                       and a.tp_size == 1)
         self.overlap = overlap
         self._readback = TokenReadback(mr.max_running * (self.n + 2), mr.device) if overlap else None
         self._inflight: InFlightDecode | None = None
