@@ -49,6 +49,7 @@ class TokenReadback:
     def __init__(self, max_elems: int, device: torch.device):
         self.cuda = device.type == "cuda"
         self.bufs = [torch.empty(max_elems, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else [None, None]  # one per buffer
         self.turn = 0
 
     def start(self, tokens: torch.Tensor) -> PendingTokens:
@@ -57,11 +58,10 @@ class TokenReadback:
         if n > self.bufs[0].shape[0]:
             raise ValueError(f"{n} values, readback buffers of {self.bufs[0].shape[0]}")
         host = self.bufs[self.turn][:n].view(tokens.shape)
+        done = self.events[self.turn]
         self.turn ^= 1
         host.copy_(tokens, non_blocking=self.cuda)
-        done = None
-        if self.cuda:
-            done = torch.cuda.Event()
+        if done is not None:
             done.record()
         return PendingTokens(host, done)
 

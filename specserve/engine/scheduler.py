@@ -90,7 +90,6 @@ class Scheduler:
         self.overlap = overlap
         self._readback = TokenReadback(mr.max_running * (self.n + 2), mr.device) if overlap else None
         self._inflight: InFlightDecode | None = None
-        self._plain_chosen: bool | None = None  # adaptive speculation's choice, made while trying to overlap
         self._last_read = 0.0  # when the last speculative step's output was read
 
     # ------------------------------------------------------------------ queue
@@ -218,11 +217,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> None:
-        if self.overlap and self.mirror is None and self._launch_overlapped():
+        # a speculating engine's step: speculative, or adaptive speculation's plain step (decided once a step)
+        plain = self.n > 0 and self.adaptive is not None and self.adaptive.choose_plain(len(self.running))
+        if self.overlap and self.mirror is None and self._launch_overlapped(plain):
             self._update_token_ratio(retracted=False)
             return
         self._drain()  # retraction and the synchronous steps see every token
-        plain, self._plain_chosen = self._plain_chosen, None
         retracted = self.stats.num_retractions
         self._ensure_decode_capacity()
         self._update_token_ratio(self.stats.num_retractions > retracted)
@@ -238,8 +238,6 @@ class Scheduler:
                 req.seq_len += 1
                 self._append(req, [t])
             return
-        if plain is None:
-            plain = self.adaptive is not None and self.adaptive.choose_plain(len(reqs))
         t0 = time.perf_counter()
         if self.mirror is not None:
             self.mirror.send(decode_message(self.mr, "plain" if plain else "spec", reqs))
@@ -276,11 +274,12 @@ class Scheduler:
         else:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * c, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY * c)
 
-    def _launch_overlapped(self) -> bool:
+    def _launch_overlapped(self, plain: bool) -> bool:
         """Launch a decode step for the running requests that the step in flight (if any) does not finish by
         length (engine/overlap.py), then read and apply the step in flight. False (nothing done) when the step
-        cannot go without a read first (pages only a retraction frees; for speculation: a plain step chosen, a row
-        lagging, a batch outside the one-step graphs): the caller drains and steps synchronously."""
+        cannot go without a read first (pages only a retraction frees; for speculation: a switch between plain
+        (`plain`: adaptive speculation's choice) and speculative steps, a row lagging, a batch outside the one-step
+        graphs): the caller drains and steps synchronously, taking the same choice."""
         prev = self._inflight
         pending = set(prev.reqs) if prev is not None else set()
         reqs = [r for r in self.running if not self._ends_by_length(r, 1 if r in pending else 0)]
@@ -289,7 +288,8 @@ class Scheduler:
                 # rows the speculative step in flight may bring within reach of the context wait for its read
                 reqs = [r for r in reqs if r not in pending
                         or len(r.origin_input_ids) + len(r.output_ids) + self.n < self.mr.context_len]
-            if not reqs or not self._launch_spec(reqs, pending if prev is not None and prev.spec else set(), prev):
+            cont = pending if prev is not None and prev.spec else set()
+            if not reqs or not self._launch_spec(reqs, cont, prev, plain):
                 return False
         elif reqs:
             if not self.mr.kv.ensure([r.kv for r in reqs], [r.seq_len + 1 for r in reqs]):
@@ -307,12 +307,11 @@ class Scheduler:
             self._apply(prev)
         return True
 
-    def _launch_spec(self, reqs: list[Req], cont_reqs: set[Req], prev: InFlightDecode | None) -> bool:
+    def _launch_spec(self, reqs: list[Req], cont_reqs: set[Req], prev: InFlightDecode | None, plain: bool) -> bool:
         """A speculating engine's next step for reqs, as one graph, without a read first: speculative (those in
         cont_reqs continuing from the speculative step in flight, their S on the device) or adaptive speculation's
         plain step (after a plain step or none: every S is the host's). False when it cannot go so."""
         spec = self.mr.spec
-        plain = self.adaptive is not None and self.adaptive.choose_plain(len(reqs))
         sb = self.mr.decode_sampling.get(reqs)
         rows = [r.kv.row for r in reqs]
         n1 = self.n + 1
@@ -324,7 +323,6 @@ class Scheduler:
         else:
             ok = spec.can_launch(rows, sb)
         if not ok or not self.mr.kv.ensure([r.kv for r in reqs], [x + n1 for x in s]):
-            self._plain_chosen = plain  # the synchronous step takes the choice
             return False
         now = time.perf_counter()
         if plain:
