@@ -180,7 +180,7 @@ class SpecWorker:
         self.catch_up(rows_host, s_host, pos0_host, "before_spec")
         one_graph = self.spec_step
         if one_graph is not None and one_graph.covers(len(rows_host), sb):
-            out = self.launch(rows_host, s_host, pos0_host, sb)
+            out = one_graph.run(rows_host, s_host, pos0_host, sb)
         else:
             rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
             accept_len, verified = spec_step_device(self, lambda name, live: self.runners[name].run(live), rows, s,
@@ -198,7 +198,7 @@ class SpecWorker:
 
     @torch.inference_mode()
     def launch(self, rows_host: list[int], s_host: list[int], pos0_host: list[int], sb: SamplingBatch,
-               cont: list[bool] | None = None) -> torch.Tensor:
+               cont: list[bool]) -> torch.Tensor:
         """The one-graph step of `step` for rows that can_launch, left on the device: -> [bs, 1 + N + 1] (accept
         lengths, verified tokens; the graph's output: copy it before the next step). Rows flagged in cont take S and
         its rope position from their previous one-graph step on the device (their s_host: a bound, S + N + 1)."""
