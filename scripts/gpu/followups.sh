@@ -243,6 +243,15 @@ case "${1:-}" in
     timeout 90 python3 -m specserve.cli bench-phases --preset llama-3.1-8b --batch-sizes 1 --iters 20 --idle-steps 0 \
       --prefill-tokens 0 2>&1 | grep -v -i warn | tail -14
     ;;
+  eighteenth)  # the first lease of 2026-12-03's third session: the speculative overlap GPU tests (runs of adaptive
+    # plain steps overlapped), then the per-kernel profiles of Qwen3-30B-A3B's decode and of DSA/MLA at 32k keys
+    python3 -c "import sys; print(sys.version)"; python3 -m pip list 2>/dev/null \
+      | grep -i -E "^(pydantic|aiohttp|fastapi|uvicorn|starlette|anyio|yarl|multidict|gguf) " || true
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \
+      | tail -8
+    timeout 150 python3 scripts/gpu/profile_decode.py qwen3-30b-a3b 2>&1 | grep -v -i warn | tail -30
+    timeout 150 python3 scripts/gpu/profile_kernels.py --parts dsa 2>&1 | grep -v -i warn | tail -30
+    ;;
   seventeenth)  # the overlap schedule for speculative steps: GPU tests, then overlap vs synchronous side by side
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \
       | tail -6
