@@ -163,7 +163,8 @@ def test_split_count_from_shapes():
     from specserve.kernels.triton_mla import num_key_splits
 
     assert num_key_splits(4, 32768, 32, 264) == 66  # batch 1: split until about 2 programs per SM
-    assert num_key_splits(4, 2048, 32, 264) == 16  # capped at one split per 4 key blocks
+    assert num_key_splits(4, 2048, 32, 264) == 64  # up to 2048 keys: one split per key block at most
+    assert num_key_splits(4, 4096, 32, 264) == 32  # longer: capped at one split per 4 key blocks
     assert num_key_splits(4, 64, 64, 264) == 1
     assert num_key_splits(512, 32768, 32, 264) == 1  # the batch fills the GPU by itself
 

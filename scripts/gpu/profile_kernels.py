@@ -2,7 +2,9 @@
 sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one DSA layer's indexer scores + top-k
 + sparse MLA (kernels/triton_indexer.py, triton_topk.py, triton_mla.py) at 32k keys, with dense MLA beside it.
 
-    python3 scripts/gpu/profile_kernels.py [--iters 30]
+    python3 scripts/gpu/profile_kernels.py [--iters 30] [--parts sampler dsa dsa-batches]
+
+`dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def dsa(iters: int) -> None:
 
     breakdown("DSA bs 1, 32k keys: scores + top-k + sparse MLA", sparse, iters)
     breakdown("dense MLA bs 1, 32k keys", lambda: mla_decode_triton(qm, lat, kv_slots, lens, 1, 0.07, c), iters)
-    # the sparse MLA's key splits over the 2048 chosen keys (num_key_splits picks 16: 4 key blocks a split)
+    # the sparse MLA's key splits over the 2048 chosen keys (num_key_splits picks 64: one key block a split)
     s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1)
     sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk)
     want = mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
@@ -101,13 +103,49 @@ def dsa(iters: int) -> None:
         print(f"sparse MLA over {topk} chosen keys, {splits:2d} splits: replay {replay_us(graph, iters):.1f} us")
 
 
+def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64)) -> None:
+    """Issue 14's sparse against dense attention at 32k keys per request, at each batch size: one GLM-5 layer's
+    DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys."""
+    kv, di, hi, h, c, r, topk = 32768, 128, 32, 64, 512, 64, 2048
+    print("\n=== one GLM-5 layer over 32k keys a request: DSA step vs dense MLA, graph replay us ===")
+    print(f"{'bs':>4} | {'DSA step':>9} | {'dense MLA':>9} | {'dense / DSA':>11}")
+    for bs in batch_sizes:
+        g = torch.Generator(device=DEV).manual_seed(bs)
+        slots = bs * kv + 16
+        rows = torch.randn((slots, di), device=DEV, dtype=torch.bfloat16, generator=g)
+        lat = torch.randn((slots, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+        kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
+        lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
+        q = torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
+        wts = torch.randn((bs, hi), device=DEV, generator=g)
+        qm = torch.randn((bs, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+
+        def sparse(q=q, wts=wts, rows=rows, kv_slots=kv_slots, lens=lens, qm=qm, lat=lat, bs=bs):
+            hist = topk_workspace(bs, DEV)
+            s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk)
+            sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk, hist=hist)
+            return mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
+
+        def dense(qm=qm, lat=lat, kv_slots=kv_slots, lens=lens):
+            return mla_decode_triton(qm, lat, kv_slots, lens, 1, 0.07, c)
+
+        us = []
+        for fn in (sparse, dense):
+            graph, _, _ = capture_graph(fn, None)
+            us.append(replay_us(graph, iters))
+            del graph
+        print(f"{bs:>4} | {us[0]:9.1f} | {us[1]:9.1f} | {us[1] / us[0]:10.2f}x")
+        del rows, lat, kv_slots
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
     a = p.parse_args()
     for part in a.parts:
-        {"sampler": sampler, "dsa": dsa}[part](a.iters)
+        {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches}[part](a.iters)
 
 
 if __name__ == "__main__":

@@ -178,12 +178,17 @@ def default_block_h(num_tokens: int, num_heads: int, max_kv: int, wide: bool) ->
     return 32 if num_heads > 16 and max_kv >= 16384 else 16
 
 
+SHORT_KV = 2048  # up to this many keys (a DSA top-k's chosen rows) a split may be a single key block
+
+
 def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) -> int:
     """Key splits for a launch of `num_programs` (query token, head block) programs: enough for about
-    `target` programs in all, at most one per 4 key blocks of max_kv, at least 1. Shapes only."""
+    `target` programs in all, at most one per 4 key blocks of max_kv (one per key block up to SHORT_KV keys: the
+    sparse MLA over 2048 chosen rows at batch 1 ran fastest at 64 splits of one block, BENCHMARKS §27), at least 1.
+    Shapes only."""
     if num_programs >= target:
         return 1
-    most = max(1, triton.cdiv(max_kv, 4 * block_n))
+    most = max(1, triton.cdiv(max_kv, (1 if max_kv <= SHORT_KV else 4) * block_n))
     return max(1, min(most, triton.cdiv(target, num_programs)))
 
 
