@@ -33,33 +33,3 @@ def test_bench_batch_rows_and_runner_state(tiny_models, capsys):
     print_table({"model": "tiny", "device": "cpu", "N": 2, "prefix_len": 16, "batches": batches})
     text = capsys.readouterr().out
     assert "spec phases" in text and "spec iter / plain step" in text and "plain (spec)" in text
-
-
-def test_verify_locality_rows_and_estimate(tiny_models, capsys):
-    """--verify-locality: verify's tokens of a request all equal its last token, timed as its own row, and the
-    spec iteration estimated at that bound from the measured rows."""
-    from specserve.bench.phase_setup import fake_requests, release
-    from specserve.bench.phases import phase_inputs
-
-    cpu = torch.device("cpu")
-    t = load_target(ModelSource.resolve(tiny_models["llama"]), torch.float32, cpu, 200)
-    draft = random_draft(t.config, t.model, torch.float32, cpu, 200)
-    pair = make_runners(t.model, draft, t.config, torch.float32, cpu, 2, 4, 128, disable_graphs=False)
-    mr = pair.spec
-    reqs = fake_requests(mr, 3, 16, seed=5)
-    rows = torch.tensor([r.kv.row for r in reqs])
-    mr.last_token[rows] = torch.tensor([11, 12, 13])
-    live = phase_inputs(mr, reqs, "target_verify", repeat=True)
-    assert live.input_ids.tolist() == [11] * 3 + [12] * 3 + [13] * 3
-    assert not torch.equal(phase_inputs(mr, reqs, "target_verify").input_ids, live.input_ids)
-    release(mr, reqs)
-    b = bench_batch(pair, 2, 16, 2, verify_locality=True)
-    assert b["target_verify_repeat"]["eager_ms"] > 0
-    timed = "graph_ms" if b["target_verify"]["graph_ms"] else "eager_ms"
-    want = b["spec_iter_ms"] - b["target_verify"][timed] + b["target_verify_repeat"][timed]
-    assert b["spec_iter_local_estimate_ms"] == pytest.approx(want)
-    assert b["spec_iter_local_over_plain_step"] == pytest.approx(want / b["plain_step_ms"])
-    assert "target_verify_repeat" not in bench_batch(pair, 2, 16, 2)
-    print_table({"model": "tiny", "device": "cpu", "N": 2, "prefix_len": 16, "batches": [b]})
-    text = capsys.readouterr().out
-    assert "verify repeat" in text and "ESTIMATE at full routing locality" in text

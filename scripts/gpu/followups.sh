@@ -254,18 +254,21 @@ case "${1:-}" in
     ;;
   nineteenth)  # carry .smollm2-parts/a (kept in /tmp/keep for `smollm2_round.sh sweep` next, same warm machine):
     # the sparse MLA's one-block splits and issue 14's DSA step against dense MLA at 32k, batch 1-64; issue 12's,
-    # 13's and 14's spec iteration at the routing-locality bound (bench-phases --verify-locality)
+    # 13's and 14's phases at batch 1 (ran at a5b8720 with a flag since removed, --verify-locality: BENCHMARKS §27.3)
     mkdir -p /tmp/keep && cp .smollm2-parts/a/part00 /tmp/keep/
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py -k cuda 2>&1 | tail -2
     timeout 150 python3 scripts/gpu/profile_kernels.py --parts dsa dsa-batches 2>&1 | grep -v -i warn | tail -22
     timeout 150 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1,8 --iters 10 \
-      --idle-steps 0 --prefill-tokens 0 --verify-locality 2>&1 | grep -v -i warn | tail -24
+      --idle-steps 0 --prefill-tokens 0 2>&1 | grep -v -i warn | tail -24
     timeout 150 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,32 \
-      --prefix-len 1024 --context-length 2048 --iters 10 --idle-steps 0 --prefill-tokens 0 --verify-locality 2>&1 \
+      --prefix-len 1024 --context-length 2048 --iters 10 --idle-steps 0 --prefill-tokens 0 2>&1 \
       | grep -v -i warn | tail -24
     timeout 150 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1 --iters 10 --idle-steps 0 \
-      --prefix-len 32000 --context-length 33000 --prefill-tokens 0 --verify-locality 2>&1 | grep -v -i warn \
+      --prefix-len 32000 --context-length 33000 --prefill-tokens 0 2>&1 | grep -v -i warn \
       | tail -14
+    ;;
+  twentieth)  # the absorbed-MLA kernel at 64-head launches, 32 vs 64 keys a step, and the batch-32 DSA step's kernels
+    timeout 200 python3 scripts/gpu/profile_kernels.py --parts mla-n64 2>&1 | grep -v -i warn | tail -20
     ;;
   seventeenth)  # the overlap schedule for speculative steps: GPU tests, then overlap vs synchronous side by side
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \

@@ -10,6 +10,7 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
 from __future__ import annotations
 
 import argparse
+import functools
 from collections import defaultdict
 
 import torch
@@ -139,13 +140,56 @@ def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64)) -> None:
         torch.cuda.empty_cache()
 
 
+def mla_keys_per_step(iters: int) -> None:
+    """The absorbed-MLA kernel at 64-head launches with 32 against 64 keys a step (BENCHMARKS §25.3 left it
+    half-measured), outputs checked equal; then one GLM-5 DSA step at batch 32 kernel by kernel."""
+    h, c, r = 64, 512, 64
+    print("\n=== MLA decode, GLM-5 shapes: default keys a step vs 64, graph replay us ===")
+    for bs, w, kv in ((8, 1, 32768), (32, 1, 32768), (8, 4, 32768), (64, 4, 4096), (32, 1, 2048), (64, 4, 2048),
+                      (256, 1, 2048)):
+        g = torch.Generator(device=DEV).manual_seed(bs * w)
+        lat = torch.randn((bs * kv + 16, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+        kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
+        lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
+        qm = torch.randn((bs * w, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+        us = []
+        for bn in (None, 64):
+            fn = functools.partial(mla_decode_triton, qm, lat, kv_slots, lens, w, 0.07, c, block_n=bn)
+            if bn is not None:
+                torch.testing.assert_close(fn(), mla_decode_triton(qm, lat, kv_slots, lens, w, 0.07, c),
+                                           rtol=2e-2, atol=2e-2)
+            graph, _, _ = capture_graph(fn, None)
+            us.append(replay_us(graph, iters))
+            del graph
+        print(f"{bs:>4} x {w} over {kv:>5} keys: default {us[0]:8.1f}  n64 {us[1]:8.1f}  ({us[0] / us[1]:.2f}x)")
+        del lat, kv_slots
+        torch.cuda.empty_cache()
+    kv, di, hi, topk, bs = 32768, 128, 32, 2048, 32
+    g = torch.Generator(device=DEV).manual_seed(0)
+    rows = torch.randn((bs * kv + 16, di), device=DEV, dtype=torch.bfloat16, generator=g)
+    lat = torch.randn((bs * kv + 16, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+    kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
+    lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
+    q = torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
+    wts = torch.randn((bs, hi), device=DEV, generator=g)
+    qm = torch.randn((bs, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
+
+    def sparse():
+        hist = topk_workspace(bs, DEV)
+        s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk)
+        sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk, hist=hist)
+        return mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
+
+    breakdown(f"DSA bs {bs}, 32k keys: scores + top-k + sparse MLA", sparse, iters)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
     a = p.parse_args()
     for part in a.parts:
-        {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches}[part](a.iters)
+        {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step}[part](a.iters)
 
 
 if __name__ == "__main__":

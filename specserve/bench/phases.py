@@ -61,9 +61,7 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
-def phase_inputs(mr, reqs, name: str, repeat: bool = False) -> LiveInputs:
-    """Inputs of phase `name` for `reqs`; repeat (target_verify only): each request's N + 1 verified tokens all
-    equal its last token (the routing-locality bound, `--verify-locality`)."""
+def phase_inputs(mr, reqs, name: str) -> LiveInputs:
     dev = mr.device
     n = mr.num_steps
     rows = torch.tensor([r.kv.row for r in reqs], device=dev)
@@ -78,9 +76,6 @@ def phase_inputs(mr, reqs, name: str, repeat: bool = False) -> LiveInputs:
     w = n + 1
     pos = (s[:, None] + torch.arange(w, device=dev)).reshape(-1)
     ids = torch.randint(10, min(1000, mr.cfg.vocab_size), (bs * w,), device=dev)
-    if repeat:
-        assert name == "target_verify"
-        ids = mr.last_token[rows].repeat_interleave(w)
     if name == "target_verify":
         return LiveInputs(bs, ids, pos, rows, s + w, m + w)
     hidden = torch.randn(bs * w, mr.draft.feature_size, device=dev).to(mr.dtype)  # target features
@@ -88,23 +83,17 @@ def phase_inputs(mr, reqs, name: str, repeat: bool = False) -> LiveInputs:
                       hidden=hidden)
 
 
-def bench_batch(pair, bs: int, prefix: int, iters: int, verify_locality: bool = False) -> dict:
-    """Every phase of batch size bs, eager and graphed, the whole steps, and (verify_locality) verify again with
-    each request's verified tokens all equal: on an MoE model they then route to nearly the same experts, the bound
-    of full routing locality (random weights route neighbouring tokens independently, the opposite bound), with the
-    spec iteration estimated at that bound as spec iter - verify + verify(repeated)."""
+def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
     dev = pair.plain.device
     out: dict = {"bs": bs}
-    spec_names = ["target_verify"] + (["target_verify_repeat"] if verify_locality else [])
-    for mr, names in ((pair.plain, ["decode"]), (pair.spec, spec_names + ["draft_decode", "draft_extend"])):
+    for mr, names in ((pair.plain, ["decode"]), (pair.spec, ["target_verify", "draft_decode", "draft_extend"])):
         reqs = fake_requests(mr, bs, prefix, seed=bs)
         runners = mr.spec.runners if mr.spec is not None else mr.runners
         for name in names:
-            phase = name.removesuffix("_repeat")
-            if phase not in runners:
+            if name not in runners:
                 continue
-            r = runners[phase]
-            live = phase_inputs(mr, reqs, phase, repeat=name != phase)
+            r = runners[name]
+            live = phase_inputs(mr, reqs, name)
             eager = timeit(lambda r=r, live=live: r.forward_phase(live, r.eager_backends, graph_mode=False), dev,
                            iters)
             graph = timeit(lambda r=r, live=live: r.run(live), dev, iters) if r.use_graphs and r.graphs else None
@@ -132,11 +121,6 @@ def bench_batch(pair, bs: int, prefix: int, iters: int, verify_locality: bool = 
                     run_spec_step(mr, reqs, plain=True), mr.spec.lag.clear(rows)), dev, iters)
         release(mr, reqs)
     out["spec_iter_over_plain_step"] = out["spec_iter_ms"] / out["plain_step_ms"]
-    if "target_verify_repeat" in out:
-        timed = "graph_ms" if out["target_verify"]["graph_ms"] else "eager_ms"
-        local = out["spec_iter_ms"] - out["target_verify"][timed] + out["target_verify_repeat"][timed]
-        out["spec_iter_local_estimate_ms"] = local
-        out["spec_iter_local_over_plain_step"] = local / out["plain_step_ms"]
     if "spec_plain_step_ms" in out:
         out["spec_plain_over_plain_step"] = out["spec_plain_step_ms"] / out["plain_step_ms"]
     return out
@@ -218,10 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project-accept-lengths", default=None,
                    help="comma-separated accept lengths (tokens per verify): print the projected speed-up "
                         "accept / (spec iter / plain step) at each batch size, labelled a projection")
-    p.add_argument("--verify-locality", action="store_true",
-                   help="also time verify with each request's verified tokens all equal (MoE: full routing "
-                        "locality, the bound opposite to random weights' routing) and estimate the spec iteration "
-                        "there")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -251,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         result["copy_bw_GBps"] = copy_bandwidth(dev)
     for bs in bss:
-        result["batches"].append(bench_batch(pair, bs, args.prefix_len, args.iters, args.verify_locality))
+        result["batches"].append(bench_batch(pair, bs, args.prefix_len, args.iters))
     if args.prefill_tokens:
         result["prefill"] = bench_prefill(pair.plain, args.prefill_tokens, args.iters)
     if args.project_accept_lengths:
@@ -293,11 +273,11 @@ def print_table(r: dict) -> None:
     print(hdr)
     print("-" * len(hdr))
     for b in r["batches"]:
-        for name in ("decode", "target_verify", "target_verify_repeat", "draft_decode", "draft_extend"):
+        for name in ("decode", "target_verify", "draft_decode", "draft_extend"):
             if name not in b:
                 continue
             e, g = b[name]["eager_ms"], b[name]["graph_ms"]
-            label = {"draft_decode": "draft step", "target_verify_repeat": "verify repeat"}.get(name, name)
+            label = "draft step" if name == "draft_decode" else name
             gs = f"{g:9.3f}" if g else f"{'-':>9}"
             sp = f"{e / g:6.1f}x" if g else f"{'-':>7}"
             print(f"{b['bs']:>4} | {label:<14} | {e:9.3f} | {gs} | {sp}")
@@ -311,9 +291,6 @@ def print_table(r: dict) -> None:
             print(f"{b['bs']:>4} | {'plain (spec)':<14} | {'':9} | {b['spec_plain_step_ms']:9.3f} |  "
                   f"(a speculating engine's plain step: {b['spec_plain_over_plain_step']:.2f}x a plain engine's)")
         print(f"{b['bs']:>4} | spec iter / plain step = {b['spec_iter_over_plain_step']:.2f}x")
-        if "spec_iter_local_estimate_ms" in b:
-            print(f"{b['bs']:>4} | ESTIMATE at full routing locality (verify of repeated tokens): spec iter "
-                  f"{b['spec_iter_local_estimate_ms']:.3f} ms = {b['spec_iter_local_over_plain_step']:.2f}x plain")
     if "prefill" in r:
         pf = r["prefill"]
         g = pf["graph_ms"]
