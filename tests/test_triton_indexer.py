@@ -211,3 +211,29 @@ def test_first_topk_pass_inside_the_scores_kernel(width, kv_rows_path):
     got = index_topk_triton(scores, lens, table, width, k, hist=hist, kv_rows=kv_rows)
     want = index_topk_triton(scores, lens, table, width, k, kv_rows=kv_rows)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_key_steps_walks_give_the_same_scores_and_first_pass(width):
+    """A program walking 1, 2, 3 or 8 key blocks (the last run partial, queries whose causal length ends inside
+    one) writes the same scores and the same first-pass histogram; the default picks longer walks only when the
+    grid has programs to spare."""
+    from specserve.kernels.triton_indexer import key_steps
+    from specserve.kernels.triton_topk import topk_workspace
+
+    g = torch.Generator().manual_seed(77 + width)
+    seq_lens = [MAX_KV, width, 64, 65, width] if width == 1 else [width, 66, MAX_KV, 9, 130]
+    q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, width, 4, 32, torch.float32, "q", g)
+    results = []
+    for steps in (1, 2, 3, 8):
+        hist = topk_workspace(q.shape[0], q.device)
+        scores = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, block_n=16, hist=hist, k=20,
+                                     steps=steps)
+        results.append((scores, hist))
+    _check(results[0][0], reference(q, weights, rows, scales, kv_slots, lens, width), True)
+    for scores, hist in results[1:]:
+        assert torch.equal(scores, results[0][0]) and torch.equal(hist, results[0][1])
+    assert torch.equal(results[0][1][:, 0, :256].cpu(), _first_pass_hist(results[0][0], lens, width, 20))
+    assert key_steps(1, 512, 264) == 1  # batch 1 over 32k keys in 64-key blocks: one block a program
+    assert key_steps(8, 512, 264) == 2
+    assert key_steps(32, 512, 264) == 8

@@ -270,6 +270,14 @@ case "${1:-}" in
   twentieth)  # the absorbed-MLA kernel at 64-head launches, 32 vs 64 keys a step, and the batch-32 DSA step's kernels
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts mla-n64 2>&1 | grep -v -i warn | tail -20
     ;;
+  twentyfirst)  # the indexer's multi-block programs and the MLA's 64 keys a step at 64 heads: GPU kernel tests, the
+    # scores kernel's walk lengths, issue 14's DSA step vs dense MLA again, then the MLA/DSA model GPU tests
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py tests/test_triton_topk.py \
+      tests/test_triton_mla.py -k "cuda or gpu" 2>&1 | tail -2
+    timeout 120 python3 scripts/gpu/profile_kernels.py --parts scores-steps dsa-batches 2>&1 | grep -v -i warn \
+      | tail -14
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
+    ;;
   seventeenth)  # the overlap schedule for speculative steps: GPU tests, then overlap vs synchronous side by side
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \
       | tail -6

@@ -183,13 +183,39 @@ def mla_keys_per_step(iters: int) -> None:
     breakdown(f"DSA bs {bs}, 32k keys: scores + top-k + sparse MLA", sparse, iters)
 
 
+def scores_steps(iters: int) -> None:
+    """The indexer's scores kernel (with the top-k's first pass) walking 1, 2, 4, 8 key blocks a program, GLM-5
+    shapes over 32k keys a request, against the default (`key_steps`)."""
+    kv, di, hi, topk = 32768, 128, 32, 2048
+    print("\n=== indexer scores over 32k keys a request, replay us: steps 1 / 2 / 4 / 8 / default ===")
+    for bs in (1, 8, 32, 64):
+        g = torch.Generator(device=DEV).manual_seed(bs)
+        rows = torch.randn((bs * kv + 16, di), device=DEV, dtype=torch.bfloat16, generator=g)
+        kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
+        lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
+        q = torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
+        wts = torch.randn((bs, hi), device=DEV, generator=g)
+        hist = topk_workspace(bs, DEV)
+        us = []
+        for steps in (1, 2, 4, 8, None):
+            fn = functools.partial(index_scores_triton, q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk,
+                                   steps=steps)
+            graph, _, _ = capture_graph(fn, None)
+            us.append(replay_us(graph, iters))
+            del graph
+        print(f"{bs:>4}: " + " / ".join(f"{u:.1f}" for u in us))
+        del rows, kv_slots
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
     a = p.parse_args()
     for part in a.parts:
-        {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step}[part](a.iters)
+        {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
+         "scores-steps": scores_steps}[part](a.iters)
 
 
 if __name__ == "__main__":

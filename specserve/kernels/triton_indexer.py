@@ -19,7 +19,8 @@ tokens, query i (0 <= i < W) at token b * W + i; kv_slots [bs, max_kv] maps key 
 of b sees the key positions < seq_lens[b] - W + i + 1 (padded requests: seq_lens == W, slots 0). The result is
 [bs, W, max_kv] float32 with -inf at every position a query may not see, ready for the top-k.
 
-Grid (bs * W, cdiv(max_kv, BLOCK_N)): one program per (query token, block of BLOCK_N key positions). Unlike
+Grid (bs * W, cdiv(max_kv, BLOCK_N * STEPS)): one program per (query token, run of STEPS blocks of BLOCK_N key
+positions; STEPS = 1 unless the grid has programs to spare, `key_steps`). Unlike
 attention there is no reduction over keys (every key gets its own score), so nothing forces a program to walk all
 of a query's keys; splitting the keys over the grid gives decode batches (bs * W of a few dozen tokens, contexts of
 many thousand keys) enough programs to fill the GPU, where one program per token looping over its key blocks would
@@ -43,9 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_wait
+from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_wait, target_programs
 from specserve.kernels.triton_dot import dot
-from specserve.kernels.triton_topk import add_first_pass
+from specserve.kernels.triton_topk import add_first_pass_counts, first_pass_counts, first_pass_zeros
 
 
 @triton.jit
@@ -54,58 +55,76 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                          stride_qt, stride_qh, stride_wt, stride_wh, stride_rs, stride_sc, stride_kvb, stride_kvn,
                          stride_sl, stride_ob, stride_ow, stride_hist,
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr, F32_DOT: tl.constexpr,
-                         PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr):
+                         STEPS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr,
+                         F32_DOT: tl.constexpr, PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
-    nb = tl.program_id(1)  # key block
+    nb = tl.program_id(1)  # run of STEPS key blocks
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
     b = t // W
     i = t % W
     seq_len = tl.load(seq_lens_ptr + b * stride_sl).to(tl.int32)
     kv_len = tl.minimum(seq_len - W + i + 1, max_kv)  # this query's causal length
-
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-    key_ok = n < kv_len
-    score = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if nb * BLOCK_N < kv_len:  # otherwise the whole block is hidden from this query: -inf, nothing read
-        d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-        d_ok = d < head_dim
-        if HAS_ROWS:  # token rows: request b's keys are row kv_rows[b] of kv_slots (the page table itself)
-            kv_row = tl.load(kv_rows_ptr + b).to(tl.int64)
-        else:
-            kv_row = b.to(tl.int64)
-        slot = tl.load(kv_slots_ptr + kv_row * stride_kvb + n * stride_kvn, mask=key_ok,
-                       other=0).to(tl.int64)  # [BLOCK_N]
-        k = tl.load(rows_ptr + slot[:, None] * stride_rs + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                    other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; fp8 -> q's dtype is exact
-        k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
-        if HAS_SCALES:
-            k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        q_row = q_ptr + t.to(tl.int64) * stride_qt
-        w_row = w_ptr + t.to(tl.int64) * stride_wt
-        for h0 in range(0, num_heads, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-            h_ok = h < num_heads
-            qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                         other=0.0)  # [BLOCK_H, BLOCK_D]
-            s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    d_ok = d < head_dim
+    if HAS_ROWS:  # token rows: request b's keys are row kv_rows[b] of kv_slots (the page table itself)
+        kv_row = tl.load(kv_rows_ptr + b).to(tl.int64)
+    else:
+        kv_row = b.to(tl.int64)
+    q_row = q_ptr + t.to(tl.int64) * stride_qt
+    w_row = w_ptr + t.to(tl.int64) * stride_wt
+    hist = first_pass_zeros()  # the top-k's first pass over this program's keys (HIST)
+    for j in tl.range(0, STEPS, num_stages=NUM_STAGES):
+        n = (nb * STEPS + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        key_ok = n < kv_len
+        score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        if (nb * STEPS + j) * BLOCK_N < kv_len:  # otherwise the block is hidden from this query: -inf, nothing read
+            slot = tl.load(kv_slots_ptr + kv_row * stride_kvb + n * stride_kvn, mask=key_ok,
+                           other=0).to(tl.int64)  # [BLOCK_N]
+            k = tl.load(rows_ptr + slot[:, None] * stride_rs + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
+                        other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; fp8 -> q's dtype is exact
+            k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
             if HAS_SCALES:
-                s = s * k_scale[None, :]
-            wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
-            acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)  # [BLOCK_N]
-        score = tl.where(key_ok, acc, float("-inf"))
-        if HIST:  # noqa: SIM102 (a constexpr, then a runtime test) the top-k first pass, for queries that select
-            if kv_len > k_sel:
-                add_first_pass(hist_ptr + t.to(tl.int64) * stride_hist, score, key_ok)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + i * stride_ow + n, score, mask=n < max_kv)
+                k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for h0 in range(0, num_heads, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+                h_ok = h < num_heads
+                qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                             other=0.0)  # [BLOCK_H, BLOCK_D]
+                s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+                if HAS_SCALES:
+                    s = s * k_scale[None, :]
+                wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
+                acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)  # [BLOCK_N]
+            score = tl.where(key_ok, acc, float("-inf"))
+            if HIST:
+                hist += first_pass_counts(score, key_ok)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + i * stride_ow + n, score, mask=n < max_kv)
+    if HIST:  # noqa: SIM102 (a constexpr, then a runtime test) the top-k first pass, for queries that select
+        if kv_len > k_sel:
+            add_first_pass_counts(hist_ptr + t.to(tl.int64) * stride_hist, hist)
+
+
+STEPS = (8, 4, 2)  # key blocks a program may walk, most first
+
+
+def key_steps(num_tokens: int, blocks: int, target: int) -> int:
+    """Key blocks a program walks: the most (of STEPS) that still leave about 4 * target programs (target: about
+    two per SM), else 1. A batch of many queries over long contexts then runs fewer, longer programs that pipeline
+    their key loads and flush one histogram each (BENCHMARKS §27: the scores kernel at batch 32 over 32k keys took
+    183 us in 64-key programs); a decode at batch 1 keeps one block a program, for parallelism."""
+    for s in STEPS:
+        if num_tokens * triton.cdiv(blocks, s) >= 4 * target:
+            return s
+    return 1
 
 
 def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                         kv_slots: torch.Tensor, seq_lens: torch.Tensor, width: int, *, block_n: int = 64,
                         block_h: int | None = None, out: torch.Tensor | None = None,
                         kv_rows: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                        k: int = 0) -> torch.Tensor:
+                        k: int = 0, steps: int | None = None) -> torch.Tensor:
     """DSA indexer scores of a fixed-width batch.
 
     q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
@@ -116,7 +135,8 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     block_h: heads per tl.dot (power of two >= 16; default Hi padded, at most 64). kv_rows [bs] int64: request b's
     keys are kv_slots[kv_rows[b]] (token rows of a prefill, as kernels/triton_mla.py mla_decode_triton).
     hist: kernels/triton_topk.py topk_workspace(bs * width): the top-k's first histogram pass (for its k) is done
-    here, as the scores are written; then pass it to index_topk_triton with the same k."""
+    here, as the scores are written; then pass it to index_topk_triton with the same k. steps: key blocks a program
+    walks (default `key_steps`: more once the grid has programs to spare)."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
@@ -141,7 +161,10 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     sc, sc_stride = (rows, 0) if scales is None else (scales, scales.stride(0))  # rows: an unused pointer
     f32_dot = not q.is_cuda
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
-    grid = (num_tokens, triton.cdiv(max_kv, block_n))
+    blocks = triton.cdiv(max_kv, block_n)
+    if steps is None:
+        steps = key_steps(num_tokens, blocks, target_programs(q.device, cpu=1))
+    grid = (num_tokens, triton.cdiv(blocks, steps))
     pdl = grid_pdl(q.device, grid[0] * grid[1], num_tokens)
     _index_scores_kernel[grid](
         q, weights, rows, sc, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, out,
@@ -149,8 +172,9 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), rows.stride(0), sc_stride,
         kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0), out.stride(0), out.stride(1),
         0 if hist is None else hist.stride(0),
-        W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, HAS_SCALES=scales is not None,
+        W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, STEPS=steps, HAS_SCALES=scales is not None,
         HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, HIST=hist is not None, PDL=pdl,
-        num_warps=4 if block_h * block_d <= 4096 else 8, num_stages=2, **pdl_kwargs(bool(pdl)),
+        num_warps=4 if block_h * block_d <= 4096 else 8, NUM_STAGES=2 if steps > 1 else 1,
+        **pdl_kwargs(bool(pdl)),
     )
     return out

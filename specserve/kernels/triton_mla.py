@@ -205,7 +205,7 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     kv_rows [bs] int64: request b's keys are kv_slots[kv_rows[b]] (kv_slots then any [rows, max_kv] table, e.g.
     the page table; a prefill runs as token rows: width 1, each token its own request with its causal length).
     block_h: heads per program (power of two >= 16; default 32 for more than 16 heads and 4 or more tokens, else
-    16); block_n: keys per step (default from the row width);
+    16); block_n: keys per step (default 64 for rows of at most 256 padded dims or 64-head programs, else 32);
     num_splits: key splits per query (default from the launch size, `num_key_splits`);
     num_warps (default from C and the launch size), num_stages: Triton's launch options."""
     num_tokens, num_heads, dim = q.shape
@@ -224,8 +224,8 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         block_h = default_block_h(num_tokens, num_heads, max_kv, q.dtype == torch.float32)
     block_c = max(16, triton.next_power_of_2(c))
     block_r = max(16, triton.next_power_of_2(rope)) if rope > 0 else 16
-    if block_n is None:
-        block_n = 64 if block_c + block_r <= 256 else 32
+    if block_n is None:  # 64 keys a step for narrow rows, and at 64-head programs (BENCHMARKS §27: 1.12-1.38x)
+        block_n = 64 if block_c + block_r <= 256 or block_h >= 64 else 32
     if selection is not None:
         assert selection.shape == (bs, 1, width, max_kv) and selection.dtype == torch.bool
         sel = selection.view(torch.uint8)  # same bytes; a plain byte pointer for the kernel

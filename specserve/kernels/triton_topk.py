@@ -12,7 +12,7 @@ Selection is an exact radix select over a 32-bit order-preserving key of each sc
 negative ones flipped), 8 bits a pass, most significant first:
 
 1. four histogram passes (`_hist_kernel`, grid (rows, chunks of CHUNK positions); the first one can be done by the
-   indexer's scores kernel as it writes the scores, `add_first_pass` into `topk_workspace`, as the DSA backend
+   indexer's scores kernel as it writes the scores, `first_pass_counts` into `topk_workspace`, as the DSA backend
    has it): pass p counts, over the keys whose top 8p bits equal the prefix found so far, their next 8 bits into
    256 bins, and adds the chunk's counts to the row's histogram with integer atomics (integer sums: the same
    totals in any order, so deterministic).
@@ -72,12 +72,23 @@ def score_keys(s):
 
 
 @triton.jit
-def add_first_pass(hist_row_ptr, s, ok):
-    """The first histogram pass over some of a query's scores s [N] float32 (ok: positions it sees), added to its
-    histogram row (hist [rows, 4, _BINS], first pass) with integer atomics: what _hist_kernel's pass 0 adds, from
-    another kernel's registers (kernels/triton_indexer.py, as it writes the scores)."""
+def first_pass_counts(s, ok):
+    """The first histogram pass's counts [_BINS] int32 over some of a query's scores s [N] float32 (ok: positions
+    it sees): what _hist_kernel's pass 0 counts, from another kernel's registers (kernels/triton_indexer.py, as it
+    writes the scores); sum them over blocks, then add_first_pass_counts."""
     digit = tl.where(ok, score_keys(s) >> 24, 256).to(tl.int32)
-    acc = tl.histogram(digit, _BINS)
+    return tl.histogram(digit, _BINS)
+
+
+@triton.jit
+def first_pass_zeros():
+    """An empty first_pass_counts, to sum blocks into."""
+    return tl.zeros([_BINS], tl.int32)
+
+
+@triton.jit
+def add_first_pass_counts(hist_row_ptr, acc):
+    """Adds first_pass_counts to a query's histogram row (hist [rows, 4, _BINS], first pass), integer atomics."""
     d_idx = tl.arange(0, _BINS)
     tl.atomic_add(hist_row_ptr + d_idx, acc, mask=(d_idx < 256) & (acc > 0))
 
