@@ -274,9 +274,9 @@ case "${1:-}" in
     # scores kernel's walk lengths, issue 14's DSA step vs dense MLA again, then the MLA/DSA model GPU tests
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py tests/test_triton_topk.py \
       tests/test_triton_mla.py -k "cuda or gpu" 2>&1 | tail -2
-    timeout 120 python3 scripts/gpu/profile_kernels.py --parts scores-steps dsa-batches 2>&1 | grep -v -i warn \
+    timeout 100 python3 scripts/gpu/profile_kernels.py --parts scores-steps dsa-batches 2>&1 | grep -v -i warn \
       | tail -14
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
     ;;
   seventeenth)  # the overlap schedule for speculative steps: GPU tests, then overlap vs synchronous side by side
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \
