@@ -54,6 +54,10 @@
 # run on a GPU), then issue 17's serving sweep again (the server now overlaps by default; `smollm2_round.sh`), then
 # the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`, `profile_kernels.py --parts dsa`: issue 14's
 # sparse/dense ratio against the faster dense MLA of §25.3).
+#   eighteenth..twentyfirst ran on 2026-12-03 (third session, BENCHMARKS §27). For a fresh lease: all of
+#             tests/test_gpu_mla.py with a longer limit (8 of 10 ran after the 64-keys-a-step MLA default and the
+#             indexer's multi-block programs), then GLM-5's phases at 32k and batch 8 (the MLA default changes decode
+#             at batch 8+ and verify).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)

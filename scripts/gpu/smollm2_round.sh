@@ -10,6 +10,11 @@
 #                   (sampled drafts accept less per position, so a shorter N may pay more than N = 4)
 #   sweep ISLS CONC carry .smollm2-parts/wheels: a speculating and a plain server side by side, then
 #                   `specserve bench-compare` over input lengths ISLS x concurrency CONC (output 512, 2 x conc prompts)
+# The servers' wheels beside gguf's in .smollm2-parts/wheels (the device has Python 3.12, aiohttp, no fastapi):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     -d .smollm2-parts/wheels fastapi starlette uvicorn h11 click pydantic pydantic-core annotated-types \
+#     typing-inspection typing-extensions opentelemetry-api annotated-doc
+# (fastapi 0.165 imports opentelemetry; after a failed install on a warm machine, `rm -rf /tmp/site` first).
 . scripts/gpu/env.sh
 D=.gpu-data
 case "${1:-}" in

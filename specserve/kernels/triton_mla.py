@@ -32,14 +32,15 @@ accumulator with its running max and sum to a workspace, and a second kernel (`_
 per (query token, head, block of latent dims), all splits at once) merges the splits by the usual rescaling:
 m = max_s m_s, l = sum_s l_s 2^(m_s - m), o = sum_s acc_s 2^(m_s - m) / l. A split past its query's length keeps
 m = -1e30, l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: enough programs for about two per
-SM, at most one split per 4 key blocks of max_kv; one split (no workspace, no second kernel) once the batch alone
-fills the GPU.
+SM, at most one split per 4 key blocks of max_kv (per key block up to 2048 keys); one split (no workspace, no
+second kernel) once the batch alone fills the GPU.
 
 Block sizes (defaults; each is a launch option, swept on the H200 in BENCHMARKS.md §12.2 and §25):
 BLOCK_H from `default_block_h` (64 heads a program for 16-bit q once the launch has enough query rows, fewer heads
-are masked; 16 or 32 in small launches), BLOCK_N = 64 keys (32 when the row is wider than 256, to bound the c
-tile's registers), num_warps 4 (8 when BLOCK_C > 256 and the launch is not small or q is float32, where the
-[BLOCK_H, BLOCK_C] float32 accumulator and the c tile dominate), num_stages 2. `F32_DOT` computes the products in
+are masked; 16 or 32 in small launches), BLOCK_N = 64 keys (32 when the row is wider than 256 and the program
+has fewer than 64 heads, to bound the c tile's registers; at 64 heads 64 keys measured faster, §27.5), num_warps
+4 (8 when BLOCK_C > 256 and the launch is not small or q is float32, where the [BLOCK_H, BLOCK_C] float32
+accumulator and the c tile dominate), num_stages 2. `F32_DOT` computes the products in
 float32: set for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9);
 probabilities are still rounded to the value dtype first, as on the GPU.
 """
