@@ -237,3 +237,26 @@ def test_key_steps_walks_give_the_same_scores_and_first_pass(width):
     assert key_steps(1, 512, 264) == 1  # batch 1 over 32k keys in 64-key blocks: one block a program
     assert key_steps(8, 512, 264) == 2
     assert key_steps(32, 512, 264) == 8
+
+
+@pytest.mark.gpu
+def test_key_steps_walks_equal_on_gpu():
+    """On the GPU (where key_steps picks longer walks only for big grids): 1, 4 and 8 key blocks a program write the
+    same scores and first-pass histogram, 24 queries of a 4-wide batch over 2048 keys."""
+    from specserve.kernels.triton_topk import topk_workspace
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    bs, width, heads, dim, kv = 6, 4, 32, 128, 2048
+    rows = torch.randn((bs * kv + 16, dim), device=dev, dtype=torch.bfloat16, generator=g)
+    kv_slots = (torch.randperm(bs * kv, device=dev, generator=g) + 16).view(bs, kv)
+    lens = torch.tensor([kv, 5, 1000, 1025, 64, 2047], device=dev)
+    q = torch.randn((bs * width, heads, dim), device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.randn((bs * width, heads), device=dev, generator=g)
+    results = []
+    for steps in (1, 4, 8):
+        hist = topk_workspace(bs * width, dev)
+        results.append((index_scores_triton(q, w, rows, None, kv_slots, lens, width, hist=hist, k=100, steps=steps),
+                        hist))
+    for scores, hist in results[1:]:
+        assert torch.equal(scores, results[0][0]) and torch.equal(hist, results[0][1])
