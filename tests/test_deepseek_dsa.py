@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
 from test_overlap_schedule import test_arrivals_and_aborts_while_a_step_is_in_flight as overlap_arrivals
+from test_overlap_schedule import test_first_tokens_that_end_a_request_while_its_prefill_is_in_flight as overlap_t0
 from test_prefill_graph import check_padded_prefill, prefill_runner, prefill_runners
 from test_qwen3_next import _hf_logits, _prefill, _runner
 from test_runners import _spec_runner, check_one_graph_step, check_phase_replay
@@ -331,6 +332,7 @@ def test_mixed_workload_with_retractions(dsa, spec):
 def test_overlap_schedule_arrivals_and_aborts(dsa):
     overlap_arrivals(dsa, key="glm_moe_dsa_sparse")
     overlap_arrivals(dsa, key="glm_moe_dsa_sparse", spec=dict(speculative_algorithm="MTP", speculative_num_steps=3))
+    overlap_t0(dsa, dict(speculative_algorithm="MTP", speculative_num_steps=2), key="glm_moe_dsa_sparse")
 
 
 def test_phase_replay_equals_eager(dsa):

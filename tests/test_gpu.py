@@ -225,6 +225,7 @@ def test_overlap_schedule_matches_synchronous_gpu(tiny_models, total, spec):
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in exp]
     st = eng.scheduler.stats
     assert st.num_overlapped_steps > st.num_decode_steps // 3 and (st.num_retractions > 0) == (total == 160)
+    assert st.num_overlapped_prefills > 0  # prompts admitted while a step was in flight: their t0 read later
     mr = eng.core.model_runner
     assert (mr.spec.spec_step if spec else mr.plain_step).replays > 0
     eng.scheduler.check_idle_invariants()

@@ -18,6 +18,7 @@ from spec_fixtures import build_scheduler, run_greedy
 from test_kv_accounting import test_abort_frees_kv as abort_workload
 from test_kv_accounting import test_pool_returns_to_start_after_mixed_workload_with_retractions as mixed_workload
 from test_overlap_schedule import test_arrivals_and_aborts_while_a_step_is_in_flight as overlap_arrivals
+from test_overlap_schedule import test_first_tokens_that_end_a_request_while_its_prefill_is_in_flight as overlap_t0
 from test_overlap_schedule import test_mixed_workload_matches_synchronous as overlap_workload
 from test_overlap_schedule import test_spec_mixed_workload_matches_synchronous as overlap_spec_workload
 from test_prefill_graph import check_padded_prefill, prefill_runner
@@ -356,6 +357,7 @@ def test_overlap_schedule_matches_synchronous(hybrids):
     overlap_workload(hybrids, 160, key="qwen3_next")
     overlap_arrivals(hybrids, key="qwen3_5_moe")
     overlap_spec_workload(hybrids, 3, 160, key="qwen3_next")  # the accept commit of rows continuing on the device
+    overlap_t0(hybrids, dict(speculative_algorithm="MTP", speculative_num_steps=2), key="qwen3_next")  # state rows
 
 
 def test_padded_prefill_graph_equals_eager(hybrids):

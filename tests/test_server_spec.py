@@ -60,7 +60,8 @@ def test_usage_reports_accept_length(spec_server):
     info = spec_server.server_info()
     assert info["spec_enabled"] and info["spec_verify_ct"] > 0 and info["avg_spec_accept_length"] >= 1.0
     assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == 2
-    assert info["overlap_schedule"] is True and 0 < info["num_overlapped_steps"] < info["num_decode_steps"]
+    assert info["overlap_schedule"] is True and 0 < info["num_overlapped_steps"] <= info["num_decode_steps"]
+    assert 0 <= info["num_overlapped_prefills"] < info["num_prefill_steps"]
     metrics = httpx.get(spec_server.url + "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("specserve:spec_accept_length{"))
     assert float(line.split()[-1]) >= 1.0

@@ -1,4 +1,4 @@
-"""The overlap schedule's one step in flight: decode step k+1 is launched before step k's output is read.
+"""The overlap schedule's one step in flight: step k+1 is launched before step k's output is read.
 
 A plain decode step needs nothing from the host that the host does not already know: its tokens stay on the device
 (the target's last-token rows, written by the step itself) and every running request grows by exactly one position.
@@ -16,6 +16,11 @@ N + 1 positions of the context wait for that read; those it may finish by max_ne
 dropped if it did. Anything else (a prefill, a switch between adaptive speculation's plain and speculative steps with
 its draft catch-up, a step outside the graphs, a retraction) reads the step in flight first and runs synchronously.
 Runs of plain steps of a speculating engine overlap as a plain engine's do.
+
+A prefill is overlapped the same way: its first tokens (t0) stay on the device as the rows' last tokens, and the
+draft's state after its extend too, so the prefill is launched, then the step in flight read, and the t0s are read
+with the next step, which may already decode the new requests (a request that t0 finishes by length is left out of
+it, as above; one that t0 stops has its token of that step dropped).
 
 Everything runs on one stream, so pages, page-table rows and state rows freed while a step is in flight can only be
 reused by work queued after it. The host reads a step's tokens from one of two pinned buffers, filled by an
@@ -75,3 +80,4 @@ class InFlightDecode:
     spec: bool = False  # a speculative step (its requests' seq_len advance when it is read), else a plain one (the
     # seq_len of each of its requests already counts its token)
     launched: float = 0.0  # perf_counter at launch
+    prefill: bool = False  # a prefill: reqs are its final chunks' requests (already running), tokens their t0

@@ -25,7 +25,7 @@ from specserve.engine.adaptive_spec import AdaptiveSpeculation
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.overlap import InFlightDecode, TokenReadback
 from specserve.engine.request import Req, ReqState
-from specserve.engine.steps import Chunk, launch_decode, run_decode, run_prefill, run_spec_step
+from specserve.engine.steps import Chunk, launch_decode, launch_prefill, run_decode, run_prefill, run_spec_step
 from specserve.engine.stop import StopChecker
 from specserve.engine.tp_ranks import TPLeader, decode_message, prefill_message
 from specserve.speculative.worker import SpecStepResult
@@ -43,6 +43,7 @@ class SchedulerStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
     num_overlapped_steps: int = 0  # decode steps launched before the previous one's tokens were read
+    num_overlapped_prefills: int = 0  # prefills launched so (overlap schedule), their t0 read with the next step
     num_retractions: int = 0
     num_generated_tokens: int = 0
     num_prompt_tokens: int = 0
@@ -123,9 +124,11 @@ class Scheduler:
         """Run one forward step; returns the requests that changed (new tokens or finished). Under the overlap
         schedule a plain decode step's tokens come with the next step() (engine/overlap.py)."""
         chunks = self._schedule_prefill()
-        if chunks:
-            # the step in flight is read first (the device has most likely finished it): its tokens, and the
-            # requests it finished, are not held through a chunked prefill, and its time holds no prefill
+        if chunks and self.overlap and self.mirror is None:
+            # launched before the step in flight is read, which is read at once after (its tokens are not held
+            # through a chunked prefill); the prefill's t0 come with the next step
+            self._launch_prefill(chunks)
+        elif chunks:
             self._drain()
             self._run_prefill(chunks)
         elif self.running:
@@ -214,6 +217,30 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             self._append(req, [tok])
+
+    def _launch_prefill(self, chunks: list[Chunk]) -> None:
+        """The overlap schedule's prefill: launched, its requests' lengths and states set as _run_prefill sets them
+        (a final chunk's request joins the running ones, its t0 still on the device), then the step in flight read;
+        the prefill stays in flight until the next step reads it."""
+        prev = self._inflight
+        self.stats.num_prefill_steps += 1
+        t0 = launch_prefill(self.mr, chunks)
+        final = []
+        for c in chunks:
+            req = c.req
+            req.seq_len = c.end
+            self.stats.num_prompt_tokens += c.end - c.start
+            if c.is_final:
+                req.state = ReqState.RUNNING
+                self.running.append(req)
+                final.append(req)
+        self._inflight = None
+        if t0 is not None:
+            self._inflight = InFlightDecode(final, self._readback.start(t0), prefill=True,
+                                            launched=time.perf_counter())
+        if prev is not None:
+            self.stats.num_overlapped_prefills += 1
+            self._apply(prev)
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> None:
@@ -348,21 +375,25 @@ class Scheduler:
             self._apply(prev)
 
     def _apply(self, step: InFlightDecode) -> None:
-        """Append a read step's tokens; requests finished meanwhile (a stop token one step earlier, an abort) drop
-        theirs. When nothing of the step now in flight is still running, it is let go unread."""
+        """Append a read step's tokens (a prefill's: its requests' first); requests finished meanwhile (a stop token
+        one step earlier, an abort) drop theirs. When nothing of the step now in flight is still running, it is let
+        go unread."""
         out = step.tokens.wait()
         now = time.perf_counter()
         res = SpecStepResult.parse(out) if step.spec else None
-        if self.adaptive is not None:  # back to back, a step's cost is the time between two reads
+        if self.adaptive is not None and not step.prefill:  # back to back, a step costs the time between two reads
             self.adaptive.record(len(step.reqs), not step.spec, now - max(step.launched, self._last_read),
                                  1 + sum(res.accept_len) / len(step.reqs) if res else 1.0)
-        self._last_read = now
+        self._last_read = now  # after a prefill: the next step's cost counts from here, not from its launch
         if res is not None:
             self._apply_spec(step.reqs, res, plain=False)
         else:
             for req, t in zip(step.reqs, out):
-                if not req.finished:
-                    self._append(req, [t])
+                if req.finished:
+                    continue
+                if step.prefill and req.first_token_time is None:
+                    req.first_token_time = now
+                self._append(req, [t])
         if self._inflight is not None and all(r.finished for r in self._inflight.reqs):
             self._inflight = None
 

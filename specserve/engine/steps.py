@@ -2,7 +2,8 @@
 plain decode, and the speculative step (the worker's).
 
 Each step takes requests whose KV capacity the scheduler has already ensured, runs on the device, and returns the
-new tokens as host lists (the one host sync of a step). Request bookkeeping stays in the scheduler.
+new tokens as host lists (the one host sync of a step), or, launched (`launch_*`), as device tensors for the overlap
+schedule to read later (engine/overlap.py). Request bookkeeping stays in the scheduler.
 """
 
 from __future__ import annotations
@@ -35,9 +36,22 @@ def sampling_batch(mr: ModelRunner, reqs: list[Req]) -> SamplingBatch:
 
 @torch.inference_mode()
 def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
-    """Target extend over the chunks; for final chunks sample t0; with a drafter, the worker's draft extend over the
-    same positions (prompt shifted left by one, t0 appended) fills the draft KV and produces d1 and its hidden state.
-    Returns t0 per chunk (None for non-final chunks)."""
+    """launch_prefill, read back at once (the step's host sync): t0 per chunk (None for non-final chunks)."""
+    t0 = launch_prefill(mr, chunks)
+    out: list[int | None] = [None] * len(chunks)
+    if t0 is not None:
+        final = [i for i, c in enumerate(chunks) if c.is_final]
+        for i, tok in zip(final, t0.tolist()):
+            out[i] = tok
+    return out
+
+
+@torch.inference_mode()
+def launch_prefill(mr: ModelRunner, chunks: list[Chunk]) -> torch.Tensor | None:
+    """Target extend over the chunks; for final chunks sample t0 (left on the device as the rows' last tokens); with
+    a drafter, the worker's draft extend over the same positions (prompt shifted left by one, t0 appended) fills the
+    draft KV and produces d1 and its hidden state. Returns t0 [F] of the final chunks in chunk order on the device,
+    without waiting for it (None when no chunk is final)."""
     dev = mr.device
     table = mr.req_to_token.table
     ids_host, pos_host, rows, seq_lens, ext = [], [], [], [], []
@@ -87,12 +101,7 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
         if final:
             draft_ids[fidx] = t0
         spec.prefill_draft(batch, draft_ids, hidden, fidx, frows, new_pos)
-
-    out: list[int | None] = [None] * len(chunks)
-    if final:
-        for i, tok in zip(final, t0.tolist()):
-            out[i] = tok
-    return out
+    return t0
 
 
 @torch.inference_mode()

@@ -87,6 +87,7 @@ class EngineStats:
     recent_accept_length: float = 0.0  # mean over the last few hundred verifies (0 without speculation)
     spec_plain_steps: int = 0  # plain steps of a speculating engine (adaptive speculation)
     num_overlapped_steps: int = 0  # decode steps launched before the previous one's output was read
+    num_overlapped_prefills: int = 0  # prefills launched so, their first tokens read with the next step
     spec_adaptive: dict | None = None  # AdaptiveSpeculation.summary() (None: adaptive speculation off)
 
     @property

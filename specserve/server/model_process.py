@@ -158,6 +158,7 @@ class EngineLoop:
             recent_accept_length=sum(recent) / len(recent) if recent else 0.0,
             spec_plain_steps=s.spec_plain_steps,
             num_overlapped_steps=s.num_overlapped_steps,
+            num_overlapped_prefills=s.num_overlapped_prefills,
             spec_adaptive=self._adaptive_summary(),
         )
 

@@ -395,6 +395,7 @@ class TokenizerManager:
             "num_decode_steps": s.num_decode_steps,
             "overlap_schedule": i.overlap_schedule,  # off: --disable-overlap-schedule, or a CPU
             "num_overlapped_steps": s.num_overlapped_steps,
+            "num_overlapped_prefills": s.num_overlapped_prefills,
             "spec_enabled": i.spec_enabled,
             "speculative_algorithm": i.spec_algorithm,
             "speculative_num_steps": i.spec_num_steps,
