@@ -54,10 +54,9 @@
 # run on a GPU), then issue 17's serving sweep again (the server now overlaps by default; `smollm2_round.sh`), then
 # the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`, `profile_kernels.py --parts dsa`: issue 14's
 # sparse/dense ratio against the faster dense MLA of §25.3).
-#   eighteenth..twentyfirst ran on 2026-12-03 (third session, BENCHMARKS §27). For a fresh lease: all of
-#             tests/test_gpu_mla.py with a longer limit (8 of 10 ran after the 64-keys-a-step MLA default and the
-#             indexer's multi-block programs), then GLM-5's phases at 32k and batch 8 (the MLA default changes decode
-#             at batch 8+ and verify).
+#   eighteenth..twentyfirst ran on 2026-12-03 (third session, BENCHMARKS §27). For a fresh lease: `twentysecond`
+#             (overlapped prefills' GPU tests, all MLA GPU tests, issue 14 with contiguous slots), `twentysecond-b`,
+#             then `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -281,6 +280,19 @@ case "${1:-}" in
     timeout 100 python3 scripts/gpu/profile_kernels.py --parts scores-steps dsa-batches 2>&1 | grep -v -i warn \
       | tail -14
     timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
+    ;;
+  twentysecond)  # what the third session of 2026-12-03 left unmeasured: overlapped prefills on the GPU (the overlap
+    # GPU tests now count them), the indexer's multi-block walks' GPU test, all of the MLA GPU tests, issue 14's ratio
+    # with contiguous slots, GLM-5's phases at 32k and batch 1 / 8 (64 keys a step at 64-head MLA programs)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap \
+      tests/test_triton_indexer.py 2>&1 | grep -v -i warn | tail -4
+    timeout 260 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
+    timeout 100 python3 scripts/gpu/profile_kernels.py --parts dsa-batches-contiguous 2>&1 | grep -v -i warn | tail -7
+    ;;
+  twentysecond-b)  # GLM-5's phases at 32k keys, batch 1 and 8, then the serving sweep (smollm2_round.sh sweep, as
+    # §27.2: prefills now overlap too) in the next calls
+    timeout 300 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --iters 10 --idle-steps 0 \
+      --prefix-len 32000 --context-length 33000 --prefill-tokens 0 2>&1 | grep -v -i warn | tail -26
     ;;
   seventeenth)  # the overlap schedule for speculative steps: GPU tests, then overlap vs synchronous side by side
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap 2>&1 | grep -v -i warn \

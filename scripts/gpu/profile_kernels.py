@@ -4,7 +4,8 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
 
     python3 scripts/gpu/profile_kernels.py [--iters 30] [--parts sampler dsa dsa-batches]
 
-`dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio).
+`dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio), keys
+in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots.
 """
 
 from __future__ import annotations
@@ -104,18 +105,22 @@ def dsa(iters: int) -> None:
         print(f"sparse MLA over {topk} chosen keys, {splits:2d} splits: replay {replay_us(graph, iters):.1f} us")
 
 
-def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64)) -> None:
+def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), contiguous: bool = False) -> None:
     """Issue 14's sparse against dense attention at 32k keys per request, at each batch size: one GLM-5 layer's
-    DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys."""
+    DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys.
+    contiguous: each request's keys in consecutive cache slots (a fresh pool's layout) instead of random ones (a
+    pool fragmented by churn)."""
     kv, di, hi, h, c, r, topk = 32768, 128, 32, 64, 512, 64, 2048
-    print("\n=== one GLM-5 layer over 32k keys a request: DSA step vs dense MLA, graph replay us ===")
+    layout = "contiguous" if contiguous else "random"
+    print(f"\n=== one GLM-5 layer over 32k keys a request ({layout} slots): DSA step vs dense MLA, graph replay us ===")
     print(f"{'bs':>4} | {'DSA step':>9} | {'dense MLA':>9} | {'dense / DSA':>11}")
     for bs in batch_sizes:
         g = torch.Generator(device=DEV).manual_seed(bs)
         slots = bs * kv + 16
         rows = torch.randn((slots, di), device=DEV, dtype=torch.bfloat16, generator=g)
         lat = torch.randn((slots, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
-        kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
+        order = torch.arange(bs * kv, device=DEV) if contiguous else torch.randperm(bs * kv, device=DEV, generator=g)
+        kv_slots = (order + 16).view(bs, kv)
         lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
         q = torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
         wts = torch.randn((bs, hi), device=DEV, generator=g)
@@ -214,6 +219,9 @@ def main() -> None:
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
     a = p.parse_args()
     for part in a.parts:
+        if part == "dsa-batches-contiguous":
+            dsa_batches(a.iters, contiguous=True)
+            continue
         {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
          "scores-steps": scores_steps}[part](a.iters)
 
