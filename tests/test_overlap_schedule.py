@@ -310,3 +310,17 @@ def test_readback_alternates_buffers():
     assert d.wait() == [[1, 2], [3, 4]]
     with pytest.raises(ValueError, match="5 values"):
         rb.start(torch.arange(5))
+
+
+def test_random_workloads_match_synchronous():
+    """A few of scripts/fuzz_overlap.py's random workloads (arrivals, aborts, stops, chunked prefill, tight pools,
+    plain and MTP): the overlap schedule's outputs equal the synchronous one's; nothing leaks (a failure prints
+    the workload)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "fuzz_overlap.py")
+    spec = importlib.util.spec_from_file_location("fuzz_overlap", path)
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    assert fuzz.main(1000, 10) == 0

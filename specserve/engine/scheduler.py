@@ -5,13 +5,7 @@ Policy, per step: if a prompt is waiting (or half prefilled) and fits, run one p
 When the pool cannot hold the next step, the newest running requests are retracted (KV freed, re-queued at the
 front with their outputs kept, re-prefilled later). Nothing is dropped and the engine never crashes on memory.
 
-Admission is growth-aware, so that retraction stays the exception: a new prompt is admitted only if the free pages
-also cover what the running requests (and the ones admitted with it) are still expected to produce, estimated as
-`new_token_ratio` x their remaining max_new_tokens. The ratio starts high, decays a little with every decode step
-in which nothing had to be retracted (requests usually stop before their limit), and jumps back up after a
-retraction (the estimate was too low), as SGLang's scheduler does. `--schedule-conservativeness` scales the ratio
-(0: reserve only the next step, as before). A request that finds nothing running is always admitted when its prompt
-fits: a growth estimate must never keep the engine idle.
+Admission is growth-aware (engine/admission.py), so that retraction stays the exception.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation
+from specserve.engine.admission import Admission
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.overlap import InFlightDecode, TokenReadback
 from specserve.engine.request import Req, ReqState
@@ -31,12 +26,6 @@ from specserve.engine.tp_ranks import TPLeader, decode_message, prefill_message
 from specserve.speculative.worker import SpecStepResult
 
 logger = logging.getLogger(__name__)
-
-INIT_NEW_TOKEN_RATIO = 0.7  # share of their remaining max_new_tokens that running requests are expected to produce
-MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # per decode step without a retraction
-RETRACT_RATIO_STEP = 0.2  # added after a retraction
-
 
 @dataclass
 class SchedulerStats:
@@ -69,7 +58,6 @@ class Scheduler:
         self.mr = mr
         self.stop = stop_checker
         self.n = mr.num_steps
-        self.chunk_budget = chunked_prefill_size if chunked_prefill_size > 0 else mr.context_len
         self.waiting: deque[Req] = deque()
         self.prefilling: Req | None = None  # at most one request is half prefilled
         self.running: list[Req] = []
@@ -81,8 +69,8 @@ class Scheduler:
         # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
         self.mirror: TPLeader | None = None
         self.initial_free_pages = mr.allocator.num_free_pages
-        self.conservativeness = mr.args.schedule_conservativeness
-        self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
+        self.admission = Admission(mr, self.n, chunked_prefill_size if chunked_prefill_size > 0 else mr.context_len,
+                                   mr.args.schedule_conservativeness)
         self._touched: dict[str, Req] = {}  # requests changed since the last step() returned
         if overlap is None:
             a = mr.args
@@ -144,61 +132,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> list[Chunk]:
-        mr = self.mr
-        budget = self.chunk_budget
-        chunks: list[Chunk] = []
-        candidates: list[Req] = []
-        if self.prefilling is not None:
-            candidates.append(self.prefilling)
-        candidates.extend(self.waiting)
-        if not candidates:
-            return chunks  # (the common decode step: no per-request work here)
-        # Keep pages back for the next step of every running request and for the tokens they are still expected to
-        # produce, so admitted prompts do not force running requests out later.
-        reserve = sum(self._expected_pages(r) for r in self.running)
-        for req in candidates:
-            if budget <= 0:
-                break
-            new = req.state == ReqState.WAITING
-            if new and self.num_running + len(chunks) >= mr.max_running:
-                break
-            start = req.seq_len
-            end = min(req.prefill_len, start + budget)
-            final = end == req.prefill_len
-            need_positions = end + (self.n + 1 if final else 0)
-            extra = mr.kv.pages_needed(req.kv, need_positions)
-            alone = not self.running and not chunks  # nothing else would run: admit if the prompt fits
-            growth = self._expected_pages(req, end) - extra if final and not alone else 0  # beyond its prompt
-            if extra + growth + reserve > mr.allocator.num_free_pages:
-                # A new request: FIFO, later ones wait behind it. The half-prefilled one: decodes run meanwhile
-                # (they may finish and free pages).
-                break
-            if new:
-                if not mr.kv.assign_row(req.kv):
-                    break
-                self.waiting.remove(req)
-                req.state = ReqState.PREFILLING
-            ok = mr.kv.ensure([req.kv], [need_positions])
-            assert ok
-            chunks.append(Chunk(req, start, end))
-            reserve += growth
-            budget -= end - start
-            if not final:
-                self.prefilling = req
-                break
-            if self.prefilling is req:
-                self.prefilling = None
+        chunks, self.prefilling = self.admission.schedule(self.waiting, self.prefilling, self.running)
         return chunks
-
-    def _expected_pages(self, req: Req, seq_len: int | None = None) -> int:
-        """Pages beyond those it holds that `req` is expected to need from now on: its next step (N + 2 positions)
-        and new_token_ratio of its remaining max_new_tokens (bounded by the context). seq_len: its length once
-        admitted (default its current one)."""
-        seq_len = req.seq_len if seq_len is None else seq_len
-        left = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
-        left = min(left, max(self.mr.context_len - seq_len, 0))
-        want = seq_len + self.n + 2 + int(self.new_token_ratio * left)
-        return self.mr.kv.pages_needed(req.kv, want)
 
     def _run_prefill(self, chunks: list[Chunk]) -> None:
         self.stats.num_prefill_steps += 1
@@ -247,12 +182,12 @@ class Scheduler:
         # a speculating engine's step: speculative, or adaptive speculation's plain step (decided once a step)
         plain = self.n > 0 and self.adaptive is not None and self.adaptive.choose_plain(len(self.running))
         if self.overlap and self.mirror is None and self._launch_overlapped(plain):
-            self._update_token_ratio(retracted=False)
+            self.admission.after_decode_step(retracted=False)
             return
         self._drain()  # retraction and the synchronous steps see every token
         retracted = self.stats.num_retractions
         self._ensure_decode_capacity()
-        self._update_token_ratio(self.stats.num_retractions > retracted)
+        self.admission.after_decode_step(self.stats.num_retractions > retracted)
         if not self.running:
             return
         self.stats.num_decode_steps += 1
@@ -293,13 +228,6 @@ class Scheduler:
                 self.stats.spec_accepted_drafts += k
                 self.stats.recent_accept.append(k + 1)
             self._append(req, toks)
-
-    def _update_token_ratio(self, retracted: bool) -> None:
-        c = self.conservativeness
-        if retracted:
-            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP * c)
-        else:
-            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * c, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY * c)
 
     def _launch_overlapped(self, plain: bool) -> bool:
         """Launch a decode step for the running requests that the step in flight (if any) does not finish by

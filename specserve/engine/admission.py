@@ -1,0 +1,103 @@
+"""Admission of prompts into a running batch: which waiting (or half-prefilled) prompts get the next prefill step,
+in chunks of at most `--chunked-prefill-size` tokens, and how much room the running requests keep.
+
+Admission is growth-aware, so that retraction stays the exception: a new prompt is admitted only if the free pages
+also cover what the running requests (and the ones admitted with it) are still expected to produce, estimated as
+`new_token_ratio` x their remaining max_new_tokens. The ratio starts high, decays a little with every decode step
+in which nothing had to be retracted (requests usually stop before their limit), and jumps back up after a
+retraction (the estimate was too low), as SGLang's scheduler does. `--schedule-conservativeness` scales the ratio
+(0: reserve only the next step). A request that finds nothing running is always admitted when its prompt fits: a
+growth estimate must never keep the engine idle.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.engine.model_runner import ModelRunner
+from specserve.engine.request import Req, ReqState
+from specserve.engine.steps import Chunk
+
+INIT_NEW_TOKEN_RATIO = 0.7  # share of their remaining max_new_tokens that running requests are expected to produce
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # per decode step without a retraction
+RETRACT_RATIO_STEP = 0.2  # added after a retraction
+
+
+@dataclass
+class Admission:
+    mr: ModelRunner
+    num_steps: int  # N: a step may add N + 1 positions
+    chunk_budget: int  # prompt tokens a prefill step takes at most
+    conservativeness: float
+
+    def __post_init__(self) -> None:
+        self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness)
+
+    def after_decode_step(self, retracted: bool) -> None:
+        c = self.conservativeness
+        if retracted:
+            self.new_token_ratio = min(1.0, self.new_token_ratio + RETRACT_RATIO_STEP * c)
+        else:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO * c, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY * c)
+
+    def expected_pages(self, req: Req, seq_len: int | None = None) -> int:
+        """Pages beyond those it holds that `req` is expected to need from now on: its next step (N + 2 positions)
+        and new_token_ratio of its remaining max_new_tokens (bounded by the context). seq_len: its length once
+        admitted (default its current one)."""
+        seq_len = req.seq_len if seq_len is None else seq_len
+        left = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
+        left = min(left, max(self.mr.context_len - seq_len, 0))
+        want = seq_len + self.num_steps + 2 + int(self.new_token_ratio * left)
+        return self.mr.kv.pages_needed(req.kv, want)
+
+    def schedule(self, waiting: deque[Req], prefilling: Req | None,
+                 running: list[Req]) -> tuple[list[Chunk], Req | None]:
+        """The next prefill step's chunks (the half-prefilled request first, then waiting ones in FIFO order), with
+        their KV ensured and new requests given a page-table row and taken off `waiting`; and the request left half
+        prefilled after it (None: none). At most max_running requests run, the half-prefilled one counted."""
+        mr = self.mr
+        budget = self.chunk_budget
+        chunks: list[Chunk] = []
+        candidates: list[Req] = []
+        if prefilling is not None:
+            candidates.append(prefilling)
+        candidates.extend(waiting)
+        if not candidates:
+            return chunks, prefilling  # (the common decode step: no per-request work here)
+        # Keep pages back for the next step of every running request and for the tokens they are still expected to
+        # produce, so admitted prompts do not force running requests out later.
+        reserve = sum(self.expected_pages(r) for r in running)
+        for req in candidates:
+            if budget <= 0:
+                break
+            new = req.state == ReqState.WAITING
+            if new and len(running) + (prefilling is not None) + len(chunks) >= mr.max_running:
+                break
+            start = req.seq_len
+            end = min(req.prefill_len, start + budget)
+            final = end == req.prefill_len
+            need_positions = end + (self.num_steps + 1 if final else 0)
+            extra = mr.kv.pages_needed(req.kv, need_positions)
+            alone = not running and not chunks  # nothing else would run: admit if the prompt fits
+            growth = self.expected_pages(req, end) - extra if final and not alone else 0  # beyond its prompt
+            if extra + growth + reserve > mr.allocator.num_free_pages:
+                # A new request: FIFO, later ones wait behind it. The half-prefilled one: decodes run meanwhile
+                # (they may finish and free pages).
+                break
+            if new:
+                if not mr.kv.assign_row(req.kv):
+                    break
+                waiting.remove(req)
+                req.state = ReqState.PREFILLING
+            ok = mr.kv.ensure([req.kv], [need_positions])
+            assert ok
+            chunks.append(Chunk(req, start, end))
+            reserve += growth
+            budget -= end - start
+            if not final:
+                return chunks, req
+            if prefilling is req:
+                prefilling = None
+        return chunks, prefilling
