@@ -4,7 +4,10 @@ prompts arriving at random steps, random aborts, max_new_tokens from 1, stop ids
 workload runs under both schedules; outputs and finish reasons must be equal (an aborted request's: equal over
 their common prefix, since the schedules reach an abort at different lengths), and every page and row must be back.
 
-    python3 scripts/fuzz_overlap.py [first-seed] [count]
+    python3 scripts/fuzz_overlap.py [first-seed] [count] [llama|hybrid|dsa]
+
+hybrid: a tiny Qwen3-Next (GDN state rows) with its MTP layer; dsa: a tiny GLM-5 (MLA + sparse attention, top 5)
+with an MTP layer; llama (default): a tiny Llama, with an MTP layer for the speculative runs.
 """
 import os
 import random
@@ -59,26 +62,41 @@ def drive(eng, specs, arrive, abort):
     return reqs
 
 
-def main(seed0: int, count: int) -> int:
+def build_models(family: str) -> dict[str, str]:
+    """{"plain": checkpoint, "spec": checkpoint with an MTP layer} of a tiny random model of the family."""
+    root = tempfile.mkdtemp()
+    if family == "hybrid":
+        from hybrid_helpers import build_tiny_hybrid
+
+        path = build_tiny_hybrid(f"{root}/qwen3_next", "qwen3_next", seed=31, mtp=True)
+        return {"plain": path, "spec": path}
+    if family == "dsa":
+        from deepseek_helpers import build_tiny_dsa
+        from test_deepseek_dsa import _with_mtp
+
+        path = _with_mtp(build_tiny_dsa(f"{root}/glm", "glm_moe_dsa", seed=63, index_topk=5), 64)
+        return {"plain": path, "spec": path}
+    return {"plain": build_tiny_model(f"{root}/llama", "llama", seed=1),
+            "spec": build_tiny_model(f"{root}/llama_mtp", "llama", seed=11, mtp_layout="deepseek")}
+
+
+def main(seed0: int, count: int, family: str = "llama") -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only slow them down
     try:
-        return _trials(seed0, count)
+        return _trials(seed0, count, build_models(family))
     finally:
         torch.set_num_threads(threads)
 
 
-def _trials(seed0: int, count: int) -> int:
-    root = tempfile.mkdtemp()
-    models = {"llama": build_tiny_model(f"{root}/llama", "llama", seed=1),
-              "llama_mtp": build_tiny_model(f"{root}/llama_mtp", "llama", seed=11, mtp_layout="deepseek")}
+def _trials(seed0: int, count: int, models: dict[str, str]) -> int:
     bad = 0
     prefills = 0
     for t in range(seed0, seed0 + count):
         rng = random.Random(t)
         spec = rng.random() < 0.5
         ctx = rng.choice([48, 128])
-        kw = dict(model_path=models["llama_mtp" if spec else "llama"], context_length=ctx,
+        kw = dict(model_path=models["spec" if spec else "plain"], context_length=ctx,
                   chunked_prefill_size=rng.choice([8, 16, 32, 64]), max_running_requests=rng.choice([2, 4, 8]),
                   max_total_tokens=rng.choice([160, 4096]), schedule_conservativeness=rng.choice([0.0, 1.0]))
         if spec:
@@ -110,4 +128,5 @@ def _trials(seed0: int, count: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, int(sys.argv[2]) if len(sys.argv) > 2 else 100))
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, int(sys.argv[2]) if len(sys.argv) > 2 else 100,
+                  sys.argv[3] if len(sys.argv) > 3 else "llama"))
