@@ -136,39 +136,21 @@ class Scheduler:
         return chunks
 
     def _run_prefill(self, chunks: list[Chunk]) -> None:
-        self.stats.num_prefill_steps += 1
         if self.mirror is not None:
             self.mirror.send(prefill_message(self.mr, chunks))
         t0s = run_prefill(self.mr, chunks)
         now = time.perf_counter()
-        for c, tok in zip(chunks, t0s):
-            req = c.req
-            req.seq_len = c.end
-            self.stats.num_prompt_tokens += c.end - c.start
-            if tok is None:
-                continue
-            req.state = ReqState.RUNNING
-            self.running.append(req)
+        for req, tok in zip(self._prefilled(chunks), [t for t in t0s if t is not None]):
             if req.first_token_time is None:
                 req.first_token_time = now
             self._append(req, [tok])
 
     def _launch_prefill(self, chunks: list[Chunk]) -> None:
-        """The overlap schedule's prefill: launched, its requests' lengths and states set as _run_prefill sets them
-        (a final chunk's request joins the running ones, its t0 still on the device), then the step in flight read;
-        the prefill stays in flight until the next step reads it."""
+        """The overlap schedule's prefill: launched and its requests advanced (_prefilled), then the step in flight
+        read; the prefill stays in flight until the next step reads its t0."""
         prev = self._inflight
-        self.stats.num_prefill_steps += 1
         t0 = launch_prefill(self.mr, chunks)
-        final = []
-        for c in chunks:
-            req = c.req
-            req.seq_len = c.end
-            self.stats.num_prompt_tokens += c.end - c.start
-            if c.is_final:
-                req.state = ReqState.RUNNING
-                self.running.append(req)
-                final.append(req)
+        final = self._prefilled(chunks)
         self._inflight = None
         if t0 is not None:
             self._inflight = InFlightDecode(final, self._readback.start(t0), prefill=True,
@@ -176,6 +158,20 @@ class Scheduler:
         if prev is not None:
             self.stats.num_overlapped_prefills += 1
             self._apply(prev)
+
+    def _prefilled(self, chunks: list[Chunk]) -> list[Req]:
+        """A prefill step's bookkeeping: each chunk's request advanced to its end; those whose prompt is done join
+        the running ones (returned, in chunk order: the order of their t0)."""
+        self.stats.num_prefill_steps += 1
+        final = []
+        for c in chunks:
+            c.req.seq_len = c.end
+            self.stats.num_prompt_tokens += c.end - c.start
+            if c.is_final:
+                c.req.state = ReqState.RUNNING
+                self.running.append(c.req)
+                final.append(c.req)
+        return final
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> None:

@@ -106,15 +106,15 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
             add_first_pass_counts(hist_ptr + t.to(tl.int64) * stride_hist, hist)
 
 
-STEPS = (8, 4, 2)  # key blocks a program may walk, most first
+WALKS = (8, 4, 2)  # key blocks a program may walk (the kernel's STEPS), most first
 
 
 def key_steps(num_tokens: int, blocks: int, target: int) -> int:
-    """Key blocks a program walks: the most (of STEPS) that still leave about 4 * target programs (target: about
+    """Key blocks a program walks: the most (of WALKS) that still leave about 4 * target programs (target: about
     two per SM), else 1. A batch of many queries over long contexts then runs fewer, longer programs that pipeline
     their key loads and flush one histogram each (BENCHMARKS §27: the scores kernel at batch 32 over 32k keys took
     183 us in 64-key programs); a decode at batch 1 keeps one block a program, for parallelism."""
-    for s in STEPS:
+    for s in WALKS:
         if num_tokens * triton.cdiv(blocks, s) >= 4 * target:
             return s
     return 1
