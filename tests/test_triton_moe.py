@@ -92,6 +92,21 @@ def test_fused_moe_direct_equals_aligned(dtype, kind):
         _assert_close(aligned, ref.fused_moe(x, w13, w2, topk_weights, topk_ids))
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_fused_moe_tiles_override(t):
+    """Launch configs other than the defaults (bench_moe.py --sweep tries them): narrower and wider column blocks,
+    K steps shorter and longer than the inner dims, on both paths, still give the reference's result."""
+    g = torch.Generator().manual_seed(11 + t)
+    w13, w2 = _weights(NUM_E, HIDDEN, INTER, torch.float32, g)
+    x = (torch.randn((t, HIDDEN), generator=g) * 2).to(DEV)
+    topk_weights, topk_ids = _routing("distinct", t, NUM_E, TOP_K, g)
+    want = ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    for n, k in ((16, 16), (32, 128), (128, 32)):
+        cfg = dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=2)
+        gu, down = dict(cfg, BLOCK_N=2 * n), cfg
+        _assert_close(fused_moe(x, w13, w2, topk_weights, topk_ids, tiles=(gu, down)), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_prefill_blocks(dtype):
     """A prefill-sized batch: 128-row blocks and their wider tiles."""

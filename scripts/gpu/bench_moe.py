@@ -2,6 +2,10 @@
 MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and a seeded random routing).
 
     python3 scripts/gpu/bench_moe.py [--tokens 1 8 64 512] [--iters 200]
+    python3 scripts/gpu/bench_moe.py --sweep [--tokens 1 4] [--iters 50]
+
+`--sweep`: at each T, the gate/up and the down GEMM's launch configs (BLOCK_N x BLOCK_K x (warps, stages)) tried one
+kernel at a time (the other at its default), graphed, L2 flushed; prints the fastest few and the default's time.
 
 Both are checked against kernels/reference.py once before timing. Times are CUDA-event medians over --iters calls,
 each after an L2 flush (the 60 MB L2 would otherwise hold most of a decode step's 75 MB of expert weights). The flush
@@ -14,6 +18,7 @@ experts' weights (unique experts x 3*H*I*2) over the graphed time, as a fraction
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
-from specserve.kernels.triton_moe import fused_moe
+from specserve.kernels.triton_moe import _gemm_configs, fused_moe, moe_block_m
 
 PEAK_BW = 4.2e12  # bytes/s: the H200 copy bandwidth measured here
 
@@ -115,6 +120,46 @@ def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
               f"({aligned_ms / direct_ms:.2f}x)")
 
 
+SWEEP_N = (16, 32, 64, 128)
+SWEEP_K = (64, 128, 256)
+SWEEP_WARPS_STAGES = ((4, 3), (4, 4), (8, 4))
+
+
+def sweep_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
+    """The launch configs of both GEMMs at T tokens (direct path at T = 1, else aligned), each kernel's configs with
+    the other kernel at its default; outputs checked against the reference."""
+    dev, dtype = w13.device, w13.dtype
+    e, h, k = w13.shape[0], w13.shape[2], args.top_k
+    x = torch.randn((t, h), generator=g, device=dev).to(dtype)
+    topk_weights, topk_ids = torch.topk(torch.softmax(torch.randn((t, e), generator=g, device=dev), -1), k, dim=-1)
+    topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
+    moe_args = (x, w13, w2, topk_weights, topk_ids)
+    want = ref.fused_moe(*moe_args)
+    block_m = 16 if t == 1 else moe_block_m(t * k, e)
+    default = _gemm_configs(block_m)
+    replay, _ = graphed(lambda: fused_moe(*moe_args))
+    base = time_ms(replay, args.iters, args.warmup, flush)
+    print(f"\nT {t} (block_m {block_m}): default {base * 1e3:.1f} us  gate/up {default[0]}  down {default[1]}")
+    for which in (0, 1):
+        rows = []
+        for n, kk, (warps, stages) in itertools.product(SWEEP_N, SWEEP_K, SWEEP_WARPS_STAGES):
+            cfg = dict(BLOCK_N=n, BLOCK_K=kk, num_warps=warps, num_stages=stages)
+            tiles = (cfg, default[1]) if which == 0 else (default[0], cfg)
+            try:
+                got = fused_moe(*moe_args, tiles=tiles)
+                replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles))
+            except Exception as exc:  # noqa: BLE001 - a config past the shared-memory limit: skipped
+                rows.append((float("inf"), cfg, type(exc).__name__))
+                continue
+            err = rel_err(got, want)
+            assert err < 3e-2, f"{cfg} differs from the reference: {err:.3g}"
+            rows.append((time_ms(replay, args.iters, args.warmup, flush), cfg, ""))
+        rows.sort(key=lambda r: r[0])
+        print(f"  {'gate/up' if which == 0 else 'down'}: fastest of {len(rows)} (whole fused_moe us)")
+        for ms, cfg, _ in rows[:6]:
+            print(f"    {ms * 1e3:7.1f}  {base / ms:5.2f}x  {cfg}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
@@ -126,6 +171,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between timed calls")
+    p.add_argument("--sweep", action="store_true", help="sweep both GEMMs' launch configs at each T")
     args = p.parse_args()
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -136,6 +182,10 @@ def main() -> None:
     flush = l2_flush(args.no_flush, dev)
     print(f"{torch.cuda.get_device_name()}: H {h}, I {i}, E {e}, top-{k}, {dtype}; median of {args.iters} "
           f"(L2 {'warm' if flush is None else 'flushed'})")
+    if args.sweep:
+        for t in args.tokens:
+            sweep_tokens(t, w13, w2, g, args, flush)
+        return
     print(f"{'T':>5} {'experts':>7} {'loop ms':>9} {'fused ms':>9} {'graph ms':>9} {'speedup':>8} "
           f"{'graph x':>8} {'GB/s':>7} {'of peak':>7} {'err loop':>9} {'err fused':>9}")
     for t in args.tokens:

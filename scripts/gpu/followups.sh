@@ -287,7 +287,13 @@ case "${1:-}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py -k overlap \
       tests/test_triton_indexer.py 2>&1 | grep -v -i warn | tail -4
     timeout 260 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -4
-    timeout 100 python3 scripts/gpu/profile_kernels.py --parts dsa-batches-contiguous 2>&1 | grep -v -i warn | tail -7
+    timeout 120 python3 scripts/gpu/profile_kernels.py --parts dsa-layouts 2>&1 | grep -v -i warn | tail -26
+    ;;
+  twentythird)  # the fused MoE's launch configs swept at one token (direct) and four (aligned, verify's size), on
+    # Qwen3-30B-A3B's and Qwen3-Next's expert shapes
+    timeout 280 python3 scripts/gpu/bench_moe.py --sweep --tokens 1 4 --iters 40 2>&1 | grep -v -i warn | tail -40
+    timeout 280 python3 scripts/gpu/bench_moe.py --sweep --tokens 1 4 --iters 40 --experts 512 --inter 512 \
+      --top-k 10 2>&1 | grep -v -i warn | tail -40
     ;;
   twentysecond-b)  # GLM-5's phases at 32k keys, batch 1 and 8, then the serving sweep (smollm2_round.sh sweep, as
     # §27.2: prefills now overlap too) in the next calls

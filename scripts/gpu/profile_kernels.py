@@ -5,7 +5,8 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
     python3 scripts/gpu/profile_kernels.py [--iters 30] [--parts sampler dsa dsa-batches]
 
 `dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio), keys
-in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots.
+in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots;
+`dsa-layouts` random / 64-token pages shuffled / contiguous slots, each with bf16 and fp8 index keys.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -75,74 +77,101 @@ def sampler(iters: int) -> None:
                 breakdown(f"sample V {vocab} {name} chunk {chunk}", _sample_fn(x, temp, k, p, chunk), iters)
 
 
+GLM5 = dict(di=128, hi=32, h=64, c=512, r=64, topk=2048)  # indexer dim / heads, MLA heads / latent / rope, top-k
+PAGE = 64  # tokens a page in the "paged" layout (the page size DSA deployments use)
+
+
+@dataclass
+class DsaLayer:
+    """One GLM-5 layer's decode inputs at bs requests of kv keys each: index-key rows (bf16, or fp8 with a float32
+    scale a slot), latent rows, each request's key slots, queries. layout: "random" (token slots shuffled: a pool
+    fragmented slot by slot), "paged" (64-token pages shuffled: a paged pool after churn), "contiguous" (a fresh
+    pool)."""
+    rows: torch.Tensor
+    scales: torch.Tensor | None
+    lat: torch.Tensor
+    kv_slots: torch.Tensor
+    lens: torch.Tensor
+    q: torch.Tensor
+    wts: torch.Tensor
+    qm: torch.Tensor
+
+    @classmethod
+    def build(cls, bs: int, kv: int, layout: str = "random", fp8: bool = False, seed: int | None = None) -> DsaLayer:
+        g = torch.Generator(device=DEV).manual_seed(bs if seed is None else seed)
+        n, di, hi, h, cr = bs * kv, GLM5["di"], GLM5["hi"], GLM5["h"], GLM5["c"] + GLM5["r"]
+        rows = torch.randn((n + 16, di), device=DEV, dtype=torch.bfloat16, generator=g)
+        scales = None
+        if fp8:  # per-slot scale: the row's absmax over e4m3's largest value
+            scales = rows.float().abs().amax(-1).clamp_min(1e-6) / 448.0
+            rows = (rows.float() / scales[:, None]).to(torch.float8_e4m3fn)
+        lat = torch.randn((n + 16, cr), device=DEV, dtype=torch.bfloat16, generator=g)
+        if layout == "contiguous":
+            order = torch.arange(n, device=DEV)
+        elif layout == "paged":
+            pages = torch.randperm(n // PAGE, device=DEV, generator=g)
+            order = (pages[:, None] * PAGE + torch.arange(PAGE, device=DEV)).reshape(-1)
+        else:
+            order = torch.randperm(n, device=DEV, generator=g)
+        return cls(rows, scales, lat, (order + 16).view(bs, kv), torch.full((bs,), kv, dtype=torch.int64, device=DEV),
+                   torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g),
+                   torch.randn((bs, hi), device=DEV, generator=g),
+                   torch.randn((bs, h, cr), device=DEV, dtype=torch.bfloat16, generator=g))
+
+    def sparse(self):
+        """The DSA step as attention/torch_mla_backend.py TritonIndexBackend runs it: the scores kernel does the
+        top-k's first pass, then the top-k, then the sparse MLA over the chosen rows."""
+        bs, topk = self.lens.shape[0], GLM5["topk"]
+        hist = topk_workspace(bs, DEV)
+        s = index_scores_triton(self.q, self.wts, self.rows, self.scales, self.kv_slots, self.lens, 1, hist=hist,
+                                k=topk)
+        sel, cnt = index_topk_triton(s, self.lens, self.kv_slots, 1, topk, hist=hist)
+        return mla_decode_triton(self.qm, self.lat, sel, cnt, 1, 0.07, GLM5["c"])
+
+    def dense(self):
+        return mla_decode_triton(self.qm, self.lat, self.kv_slots, self.lens, 1, 0.07, GLM5["c"])
+
+
+def graph_us(fn, iters: int) -> float:
+    graph, _, _ = capture_graph(fn, None)
+    us = replay_us(graph, iters)
+    del graph
+    return us
+
+
 def dsa(iters: int) -> None:
-    kv, di, hi, h, c, r, topk = 32768, 128, 32, 64, 512, 64, 2048
-    g = torch.Generator(device=DEV).manual_seed(0)
-    rows = torch.randn((kv + 16, di), device=DEV, dtype=torch.bfloat16, generator=g)
-    lat = torch.randn((kv + 16, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
-    kv_slots = (torch.randperm(kv, device=DEV, generator=g) + 16).view(1, kv)
-    lens = torch.full((1,), kv, dtype=torch.int64, device=DEV)
-    q = torch.randn((1, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
-    wts = torch.randn((1, hi), device=DEV, generator=g)
-    qm = torch.randn((1, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
-
-    def sparse():  # as attention/torch_mla_backend.py TritonIndexBackend: the scores kernel does the first pass
-        hist = topk_workspace(1, DEV)
-        s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk)
-        sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk, hist=hist)
-        return mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
-
-    breakdown("DSA bs 1, 32k keys: scores + top-k + sparse MLA", sparse, iters)
-    breakdown("dense MLA bs 1, 32k keys", lambda: mla_decode_triton(qm, lat, kv_slots, lens, 1, 0.07, c), iters)
+    layer = DsaLayer.build(1, 32768, seed=0)
+    breakdown("DSA bs 1, 32k keys: scores + top-k + sparse MLA", layer.sparse, iters)
+    breakdown("dense MLA bs 1, 32k keys", layer.dense, iters)
     # the sparse MLA's key splits over the 2048 chosen keys (num_key_splits picks 64: one key block a split)
-    s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1)
-    sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk)
-    want = mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
+    s = index_scores_triton(layer.q, layer.wts, layer.rows, None, layer.kv_slots, layer.lens, 1)
+    sel, cnt = index_topk_triton(s, layer.lens, layer.kv_slots, 1, GLM5["topk"])
+    c = GLM5["c"]
+    want = mla_decode_triton(layer.qm, layer.lat, sel, cnt, 1, 0.07, c)
     for splits in (8, 16, 32, 64):
-        fn = lambda n=splits: mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c, num_splits=n)  # noqa: E731
+        fn = lambda n=splits: mla_decode_triton(layer.qm, layer.lat, sel, cnt, 1, 0.07, c, num_splits=n)  # noqa: E731
         torch.testing.assert_close(fn(), want, rtol=2e-2, atol=2e-2)
-        graph, _, _ = capture_graph(fn, None)
-        print(f"sparse MLA over {topk} chosen keys, {splits:2d} splits: replay {replay_us(graph, iters):.1f} us")
+        print(f"sparse MLA over {GLM5['topk']} chosen keys, {splits:2d} splits: replay {graph_us(fn, iters):.1f} us")
 
 
-def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), contiguous: bool = False) -> None:
+def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), layouts=("random",), key_types=("bf16",)) -> None:
     """Issue 14's sparse against dense attention at 32k keys per request, at each batch size: one GLM-5 layer's
-    DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys.
-    contiguous: each request's keys in consecutive cache slots (a fresh pool's layout) instead of random ones (a
-    pool fragmented by churn)."""
-    kv, di, hi, h, c, r, topk = 32768, 128, 32, 64, 512, 64, 2048
-    layout = "contiguous" if contiguous else "random"
-    print(f"\n=== one GLM-5 layer over 32k keys a request ({layout} slots): DSA step vs dense MLA, graph replay us ===")
-    print(f"{'bs':>4} | {'DSA step':>9} | {'dense MLA':>9} | {'dense / DSA':>11}")
-    for bs in batch_sizes:
-        g = torch.Generator(device=DEV).manual_seed(bs)
-        slots = bs * kv + 16
-        rows = torch.randn((slots, di), device=DEV, dtype=torch.bfloat16, generator=g)
-        lat = torch.randn((slots, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
-        order = torch.arange(bs * kv, device=DEV) if contiguous else torch.randperm(bs * kv, device=DEV, generator=g)
-        kv_slots = (order + 16).view(bs, kv)
-        lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
-        q = torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
-        wts = torch.randn((bs, hi), device=DEV, generator=g)
-        qm = torch.randn((bs, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
-
-        def sparse(q=q, wts=wts, rows=rows, kv_slots=kv_slots, lens=lens, qm=qm, lat=lat, bs=bs):
-            hist = topk_workspace(bs, DEV)
-            s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk)
-            sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk, hist=hist)
-            return mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
-
-        def dense(qm=qm, lat=lat, kv_slots=kv_slots, lens=lens):
-            return mla_decode_triton(qm, lat, kv_slots, lens, 1, 0.07, c)
-
-        us = []
-        for fn in (sparse, dense):
-            graph, _, _ = capture_graph(fn, None)
-            us.append(replay_us(graph, iters))
-            del graph
-        print(f"{bs:>4} | {us[0]:9.1f} | {us[1]:9.1f} | {us[1] / us[0]:10.2f}x")
-        del rows, lat, kv_slots
-        torch.cuda.empty_cache()
+    DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys,
+    for each slot layout (DsaLayer) and index-key type (bf16, or fp8 with a scale a slot: --indexer-cache-dtype)."""
+    print("\n=== one GLM-5 layer over 32k keys a request: DSA step vs dense MLA, graph replay us ===")
+    print(f"{'layout':>10} {'keys':>4} {'bs':>4} | {'DSA step':>9} | {'dense MLA':>9} | {'dense / DSA':>11}")
+    for layout in layouts:
+        for bs in batch_sizes:
+            dense_us = None
+            for keys in key_types:
+                layer = DsaLayer.build(bs, 32768, layout, fp8=keys == "fp8")
+                if dense_us is None:  # the dense MLA reads no index keys: once a layout and batch
+                    dense_us = graph_us(layer.dense, iters)
+                sparse_us = graph_us(layer.sparse, iters)
+                print(f"{layout:>10} {keys:>4} {bs:>4} | {sparse_us:9.1f} | {dense_us:9.1f} | "
+                      f"{dense_us / sparse_us:10.2f}x")
+                del layer
+                torch.cuda.empty_cache()
 
 
 def mla_keys_per_step(iters: int) -> None:
@@ -169,47 +198,21 @@ def mla_keys_per_step(iters: int) -> None:
         print(f"{bs:>4} x {w} over {kv:>5} keys: default {us[0]:8.1f}  n64 {us[1]:8.1f}  ({us[0] / us[1]:.2f}x)")
         del lat, kv_slots
         torch.cuda.empty_cache()
-    kv, di, hi, topk, bs = 32768, 128, 32, 2048, 32
-    g = torch.Generator(device=DEV).manual_seed(0)
-    rows = torch.randn((bs * kv + 16, di), device=DEV, dtype=torch.bfloat16, generator=g)
-    lat = torch.randn((bs * kv + 16, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
-    kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
-    lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
-    q = torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
-    wts = torch.randn((bs, hi), device=DEV, generator=g)
-    qm = torch.randn((bs, h, c + r), device=DEV, dtype=torch.bfloat16, generator=g)
-
-    def sparse():
-        hist = topk_workspace(bs, DEV)
-        s = index_scores_triton(q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk)
-        sel, cnt = index_topk_triton(s, lens, kv_slots, 1, topk, hist=hist)
-        return mla_decode_triton(qm, lat, sel, cnt, 1, 0.07, c)
-
-    breakdown(f"DSA bs {bs}, 32k keys: scores + top-k + sparse MLA", sparse, iters)
+    breakdown("DSA bs 32, 32k keys: scores + top-k + sparse MLA", DsaLayer.build(32, 32768, seed=0).sparse, iters)
 
 
 def scores_steps(iters: int) -> None:
     """The indexer's scores kernel (with the top-k's first pass) walking 1, 2, 4, 8 key blocks a program, GLM-5
     shapes over 32k keys a request, against the default (`key_steps`)."""
-    kv, di, hi, topk = 32768, 128, 32, 2048
     print("\n=== indexer scores over 32k keys a request, replay us: steps 1 / 2 / 4 / 8 / default ===")
     for bs in (1, 8, 32, 64):
-        g = torch.Generator(device=DEV).manual_seed(bs)
-        rows = torch.randn((bs * kv + 16, di), device=DEV, dtype=torch.bfloat16, generator=g)
-        kv_slots = (torch.randperm(bs * kv, device=DEV, generator=g) + 16).view(bs, kv)
-        lens = torch.full((bs,), kv, dtype=torch.int64, device=DEV)
-        q = torch.randn((bs, hi, di), device=DEV, dtype=torch.bfloat16, generator=g)
-        wts = torch.randn((bs, hi), device=DEV, generator=g)
+        x = DsaLayer.build(bs, 32768)
         hist = topk_workspace(bs, DEV)
-        us = []
-        for steps in (1, 2, 4, 8, None):
-            fn = functools.partial(index_scores_triton, q, wts, rows, None, kv_slots, lens, 1, hist=hist, k=topk,
-                                   steps=steps)
-            graph, _, _ = capture_graph(fn, None)
-            us.append(replay_us(graph, iters))
-            del graph
+        us = [graph_us(functools.partial(index_scores_triton, x.q, x.wts, x.rows, None, x.kv_slots, x.lens, 1,
+                                         hist=hist, k=GLM5["topk"], steps=steps), iters)
+              for steps in (1, 2, 4, 8, None)]
         print(f"{bs:>4}: " + " / ".join(f"{u:.1f}" for u in us))
-        del rows, kv_slots
+        del x
         torch.cuda.empty_cache()
 
 
@@ -218,12 +221,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
     a = p.parse_args()
+    parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
+             "scores-steps": scores_steps,
+             "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
+             "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
+                                              key_types=("bf16", "fp8"))}
     for part in a.parts:
-        if part == "dsa-batches-contiguous":
-            dsa_batches(a.iters, contiguous=True)
-            continue
-        {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
-         "scores-steps": scores_steps}[part](a.iters)
+        parts[part](a.iters)
 
 
 if __name__ == "__main__":

@@ -317,7 +317,8 @@ def _gemm_configs(block_m: int) -> tuple[dict, dict]:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, direct: bool | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, direct: bool | None = None,
+              tiles: tuple[dict, dict] | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
     int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable.
 
@@ -326,7 +327,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     the down GEMM's last program of each column block sums the k outputs (two launches in all instead of four). The
     result is the aligned path's at one token (a pair per 16-row block there too), bit for bit.
     No programmatic dependent launch here: in a Qwen3-30B-A3B decode step at batch 1 it cost 6% (BENCHMARKS.md §23.3;
-    the next kernel's early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone."""
+    the next kernel's early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone.
+    tiles: (gate/up, down) launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of `_gemm_configs`'
+    (scripts/gpu/bench_moe.py --sweep tries them)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -353,7 +356,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=dev)  # [T*K, H] each expert's output per pair
     f32_dot = not x.is_cuda
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch reference
-    cfg_gu, cfg_down = _gemm_configs(block_m)
+    cfg_gu, cfg_down = _gemm_configs(block_m) if tiles is None else tiles
     if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones
         cfg_gu, cfg_down = ({**c, "BLOCK_K": c["BLOCK_K"] // 2} for c in (cfg_gu, cfg_down))
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
