@@ -215,8 +215,9 @@ def test_overlap_schedule_matches_synchronous_gpu(tiny_models, total, spec):
     prompts, params = _workload()
     kw = dict(model_path=tiny_models["llama_mtp" if spec else "llama"], context_length=128, chunked_prefill_size=32,
               max_running_requests=8, schedule_conservativeness=0.0, max_total_tokens=total, cuda_graph_bs=[1, 2, 4, 8])
-    if spec:
-        kw.update(speculative_algorithm="MTP", speculative_num_steps=spec)
+    if spec:  # every step speculates: adaptive speculation steers by measured step times, which differ between the
+        # two engines, and a sampled request's tokens depend on which steps speculated (the same distribution)
+        kw.update(speculative_algorithm="MTP", speculative_num_steps=spec, speculative_adaptive=False)
     sync = Engine(disable_overlap_schedule=True, **kw)
     eng = Engine(**kw)
     assert eng.scheduler.overlap and not sync.scheduler.overlap

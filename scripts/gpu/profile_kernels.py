@@ -216,13 +216,33 @@ def scores_steps(iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def scores_options(iters: int) -> None:
+    """Where the indexer's scores kernel spends its time at batch 32 over 32k keys: its launch options one at a
+    time against the default, the top-k's first pass left out, fp8 keys, contiguous slots."""
+    print("\n=== indexer scores, 32 requests x 32k keys, replay us ===")
+    for layout, fp8 in (("random", False), ("contiguous", False), ("random", True)):
+        x = DsaLayer.build(32, 32768, layout, fp8=fp8)
+        hist = topk_workspace(32, DEV)
+        base = functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens, 1)
+        for name, kw in (("default", dict(hist=hist, k=GLM5["topk"])), ("no first pass", {}),
+                         ("block_n 128", dict(hist=hist, k=GLM5["topk"], block_n=128)),
+                         ("block_n 32", dict(hist=hist, k=GLM5["topk"], block_n=32)),
+                         ("8 warps", dict(hist=hist, k=GLM5["topk"], num_warps=8)),
+                         ("2 warps", dict(hist=hist, k=GLM5["topk"], num_warps=2)),
+                         ("keys loaded [D, N]", dict(hist=hist, k=GLM5["topk"], keys_by_dim=True))):
+            us = graph_us(functools.partial(base, **kw), iters)
+            print(f"{layout:>10} {'fp8' if fp8 else 'bf16'} {name:>14}: {us:7.1f}")
+        del x
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
     a = p.parse_args()
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
-             "scores-steps": scores_steps,
+             "scores-steps": scores_steps, "scores-options": scores_options,
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}
