@@ -118,13 +118,13 @@ class DsaLayer:
                    torch.randn((bs, hi), device=DEV, generator=g),
                    torch.randn((bs, h, cr), device=DEV, dtype=torch.bfloat16, generator=g))
 
-    def sparse(self):
-        """The DSA step as attention/torch_mla_backend.py TritonIndexBackend runs it: the scores kernel does the
-        top-k's first pass, then the top-k, then the sparse MLA over the chosen rows."""
+    def sparse(self, fused: bool = True):
+        """The DSA step as attention/torch_mla_backend.py TritonIndexBackend runs it: the scores kernel (doing the
+        top-k's first pass when `fused`), then the top-k, then the sparse MLA over the chosen rows."""
         bs, topk = self.lens.shape[0], GLM5["topk"]
-        hist = topk_workspace(bs, DEV)
+        hist = topk_workspace(bs, DEV) if fused else None
         s = index_scores_triton(self.q, self.wts, self.rows, self.scales, self.kv_slots, self.lens, 1, hist=hist,
-                                k=topk)
+                                k=topk if fused else 0)
         sel, cnt = index_topk_triton(s, self.lens, self.kv_slots, 1, topk, hist=hist)
         return mla_decode_triton(self.qm, self.lat, sel, cnt, 1, 0.07, GLM5["c"])
 
@@ -152,6 +152,17 @@ def dsa(iters: int) -> None:
         fn = lambda n=splits: mla_decode_triton(layer.qm, layer.lat, sel, cnt, 1, 0.07, c, num_splits=n)  # noqa: E731
         torch.testing.assert_close(fn(), want, rtol=2e-2, atol=2e-2)
         print(f"sparse MLA over {GLM5['topk']} chosen keys, {splits:2d} splits: replay {graph_us(fn, iters):.1f} us")
+
+
+def dsa_first_pass(iters: int) -> None:
+    """The DSA step with the top-k's first pass in the scores kernel against in the top-k's own pass, batch 1-64."""
+    print("\n=== one GLM-5 layer's DSA step over 32k keys a request: first pass fused / separate, replay us ===")
+    for bs in (1, 8, 32, 64):
+        layer = DsaLayer.build(bs, 32768)
+        fused, separate = graph_us(layer.sparse, iters), graph_us(functools.partial(layer.sparse, False), iters)
+        print(f"{bs:>4}: fused {fused:8.1f}  separate {separate:8.1f}")
+        del layer
+        torch.cuda.empty_cache()
 
 
 def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), layouts=("random",), key_types=("bf16",)) -> None:
@@ -220,7 +231,7 @@ def scores_options(iters: int) -> None:
     """Where the indexer's scores kernel spends its time at batch 32 over 32k keys: its launch options one at a
     time against the default, the top-k's first pass left out, fp8 keys, contiguous slots."""
     print("\n=== indexer scores, 32 requests x 32k keys, replay us ===")
-    for layout, fp8 in (("random", False), ("contiguous", False), ("random", True)):
+    for layout, fp8 in (("random", False), ("random", True)):
         x = DsaLayer.build(32, 32768, layout, fp8=fp8)
         hist = topk_workspace(32, DEV)
         base = functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens, 1)
@@ -242,7 +253,7 @@ def main() -> None:
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
     a = p.parse_args()
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
-             "scores-steps": scores_steps, "scores-options": scores_options,
+             "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}
