@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specserve.graphs.capture import capture_graph
-from specserve.kernels.triton_indexer import index_scores_triton
+from specserve.kernels.triton_indexer import fuse_first_pass, index_scores_triton
 from specserve.kernels.triton_mla import mla_decode_triton
 from specserve.kernels.triton_sample import sample_triton
 from specserve.kernels.triton_topk import index_topk_triton, topk_workspace
@@ -118,10 +118,13 @@ class DsaLayer:
                    torch.randn((bs, hi), device=DEV, generator=g),
                    torch.randn((bs, h, cr), device=DEV, dtype=torch.bfloat16, generator=g))
 
-    def sparse(self, fused: bool = True):
+    def sparse(self, fused: bool | None = None):
         """The DSA step as attention/torch_mla_backend.py TritonIndexBackend runs it: the scores kernel (doing the
-        top-k's first pass when `fused`), then the top-k, then the sparse MLA over the chosen rows."""
+        top-k's first pass when `fused`; None: where fuse_first_pass says), then the top-k, then the sparse MLA
+        over the chosen rows."""
         bs, topk = self.lens.shape[0], GLM5["topk"]
+        if fused is None:
+            fused = fuse_first_pass(bs, self.kv_slots.shape[1], DEV)
         hist = topk_workspace(bs, DEV) if fused else None
         s = index_scores_triton(self.q, self.wts, self.rows, self.scales, self.kv_slots, self.lens, 1, hist=hist,
                                 k=topk if fused else 0)
@@ -159,7 +162,8 @@ def dsa_first_pass(iters: int) -> None:
     print("\n=== one GLM-5 layer's DSA step over 32k keys a request: first pass fused / separate, replay us ===")
     for bs in (1, 8, 32, 64):
         layer = DsaLayer.build(bs, 32768)
-        fused, separate = graph_us(layer.sparse, iters), graph_us(functools.partial(layer.sparse, False), iters)
+        fused = graph_us(functools.partial(layer.sparse, True), iters)
+        separate = graph_us(functools.partial(layer.sparse, False), iters)
         print(f"{bs:>4}: fused {fused:8.1f}  separate {separate:8.1f}")
         del layer
         torch.cuda.empty_cache()
@@ -240,7 +244,10 @@ def scores_options(iters: int) -> None:
                          ("block_n 32", dict(hist=hist, k=GLM5["topk"], block_n=32)),
                          ("8 warps", dict(hist=hist, k=GLM5["topk"], num_warps=8)),
                          ("2 warps", dict(hist=hist, k=GLM5["topk"], num_warps=2)),
-                         ("keys loaded [D, N]", dict(hist=hist, k=GLM5["topk"], keys_by_dim=True))):
+                         ("keys loaded [D, N]", dict(hist=hist, k=GLM5["topk"], keys_by_dim=True)),
+                         ("none, n 128", dict(block_n=128)), ("none, 2 warps", dict(num_warps=2)),
+                         ("none, n 128 2 w", dict(block_n=128, num_warps=2)),
+                         ("none, n 128 8 w", dict(block_n=128, num_warps=8))):
             us = graph_us(functools.partial(base, **kw), iters)
             print(f"{layout:>10} {'fp8' if fp8 else 'bf16'} {name:>14}: {us:7.1f}")
         del x

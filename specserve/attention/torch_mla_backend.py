@@ -272,12 +272,17 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
 
     def __init__(self, req_to_token, kv_pool):
         super().__init__(req_to_token, kv_pool)
-        from specserve.kernels.triton_indexer import index_scores_triton  # triton only where chosen
+        from specserve.kernels.triton_indexer import fuse_first_pass, index_scores_triton  # triton where chosen
         from specserve.kernels.triton_topk import index_topk_triton, topk_workspace
 
         self._kernel = index_scores_triton
         self._topk = index_topk_triton
-        self._workspace = topk_workspace  # the top-k's histograms; the scores kernel does their first pass
+        self._workspace = topk_workspace  # the top-k's histograms
+        self._fuse = fuse_first_pass  # whether the scores kernel does their first pass
+
+    def _hist(self, num_tokens: int, max_kv: int, device: torch.device) -> torch.Tensor | None:
+        """The top-k's histograms for the scores kernel to do their first pass, or None (the top-k does it)."""
+        return self._workspace(num_tokens, device) if self._fuse(num_tokens, max_kv, device) else None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.width is None:  # eager prefill as token rows too: each query's top-k, then attention over only those
@@ -295,14 +300,14 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         pool = self.kv_pool
         if isinstance(meta, TokenRows):  # [T, 1, table width] scores over each token's page-table row
             table = self.req_to_token.table if meta.width is None else self.req_to_token.table[:, :meta.width]
-            hist = self._workspace(iq.q.shape[0], iq.q.device)
+            hist = self._hist(iq.q.shape[0], table.shape[1], iq.q.device)
             scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                          None if pool.scales is None else pool.scales[i], table, meta.lens, 1,
                                          kv_rows=meta.rows, hist=hist, k=indexer.topk)
             self.last = SparseSelection(*self._topk(scores, meta.lens, table, 1, indexer.topk, kv_rows=meta.rows,
                                                     hist=hist))
             return self.last
-        hist = self._workspace(iq.q.shape[0], iq.q.device)
+        hist = self._hist(iq.q.shape[0], meta.kv_slots.shape[1], iq.q.device)
         scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                      None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
                                      meta.mask.shape[2], hist=hist, k=indexer.topk)  # [bs, w, kv], -inf where unseen

@@ -124,6 +124,14 @@ def key_steps(num_tokens: int, blocks: int, target: int) -> int:
     return 1
 
 
+def fuse_first_pass(num_tokens: int, max_kv: int, device: torch.device, block_n: int = 64) -> bool:
+    """Whether the scores kernel should also do the top-k's first histogram pass (pass it a `hist`): only where its
+    programs walk one key block each (`key_steps` 1: a decode at batch 1 over long contexts), where it saves the
+    pass's launch. Bigger grids flush a histogram per program and gain from the top-k's own pass (BENCHMARKS §28:
+    one GLM-5 layer over 32k keys, fused / separate, 37.4 / 38.5 us at batch 1, 277.7 / 265.7 at 32)."""
+    return key_steps(num_tokens, triton.cdiv(max_kv, block_n), target_programs(device, cpu=1)) == 1
+
+
 def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                         kv_slots: torch.Tensor, seq_lens: torch.Tensor, width: int, *, block_n: int = 64,
                         block_h: int | None = None, out: torch.Tensor | None = None,
