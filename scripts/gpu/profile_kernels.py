@@ -244,7 +244,6 @@ def scores_options(iters: int) -> None:
                          ("block_n 32", dict(hist=hist, k=GLM5["topk"], block_n=32)),
                          ("8 warps", dict(hist=hist, k=GLM5["topk"], num_warps=8)),
                          ("2 warps", dict(hist=hist, k=GLM5["topk"], num_warps=2)),
-                         ("keys loaded [D, N]", dict(hist=hist, k=GLM5["topk"], keys_by_dim=True)),
                          ("none, n 128", dict(block_n=128)), ("none, 2 warps", dict(num_warps=2)),
                          ("none, n 128 2 w", dict(block_n=128, num_warps=2)),
                          ("none, n 128 8 w", dict(block_n=128, num_warps=8))):

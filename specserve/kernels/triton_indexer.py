@@ -57,7 +57,7 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          STEPS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr,
                          F32_DOT: tl.constexpr, PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, KEYS_BY_DIM: tl.constexpr):
+                         NUM_STAGES: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # run of STEPS key blocks
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
@@ -81,13 +81,9 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
         if (nb * STEPS + j) * BLOCK_N < kv_len:  # otherwise the block is hidden from this query: -inf, nothing read
             slot = tl.load(kv_slots_ptr + kv_row * stride_kvb + n * stride_kvn, mask=key_ok,
                            other=0).to(tl.int64)  # [BLOCK_N]
-            if KEYS_BY_DIM:  # the tile loaded as [BLOCK_D, BLOCK_N] (no transpose in registers)
-                k_t = tl.load(rows_ptr + slot[None, :] * stride_rs + d[:, None], mask=key_ok[None, :] & d_ok[:, None],
-                              other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_D, BLOCK_N]
-            else:
-                k = tl.load(rows_ptr + slot[:, None] * stride_rs + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                            other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; fp8 -> q's dtype is exact
-                k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
+            k = tl.load(rows_ptr + slot[:, None] * stride_rs + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
+                        other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; fp8 -> q's dtype is exact
+            k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
             if HAS_SCALES:
                 k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
             acc = tl.zeros([BLOCK_N], tl.float32)
@@ -136,8 +132,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
                         kv_slots: torch.Tensor, seq_lens: torch.Tensor, width: int, *, block_n: int | None = None,
                         block_h: int | None = None, out: torch.Tensor | None = None,
                         kv_rows: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                        k: int = 0, steps: int | None = None, num_warps: int | None = None,
-                        keys_by_dim: bool = False) -> torch.Tensor:
+                        k: int = 0, steps: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """DSA indexer scores of a fixed-width batch.
 
     q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
@@ -150,8 +145,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     keys are kv_slots[kv_rows[b]] (token rows of a prefill, as kernels/triton_mla.py mla_decode_triton).
     hist: kernels/triton_topk.py topk_workspace(bs * width): the top-k's first histogram pass (for its k) is done
     here, as the scores are written; then pass it to index_topk_triton with the same k. steps: key blocks a program
-    walks (default `key_steps`: more once the grid has programs to spare); num_warps: default 4, 8 for large q tiles;
-    keys_by_dim: load each key tile as [D, N] rather than [N, D] then transposed."""
+    walks (default `key_steps`: more once the grid has programs to spare); num_warps: default 4, 8 for large q tiles."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
@@ -192,7 +186,6 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, STEPS=steps, HAS_SCALES=scales is not None,
         HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, HIST=hist is not None, PDL=pdl,
         num_warps=num_warps or (4 if block_h * block_d <= 4096 else 8), NUM_STAGES=2 if steps > 1 else 1,
-        KEYS_BY_DIM=keys_by_dim,
         **pdl_kwargs(bool(pdl)),
     )
     return out

@@ -45,7 +45,8 @@ from specserve.kernels.launch import chunk_for_grid, grid_pdl, pdl_kwargs, pdl_w
 CHUNKS = (2048, 1024, 512, 256)  # positions per program: pick_chunk's choices, largest first
 BLOCK = 1024  # positions per step of a program, at most
 LOCAL_MAX_BYTES = 16 << 20  # per-chunk counts of the last pass up to this workspace; beyond, the count kernel
-_BINS = tl.constexpr(512)  # 256 digits + a bin for the keys outside the prefix (tl.histogram wants a power of two)
+_BINS = tl.constexpr(512)  # a workspace row's entries a pass: 256 digit counts (+ the last pass's per-chunk count
+# of keys above the prefix at 256, `LOCAL`); the histograms themselves have 256 bins
 
 
 @triton.jit
@@ -75,9 +76,9 @@ def score_keys(s):
 def first_pass_counts(s, ok):
     """The first histogram pass's counts [256] int32 over some of a query's scores s [N] float32 (ok: positions it
     sees): what _hist_kernel's pass 0 counts, from another kernel's registers (kernels/triton_indexer.py, as it
-    writes the scores); sum them over blocks, then add_first_pass_counts. 256 bins, not _hist_kernel's 512 (its
-    bin 256 counts keys outside the prefix, which the first pass has none of): positions not seen count as digit 0
-    and are taken off again, which halves the histogram's cost (its bins dominate it at 64 positions a call)."""
+    writes the scores); sum them over blocks, then add_first_pass_counts. 256 bins, as _hist_kernel's: positions
+    not seen count as digit 0 and are taken off again (512 bins, a bin for them, cost twice as much: BENCHMARKS
+    §28)."""
     digit = tl.where(ok, score_keys(s) >> 24, 0).to(tl.int32)
     unseen = tl.sum(tl.where(ok, 0, 1), 0)
     return tl.histogram(digit, 256) - tl.where(tl.arange(0, 256) == 0, unseen, 0)
@@ -104,23 +105,22 @@ def topk_workspace(rows: int, device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def radix_digit(h, rem):
-    """One step of a radix select, 8 bits a pass: h [512] the pass's digit counts (bins 256+ zero), rem the keys
-    still to take -> (the largest digit whose keys at or above it reach rem (-1 if none), rem less the keys above
-    that digit)."""
-    d_idx = tl.arange(0, 512)
+    """One step of a radix select, 8 bits a pass: h [256] the pass's digit counts, rem the keys still to take ->
+    (the largest digit whose keys at or above it reach rem (-1 if none), rem less the keys above that digit)."""
+    d_idx = tl.arange(0, 256)
     ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this digit or a larger one
-    d = tl.max(tl.where((ge >= rem) & (d_idx < 256), d_idx, -1), axis=0)
+    d = tl.max(tl.where(ge >= rem, d_idx, -1), axis=0)
     return d, rem - tl.sum(tl.where(d_idx > d, h, 0), axis=0)
 
 
 @triton.jit
 def _prefix(hist_row_ptr, k, PASS: tl.constexpr):
     """(prefix of the top 8 * PASS key bits, keys still to take at or below it) from passes < PASS."""
-    d_idx = tl.arange(0, _BINS)
+    d_idx = tl.arange(0, 256)
     prefix = tl.zeros([], tl.int64)
     rem = tl.zeros([], tl.int32) + k
     for p in tl.static_range(PASS):
-        h = tl.load(hist_row_ptr + p * _BINS + d_idx, mask=d_idx < 256, other=0)  # [_BINS] int32
+        h = tl.load(hist_row_ptr + p * _BINS + d_idx)  # [256] int32
         d, rem = radix_digit(h, rem)
         prefix = (prefix << 8) | d.to(tl.int64)
     return prefix, rem
@@ -142,24 +142,26 @@ def _hist_kernel(scores_ptr, seq_lens_ptr, hist_ptr, local_ptr, k, max_kv, num_c
         hist_row = hist_ptr + row.to(tl.int64) * 4 * _BINS
         prefix, rem = _prefix(hist_row, k, PASS)
         scores_row = scores_ptr + row.to(tl.int64) * stride_sr
-        acc = tl.zeros([_BINS], tl.int32)
+        d_idx = tl.arange(0, 256)
+        acc = tl.zeros([256], tl.int32)
         above = tl.zeros([], tl.int32)
         for n0 in range(lo, hi, BLOCK):
             n = n0 + tl.arange(0, BLOCK)
             ok = n < hi
             u = _keys(scores_row, n, ok)
             match = ok & ((u >> (32 - 8 * PASS)) == prefix)
-            digit = tl.where(match, (u >> (24 - 8 * PASS)) & 255, 256).to(tl.int32)
-            acc += tl.histogram(digit, _BINS)
+            # 256 bins (a histogram's cost grows with its bins): keys that do not match count at digit 0, taken off
+            digit = tl.where(match, (u >> (24 - 8 * PASS)) & 255, 0).to(tl.int32)
+            misses = BLOCK - tl.sum(match.to(tl.int32), axis=0)
+            acc += tl.histogram(digit, 256) - tl.where(d_idx == 0, misses, 0)
             if LOCAL:
                 above += tl.sum((ok & ((u >> (32 - 8 * PASS)) > prefix)).to(tl.int32), axis=0)
-        d_idx = tl.arange(0, _BINS)
-        tl.atomic_add(hist_row + PASS * _BINS + d_idx, acc, mask=(d_idx < 256) & (acc > 0))
+        tl.atomic_add(hist_row + PASS * _BINS + d_idx, acc, mask=acc > 0)
         if LOCAL:
-            h = tl.where(d_idx < 256, acc, 0)
-            ge = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # [_BINS] matching keys with digit >= d
+            ge = tl.sum(acc, axis=0) - tl.cumsum(acc, axis=0) + acc  # [256] matching keys with digit >= d
             local = local_ptr + (row.to(tl.int64) * num_chunks + tl.program_id(1)) * _BINS
-            tl.store(local + d_idx, tl.where(d_idx == 256, above, ge), mask=d_idx <= 256)
+            tl.store(local + d_idx, ge)
+            tl.store(local + 256, above)
 
 
 @triton.jit
