@@ -54,9 +54,9 @@
 # run on a GPU), then issue 17's serving sweep again (the server now overlaps by default; `smollm2_round.sh`), then
 # the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`, `profile_kernels.py --parts dsa`: issue 14's
 # sparse/dense ratio against the faster dense MLA of §25.3).
-#   eighteenth..twentyfirst ran on 2026-12-03 (third session, BENCHMARKS §27). For a fresh lease: `twentysecond`
-#             (overlapped prefills' GPU tests, all MLA GPU tests, issue 14 with contiguous slots), `twentysecond-b`,
-#             then `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
+#   eighteenth..twentyfirst ran on 2026-12-03 (third session, BENCHMARKS §27); twentysecond, twentysecond-b and
+#             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes), then
+#             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -294,6 +294,12 @@ case "${1:-}" in
     timeout 280 python3 scripts/gpu/bench_moe.py --sweep --tokens 1 4 --iters 40 2>&1 | grep -v -i warn | tail -40
     timeout 280 python3 scripts/gpu/bench_moe.py --sweep --tokens 1 4 --iters 40 --experts 512 --inter 512 \
       --top-k 10 2>&1 | grep -v -i warn | tail -40
+    ;;
+  twentyfourth)  # the top-k's histogram passes over 256 bins (§28.6): their GPU tests, the DSA step against dense
+    # MLA at batch 1-64, and the DSA step's kernels at batch 32
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_topk.py tests/test_triton_indexer.py 2>&1 \
+      | grep -v -i warn | tail -2
+    timeout 300 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     ;;
   twentysecond-b)  # GLM-5's phases at 32k keys, batch 1 and 8, then the serving sweep (smollm2_round.sh sweep, as
     # §27.2: prefills now overlap too) in the next calls
