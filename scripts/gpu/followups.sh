@@ -299,7 +299,8 @@ case "${1:-}" in
     # MLA at batch 1-64, and the DSA step's kernels at batch 32
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_topk.py tests/test_triton_indexer.py 2>&1 \
       | grep -v -i warn | tail -2
-    timeout 300 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
+    timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
+    timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
     ;;
   twentysecond-b)  # GLM-5's phases at 32k keys, batch 1 and 8, then the serving sweep (smollm2_round.sh sweep, as
     # §27.2: prefills now overlap too) in the next calls

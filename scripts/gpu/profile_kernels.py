@@ -6,17 +6,21 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
 
 `dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio), keys
 in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots;
-`dsa-layouts` random / 64-token pages shuffled / contiguous slots, each with bf16 and fp8 index keys.
+`dsa-layouts` random / 64-token pages shuffled / contiguous slots, each with bf16 and fp8 index keys;
+`scores-options` the scores kernel's launch options; `dsa-first-pass` the top-k's first pass fused or not;
+`sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import triton
 from torch.profiler import ProfilerActivity, profile
 
 from specserve.graphs.capture import capture_graph
@@ -253,6 +257,34 @@ def scores_options(iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def sparse_mla_sweep(iters: int) -> None:
+    """The sparse MLA over each query's 2048 chosen rows (the DSA step's last kernel and its split combine), launch
+    options swept at batch 8 / 32 / 64: key splits x warps x stages x keys a step; outputs checked against the
+    default's. Prints the fastest few and the default."""
+    c = GLM5["c"]
+    for bs in (8, 32, 64):
+        x = DsaLayer.build(bs, 32768)
+        s = index_scores_triton(x.q, x.wts, x.rows, None, x.kv_slots, x.lens, 1)
+        sel, cnt = index_topk_triton(s, x.lens, x.kv_slots, 1, GLM5["topk"])
+        want = mla_decode_triton(x.qm, x.lat, sel, cnt, 1, 0.07, c)
+        base = graph_us(lambda x=x, sel=sel, cnt=cnt: mla_decode_triton(x.qm, x.lat, sel, cnt, 1, 0.07, c), iters)
+        rows = []
+        for splits, warps, stages, bn in itertools.product((1, 2, 4, 8, 16), (4, 8), (2, 3), (32, 64)):
+            fn = functools.partial(mla_decode_triton, x.qm, x.lat, sel, cnt, 1, 0.07, c, num_splits=splits,
+                                   num_warps=warps, num_stages=stages, block_n=bn)
+            try:
+                torch.testing.assert_close(fn(), want, rtol=2e-2, atol=2e-2)
+                rows.append((graph_us(fn, iters), f"splits {splits:2d} warps {warps} stages {stages} block_n {bn}"))
+            except triton.runtime.errors.OutOfResources:
+                continue
+        rows.sort()
+        print(f"\n=== sparse MLA over 2048 chosen rows, batch {bs}: default {base:.1f} us; fastest of {len(rows)} ===")
+        for us, name in rows[:6]:
+            print(f"  {us:8.1f}  {base / us:5.2f}x  {name}")
+        del x, s, sel, cnt
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=30)
@@ -260,6 +292,7 @@ def main() -> None:
     a = p.parse_args()
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
              "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
+             "sparse-mla": sparse_mla_sweep,
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}
