@@ -36,18 +36,23 @@ def _route_rows(x, gate, rows, row_ok, num_experts, w_ptr, ids_ptr, TOP_K: tl.co
     x = tl.where(ok, x, float("-inf"))
     p = tl.exp(x - tl.max(x, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]  # [R, E_PAD] softmax; padding lanes 0
-    p = tl.where(ok, p, -1.0)  # never chosen
+    # One int64 key a lane, (the weight's bits, E_PAD - 1 - expert): a weight is >= 0, so its bits order as it does,
+    # and one max per round gives the best weight and, among equal weights, the lowest expert id (a max and a
+    # min per round before: each a reduction across the warps, the router's critical path)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - e)
+    key = tl.where(ok, key, -1)  # never chosen
     kk = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]: TOP_K need not be a power of two (Qwen3-Next: 10)
     wts = tl.zeros([R, K_PAD], dtype=tl.float32)
     ids = tl.zeros([R, K_PAD], dtype=tl.int32)
     total = tl.zeros([R], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, 1)  # [R]
-        idx = tl.min(tl.where(p == best[:, None], e, E_PAD), 1)  # [R]: the lowest expert id among equal weights
+        top = tl.max(key, 1)  # [R]
+        best = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # [R]
+        idx = (E_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)  # [R]
         wts = tl.where(kk == j, best[:, None], wts)
         ids = tl.where(kk == j, idx[:, None], ids)
         total += best
-        p = tl.where(e == idx[:, None], -1.0, p)
+        key = tl.where(e == idx[:, None], -1, key)
     if RENORM:
         wts = wts / total[:, None]
     out = rows.to(tl.int64)[:, None] * OUT_K + kk
