@@ -5,7 +5,8 @@ checkpoint layout (per-expert tensors) and in transformers-5's fused in-memory l
 import pytest
 import torch
 
-from specserve.layers.moe import FusedMoE, SparseMoEBlock, grouped_sigmoid_topk, softmax_topk
+from specserve.kernels.reference import grouped_sigmoid_topk
+from specserve.layers.moe import FusedMoE, SparseMoEBlock, softmax_topk
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -307,3 +307,56 @@ def test_norm_router_rounds_the_normed_row(offset):
         hf = (x + r).float()
         once = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * nw.float()).to(torch.bfloat16)
         assert not torch.equal(once, xn)
+
+
+@pytest.mark.parametrize("experts,n_group,topk_group,top_k", [(16, 4, 2, 3), (32, 8, 3, 6), (16, 1, 1, 4),
+                                                               (64, 8, 4, 8)])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_router_matches_linear_then_reference(experts, n_group, topk_group, top_k, tokens, renormalize):
+    """DeepSeek-V3 / GLM's grouped sigmoid router in one launch (gate GEMV in float32, sigmoid, correction bias,
+    group rating by the two best, kept groups, top-k, weights from the unbiased scores, renormalised, scaled)
+    against F.linear in float32 + kernels/reference.py grouped_sigmoid_topk: the same experts in the same order (no
+    near-ties in these draws), weights to float32 rounding; without a bias too."""
+    from specserve.kernels.reference import grouped_sigmoid_topk
+    from specserve.kernels.triton_router import grouped_router_topk_triton
+
+    g = torch.Generator().manual_seed(experts * 7 + tokens + top_k)
+    x = torch.randn((tokens, H), generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn((experts, H), generator=g) * 0.3).to(DEV)
+    for bias in (torch.randn(experts, generator=g).mul(0.2).to(DEV), None):
+        want_w, want_ids = grouped_sigmoid_topk(F.linear(x.float(), w), top_k, bias, n_group, topk_group, 2.5,
+                                                renormalize)
+        got_w, got_ids = grouped_router_topk_triton(x, w, bias, top_k, n_group, topk_group, 2.5, renormalize)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_router_group_limit_ties_and_bad_shapes():
+    """The group limit (the best expert overall, alone in its group, is not chosen), equal scores (the lower
+    expert id first), weights from the chosen sigmoid scores; shapes the kernel does not serve are a clear error."""
+    from specserve.kernels.triton_router import grouped_router_fits, grouped_router_topk_triton
+
+    logits = torch.tensor([5, -5, -5, -5, 2, 2, -5, -5, 1.5, 1.5, 1.4, -5, -1, -1, -1, -1])  # 4 groups of 4
+    x = torch.zeros((1, H), dtype=torch.bfloat16)
+    x[0, 0] = 1.0
+    w = torch.zeros((16, H))
+    w[:, 0] = logits  # logits = w[:, 0]: group ratings 1.00, 1.76, 1.64, 0.54: groups 1 and 2 kept
+    got_w, got_ids = grouped_router_topk_triton(x.to(DEV), w.to(DEV), None, 3, 4, 2, 2.5, True)
+    assert got_ids.tolist() == [[4, 5, 8]]
+    p = torch.sigmoid(logits[[4, 5, 8]])
+    torch.testing.assert_close(got_w.cpu(), (p / p.sum() * 2.5)[None], rtol=1e-5, atol=1e-6)
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn((16, H), generator=g) * 0.3
+    w[[1, 5, 9, 13]] = w[0].clone()  # expert 0 and one expert of every group of 4 score alike
+    x = torch.randn((2, H), generator=g).to(DEV)
+    ids = grouped_router_topk_triton(x, w.to(DEV), None, 4, 4, 4, 1.0, True)[1].cpu()
+    for row in ids.tolist():
+        tied = [e for e in row if e in (0, 1, 5, 9, 13)]
+        assert tied == sorted(tied)  # ties taken in id order
+    assert grouped_router_fits(16, 4) and grouped_router_fits(12, 1) and not grouped_router_fits(12, 4)
+    with pytest.raises(ValueError, match="power of two"):
+        grouped_router_topk_triton(x, torch.randn((12, H)).to(DEV), None, 2, 4, 2, 1.0, True)
+    with pytest.raises(ValueError, match="float32"):
+        grouped_router_topk_triton(x, w.to(DEV).bfloat16(), None, 2, 4, 2, 1.0, True)

@@ -231,3 +231,27 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: fl
     by w in x's dtype, the gate applied in float32. x, gate [N, D]; w [D] -> [N, D] in x's dtype."""
     y = rms_norm(x, w, eps).float()
     return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None, n_group: int,
+                         topk_group: int, routed_scaling_factor: float,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-4.5: sigmoid scores; experts are chosen on scores + correction_bias, but weighted by the
+    unbiased scores. The E experts form n_group groups of E / n_group; a group is rated by the sum of its two best
+    biased scores, the topk_group best groups stay, and the top_k experts among them are taken. Weights are
+    normalised to sum 1 when `renormalize` (HF norm_topk_prob), then multiplied by routed_scaling_factor (always,
+    as HF does). logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), ids by descending biased
+    score. Needs E / n_group >= 2 (the top-2 group rating)."""
+    t, e = logits.shape
+    scores = logits.float().sigmoid()  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
+    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    group_ids = torch.topk(group_scores, topk_group, dim=-1).indices  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)  # [T, G]
+    expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
+    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1).indices  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # HF's epsilon, kept for parity
+    return weights * routed_scaling_factor, ids

@@ -15,13 +15,20 @@ from specserve.kernels.triton_ngram import lookup_drafts_triton
 from specserve.kernels.triton_norm import add_rms_norm, rms_norm
 from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
 from specserve.kernels.triton_rope import rope
-from specserve.kernels.triton_router import norm_router_topk_triton, router_topk_triton, softmax_topk_triton
+from specserve.kernels.triton_router import (
+                                             grouped_router_fits,
+                                             grouped_router_topk_triton,
+                                             norm_router_topk_triton,
+                                             router_topk_triton,
+                                             softmax_topk_triton,
+)
 from specserve.kernels.triton_sample import probs_triton, sample_triton
 from specserve.kernels.triton_top1 import row_top1_triton
 
 __all__ = ["accept_greedy_triton", "accept_sampling_q_triton", "accept_sampling_triton", "add_rms_norm",
            "causal_conv_prefill_triton", "causal_conv_states_triton", "fused_moe", "gated_delta_rule_prefill_triton",
            "gated_delta_rule_states_triton", "gated_rms_norm_triton", "gdn_gating_triton", "gemv",
-           "lookup_drafts_triton", "norm_gemv", "norm_router_topk_triton", "probs_triton",
+           "grouped_router_fits", "grouped_router_topk_triton", "lookup_drafts_triton", "norm_gemv",
+           "norm_router_topk_triton", "probs_triton",
            "qk_norm_rope_store_triton", "rms_norm", "rope", "router_topk_triton", "row_top1_triton",
            "sample_candidates_triton", "sample_triton", "silu_and_mul", "softmax_topk_triton", "store_kv"]

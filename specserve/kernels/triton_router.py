@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.triton_gemv import _rounded
+from specserve.kernels.triton_topk import score_keys
 
 
 @triton.jit
@@ -96,6 +97,56 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
     return w, ids
 
 
+@triton.jit
+def _route_grouped(x, bias, rows, row_ok, num_experts, scaling, w_ptr, ids_ptr, TOP_K: tl.constexpr,
+                   RENORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr):
+    """DeepSeek-V3 / GLM routing of R tokens (reference.grouped_sigmoid_topk): x [R, E_PAD] float32 logits, bias
+    [1, E_PAD] the choice-only correction bias (0 past E). Experts are chosen on sigmoid(x) + bias, within the
+    TOPK_GROUP groups of E / N_GROUP experts whose two best choice scores sum highest, and weighted by sigmoid(x)
+    (renormalised when RENORM, times `scaling`); ids by descending choice score. Equal scores: the lower group / the
+    lower expert id first. With N_GROUP > 1, E == E_PAD (groups are runs of E_PAD / N_GROUP lanes)."""
+    R: tl.constexpr = x.shape[0]
+    e = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+    ok = e < num_experts
+    scores = 1.0 / (1.0 + tl.exp(-x))  # [R, E_PAD]
+    choice = scores + bias
+    if N_GROUP > 1:
+        GS: tl.constexpr = E_PAD // N_GROUP
+        c3 = tl.reshape(choice, [R, N_GROUP, GS])
+        lane = tl.arange(0, GS)[None, None, :]
+        m1 = tl.max(c3, 2)  # [R, G] each group's best choice score
+        i1 = tl.min(tl.where(c3 == m1[:, :, None], lane, GS), 2)
+        m2 = tl.max(tl.where(lane == i1[:, :, None], float("-inf"), c3), 2)  # its second best (m1 again if tied)
+        rating = m1 + m2  # [R, G]
+        g = tl.arange(0, N_GROUP)
+        a = rating[:, :, None]  # group g
+        b = rating[:, None, :]  # group h
+        ahead = (b > a) | ((b == a) & (g[None, None, :] < g[None, :, None]))  # [R, G, G] h ranks before g
+        keep = tl.sum(ahead.to(tl.int32), 2) < TOPK_GROUP  # [R, G]
+        keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [R, N_GROUP, GS]), [R, E_PAD])
+        ok = ok & keep_e
+    # one int64 key a lane: (the choice score's order-preserving bits, E_PAD - 1 - expert): one max a round
+    key = (score_keys(choice) << 16) | (E_PAD - 1 - e)
+    key = tl.where(ok, key, -1)  # never chosen
+    kk = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
+    ids = tl.zeros([R, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(key, 1)  # [R]
+        idx = (E_PAD - 1 - (top & 0xFFFF)).to(tl.int32)  # [R]
+        ids = tl.where(kk == j, idx[:, None], ids)
+        key = tl.where(e == idx[:, None], -1, key)
+    pick = (tl.arange(0, E_PAD)[None, None, :] == ids[:, :, None]) & (kk < TOP_K)[:, :, None]  # [R, K_PAD, E_PAD]
+    wts = tl.sum(tl.where(pick, scores[:, None, :], 0.0), 2)  # [R, K_PAD] the unbiased scores of the chosen
+    if RENORM:
+        wts = wts / (tl.sum(wts, 1)[:, None] + 1e-20)  # HF's epsilon
+    wts = wts * scaling
+    out = rows.to(tl.int64)[:, None] * TOP_K + kk
+    mask = row_ok[:, None] & (kk < TOP_K)
+    tl.store(w_ptr + out, wts, mask=mask)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The router GEMV and the routing in one launch.
 
@@ -113,11 +164,13 @@ def _norm_input(x_rows, r_ptr, tok, k, ok, H: tl.constexpr, HAS_RESIDUAL: tl.con
 
 @triton.jit
 def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids_ptr, r_ptr, nw_ptr, xn_ptr, h_ptr,
-                             num_tokens, num_cols, num_experts, stride_xt, stride_we, eps, H: tl.constexpr,
+                             bias_ptr, num_tokens, num_cols, num_experts, stride_xt, stride_we, eps, scaling,
+                             H: tl.constexpr,
                              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, T_BLOCK: tl.constexpr,
                              R_BLOCK: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr,
                              K_PAD: tl.constexpr, SHARED: tl.constexpr, ROUND_BF16: tl.constexpr,
-                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr):
+                             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
+                             GROUPED: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
     """Grid (cdiv(num_cols, BLOCK_E), cdiv(num_tokens, T_BLOCK)): program (i, b) computes the logit columns
     i*BLOCK_E .. + BLOCK_E (rows of the weight wt [num_cols, H]) of tokens b*T_BLOCK .. + T_BLOCK into scratch
     [num_tokens, num_cols] float32. The last program of token block b to finish (counter b) routes its tokens from
@@ -125,7 +178,10 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
 
     NORM: x is the un-normed input; each program computes its tokens' RMSNorm of h = x (+ residual r) with weight
     nw itself (rounded as reference.add_rms_norm), routes the normed row, and the programs of column block 0 store
-    it (xn [T, H], the experts' input) and h (the new residual), both contiguous."""
+    it (xn [T, H], the experts' input) and h (the new residual), both contiguous.
+
+    GROUPED: DeepSeek-V3 / GLM routing (`_route_grouped`: sigmoid scores, correction bias bias_ptr [E], groups,
+    `scaling`) of float32 logits, not rounded (the gate runs in float32 there: F.linear(x.float(), w.float()))."""
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < num_cols
     block = tl.program_id(1)
@@ -166,7 +222,9 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
         acc += tl.sum(xk * wk, 2)  # [T_BLOCK, BLOCK_E]
     # Rounded to x's dtype, as F.linear's output is. bfloat16: to nearest even by hand, as the GPU's conversion does
     # (Triton's interpreter truncates instead).
-    if ROUND_BF16:
+    if GROUPED:
+        logits = acc
+    elif ROUND_BF16:
         bits = acc.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         logits = bits.to(tl.float32, bitcast=True)
@@ -186,10 +244,16 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
             rows_ok = rows < num_tokens
             row = scratch_ptr + rows.to(tl.int64) * num_cols  # [R_BLOCK]
             x = tl.load(row[:, None] + e, mask=rows_ok[:, None] & (e < num_experts), other=0.0, cache_modifier=".cg")
-            gate = tl.zeros([R_BLOCK], dtype=tl.float32)
-            if SHARED:
-                gate = tl.load(row + num_experts, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            _route_rows(x, gate, rows, rows_ok, num_experts, w_ptr, ids_ptr, TOP_K, RENORM, E_PAD, K_PAD, SHARED)
+            if GROUPED:
+                bias = tl.load(bias_ptr + e, mask=e < num_experts, other=0.0)  # [1, E_PAD]
+                _route_grouped(x, bias, rows, rows_ok, num_experts, scaling, w_ptr, ids_ptr, TOP_K, RENORM, E_PAD,
+                               K_PAD, N_GROUP, TOPK_GROUP)
+            else:
+                gate = tl.zeros([R_BLOCK], dtype=tl.float32)
+                if SHARED:
+                    gate = tl.load(row + num_experts, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                _route_rows(x, gate, rows, rows_ok, num_experts, w_ptr, ids_ptr, TOP_K, RENORM, E_PAD, K_PAD,
+                            SHARED)
         tl.store(counter_ptr + block, 0)  # the next launch (or graph replay) counts from 0 again
 
 
@@ -246,6 +310,30 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm
     return _router(x, weight, top_k, renormalize, shared_gate, config, None)[:2]
 
 
+def grouped_router_topk_triton(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None,
+                               top_k: int, n_group: int, topk_group: int, routed_scaling_factor: float,
+                               renormalize: bool, config: dict[str, int] | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.grouped_sigmoid_topk(F.linear(x.float(), weight.float()), ...) in one launch, for decode-sized
+    batches: x [T, H] (any float dtype), weight [E, H] float32, correction_bias [E] float32 or None -> (weights
+    [T, K] float32, ids [T, K] int64). The logits are float32 sums (up to the order of accumulation); equal scores
+    choose the lower group / expert id. n_group > 1 needs E a power of two (`grouped_router_fits`). Capturable,
+    one stream at a time, as router_topk_triton."""
+    if not grouped_router_fits(weight.shape[0], n_group):
+        raise ValueError(f"grouped router kernel: {weight.shape[0]} experts in {n_group} groups (a power of two "
+                         "of experts, in groups of >= 2, is needed)")
+    if weight.dtype != torch.float32 or (correction_bias is not None and correction_bias.dtype != torch.float32):
+        raise ValueError("grouped router kernel: a float32 gate weight and correction bias are needed")
+    return _router(x, weight, top_k, renormalize, False, config, None,
+                   (correction_bias, n_group, topk_group, routed_scaling_factor))[:2]
+
+
+def grouped_router_fits(num_experts: int, n_group: int) -> bool:
+    """Whether grouped_router_topk_triton serves these shapes: one group, or E a power of two in groups of >= 2."""
+    return n_group == 1 or (num_experts & (num_experts - 1) == 0 and n_group & (n_group - 1) == 0
+                            and num_experts // n_group >= 2)
+
+
 def norm_router_topk_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
                             weight_offset: float, weight: torch.Tensor, top_k: int, renormalize: bool,
                             shared_gate: bool = False, config: dict[str, int] | None = None):
@@ -260,16 +348,19 @@ def norm_router_topk_triton(x: torch.Tensor, residual: torch.Tensor | None, norm
     return _router(x, weight, top_k, renormalize, shared_gate, config, (residual, norm_w, eps, weight_offset))
 
 
-def _router(x, weight, top_k, renormalize, shared_gate, config, norm):
-    """router_topk_triton, with norm = (residual, norm weight, eps, weight offset) norm_router_topk_triton."""
+def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=None):
+    """router_topk_triton, with norm = (residual, norm weight, eps, weight offset) norm_router_topk_triton, with
+    grouped = (correction bias, n_group, topk_group, routed scaling) grouped_router_topk_triton."""
     t, h = x.shape
     cols = weight.shape[0]
-    if weight.shape[1] != h or weight.dtype != x.dtype:
+    if weight.shape[1] != h or (weight.dtype != x.dtype and grouped is None):
         raise ValueError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} "
                          f"{x.dtype}")
     num_experts = cols - 1 if shared_gate else cols
     cfg = config or router_config(t, cols, h, num_experts)
     if triton.cdiv(t, cfg["T_BLOCK"]) > ROUTER_MAX_TOKEN_BLOCKS:  # prefill-sized: the GEMM path
+        if grouped is not None:
+            raise ValueError(f"grouped_router_topk_triton: {t} tokens are beyond the decode sizes it serves")
         if norm is None:
             return (*softmax_topk_triton(F.linear(x, weight), top_k, renormalize, shared_gate), None, None)
         raise ValueError(f"norm_router_topk_triton: {t} tokens are beyond the decode sizes it serves")
@@ -293,11 +384,17 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm):
     # Per call, not cached: inside a CUDA graph capture it is a fixed address of the graph's pool.
     scratch = torch.empty((t, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, cfg["BLOCK_E"]), triton.cdiv(t, cfg["T_BLOCK"]))
+    bias, n_group, topk_group, scaling = grouped or (None, 1, 1, 1.0)
+    if grouped is not None and bias is None:
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
     _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids,
                                    x if residual is None else residual, x if norm_w is None else norm_w.contiguous(),
-                                   x if xn is None else xn, x if hh is None else hh, t, cols, num_experts,
-                                   x.stride(0), weight.stride(0), float(eps), H=h, TOP_K=top_k, RENORM=renormalize,
-                                   E_PAD=triton.next_power_of_2(num_experts), K_PAD=triton.next_power_of_2(top_k),
-                                   SHARED=shared_gate, ROUND_BF16=x.dtype == torch.bfloat16, NORM=norm is not None,
-                                   HAS_RESIDUAL=residual is not None, W_OFFSET=float(offset), **cfg)
+                                   x if xn is None else xn, x if hh is None else hh,
+                                   x if bias is None else bias.contiguous(), t, cols, num_experts,
+                                   x.stride(0), weight.stride(0), float(eps), float(scaling), H=h, TOP_K=top_k,
+                                   RENORM=renormalize, E_PAD=triton.next_power_of_2(num_experts),
+                                   K_PAD=triton.next_power_of_2(top_k), SHARED=shared_gate,
+                                   ROUND_BF16=x.dtype == torch.bfloat16, NORM=norm is not None,
+                                   HAS_RESIDUAL=residual is not None, W_OFFSET=float(offset),
+                                   GROUPED=grouped is not None, N_GROUP=n_group, TOPK_GROUP=topk_group, **cfg)
     return w, ids, xn, hh

@@ -11,7 +11,6 @@ decode step that routes stays capturable in a CUDA graph. Routed experts run thr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.tp import TP1, TPGroup
@@ -29,30 +28,6 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     weights to sum to 1. logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), ids by descending
     weight, equal weights by ascending id (kernels/reference.py softmax_topk; one Triton kernel on CUDA)."""
     return ops.softmax_topk(logits, top_k, renormalize)
-
-
-def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None, n_group: int,
-                         topk_group: int, routed_scaling_factor: float,
-                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 / GLM-4.5: sigmoid scores; experts are chosen on scores + correction_bias, but weighted by the
-    unbiased scores. The E experts form n_group groups of E / n_group; a group is rated by the sum of its two best
-    biased scores, the topk_group best groups stay, and the top_k experts among them are taken. Weights are
-    normalised to sum 1 when `renormalize` (HF norm_topk_prob), then multiplied by routed_scaling_factor (always,
-    as HF does). logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), ids by descending biased
-    score. Needs E / n_group >= 2 (the top-2 group rating)."""
-    t, e = logits.shape
-    scores = logits.float().sigmoid()  # [T, E]
-    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
-    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-    group_ids = torch.topk(group_scores, topk_group, dim=-1).indices  # [T, topk_group]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0)  # [T, G]
-    expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
-    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-    ids = torch.topk(choice, top_k, dim=-1).indices  # [T, K]
-    weights = scores.gather(1, ids)  # [T, K]
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # HF's epsilon, kept for parity
-    return weights * routed_scaling_factor, ids
 
 
 class FusedMoE(nn.Module):
@@ -204,9 +179,10 @@ class SparseMoEBlock(nn.Module):
             if x.is_cuda:
                 return ops.router_softmax_topk(x, self.gate.weight, self.top_k, self.renormalize, self.fused_shared)
             return ops.softmax_topk(self.gate(x), self.top_k, self.renormalize, self.fused_shared)
-        logits = F.linear(x.float(), self.gate.weight.float())  # [T, E] float32, as HF DeepSeek-V3
-        return grouped_sigmoid_topk(logits, self.top_k, self.e_score_correction_bias, self.n_group,
-                                    self.topk_group, self.routed_scaling_factor, self.renormalize)
+        # logits F.linear(x.float(), gate.weight.float()) as HF DeepSeek-V3; one launch on CUDA at decode sizes
+        return ops.router_grouped_sigmoid_topk(x, self.gate.weight, self.e_score_correction_bias, self.top_k,
+                                               self.n_group, self.topk_group, self.routed_scaling_factor,
+                                               self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._mix(x, *self.route(x))
