@@ -55,7 +55,8 @@
 # the per-kernel profiles (`profile_decode.py qwen3-30b-a3b`, `profile_kernels.py --parts dsa`: issue 14's
 # sparse/dense ratio against the faster dense MLA of §25.3).
 #   eighteenth..twentyfirst ran on 2026-12-03 (third session, BENCHMARKS §27); twentysecond, twentysecond-b and
-#             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes), then
+#             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes, the sparse
+#             MLA's options), `twentyfourth-b` (the one-launch routers: GPU tests, GLM-5 and 30B phases), then
 #             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
 . scripts/gpu/env.sh
 case "${1:-}" in
@@ -297,10 +298,18 @@ case "${1:-}" in
     ;;
   twentyfourth)  # the top-k's histogram passes over 256 bins (§28.6): their GPU tests, the DSA step against dense
     # MLA at batch 1-64, and the DSA step's kernels at batch 32
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_topk.py tests/test_triton_indexer.py 2>&1 \
-      | grep -v -i warn | tail -2
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_topk.py tests/test_triton_indexer.py \
+      tests/test_triton_router.py 2>&1 | grep -v -i warn | tail -2
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
+    ;;
+  twentyfourth-b)  # the one-launch routers (§28.6): DSA/MLA model GPU tests, then GLM-5's and Qwen3-30B-A3B's
+    # phases against §28.5 and §27.3
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_mla.py 2>&1 | grep -v -i warn | tail -2
+    timeout 200 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --iters 10 --idle-steps 0 \
+      --prefix-len 32000 --context-length 33000 --prefill-tokens 0 2>&1 | grep -v -i warn | tail -26
+    timeout 150 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1 --iters 10 \
+      --idle-steps 0 --prefill-tokens 0 2>&1 | grep -v -i warn | tail -12
     ;;
   twentysecond-b)  # GLM-5's phases at 32k keys, batch 1 and 8, then the serving sweep (smollm2_round.sh sweep, as
     # §27.2: prefills now overlap too) in the next calls
