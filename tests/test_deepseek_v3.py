@@ -50,7 +50,9 @@ def test_family_layers_and_caches(deepseek):
     layers = t.model.model.layers
     assert [type(lay.mlp) for lay in layers] == [GatedMLP, SparseMoEBlock, SparseMoEBlock]  # first_k_dense_replace
     moe = layers[1].mlp
-    assert moe.router == "grouped_sigmoid" and moe.shared_expert is not None and not moe.fused_shared
+    # the plain shared expert, as wide as a routed one: expert E of the grouped GEMM, weight 1
+    assert moe.router == "grouped_sigmoid" and moe.shared_expert is None and moe.fused_shared
+    assert moe.experts.w13.shape[0] == moe.num_experts + 1 and moe.gate.weight.shape[0] == moe.num_experts
     specs = t.model.cache_specs()
     assert [s.kind for s in specs] == [CacheKind.MLA] * 3 and specs[0].width == 32 + 8  # latent + rope per token
     assert all(isinstance(lay.self_attn, MLAAttention) for lay in layers)

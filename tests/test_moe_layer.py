@@ -113,22 +113,22 @@ def test_fused_and_per_expert_loading_agree():
 
 # ---- DeepSeek-V3: grouped sigmoid router with correction bias, shared experts ----
 
-def _deepseek(n_group: int = 4, topk_group: int = 2, top_k: int = K):
+def _deepseek(n_group: int = 4, topk_group: int = 2, top_k: int = K, n_shared: int = 1):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=INTER, n_routed_experts=E, n_group=n_group,
                            topk_group=topk_group, num_experts_per_tok=top_k, routed_scaling_factor=2.5,
-                           norm_topk_prob=True, n_shared_experts=1)
+                           norm_topk_prob=True, n_shared_experts=n_shared)
     hf = DeepseekV3MoE(cfg).eval()
     # Bias comparable to the spread of sigmoid scores, so it really moves choices (checked below).
     _randomize(hf, seed=21, bias_std=0.3)
     return hf
 
 
-def _deepseek_block():
+def _deepseek_block(n_shared: int = 1):
     return SparseMoEBlock(H, INTER, E, K, renormalize=True, router="grouped_sigmoid", n_group=4, topk_group=2,
-                          routed_scaling_factor=2.5, shared_expert_intermediate_size=INTER)
+                          routed_scaling_factor=2.5, shared_expert_intermediate_size=n_shared * INTER)
 
 
 @pytest.mark.parametrize("n_group,topk_group,top_k", [(4, 2, 2), (2, 1, 3), (4, 3, 4), (1, 1, 2)])
@@ -166,9 +166,12 @@ def test_grouped_sigmoid_no_renormalize():
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("t", [1, 5, 32])
-def test_block_matches_deepseek_v3_moe(t, fused):
-    hf = _deepseek()
-    block = _deepseek_block()
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_block_matches_deepseek_v3_moe(t, fused, n_shared):
+    """n_shared 1: the shared expert as wide as a routed one runs as expert E of the grouped GEMM; 2: apart."""
+    hf = _deepseek(n_shared=n_shared)
+    block = _deepseek_block(n_shared)
+    assert block.fused_shared == (n_shared == 1) and (block.shared_expert is None) == (n_shared == 1)
     _load(block, _checkpoint(hf, fused))
     assert torch.equal(block.e_score_correction_bias, hf.gate.e_score_correction_bias)
     x = _x(t, seed=5)
@@ -243,7 +246,14 @@ def test_all_loaded_tracking_and_unknown_names():
         if name not in ("experts.5.up_proj.weight", "shared_experts.gate_proj.weight"):
             assert block.load_weight(name, t)
     missing = {n for n, _ in block.named_parameters()} - block.loaded_param_names()
-    assert missing == {"experts.w13", "shared_expert.gate_up_proj.weight"}
+    assert block.fused_shared and missing == {"experts.w13"}  # the shared expert is expert E of w13
+    only_shared = _deepseek_block()  # only the fused shared expert's gate_proj missing: w13 still incomplete
+    for name, t in sd.items():
+        if name != "shared_experts.gate_proj.weight":
+            assert only_shared.load_weight(name, t)
+    assert {n for n, _ in only_shared.named_parameters()} - only_shared.loaded_param_names() == {"experts.w13"}
+    assert only_shared.load_weight("shared_experts.gate_proj.weight", sd["shared_experts.gate_proj.weight"])
+    assert {n for n, _ in only_shared.named_parameters()} == only_shared.loaded_param_names()
     assert not block.load_weight("shared_expert_gate.weight", torch.zeros(1, H))  # no gated shared expert here
     assert not block.load_weight("experts.0.gate_proj.weight_scale_inv", torch.zeros(1))
     assert not block.load_weight("gate.bias", torch.zeros(E))

@@ -330,6 +330,13 @@ def test_grouped_router_matches_linear_then_reference(experts, n_group, topk_gro
         got_w, got_ids = grouped_router_topk_triton(x, w, bias, top_k, n_group, topk_group, 2.5, renormalize)
         assert torch.equal(got_ids, want_ids)
         torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+        # a plain shared expert fused as expert E: one more column (id E, weight 1), the same routing before it
+        sw, sids = grouped_router_topk_triton(x, w, bias, top_k, n_group, topk_group, 2.5, renormalize, shared=True)
+        assert torch.equal(sids[:, :-1], want_ids) and (sids[:, -1] == experts).all() and (sw[:, -1] == 1).all()
+        torch.testing.assert_close(sw[:, :-1], want_w, rtol=1e-5, atol=1e-6)
+        ow, oids = ops.router_grouped_sigmoid_topk(x.cpu(), w.cpu(), None if bias is None else bias.cpu(), top_k,
+                                                   n_group, topk_group, 2.5, renormalize, True)  # the torch path
+        assert torch.equal(oids, sids.cpu()) and torch.allclose(ow, sw.cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_grouped_router_group_limit_ties_and_bad_shapes():

@@ -146,17 +146,22 @@ def router_softmax_topk(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, 
 
 def router_grouped_sigmoid_topk(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
                                 top_k: int, n_group: int, topk_group: int, routed_scaling_factor: float,
-                                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                                renormalize: bool, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.grouped_sigmoid_topk(F.linear(x.float(), gate_weight.float()), ...) (DeepSeek-V3 / GLM): on CUDA
     with T <= ROUTER_FUSED_MAX_TOKENS, a float32 gate and shapes it serves, one kernel computes the logits and
-    routes (triton_router.grouped_router_topk_triton); otherwise the torch ops."""
+    routes (triton_router.grouped_router_topk_triton); otherwise the torch ops. shared: one more column, a plain
+    shared expert fused as expert E (id E, weight 1)."""
     if (x.dim() == 2 and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS and gate_weight.dtype == torch.float32
             and (correction_bias is None or correction_bias.dtype == torch.float32)
             and (tk := _kernels(x, gate_weight)) is not None and tk.grouped_router_fits(gate_weight.shape[0], n_group)):
         return tk.grouped_router_topk_triton(x, gate_weight, correction_bias, top_k, n_group, topk_group,
-                                             routed_scaling_factor, renormalize)
-    return ref.grouped_sigmoid_topk(F.linear(x.float(), gate_weight.float()), top_k, correction_bias, n_group,
-                                    topk_group, routed_scaling_factor, renormalize)
+                                             routed_scaling_factor, renormalize, shared)
+    w, ids = ref.grouped_sigmoid_topk(F.linear(x.float(), gate_weight.float()), top_k, correction_bias, n_group,
+                                      topk_group, routed_scaling_factor, renormalize)
+    if shared:
+        w = torch.cat([w, torch.ones_like(w[:, :1])], 1)  # [T, K + 1]
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], gate_weight.shape[0])], 1)
+    return w, ids
 
 
 def norm_router_softmax_topk(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,

@@ -100,12 +100,14 @@ def softmax_topk_triton(logits: torch.Tensor, top_k: int, renormalize: bool,
 @triton.jit
 def _route_grouped(x, bias, rows, row_ok, num_experts, scaling, w_ptr, ids_ptr, TOP_K: tl.constexpr,
                    RENORM: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, N_GROUP: tl.constexpr,
-                   TOPK_GROUP: tl.constexpr):
+                   TOPK_GROUP: tl.constexpr, SHARED: tl.constexpr):
     """DeepSeek-V3 / GLM routing of R tokens (reference.grouped_sigmoid_topk): x [R, E_PAD] float32 logits, bias
     [1, E_PAD] the choice-only correction bias (0 past E). Experts are chosen on sigmoid(x) + bias, within the
     TOPK_GROUP groups of E / N_GROUP experts whose two best choice scores sum highest, and weighted by sigmoid(x)
     (renormalised when RENORM, times `scaling`); ids by descending choice score. Equal scores: the lower group / the
-    lower expert id first. With N_GROUP > 1, E == E_PAD (groups are runs of E_PAD / N_GROUP lanes)."""
+    lower expert id first. With N_GROUP > 1, E == E_PAD (groups are runs of E_PAD / N_GROUP lanes). SHARED: output
+    rows TOP_K + 1 wide, the last a plain shared expert fused as expert E (weight 1)."""
+    OUT_K: tl.constexpr = TOP_K + SHARED  # output row width
     R: tl.constexpr = x.shape[0]
     e = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     ok = e < num_experts
@@ -141,10 +143,14 @@ def _route_grouped(x, bias, rows, row_ok, num_experts, scaling, w_ptr, ids_ptr, 
     if RENORM:
         wts = wts / (tl.sum(wts, 1)[:, None] + 1e-20)  # HF's epsilon
     wts = wts * scaling
-    out = rows.to(tl.int64)[:, None] * TOP_K + kk
+    out = rows.to(tl.int64)[:, None] * OUT_K + kk
     mask = row_ok[:, None] & (kk < TOP_K)
     tl.store(w_ptr + out, wts, mask=mask)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
+    if SHARED:
+        slot = rows.to(tl.int64) * OUT_K + TOP_K
+        tl.store(ids_ptr + slot, tl.zeros_like(rows).to(tl.int64) + num_experts, mask=row_ok)
+        tl.store(w_ptr + slot, tl.zeros_like(rows).to(tl.float32) + 1.0, mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,7 +253,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
             if GROUPED:
                 bias = tl.load(bias_ptr + e, mask=e < num_experts, other=0.0)  # [1, E_PAD]
                 _route_grouped(x, bias, rows, rows_ok, num_experts, scaling, w_ptr, ids_ptr, TOP_K, RENORM, E_PAD,
-                               K_PAD, N_GROUP, TOPK_GROUP)
+                               K_PAD, N_GROUP, TOPK_GROUP, SHARED)
             else:
                 gate = tl.zeros([R_BLOCK], dtype=tl.float32)
                 if SHARED:
@@ -312,19 +318,20 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm
 
 def grouped_router_topk_triton(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor | None,
                                top_k: int, n_group: int, topk_group: int, routed_scaling_factor: float,
-                               renormalize: bool, config: dict[str, int] | None = None
+                               renormalize: bool, shared: bool = False, config: dict[str, int] | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.grouped_sigmoid_topk(F.linear(x.float(), weight.float()), ...) in one launch, for decode-sized
     batches: x [T, H] (any float dtype), weight [E, H] float32, correction_bias [E] float32 or None -> (weights
     [T, K] float32, ids [T, K] int64). The logits are float32 sums (up to the order of accumulation); equal scores
-    choose the lower group / expert id. n_group > 1 needs E a power of two (`grouped_router_fits`). Capturable,
-    one stream at a time, as router_topk_triton."""
+    choose the lower group / expert id. n_group > 1 needs E a power of two (`grouped_router_fits`). shared: one
+    more column [T, K + 1], a plain shared expert fused as expert E (id E, weight 1). Capturable, one stream at a
+    time, as router_topk_triton."""
     if not grouped_router_fits(weight.shape[0], n_group):
         raise ValueError(f"grouped router kernel: {weight.shape[0]} experts in {n_group} groups (a power of two "
                          "of experts, in groups of >= 2, is needed)")
     if weight.dtype != torch.float32 or (correction_bias is not None and correction_bias.dtype != torch.float32):
         raise ValueError("grouped router kernel: a float32 gate weight and correction bias are needed")
-    return _router(x, weight, top_k, renormalize, False, config, None,
+    return _router(x, weight, top_k, renormalize, shared, config, None,
                    (correction_bias, n_group, topk_group, routed_scaling_factor))[:2]
 
 
@@ -356,7 +363,7 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
     if weight.shape[1] != h or (weight.dtype != x.dtype and grouped is None):
         raise ValueError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} "
                          f"{x.dtype}")
-    num_experts = cols - 1 if shared_gate else cols
+    num_experts = cols - 1 if shared_gate and grouped is None else cols  # a gated shared expert: gate row E
     cfg = config or router_config(t, cols, h, num_experts)
     if triton.cdiv(t, cfg["T_BLOCK"]) > ROUTER_MAX_TOKEN_BLOCKS:  # prefill-sized: the GEMM path
         if grouped is not None:

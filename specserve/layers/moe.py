@@ -148,13 +148,15 @@ class SparseMoEBlock(nn.Module):
         self.ep = ep
         local = ep.split(num_experts, "routed experts")  # this rank's experts: expert_start .. + local
         self.expert_start = ep.rank * local
-        # A sigmoid-gated shared expert as wide as a routed one (Qwen3-Next, Qwen3.5-MoE) runs as one more expert,
-        # E, inside the grouped GEMM, its gate as router row E: one kernel chain instead of two GEMMs, an
-        # activation, a gate GEMM and three elementwise kernels beside the routed experts (one rank only).
-        self.fused_shared = (router == "softmax" and shared_expert_gated
-                             and shared_expert_intermediate_size == moe_intermediate_size and ep.size == 1)
+        # A shared expert as wide as a routed one runs as one more expert, E, inside the grouped GEMM: one kernel
+        # chain instead of two GEMMs, an activation and the add (and a gate GEMM and elementwise kernels) beside the
+        # routed experts (one rank only). Sigmoid-gated (Qwen3-Next, Qwen3.5-MoE): its gate is router row E and
+        # its weight sigmoid(gate); plain (DeepSeek-V3, GLM, beside the grouped router): weight 1.
+        self.fused_shared = (shared_expert_intermediate_size == moe_intermediate_size and ep.size == 1
+                             and shared_expert_gated == (router == "softmax"))
         extra = int(self.fused_shared)
-        self.gate = Linear(hidden_size, num_experts + extra)  # [E (+ 1), H] router (+ the shared expert's gate)
+        gate_row = int(self.fused_shared and shared_expert_gated)
+        self.gate = Linear(hidden_size, num_experts + gate_row)  # [E (+ 1), H] router (+ the shared expert's gate)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts)) if router == "grouped_sigmoid"
                                         else None)  # [E]; a Parameter so the loader's all-loaded check covers it
         self.experts = FusedMoE(local + extra, hidden_size, moe_intermediate_size)
@@ -166,12 +168,12 @@ class SparseMoEBlock(nn.Module):
                                              if not n.startswith(("experts.", "shared_expert.gate_up_proj."))}
         if self.shared_expert is not None:
             self.pending["shared_expert.gate_up_proj.weight"] = {"gate", "up"}
-        if self.fused_shared:
+        if gate_row:
             self.pending["gate.weight"] = {"router", "shared_gate"}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64); [T, K + 1] with the fused shared
-        expert (id E, weight sigmoid(its gate))."""
+        expert (id E, weight sigmoid(its gate), or 1 for a plain one)."""
         if self.router == "softmax":
             # On CUDA the gate (bias-free, a plain weight there) and the routing are one launch for decode-sized
             # batches (ops.router_softmax_topk, which falls back to the GEMM otherwise); on a CPU the gate's own
@@ -182,7 +184,7 @@ class SparseMoEBlock(nn.Module):
         # logits F.linear(x.float(), gate.weight.float()) as HF DeepSeek-V3; one launch on CUDA at decode sizes
         return ops.router_grouped_sigmoid_topk(x, self.gate.weight, self.e_score_correction_bias, self.top_k,
                                                self.n_group, self.topk_group, self.routed_scaling_factor,
-                                               self.renormalize)
+                                               self.renormalize, self.fused_shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._mix(x, *self.route(x))
@@ -226,12 +228,13 @@ class SparseMoEBlock(nn.Module):
         gate.e_score_correction_bias."""
         parts = rest.split(".")
         e = self.num_experts
-        if self.fused_shared:  # the shared expert is expert E, its gate router row E
-            if rest == "gate.weight":
+        if self.fused_shared:  # the shared expert is expert E (its gate, if any, router row E)
+            if self.shared_expert_gated and rest == "gate.weight":
                 return self._load_piece("gate.weight", "router", self.gate.weight[:e], tensor)
-            if rest == "shared_expert_gate.weight":
+            if self.shared_expert_gated and rest == "shared_expert_gate.weight":
                 return self._load_piece("gate.weight", "shared_gate", self.gate.weight[e:], tensor)
-            if parts[0] == "shared_expert" and len(parts) == 3 and parts[2] == "weight" and parts[1] in _EXPERT_PROJS:
+            if (parts[0] in ("shared_expert", "shared_experts") and len(parts) == 3 and parts[2] == "weight"
+                    and parts[1] in _EXPERT_PROJS):
                 self.experts.load_expert(e, parts[1], tensor)
                 return True
         if rest == "gate.weight":
