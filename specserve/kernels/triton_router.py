@@ -30,7 +30,6 @@ def _route_rows(x, gate, rows, row_ok, num_experts, w_ptr, ids_ptr, TOP_K: tl.co
     """Route R tokens at once: x [R, E_PAD] float32 logits (lanes >= num_experts are ignored), gate [R] float32 the
     shared expert's gate logits (read only with SHARED); writes output rows `rows` [R] (where row_ok) of w_ptr
     (float32) and ids_ptr (int64), each TOP_K + SHARED wide."""
-    OUT_K: tl.constexpr = TOP_K + SHARED  # output row width
     R: tl.constexpr = x.shape[0]
     e = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     ok = e < num_experts
@@ -56,6 +55,17 @@ def _route_rows(x, gate, rows, row_ok, num_experts, w_ptr, ids_ptr, TOP_K: tl.co
         key = tl.where(e == idx[:, None], -1, key)
     if RENORM:
         wts = wts / total[:, None]
+    _store_routes(w_ptr, ids_ptr, rows, row_ok, wts, ids, kk, 1.0 / (1.0 + tl.exp(-gate)), num_experts, TOP_K,
+                  SHARED)
+
+
+@triton.jit
+def _store_routes(w_ptr, ids_ptr, rows, row_ok, wts, ids, kk, shared_w, num_experts, TOP_K: tl.constexpr,
+                  SHARED: tl.constexpr):
+    """Writes R tokens' routes: wts / ids [R, K_PAD] (lanes kk >= TOP_K unused) at output rows `rows` of w_ptr /
+    ids_ptr, TOP_K + SHARED wide; with SHARED the last column is the fused shared expert (id E = num_experts,
+    weight shared_w [R])."""
+    OUT_K: tl.constexpr = TOP_K + SHARED
     out = rows.to(tl.int64)[:, None] * OUT_K + kk
     mask = row_ok[:, None] & (kk < TOP_K)
     tl.store(w_ptr + out, wts, mask=mask)
@@ -63,7 +73,7 @@ def _route_rows(x, gate, rows, row_ok, num_experts, w_ptr, ids_ptr, TOP_K: tl.co
     if SHARED:
         slot = rows.to(tl.int64) * OUT_K + TOP_K
         tl.store(ids_ptr + slot, tl.zeros_like(rows).to(tl.int64) + num_experts, mask=row_ok)
-        tl.store(w_ptr + slot, 1.0 / (1.0 + tl.exp(-gate)), mask=row_ok)
+        tl.store(w_ptr + slot, shared_w, mask=row_ok)
 
 
 @triton.jit
@@ -107,7 +117,6 @@ def _route_grouped(x, bias, rows, row_ok, num_experts, scaling, w_ptr, ids_ptr, 
     (renormalised when RENORM, times `scaling`); ids by descending choice score. Equal scores: the lower group / the
     lower expert id first. With N_GROUP > 1, E == E_PAD (groups are runs of E_PAD / N_GROUP lanes). SHARED: output
     rows TOP_K + 1 wide, the last a plain shared expert fused as expert E (weight 1)."""
-    OUT_K: tl.constexpr = TOP_K + SHARED  # output row width
     R: tl.constexpr = x.shape[0]
     e = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     ok = e < num_experts
@@ -142,15 +151,8 @@ def _route_grouped(x, bias, rows, row_ok, num_experts, scaling, w_ptr, ids_ptr, 
     wts = tl.sum(tl.where(pick, scores[:, None, :], 0.0), 2)  # [R, K_PAD] the unbiased scores of the chosen
     if RENORM:
         wts = wts / (tl.sum(wts, 1)[:, None] + 1e-20)  # HF's epsilon
-    wts = wts * scaling
-    out = rows.to(tl.int64)[:, None] * OUT_K + kk
-    mask = row_ok[:, None] & (kk < TOP_K)
-    tl.store(w_ptr + out, wts, mask=mask)
-    tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
-    if SHARED:
-        slot = rows.to(tl.int64) * OUT_K + TOP_K
-        tl.store(ids_ptr + slot, tl.zeros_like(rows).to(tl.int64) + num_experts, mask=row_ok)
-        tl.store(w_ptr + slot, tl.zeros_like(rows).to(tl.float32) + 1.0, mask=row_ok)
+    _store_routes(w_ptr, ids_ptr, rows, row_ok, wts * scaling, ids, kk, tl.zeros_like(rows).to(tl.float32) + 1.0,
+                  num_experts, TOP_K, SHARED)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,7 +178,8 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
                              R_BLOCK: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr,
                              K_PAD: tl.constexpr, SHARED: tl.constexpr, ROUND_BF16: tl.constexpr,
                              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
-                             GROUPED: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr):
+                             GROUPED: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                             HAS_BIAS: tl.constexpr):
     """Grid (cdiv(num_cols, BLOCK_E), cdiv(num_tokens, T_BLOCK)): program (i, b) computes the logit columns
     i*BLOCK_E .. + BLOCK_E (rows of the weight wt [num_cols, H]) of tokens b*T_BLOCK .. + T_BLOCK into scratch
     [num_tokens, num_cols] float32. The last program of token block b to finish (counter b) routes its tokens from
@@ -251,7 +254,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
             row = scratch_ptr + rows.to(tl.int64) * num_cols  # [R_BLOCK]
             x = tl.load(row[:, None] + e, mask=rows_ok[:, None] & (e < num_experts), other=0.0, cache_modifier=".cg")
             if GROUPED:
-                bias = tl.load(bias_ptr + e, mask=e < num_experts, other=0.0)  # [1, E_PAD]
+                bias = tl.load(bias_ptr + e, mask=(e < num_experts) & HAS_BIAS, other=0.0)  # [1, E_PAD]
                 _route_grouped(x, bias, rows, rows_ok, num_experts, scaling, w_ptr, ids_ptr, TOP_K, RENORM, E_PAD,
                                K_PAD, N_GROUP, TOPK_GROUP, SHARED)
             else:
@@ -392,8 +395,6 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
     scratch = torch.empty((t, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, cfg["BLOCK_E"]), triton.cdiv(t, cfg["T_BLOCK"]))
     bias, n_group, topk_group, scaling = grouped or (None, 1, 1, 1.0)
-    if grouped is not None and bias is None:
-        bias = torch.zeros(num_experts, dtype=torch.float32, device=x.device)
     _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids,
                                    x if residual is None else residual, x if norm_w is None else norm_w.contiguous(),
                                    x if xn is None else xn, x if hh is None else hh,
@@ -403,5 +404,6 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
                                    K_PAD=triton.next_power_of_2(top_k), SHARED=shared_gate,
                                    ROUND_BF16=x.dtype == torch.bfloat16, NORM=norm is not None,
                                    HAS_RESIDUAL=residual is not None, W_OFFSET=float(offset),
-                                   GROUPED=grouped is not None, N_GROUP=n_group, TOPK_GROUP=topk_group, **cfg)
+                                   GROUPED=grouped is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
+                                   HAS_BIAS=bias is not None, **cfg)
     return w, ids, xn, hh
