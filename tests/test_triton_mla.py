@@ -169,6 +169,14 @@ def test_split_count_from_shapes():
     assert num_key_splits(512, 32768, 32, 264) == 1  # the batch fills the GPU by itself
 
 
+def test_64_head_programs_aim_for_half_the_programs():
+    """64-head programs run one to an SM: their key splits aim for half the programs of smaller head blocks."""
+    from specserve.kernels.triton_mla import split_target
+
+    cpu = torch.device("cpu")
+    assert split_target(cpu, 64) * 2 == split_target(cpu, 32) == split_target(cpu, 16) > 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sparse", [False, True])

@@ -32,8 +32,8 @@ accumulator with its running max and sum to a workspace, and a second kernel (`_
 per (query token, head, block of latent dims), all splits at once) merges the splits by the usual rescaling:
 m = max_s m_s, l = sum_s l_s 2^(m_s - m), o = sum_s acc_s 2^(m_s - m) / l. A split past its query's length keeps
 m = -1e30, l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: enough programs for about two per
-SM, at most one split per 4 key blocks of max_kv (per key block up to 2048 keys); one split (no workspace, no
-second kernel) once the batch alone fills the GPU.
+SM (one per SM for 64-head programs, which run one to an SM), at most one split per 4 key blocks of max_kv (per
+key block up to 2048 keys); one split (no workspace, no second kernel) once the batch alone fills the GPU.
 
 Block sizes (defaults; each is a launch option, swept on the H200 in BENCHMARKS.md §12.2 and §25):
 BLOCK_H from `default_block_h` (64 heads a program for 16-bit q once the launch has enough query rows, fewer heads
@@ -193,6 +193,13 @@ def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) ->
     return max(1, min(most, triton.cdiv(target, num_programs)))
 
 
+def split_target(device: torch.device, block_h: int) -> int:
+    """Programs a launch's key splits aim for: about two per SM, one per SM for 64-head programs (a [64, C] float32
+    accumulator each: one program to an SM; at 2048 chosen rows 1.3-1.6x faster than two, BENCHMARKS §29.1). Under
+    the interpreter 8 (4 for 64 heads): a few splits, so CPU tests run the split path too."""
+    return target_programs(device, cpu=8) // (2 if block_h >= 64 else 1)
+
+
 def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tensor, seq_lens: torch.Tensor,
                       width: int, scale: float, kv_lora_rank: int, selection: torch.Tensor | None = None, *,
                       block_h: int | None = None, block_n: int | None = None, num_splits: int | None = None,
@@ -237,8 +244,7 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch oracle
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
-        # under the interpreter: a few splits, so CPU tests run the split path too
-        num_splits = num_key_splits(num_tokens * head_blocks, max_kv, block_n, target_programs(q.device, cpu=8))
+        num_splits = num_key_splits(num_tokens * head_blocks, max_kv, block_n, split_target(q.device, block_h))
     if num_splits > 1:
         ws_acc = torch.empty((num_tokens, num_splits, num_heads, c), dtype=torch.float32, device=q.device)
         ws_ml = torch.empty((num_tokens, num_splits, 2, num_heads), dtype=torch.float32, device=q.device)
