@@ -167,6 +167,8 @@ def test_split_count_from_shapes():
     assert num_key_splits(4, 4096, 32, 264) == 32  # longer: capped at one split per 4 key blocks
     assert num_key_splits(4, 64, 64, 264) == 1
     assert num_key_splits(512, 32768, 32, 264) == 1  # the batch fills the GPU by itself
+    assert num_key_splits(32, 2048, 64, 132) == 4  # within the target: 128 programs, not 160
+    assert num_key_splits(64, 2048, 64, 132) == 2
 
 
 def test_64_head_programs_aim_for_half_the_programs():

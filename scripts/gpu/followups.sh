@@ -304,7 +304,7 @@ case "${1:-}" in
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
     ;;
   twentyfifth)  # 64-head MLA programs aim for one per SM (§29.1): GPU tests, DSA vs dense at batch 1-64, GLM-5 phases
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py "tests/test_gpu_mla.py::test_triton_mla_backend_equals_reference_gpu" \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py "tests/test_gpu_mla.py::test_triton_mla_backend_equals_reference_gpu" \
       2>&1 | grep -v -i warn | tail -2
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 200 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8,32 --iters 10 --idle-steps 0 \
