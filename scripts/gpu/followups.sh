@@ -58,6 +58,9 @@
 #             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes, the sparse
 #             MLA's options), `twentyfourth-b` (the one-launch routers: GPU tests, GLM-5 and 30B phases), then
 #             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
+#   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
+#             keep` + `sweep 1024,4096`, then `smollm2_round.sh qspec` (issue 17), the Qwen3-Next MoE sweep
+#             (`twentythird`'s second half), `profile_kernels.py --parts dsa-layouts` (fp8 index keys, §29.4).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -298,7 +301,7 @@ case "${1:-}" in
     ;;
   twentyfourth)  # the top-k's histogram passes over 256 bins (§28.6): their GPU tests, the DSA step against dense
     # MLA at batch 1-64, and the DSA step's kernels at batch 32
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_topk.py tests/test_triton_indexer.py \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_topk.py tests/test_triton_indexer.py \
       tests/test_triton_router.py 2>&1 | grep -v -i warn | tail -2
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
