@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py does the same)
 pytest.importorskip("triton")
 
+from specserve.kernels.reference import quantise_rows_fp8  # noqa: E402
 from specserve.kernels.triton_indexer import index_scores_triton  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -50,10 +51,6 @@ def reference(q, weights, rows, scales, kv_slots, seq_lens, width):
     return scores.masked_fill(~allowed, float("-inf"))
 
 
-def _quantise(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [S, D] float -> (fp8 rows [S, D], float32 scales [S]), the way TorchIndexBackend.select stores them."""
-    scale = keys.float().abs().amax(dim=-1).clamp_min(1e-12) / torch.finfo(FP8).max
-    return (keys.float() / scale[:, None]).to(FP8), scale
 
 
 def _batch(seq_lens: list[int], width: int, heads: int, dim: int, q_dtype: torch.dtype, cache: str,
@@ -68,7 +65,7 @@ def _batch(seq_lens: list[int], width: int, heads: int, dim: int, q_dtype: torch
     keys = torch.randn((NUM_SLOTS + POISON, dim + 5), generator=g)
     if cache == "fp8":
         stored = torch.zeros((NUM_SLOTS + POISON, dim + 5), dtype=FP8)
-        stored[:, :dim], scale = _quantise(keys[:, :dim])
+        stored[:, :dim], scale = quantise_rows_fp8(keys[:, :dim])
         stored[NUM_SLOTS:] = float("nan")
         scale[NUM_SLOTS:] = float("nan")
         rows, scales = stored.to(DEV)[:, :dim], scale.to(DEV)  # [S, D] fp8, row stride D + 5; [S] float32
@@ -110,6 +107,25 @@ def test_index_scores_match_reference(q_dtype, cache, width, heads, dim):
     got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width)
     _check(got, reference(q, weights, rows, scales, kv_slots, lens, width), q_dtype == torch.float32)
     assert torch.equal(index_scores_triton(q, weights, rows, scales, kv_slots, lens, width), got)  # deterministic
+
+
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("heads", [2, 32])
+def test_q_fp8_scores_match_the_reference_over_rounded_queries(width, heads):
+    """q_fp8 (fp8 caches): each head's q row rounded to e4m3 with its own scale in the kernel equals the reference
+    over q rounded the same way in torch (quantise_rows_fp8); differs from the unrounded q's scores."""
+    g = torch.Generator().manual_seed(8000 + width * 100 + heads)
+    seq_lens = [MAX_KV, width, 64, 65, width] if width == 1 else [width, 66, MAX_KV, 9, 130]
+    q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, width, heads, 128, torch.bfloat16, "fp8", g)
+    got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, q_fp8=True)
+    q8, q_scale = quantise_rows_fp8(q)  # [T, Hi, D], [T, Hi]
+    rounded = q8.float() * q_scale[..., None]
+    want = reference(rounded, weights, rows, scales, kv_slots, lens, width)
+    _check(got, want, True)
+    seen = ~torch.isneginf(want)
+    assert not torch.allclose(got[seen], reference(q, weights, rows, scales, kv_slots, lens, width)[seen], atol=1e-3)
+    with pytest.raises(AssertionError, match="fp8 cache"):
+        index_scores_triton(q, weights, rows.float().to(torch.bfloat16), None, kv_slots, lens, width, q_fp8=True)
 
 
 def test_head_blocks_small_key_blocks_and_out_buffer():

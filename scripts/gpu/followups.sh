@@ -60,7 +60,7 @@
 #             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
 #             keep` + `sweep 1024,4096`, then `smollm2_round.sh qspec` (issue 17), the Qwen3-Next MoE sweep
-#             (`twentythird`'s second half), `profile_kernels.py --parts dsa-layouts` (fp8 index keys, §29.4).
+#             (`twentythird`'s second half), `twentysixth` (fp8 index keys with q rounded to fp8, §29.5).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -305,6 +305,10 @@ case "${1:-}" in
       tests/test_triton_router.py 2>&1 | grep -v -i warn | tail -2
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
+    ;;
+  twentysixth)  # the indexer scores with q rounded to fp8 (q_fp8) against bf16 and converted fp8 keys (§29.5)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py 2>&1 | grep -v -i warn | tail -2
+    timeout 240 python3 scripts/gpu/profile_kernels.py --parts scores-fp8 2>&1 | grep -v -i warn | tail -12
     ;;
   twentyfifth)  # 64-head MLA programs aim for one per SM (§29.1): GPU tests, DSA vs dense at batch 1-64, GLM-5 phases
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_triton_mla.py "tests/test_gpu_mla.py::test_triton_mla_backend_equals_reference_gpu" \

@@ -8,7 +8,8 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
 in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots;
 `dsa-layouts` random / 64-token pages shuffled / contiguous slots, each with bf16 and fp8 index keys;
 `scores-options` the scores kernel's launch options; `dsa-first-pass` the top-k's first pass fused or not;
-`sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64.
+`sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64. `scores-fp8` the scores kernel alone over
+bf16 keys, fp8 keys, and fp8 keys with q rounded to fp8 in the kernel (q_fp8), batch 1-64.
 """
 
 from __future__ import annotations
@@ -257,6 +258,27 @@ def scores_options(iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def scores_fp8(iters: int) -> None:
+    """The indexer's scores kernel alone (no first pass) over 32k keys a request: bf16 keys, fp8 keys converted to
+    q's dtype (the default fp8 path), fp8 keys with q rounded to fp8 in the kernel (q_fp8: an fp8 x fp8 dot), at
+    128- and 64-key tiles; q_fp8's scores checked against the converted path's at the scores' scale."""
+    print("\n=== indexer scores alone, 32k keys a request, replay us ===")
+    print("    bs | tile | bf16 keys | fp8 keys | fp8, q_fp8 | bf16 / q_fp8")
+    for bs in (1, 8, 32, 64):
+        x16, x8 = DsaLayer.build(bs, 32768), DsaLayer.build(bs, 32768, fp8=True)
+        ref = index_scores_triton(x8.q, x8.wts, x8.rows, x8.scales, x8.kv_slots, x8.lens, 1)
+        got = index_scores_triton(x8.q, x8.wts, x8.rows, x8.scales, x8.kv_slots, x8.lens, 1, q_fp8=True)
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        for bn in (128, 64):
+            us = [graph_us(functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens, 1,
+                                             block_n=bn, q_fp8=q8), iters)
+                  for x, q8 in ((x16, False), (x8, False), (x8, True))]
+            print(f"  {bs:4d} | {bn:4d} | {us[0]:9.1f} | {us[1]:8.1f} | {us[2]:10.1f} | {us[0] / us[2]:6.2f}x"
+                  f"   (q_fp8 max error {err:.1e} of the scores' scale)")
+        del x16, x8, ref, got
+        torch.cuda.empty_cache()
+
+
 def sparse_mla_sweep(iters: int) -> None:
     """The sparse MLA over each query's 2048 chosen rows (the DSA step's last kernel and its split combine), launch
     options swept at batch 8 / 32 / 64: key splits x warps x stages x keys a step; outputs checked against the
@@ -292,7 +314,7 @@ def main() -> None:
     a = p.parse_args()
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
              "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
-             "sparse-mla": sparse_mla_sweep,
+             "sparse-mla": sparse_mla_sweep, "scores-fp8": scores_fp8,
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}

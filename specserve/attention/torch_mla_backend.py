@@ -21,6 +21,7 @@ from specserve.attention.eager_blocks import MAX_SCORES, query_blocks
 from specserve.attention.mla_prefill import MAX_KV_VALUES, MHAPrefillMeta, mha_prefill_attention, prefill_is_mha
 from specserve.attention.torch_backend import TorchAttentionBackend, _ExtendMeta, _FixedMeta
 from specserve.batch import CacheKind, ForwardBatch, ForwardMode
+from specserve.kernels.reference import quantise_rows_fp8
 
 
 class TorchMLABackend(TorchAttentionBackend):
@@ -155,8 +156,9 @@ class TorchIndexBackend(TorchAttentionBackend):
         if pool.scales is None:
             rows[fb.out_cache_loc] = iq.k.to(rows.dtype)
         else:  # fp8 with a float32 scale per token: the row's max maps to the format's largest finite value
-            scale = iq.k.float().abs().amax(dim=-1).clamp_min(1e-12) / torch.finfo(rows.dtype).max  # [T]
-            rows[fb.out_cache_loc] = (iq.k.float() / scale[:, None]).to(rows.dtype)
+            assert rows.dtype == torch.float8_e4m3fn
+            k8, scale = quantise_rows_fp8(iq.k)  # [T, Di], [T]
+            rows[fb.out_cache_loc] = k8
             pool.scales[layer][fb.out_cache_loc] = scale
 
     def _keys(self, slots: torch.Tensor, layer: int) -> torch.Tensor:

@@ -255,3 +255,13 @@ def grouped_sigmoid_topk(logits: torch.Tensor, top_k: int, correction_bias: torc
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # HF's epsilon, kept for parity
     return weights * routed_scaling_factor, ids
+
+
+def quantise_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (e4m3 rows [..., D], float32 scales [...]): each row's largest magnitude maps to e4m3's largest
+    finite value, 448 (the DSA index-key cache's fp8 format; the indexer scores' q_fp8 option rounds q's head rows
+    the same way in its kernel)."""
+    fp8 = torch.float8_e4m3fn
+    top = torch.finfo(fp8).max
+    scale = x.float().abs().amax(dim=-1).clamp_min(1e-12) / top  # [...]
+    return (x.float() / scale[..., None]).clamp(-top, top).to(fp8), scale

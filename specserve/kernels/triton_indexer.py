@@ -50,6 +50,21 @@ from specserve.kernels.triton_topk import add_first_pass_counts, first_pass_coun
 
 
 @triton.jit
+def _to_e4m3(y, EXACT_FIRST: tl.constexpr):
+    """float32 y (|y| <= 448) -> e4m3, rounded to nearest even. EXACT_FIRST (under the interpreter, whose
+    float32 -> fp8 conversion rounds up across a power of two wrongly: 125.6 -> 64, triton 3.9) rounds in float32
+    arithmetic first: the step of y's binade, 2^(max(e, -6) - 3) for y = m 2^e, and 2^23 added and taken off to round
+    y / step, so that the conversion only meets values it holds exactly."""
+    if EXACT_FIRST:
+        e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # y's binade (y = 0: -127)
+        step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(max(e, -6) - 3)
+        t = tl.abs(y) / step  # < 16: exact (a power-of-two divisor)
+        r = (t + 8388608.0) - 8388608.0  # rounded to nearest even by float32 addition
+        y = tl.where(y < 0, -r, r) * step
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, out_ptr,
                          hist_ptr, num_heads, head_dim, max_kv, k_sel,
                          stride_qt, stride_qh, stride_wt, stride_wh, stride_rs, stride_sc, stride_kvb, stride_kvn,
@@ -57,7 +72,7 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          STEPS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr,
                          F32_DOT: tl.constexpr, PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
-                         NUM_STAGES: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, Q_FP8: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # run of STEPS key blocks
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
@@ -82,7 +97,9 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
             slot = tl.load(kv_slots_ptr + kv_row * stride_kvb + n * stride_kvn, mask=key_ok,
                            other=0).to(tl.int64)  # [BLOCK_N]
             k = tl.load(rows_ptr + slot[:, None] * stride_rs + d[None, :], mask=key_ok[:, None] & d_ok[None, :],
-                        other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; fp8 -> q's dtype is exact
+                        other=0.0)  # [BLOCK_N, BLOCK_D]
+            if not Q_FP8:
+                k = k.to(q_ptr.dtype.element_ty)  # fp8 -> q's dtype is exact
             k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
             if HAS_SCALES:
                 k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
@@ -92,7 +109,13 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                 h_ok = h < num_heads
                 qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                              other=0.0)  # [BLOCK_H, BLOCK_D]
-                s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+                if Q_FP8:  # each head's q row to e4m3 with its own scale (amax / 448): an fp8 x fp8 dot
+                    qf = qh.to(tl.float32)
+                    q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-12) / 448.0  # [BLOCK_H]
+                    q8 = _to_e4m3(tl.clamp(qf / q_scale[:, None], -448.0, 448.0), F32_DOT)  # [BLOCK_H, BLOCK_D]
+                    s = dot(q8, k_t, F32_DOT, PRECISION) * q_scale[:, None]  # [BLOCK_H, BLOCK_N] float32
+                else:
+                    s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
                 if HAS_SCALES:
                     s = s * k_scale[None, :]
                 wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
@@ -132,7 +155,8 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
                         kv_slots: torch.Tensor, seq_lens: torch.Tensor, width: int, *, block_n: int | None = None,
                         block_h: int | None = None, out: torch.Tensor | None = None,
                         kv_rows: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                        k: int = 0, steps: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                        k: int = 0, steps: int | None = None, num_warps: int | None = None,
+                        q_fp8: bool = False) -> torch.Tensor:
     """DSA indexer scores of a fixed-width batch.
 
     q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
@@ -145,7 +169,11 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     keys are kv_slots[kv_rows[b]] (token rows of a prefill, as kernels/triton_mla.py mla_decode_triton).
     hist: kernels/triton_topk.py topk_workspace(bs * width): the top-k's first histogram pass (for its k) is done
     here, as the scores are written; then pass it to index_topk_triton with the same k. steps: key blocks a program
-    walks (default `key_steps`: more once the grid has programs to spare); num_warps: default 4, 8 for large q tiles."""
+    walks (default `key_steps`: more once the grid has programs to spare); num_warps: default 4, 8 for large q tiles.
+    q_fp8 (fp8 caches only): each head's q row rounded to e4m3 with its own scale (amax / 448) in the kernel and the
+    dot run in fp8, the key tile never converted (reference: `quantise_rows_fp8` on q, then these scores); a launch
+    option to measure against the default (the fp8 cache converted to q's dtype ran slower than bf16 keys,
+    BENCHMARKS §28.3), not what the DSA backend runs."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
@@ -159,6 +187,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         assert rows.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
         assert scales.shape == (rows.shape[0],)
     assert q.stride(-1) == 1 and rows.stride(-1) == 1
+    assert not q_fp8 or scales is not None, "q_fp8 needs an fp8 cache"
     if out is None:
         out = torch.empty((bs, width, max_kv), dtype=torch.float32, device=q.device)
     assert out.shape == (bs, width, max_kv) and out.dtype == torch.float32 and out.stride(-1) == 1
@@ -185,7 +214,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         0 if hist is None else hist.stride(0),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, STEPS=steps, HAS_SCALES=scales is not None,
         HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, HIST=hist is not None, PDL=pdl,
-        num_warps=num_warps or (4 if block_h * block_d <= 4096 else 8), NUM_STAGES=2 if steps > 1 else 1,
+        num_warps=num_warps or (4 if block_h * block_d <= 4096 else 8), NUM_STAGES=2 if steps > 1 else 1, Q_FP8=q_fp8,
         **pdl_kwargs(bool(pdl)),
     )
     return out

@@ -185,9 +185,9 @@ SHORT_KV = 2048  # up to this many keys (a DSA top-k's chosen rows) a split may 
 def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) -> int:
     """Key splits for a launch of `num_programs` (query token, head block) programs: as many as keep the launch
     within `target` programs (never a partly filled extra wave: 5 splits at batch 32, 160 one-to-an-SM programs,
-    ran as slow as 8, BENCHMARKS §29.1), at most one per 4 key blocks of max_kv (one per key block up to SHORT_KV keys: the
-    sparse MLA over 2048 chosen rows at batch 1 ran fastest at 64 splits of one block, BENCHMARKS §27), at least 1.
-    Shapes only."""
+    ran as slow as 8, BENCHMARKS §29.1), at most one per 4 key blocks of max_kv (one per key block up to SHORT_KV
+    keys: the sparse MLA over 2048 chosen rows at batch 1 ran fastest at 64 splits of one block, BENCHMARKS §27), at
+    least 1. Shapes only."""
     if num_programs >= target:
         return 1
     most = max(1, triton.cdiv(max_kv, (1 if max_kv <= SHORT_KV else 4) * block_n))
