@@ -123,14 +123,15 @@ class ForcedSteps:
     speculative (False) steps in the given repeating pattern; `recorded` keeps what the scheduler reported."""
 
     def __init__(self, pattern: list[bool]):
-        self.pattern, self.i, self.recorded, self.caught = pattern, 0, [], []
+        self.pattern, self.i, self.recorded, self.caught, self.steady = pattern, 0, [], [], []
 
     def choose_plain(self, bs: int) -> bool:
         self.i += 1
         return self.pattern[(self.i - 1) % len(self.pattern)]
 
     def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float,
-               catch_up: tuple[float, int, int] | None = None) -> None:
+               catch_up: tuple[float, int, int] | None = None, steady: bool = True) -> None:
         self.recorded.append((bs, plain, tokens_per_request))
         self.caught.append(catch_up)
+        self.steady.append(steady)
 

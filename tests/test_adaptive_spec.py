@@ -19,6 +19,7 @@ from test_runners import _requests
 from test_spec_greedy import _prompts
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation, bucket
+from specserve.engine.scheduler import Scheduler
 from specserve.graphs.padding import LiveInputs
 from specserve.layers.sampler import GREEDY
 from specserve.speculative.draft_lag import DraftLag
@@ -51,7 +52,7 @@ def test_bucket():
 
 
 def test_policy_measures_both_picks_the_faster_and_probes():
-    a = AdaptiveSpeculation(probe_every=4)
+    a = AdaptiveSpeculation(probe_every=4, probe_len=1)
     assert not a.choose_plain(3)  # nothing measured: speculate first
     a.record(3, False, 0.010, 2.0)  # 2 tokens per request in 10 ms: 200 tokens/s
     assert a.choose_plain(3)  # then one plain step
@@ -258,17 +259,58 @@ def test_lagging_rows_under_retraction(models, plain_ref, key):
 
 
 def test_the_catch_up_is_charged_to_the_plain_steps():
-    """A catch-up's cost is spread over the plain steps that left the lag (seconds x rows / positions) and added to
-    their estimate, not to the speculative step that ran it: here it turns plain from faster to slower."""
+    """A catch-up's cost is spread over the plain steps of a probe period taken plain (probe_every - probe_len) and
+    added to their estimate, not to the speculative step that ran it: here it turns plain from faster to slower."""
     a = AdaptiveSpeculation()
     a.record(1, False, 0.010, 2.2)  # 220 tokens/s speculating
     a.record(1, True, 0.0044, 1.0)  # 227 tokens/s plain
     assert a.plain_is_faster(1) is True
-    a.record(1, False, 0.010, 2.2, catch_up=(0.0124, 1, 31))  # 31 positions of one row: 0.4 ms a plain step
-    assert a.catch_up_s[1] == pytest.approx(0.0004)
+    a.record(1, False, 0.010, 2.2, catch_up=(0.0124, 1, 31))  # 12.4 ms / 28 plain steps: 0.443 ms a plain step
+    assert a.catch_up_s[1] == pytest.approx(0.0124)
     assert a.spec_s[1] == pytest.approx(0.010)  # the speculative step's own time only
-    assert a.plain_is_faster(1) is False  # 1 / 4.8 ms = 208 tokens/s
-    assert a.summary()["buckets"][1]["catch_up_ms_per_plain_step"] == pytest.approx(0.4)
+    assert a.plain_is_faster(1) is False  # 1 / 4.84 ms = 206 tokens/s
+    b = a.summary()["buckets"][1]
+    assert b["catch_up_ms"] == pytest.approx(12.4) and b["catch_up_ms_per_plain_step"] == pytest.approx(12.4 / 28)
+
+
+def test_probes_are_runs_and_only_steady_steps_are_timed():
+    """A probe takes probe_len steps of the other mode, and a step that followed a step of the other kind (a switch:
+    under the overlap schedule a drain and a synchronous step) is not averaged: an isolated plain step between
+    overlapped speculative steps would make plain look slower than it is."""
+    a = AdaptiveSpeculation(probe_every=8, probe_len=3)
+    a.record(1, False, 0.0100, 2.0, steady=False)  # the first step of all: no time yet
+    assert 1 not in a.spec_s and a.tokens_per_spec == 2.0 and not a.choose_plain(1)
+    a.record(1, False, 0.0100, 2.0)  # 200 tokens/s speculating
+    assert a.choose_plain(1)
+    a.record(1, True, 0.0070, 1.0, steady=False)  # the switch: 143 tokens/s, not counted
+    assert 1 not in a.plain_s and a.choose_plain(1)  # plain again until a steady plain step is timed
+    a.record(1, True, 0.0045, 1.0)  # 222 tokens/s: plain is faster
+    assert a.plain_s[1] == pytest.approx(0.0045) and a.plain_is_faster(1) is True
+    assert [a.choose_plain(1) for _ in range(16)] == ([True] * 5 + [False] * 3) * 2
+    a.record(1, False, 0.0200, 2.0, steady=False)  # a slow switch back to speculation changes nothing
+    assert a.spec_s[1] == pytest.approx(0.0100) and a.num_spec == 3
+
+
+def test_the_scheduler_marks_switches_unsteady(models):
+    """Which steps the scheduler hands over as steady, synchronous and overlapped: never the first step after a
+    switch of kind; under the overlap schedule also not the synchronous step a switch takes nor the first one
+    launched after it."""
+    prompts = _prompts()
+    for overlap in (False, True):
+        sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)
+        if overlap:
+            sched = Scheduler(sched.mr, sched.stop, 0, overlap=True)
+        sched.adaptive = forced = ForcedSteps([True] * 4 + [False] * 4)
+        run_greedy(sched, prompts, NEW)
+        kinds = [plain for _, plain, _ in forced.recorded]
+        steady = forced.steady
+        assert any(s and k for s, k in zip(steady, kinds)) and any(s and not k for s, k in zip(steady, kinds))
+        assert not steady[0] and all(not steady[i] for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1])
+        if overlap:
+            assert sched.stats.num_overlapped_steps > 0
+            assert all(not steady[i] for i in range(1, len(kinds)) if kinds[i - 1] != kinds[max(i - 2, 0)])
+        else:
+            assert all(steady[i] for i in range(1, len(kinds)) if kinds[i] == kinds[i - 1])
 
 
 def test_the_scheduler_times_catch_ups_apart(models):

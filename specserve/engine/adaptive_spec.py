@@ -4,22 +4,28 @@ batch size.
 
 Estimates, per batch-size bucket (the batch size rounded up to a power of two):
 - the wall time of a speculative step and of a plain step (exponential moving averages of what the scheduler
-  measures around each step, host sync included: the real cost, graphs or not);
+  measures around each step, host sync included: the real cost, graphs or not), from steady steps only: steps that
+  followed a decode step of their own kind. The first steps after a switch pay for it (a drain of the overlap
+  schedule, whose switches run synchronously with the host work in plain sight; the draft's catch-up): under the
+  overlap schedule an isolated plain probe between overlapped speculative steps measured slower than a plain step
+  of a run, and the policy kept speculating below plain's throughput (BENCHMARKS §30.2). So a probe is a run of
+  `probe_len` steps of the other mode, and its transition steps count for nothing but acceptance;
 - tokens per speculative step per request (accepted drafts + 1), one moving average over all buckets (acceptance
   depends on the text, not the batch size) in which every request of a step counts as one sample: at batch 1 one
   step's accept length (1 to N + 1) is a noisy sample, and a fast average of it let a few short steps hold a
-  policy near break-even on plain steps for whole probe intervals.
+  policy near break-even on plain steps for whole probe intervals;
+- the draft's catch-up after plain steps (speculative/draft_lag.py), per catch-up: a plain step runs no draft, and
+  the draft extends over the positions it missed before the next speculative step, in one forward whose cost
+  hardly depends on how many positions it covers. Either mode pays one catch-up a probe period (speculating: after
+  its plain probe; plain: before its speculative probe); what plain decoding adds is that cost spread over the plain
+  steps of a period, `probe_every - probe_len` of them. (Spread over the plain steps that left it, as before, a
+  probe of 4 plain steps would carry a quarter of a catch-up each.)
 
-- the draft's catch-up after plain steps (speculative/draft_lag.py), per plain step: a plain step runs no draft,
-  and the draft extends over the positions it missed before the next speculative step. That cost belongs to the
-  plain steps that left it, not to the speculative step that pays it (which would make every probe of speculation
-  after a run of plain steps look slower than speculation is): the scheduler passes it apart, and it is spread over
-  the plain steps it covers (seconds x rows / positions).
-
-A plain step is taken when 1 / (t_plain + t_catch_up) > tokens_per_spec_step / t_spec. A bucket measures
-speculation first, then one plain step; after that every `probe_every`-th step there takes the mode not chosen, so
-both estimates follow load, contexts and acceptance as they change. Greedy outputs do not depend on the choice
-(both modes are lossless); sampled outputs are samples of the same distribution.
+A plain step is taken when 1 / (t_plain + t_catch_up / (probe_every - probe_len)) > tokens_per_spec_step / t_spec.
+A bucket measures speculation first, then plain steps until one of them is steady; after that, the last
+`probe_len` steps of every `probe_every` there take the mode not chosen, so both estimates follow load, contexts and
+acceptance as they change. Greedy outputs do not depend on the choice (both modes are lossless); sampled outputs are
+samples of the same distribution.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ def bucket(bs: int) -> int:
 
 @dataclass
 class AdaptiveSpeculation:
-    probe_every: int = 32  # every this many steps in a bucket, one step of the mode not chosen
+    probe_every: int = 32  # every this many steps in a bucket, a probe of the mode not chosen
+    probe_len: int = 4  # steps a probe takes (under the overlap schedule the first two are transitions)
     alpha: float = 0.2  # weight of a new step time in the moving averages
     token_alpha: float = 0.02  # weight of one request's tokens of one step in the accept average
     spec_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per speculative step
     plain_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per plain step
-    catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> the draft's catch-up per plain step
+    catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per catch-up of the draft
     tokens_per_spec: float | None = None  # accepted drafts + 1 per request per speculative step
     steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps decided there
     num_plain: int = 0
@@ -50,7 +57,11 @@ class AdaptiveSpeculation:
         b = bucket(bs)
         if b not in self.spec_s or b not in self.plain_s or self.tokens_per_spec is None:
             return None
-        return 1.0 / (self.plain_s[b] + self.catch_up_s.get(b, 0.0)) > self.tokens_per_spec / self.spec_s[b]
+        return 1.0 / (self.plain_s[b] + self.catch_up_per_plain_step(b)) > self.tokens_per_spec / self.spec_s[b]
+
+    def catch_up_per_plain_step(self, b: int) -> float:
+        """A bucket's catch-up, spread over the plain steps of a probe period taken plain."""
+        return self.catch_up_s.get(b, 0.0) / max(self.probe_every - self.probe_len, 1)
 
     def choose_plain(self, bs: int) -> bool:
         """Decide the next step of a batch of `bs` requests: True for a plain step."""
@@ -62,17 +73,18 @@ class AdaptiveSpeculation:
         n = self.steps.get(b, 0) + 1
         self.steps[b] = n
         plain = bool(self.plain_is_faster(bs))
-        return (not plain) if n % self.probe_every == 0 else plain
+        return (not plain) if (n - 1) % self.probe_every >= self.probe_every - self.probe_len else plain
 
     def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float,
-               catch_up: tuple[float, int, int] | None = None) -> None:
+               catch_up: tuple[float, int, int] | None = None, steady: bool = True) -> None:
         """A finished step of bs requests: its wall time without the draft's catch-up, (speculative steps) its mean
-        tokens per request, and the catch-up it ran first, if any: (seconds, rows, positions)."""
+        tokens per request, the catch-up it ran first, if any: (seconds, rows, positions), and whether it followed
+        a decode step of its own kind (only such steps' times are averaged)."""
         b = bucket(bs)
-        self._average(self.plain_s if plain else self.spec_s, b, seconds)
+        if steady:
+            self._average(self.plain_s if plain else self.spec_s, b, seconds)
         if catch_up is not None and catch_up[2] > 0:
-            secs, rows, positions = catch_up
-            self._average(self.catch_up_s, b, secs * rows / positions)  # per plain step of the rows that lagged
+            self._average(self.catch_up_s, b, catch_up[0])
         if plain:
             self.num_plain += 1
         else:
@@ -91,7 +103,8 @@ class AdaptiveSpeculation:
                 "tokens_per_spec_step": self.tokens_per_spec,
                 "buckets": {b: {"spec_ms": 1e3 * self.spec_s[b] if b in self.spec_s else None,
                                 "plain_ms": 1e3 * self.plain_s[b] if b in self.plain_s else None,
-                                "catch_up_ms_per_plain_step": (1e3 * self.catch_up_s[b] if b in self.catch_up_s
-                                                               else None),
+                                "catch_up_ms": 1e3 * self.catch_up_s[b] if b in self.catch_up_s else None,
+                                "catch_up_ms_per_plain_step": (1e3 * self.catch_up_per_plain_step(b)
+                                                               if b in self.catch_up_s else None),
                                 "plain_is_faster": self.plain_is_faster(b)}
                             for b in sorted(set(self.spec_s) | set(self.plain_s))}}

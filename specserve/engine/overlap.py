@@ -81,3 +81,4 @@ class InFlightDecode:
     # seq_len of each of its requests already counts its token)
     launched: float = 0.0  # perf_counter at launch
     prefill: bool = False  # a prefill: reqs are its final chunks' requests (already running), tokens their t0
+    steady: bool = False  # launched while a decode step of the same kind was in flight (no switch, no drain)

@@ -64,7 +64,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
         # speculate or take a plain step, per step (engine/adaptive_spec.py); any object with choose_plain(bs) and
-        # record(bs, plain, seconds, tokens_per_request, catch_up) may stand in (tests force patterns)
+        # record(bs, plain, seconds, tokens_per_request, catch_up, steady) may stand in (tests force patterns)
         self.adaptive = AdaptiveSpeculation() if mr.spec is not None and mr.adaptive_spec else None
         # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
         self.mirror: TPLeader | None = None
@@ -80,6 +80,7 @@ class Scheduler:
         self._readback = TokenReadback(mr.max_running * (self.n + 2), mr.device) if overlap else None
         self._inflight: InFlightDecode | None = None
         self._last_read = 0.0  # when the last speculative step's output was read
+        self._sync_kind: bool | None = None  # the last decode step's kind (plain: True) if it ran synchronously
 
     # ------------------------------------------------------------------ queue
     def add_request(self, req: Req) -> None:
@@ -203,8 +204,10 @@ class Scheduler:
         now = time.perf_counter()
         if self.adaptive is not None:
             caught = self.mr.spec.take_catch_up()  # the draft's catch-up inside this step, timed apart
+            # steady: the synchronous step before was of the same kind (not a switch, nor the end of overlapped steps)
             self.adaptive.record(len(reqs), plain, now - t0 - (caught[0] if caught else 0.0),
-                                 1 + sum(res.accept_len) / len(reqs), caught)
+                                 1 + sum(res.accept_len) / len(reqs), caught, steady=self._sync_kind == plain)
+        self._sync_kind = plain
         self._last_read = now
         self._apply_spec(reqs, res, plain)
 
@@ -254,6 +257,9 @@ class Scheduler:
         if self._inflight is not None and self._inflight is not prev:
             self.stats.num_decode_steps += 1
             self.stats.num_overlapped_steps += prev is not None
+            # steady (adaptive speculation averages only such steps' times): launched behind a decode step of its kind
+            self._inflight.steady = prev is not None and not prev.prefill and prev.spec == self._inflight.spec
+        self._sync_kind = None
         if prev is not None:
             self._apply(prev)
         return True
@@ -307,7 +313,7 @@ class Scheduler:
         res = SpecStepResult.parse(out) if step.spec else None
         if self.adaptive is not None and not step.prefill:  # back to back, a step costs the time between two reads
             self.adaptive.record(len(step.reqs), not step.spec, now - max(step.launched, self._last_read),
-                                 1 + sum(res.accept_len) / len(step.reqs) if res else 1.0)
+                                 1 + sum(res.accept_len) / len(step.reqs) if res else 1.0, steady=step.steady)
         self._last_read = now  # after a prefill: the next step's cost counts from here, not from its launch
         if res is not None:
             self._apply_spec(step.reqs, res, plain=False)
