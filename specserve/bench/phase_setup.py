@@ -151,12 +151,14 @@ class Pair:
 
 def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int, max_bs: int, context_len: int,
                  disable_graphs: bool, attention_backend: str = "auto", capture_bs: list[int] | None = None,
-                 prefill_graph_tokens: int = 0, decode_gemv: str = "auto", adaptive: bool | None = None) -> Pair:
+                 prefill_graph_tokens: int = 0, decode_gemv: str = "auto", adaptive: bool | None = None,
+                 spec_prefill_graph_tokens: int = 0) -> Pair:
     """capture_bs: the batch sizes to capture (default: the engine's ladder up to max_bs). prefill_graph_tokens:
-    the plain runner's prefill graphs up to this many tokens (0: none; the spec runner never captures prefill).
+    the plain runner's prefill graphs up to this many tokens (0: none); spec_prefill_graph_tokens: the spec runner's
+    (its prefills and the draft's catch-ups after plain steps).
     adaptive: the spec runner's adaptive speculation (its plain steps; None: the engine's default, on on a GPU)."""
     if attention_backend == "torch" and {s.kind for s in target.cache_specs()} & {CacheKind.MLA, CacheKind.INDEX_KEYS}:
-        prefill_graph_tokens = 0  # the MLA / indexer reference backends cannot capture a prefill: eager
+        prefill_graph_tokens = spec_prefill_graph_tokens = 0  # the MLA / indexer reference backends: eager prefill
     tokens = max_bs * (context_len + num_steps + 2) + 1024
     common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                   cuda_graph_bs=capture_bs, disable_cuda_graph=disable_graphs, attention_backend=attention_backend,
@@ -164,7 +166,8 @@ def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int,
     plain = ModelRunner(ServerArgs(cuda_graph_max_prefill_tokens=prefill_graph_tokens, **common), target, cfg, None,
                         device, dtype, context_len)
     spec = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=num_steps,
-                                  cuda_graph_max_prefill_tokens=0, speculative_adaptive=adaptive, **common), target,
+                                  cuda_graph_max_prefill_tokens=spec_prefill_graph_tokens,
+                                  speculative_adaptive=adaptive, **common), target,
                        cfg, draft, device, dtype, context_len)
     plain.capture_graphs()
     spec.capture_graphs()
