@@ -52,7 +52,7 @@ def test_bucket():
 
 
 def test_policy_measures_both_picks_the_faster_and_probes():
-    a = AdaptiveSpeculation(probe_every=4, probe_len=1)
+    a = AdaptiveSpeculation(probe_every=4, probe_len=1, max_period=4)
     assert not a.choose_plain(3)  # nothing measured: speculate first
     a.record(3, False, 0.010, 2.0)  # 2 tokens per request in 10 ms: 200 tokens/s
     assert a.choose_plain(3)  # then one plain step
@@ -277,7 +277,7 @@ def test_probes_are_runs_and_only_steady_steps_are_timed():
     """A probe takes probe_len steps of the other mode, and a step that followed a step of the other kind (a switch:
     under the overlap schedule a drain and a synchronous step) is not averaged: an isolated plain step between
     overlapped speculative steps would make plain look slower than it is."""
-    a = AdaptiveSpeculation(probe_every=8, probe_len=3)
+    a = AdaptiveSpeculation(probe_every=8, probe_len=3, max_period=8)
     a.record(1, False, 0.0100, 2.0, steady=False)  # the first step of all: no time yet
     assert 1 not in a.spec_s and a.tokens_per_spec == 2.0 and not a.choose_plain(1)
     a.record(1, False, 0.0100, 2.0)  # 200 tokens/s speculating
@@ -289,6 +289,23 @@ def test_probes_are_runs_and_only_steady_steps_are_timed():
     assert [a.choose_plain(1) for _ in range(16)] == ([True] * 5 + [False] * 3) * 2
     a.record(1, False, 0.0200, 2.0, steady=False)  # a slow switch back to speculation changes nothing
     assert a.spec_s[1] == pytest.approx(0.0100) and a.num_spec == 3
+
+
+def test_a_settled_choice_probes_less_often():
+    """Each period whose probe leaves the choice as it was doubles the next (up to max_period); a changed choice
+    starts over at probe_every. The catch-up is spread over the current period's plain steps."""
+    a = AdaptiveSpeculation(probe_every=4, probe_len=1, max_period=16)
+    a.record(1, False, 0.010, 2.0)
+    a.record(1, True, 0.004, 1.0)  # plain is faster
+    assert [a.choose_plain(1) for _ in range(4 + 8 + 16 + 16)] == \
+        [True] * 3 + [False] + [True] * 7 + [False] + ([True] * 15 + [False]) * 2
+    assert a.period[1] == 16 and a.summary()["buckets"][1]["probe_period"] == 16
+    a.record(1, True, 0.0, 1.0, catch_up=(0.015, 1, 15))
+    assert a.catch_up_per_plain_step(1) == pytest.approx(0.001)  # 15 ms over 15 plain steps
+    for _ in range(40):  # acceptance rises: speculation wins, and the next period is back to 4 steps
+        a.record(1, False, 0.010, 4.0)
+    assert [a.choose_plain(1) for _ in range(4 + 8)] == [False] * 3 + [True] + [False] * 7 + [True]
+    assert a.period[1] == 8
 
 
 def test_the_scheduler_marks_switches_unsteady(models):

@@ -18,14 +18,16 @@ Estimates, per batch-size bucket (the batch size rounded up to a power of two):
   the draft extends over the positions it missed before the next speculative step, in one forward whose cost
   hardly depends on how many positions it covers. Either mode pays one catch-up a probe period (speculating: after
   its plain probe; plain: before its speculative probe); what plain decoding adds is that cost spread over the plain
-  steps of a period, `probe_every - probe_len` of them. (Spread over the plain steps that left it, as before, a
-  probe of 4 plain steps would carry a quarter of a catch-up each.)
+  steps of a period, `period - probe_len` of them. (Spread over the plain steps that left it, as before, a probe of
+  4 plain steps would carry a quarter of a catch-up each.)
 
-A plain step is taken when 1 / (t_plain + t_catch_up / (probe_every - probe_len)) > tokens_per_spec_step / t_spec.
+A plain step is taken when 1 / (t_plain + t_catch_up / (period - probe_len)) > tokens_per_spec_step / t_spec.
 A bucket measures speculation first, then plain steps until one of them is steady; after that, the last
-`probe_len` steps of every `probe_every` there take the mode not chosen, so both estimates follow load, contexts and
-acceptance as they change. Greedy outputs do not depend on the choice (both modes are lossless); sampled outputs are
-samples of the same distribution.
+`probe_len` steps of every probe period there take the mode not chosen, so both estimates follow load, contexts and
+acceptance as they change. A period is `probe_every` steps and doubles, up to `max_period`, each time a probe leaves
+the choice as it was: a probe costs two switches and, while plain steps are chosen, a catch-up of the draft, which
+at batch 1 on small models cost plain decoding a tenth of its speed at a period of 32 (BENCHMARKS §30.2). Greedy
+outputs do not depend on the choice (both modes are lossless); sampled outputs are samples of the same distribution.
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ def bucket(bs: int) -> int:
 
 @dataclass
 class AdaptiveSpeculation:
-    probe_every: int = 32  # every this many steps in a bucket, a probe of the mode not chosen
+    probe_every: int = 32  # the shortest probe period: every this many steps in a bucket, a probe of the other mode
     probe_len: int = 4  # steps a probe takes (under the overlap schedule the first two are transitions)
+    max_period: int = 128  # the longest period (at most the draft lag's capacity: a longer run of plain steps
+    # would be cut by a forced catch-up anyway)
     alpha: float = 0.2  # weight of a new step time in the moving averages
     token_alpha: float = 0.02  # weight of one request's tokens of one step in the accept average
     spec_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per speculative step
     plain_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per plain step
     catch_up_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds per catch-up of the draft
     tokens_per_spec: float | None = None  # accepted drafts + 1 per request per speculative step
-    steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps decided there
+    steps: dict[int, int] = field(default_factory=dict)  # bucket -> steps decided in its current period
+    period: dict[int, int] = field(default_factory=dict)  # bucket -> its probe period now
+    choice: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode chosen at its period's start
     num_plain: int = 0
     num_spec: int = 0
 
@@ -61,19 +67,29 @@ class AdaptiveSpeculation:
 
     def catch_up_per_plain_step(self, b: int) -> float:
         """A bucket's catch-up, spread over the plain steps of a probe period taken plain."""
-        return self.catch_up_s.get(b, 0.0) / max(self.probe_every - self.probe_len, 1)
+        return self.catch_up_s.get(b, 0.0) / max(self.period.get(b, self.probe_every) - self.probe_len, 1)
 
     def choose_plain(self, bs: int) -> bool:
-        """Decide the next step of a batch of `bs` requests: True for a plain step."""
+        """Decide the next step of a batch of `bs` requests: True for a plain step. A period whose probe left the
+        choice as it was is followed by one twice as long (up to max_period): each probe pays a switch there and
+        back and, when plain decoding is chosen, a catch-up of the draft, so a settled choice probes less often; a
+        changed choice starts over at probe_every."""
         b = bucket(bs)
         if b not in self.spec_s:
             return False
         if b not in self.plain_s:
             return True
-        n = self.steps.get(b, 0) + 1
-        self.steps[b] = n
         plain = bool(self.plain_is_faster(bs))
-        return (not plain) if (n - 1) % self.probe_every >= self.probe_every - self.probe_len else plain
+        n, period = self.steps.get(b, 0), self.period.get(b, self.probe_every)
+        if n >= period:  # a period and its probe ended
+            held = self.choice.get(b) == plain
+            longest = max(self.max_period, self.probe_every)
+            period = self.period[b] = min(2 * period, longest) if held else self.probe_every
+            n = 0
+        if n == 0:
+            self.choice[b] = plain
+        self.steps[b] = n + 1
+        return (not plain) if n >= period - self.probe_len else plain
 
     def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float,
                catch_up: tuple[float, int, int] | None = None, steady: bool = True) -> None:
@@ -106,5 +122,6 @@ class AdaptiveSpeculation:
                                 "catch_up_ms": 1e3 * self.catch_up_s[b] if b in self.catch_up_s else None,
                                 "catch_up_ms_per_plain_step": (1e3 * self.catch_up_per_plain_step(b)
                                                                if b in self.catch_up_s else None),
-                                "plain_is_faster": self.plain_is_faster(b)}
+                                "plain_is_faster": self.plain_is_faster(b),
+                                "probe_period": self.period.get(b, self.probe_every)}
                             for b in sorted(set(self.spec_s) | set(self.plain_s))}}

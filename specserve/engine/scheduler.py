@@ -65,7 +65,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         # speculate or take a plain step, per step (engine/adaptive_spec.py); any object with choose_plain(bs) and
         # record(bs, plain, seconds, tokens_per_request, catch_up, steady) may stand in (tests force patterns)
-        self.adaptive = AdaptiveSpeculation() if mr.spec is not None and mr.adaptive_spec else None
+        self.adaptive = (AdaptiveSpeculation(max_period=mr.spec.lag.capacity)
+                         if mr.spec is not None and mr.adaptive_spec else None)
         # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
         self.mirror: TPLeader | None = None
         self.initial_free_pages = mr.allocator.num_free_pages

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-LAG_CAPACITY = 32  # positions a row may lag; a row that reaches it catches up before its next plain step
+# positions a row may lag; a row that reaches it catches up before its next plain step. Adaptive speculation's
+# longest probe period is this long, so a settled run of plain steps catches up once a period, at its probe.
+LAG_CAPACITY = 128
 
 
 @dataclass
