@@ -1,12 +1,13 @@
 """Adaptive speculation's modes side by side through the scheduler (issue 17 item 4: never slower than plain).
 
     python3 scripts/gpu/bench_adaptive.py [--preset smollm2-135m] [--batch-sizes 1] [--prompt-len 512]
-        [--tokens 256] [--steps 3] [--repeats 3]
+        [--tokens 512] [--steps 3] [--repeats 3]
 
 Random bf16 weights of a preset's shapes (bench/phase_setup.py) and a random MTP draft, which accepts almost
 nothing: what is compared is what each mode's steps cost, host work included, under the overlap schedule. One
 plain engine, and one speculating engine whose policy is, in turn: always plain, a cycle of 28 plain and 4
-speculative steps (adaptive speculation's probe period taken plain), always speculative, and the real policy
+speculative steps (adaptive speculation's shortest probe period taken plain), of 124 and 4 (its longest), always
+speculative, and the real policy
 (engine/adaptive_spec.py). Each runs `bs` requests of --prompt-len random tokens to --tokens new tokens, greedy and
 sampled (T 0.7, top-p 0.95), timed from after the prefill (the median of --repeats). Printed per mode: decode ms per
 new token, against the plain engine, and the step times the scheduler handed the policy, split into steady steps
@@ -38,7 +39,7 @@ class Recorded:
     what the scheduler reports: (plain, seconds, steady) per step."""
 
     def __init__(self, inner):
-        self.inner, self.i, self.steps = inner, 0, []
+        self.inner, self.i, self.steps, self.catch_ups = inner, 0, [], []
 
     def choose_plain(self, bs: int) -> bool:
         if isinstance(self.inner, list):
@@ -49,6 +50,8 @@ class Recorded:
     def record(self, bs: int, plain: bool, seconds: float, tokens_per_request: float,
                catch_up: tuple[float, int, int] | None = None, steady: bool = True) -> None:
         self.steps.append((plain, seconds, steady))
+        if catch_up is not None:
+            self.catch_ups.append(catch_up[0])
         if not isinstance(self.inner, list):
             self.inner.record(bs, plain, seconds, tokens_per_request, catch_up, steady)
 
@@ -60,6 +63,8 @@ class Recorded:
                 xs = [s for p, s, st in self.steps if p == plain and st == steady]
                 key = ("plain" if plain else "spec") + (" steady" if steady else " switch")
                 out[key] = f"{1e3 * statistics.mean(xs):.3f} x{len(xs)}" if xs else "-"
+        c = self.catch_ups
+        out["catch-up"] = f"{1e3 * statistics.mean(c):.3f} x{len(c)}" if c else "-"
         return out
 
 
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="smollm2-135m")
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output-file", default=None, help="append one JSON line per point")
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = make_runners(target, draft, cfg, torch.bfloat16, dev, a.steps, max(sizes), ctx, False, adaptive=True,
                         spec_prefill_graph_tokens=256)
     policies = {"plain": lambda: [True], "28 plain + 4 spec": lambda: [True] * 28 + [False] * 4,
+                "124 plain + 4 spec": lambda: [True] * 124 + [False] * 4,
                 "spec": lambda: [False], "adaptive": AdaptiveSpeculation}
     for name, sampling in SAMPLINGS.items():
         for bs in sizes:
