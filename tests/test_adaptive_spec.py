@@ -19,6 +19,8 @@ from test_runners import _requests
 from test_spec_greedy import _prompts
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation, bucket
+from specserve.engine.request import Req
+from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.graphs.padding import LiveInputs
 from specserve.layers.sampler import GREEDY
@@ -255,6 +257,35 @@ def test_lagging_rows_under_retraction(models, plain_ref, key):
     sched.adaptive = ForcedSteps([True, True, True, False])
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
     assert sched.stats.num_retractions > 0 and sched.mr.spec.catch_ups["before_spec"] > 0
+    sched.check_idle_invariants()
+
+
+def test_a_step_read_behind_a_prefill_launch_is_not_steady(models):
+    """Under the overlap schedule a prefill is launched before the decode step in flight is read, so that step's
+    time holds the prefill's host work: the scheduler hands it over as not steady."""
+    sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)
+    sched = Scheduler(sched.mr, sched.stop, 0, overlap=True)
+
+    class Counting(ForcedSteps):
+        def record(self, *a, **kw):
+            super().record(*a, **kw)
+            self.prefills.append(sched.stats.num_overlapped_prefills)
+
+    sched.adaptive = forced = Counting([False])
+    forced.prefills = []
+    prompts = _prompts()
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True), seed=i)
+            for i, p in enumerate(prompts)]
+    sched.add_request(reqs[0])
+    for r in reqs[1:]:  # the others arrive while the first decodes
+        for _ in range(3):
+            sched.step()
+        sched.add_request(r)
+    while sched.has_work:
+        sched.step()
+    behind = [i for i in range(1, len(forced.prefills)) if forced.prefills[i] > forced.prefills[i - 1]]
+    assert behind and all(not forced.steady[i] for i in behind)
+    assert any(forced.steady)
     sched.check_idle_invariants()
 
 

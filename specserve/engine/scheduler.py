@@ -159,6 +159,7 @@ class Scheduler:
                                             launched=time.perf_counter())
         if prev is not None:
             self.stats.num_overlapped_prefills += 1
+            prev.steady = False  # read after the prefill's launch: its time holds the prefill's host work
             self._apply(prev)
 
     def _prefilled(self, chunks: list[Chunk]) -> list[Req]:
