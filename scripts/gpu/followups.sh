@@ -61,6 +61,10 @@
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
 #             keep` + `sweep 1024,4096`, then `smollm2_round.sh qspec` (issue 17), the Qwen3-Next MoE sweep
 #             (`twentythird`'s second half), `twentysixth` (fp8 index keys with q rounded to fp8, §29.5).
+#   twentysixth and the Qwen3-Next MoE sweep ran in the sixth session (§30), with `smollm2_round.sh qspec` three times
+#             and `bench_adaptive.py`. For a fresh lease: `smollm2_round.sh keep` + `join` + `sweep 1024,4096` and then
+#             `sweep 30720` (issue 17's sweep at `c1829a5`: §30.5 had 0.96x at 1024 x 64 before the prefill-launch fix),
+#             then `twentyseventh` (bench_adaptive.py at the last commit).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -305,6 +309,10 @@ case "${1:-}" in
       tests/test_triton_router.py 2>&1 | grep -v -i warn | tail -2
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
+    ;;
+  twentyseventh)  # adaptive speculation's modes through the scheduler (§30.3) at the last commit
+    timeout 300 python3 scripts/gpu/bench_adaptive.py --batch-sizes 1,8,32 --output-file "$OUT/adaptive.jsonl" 2>&1 \
+      | grep -v -i warn | tail -24
     ;;
   twentysixth)  # the indexer scores with q rounded to fp8 (q_fp8) against bf16 and converted fp8 keys (§29.5)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py 2>&1 | grep -v -i warn | tail -2
