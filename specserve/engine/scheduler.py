@@ -67,6 +67,8 @@ class Scheduler:
         # record(bs, plain, seconds, tokens_per_request, catch_up, steady) may stand in (tests force patterns)
         self.adaptive = (AdaptiveSpeculation(max_period=mr.spec.lag.capacity)
                          if mr.spec is not None and mr.adaptive_spec else None)
+        if self.adaptive is not None:
+            mr.spec.time_catch_ups = True
         # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
         self.mirror: TPLeader | None = None
         self.initial_free_pages = mr.allocator.num_free_pages

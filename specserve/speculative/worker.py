@@ -126,7 +126,11 @@ class SpecWorker:
         self.lag: DraftLag | None = None  # the draft's pending positions after plain steps
         # catch-up forwards (before a spec step, or forced by a full lag) and the positions they extended over
         self.catch_ups = {"before_spec": 0, "forced": 0, "positions": 0}
-        self._caught: tuple[float, int, int] | None = None  # this step's catch-ups: (seconds, rows, positions)
+        # this step's catch-ups: (seconds, rows, positions); on CUDA, each catch-up's start and end events, read
+        # when the step is (take_catch_up), so that timing a catch-up costs no host sync
+        self._caught: tuple[float, int, int] | None = None
+        self._caught_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.time_catch_ups = False  # set by a scheduler whose adaptive speculation takes them (take_catch_up)
         self.plain_step_graph: PlainSpecStepRunner | None = None
         if target_decode is not None:
             self.lag = DraftLag.allocate(rows, draft.feature_size, target_ctx.dtype, self.device)
@@ -254,17 +258,26 @@ class SpecWorker:
         if not picked:
             return
         t0 = time.perf_counter()
+        events = None
+        if self.device.type == "cuda" and self.time_catch_ups:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         rows = [rows_host[i] for i in picked]
         lens = [lag.pending[r] for r in rows]
         self.catch_ups[why] += 1
         self.catch_ups["positions"] += sum(lens)
         for group in catch_up_groups(lens, self.prefill.max_tokens, self.prefill.max_rows):
             self._catch_up_rows([picked[j] for j in group], [lens[j] for j in group], rows_host, s_host, pos0_host)
-        # timed apart for adaptive speculation (take_catch_up): the one extra host sync, on catch-up steps only
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        # timed apart for adaptive speculation (take_catch_up): by events on CUDA (no sync), by the clock on a CPU
+        # (which computes as it launches)
+        secs = 0.0
+        if events is not None:
+            events[1].record()
+            self._caught_events.append(events)
+        else:
+            secs = time.perf_counter() - t0
         prev = self._caught or (0.0, 0, 0)
-        self._caught = (prev[0] + time.perf_counter() - t0, prev[1] + len(rows), prev[2] + sum(lens))
+        self._caught = (prev[0] + secs, prev[1] + len(rows), prev[2] + sum(lens))
 
     def _catch_up_rows(self, picked: list[int], lens: list[int], rows_host: list[int], s_host: list[int],
                        pos0_host: list[int]) -> None:
@@ -291,6 +304,11 @@ class SpecWorker:
     def take_catch_up(self) -> tuple[float, int, int] | None:
         """The catch-ups run since the last call, as (seconds, rows, positions) summed; None if none ran."""
         caught, self._caught = self._caught, None
+        if caught is not None and self._caught_events:  # the step was read: its catch-ups' events are done
+            self._caught_events[-1][1].synchronize()  # (a no-op then; a wait if a caller reads before the step)
+            secs = sum(a.elapsed_time(b) for a, b in self._caught_events) / 1e3
+            caught = (caught[0] + secs, caught[1], caught[2])
+        self._caught_events = []
         return caught
 
 
