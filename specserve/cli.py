@@ -67,6 +67,7 @@ COMMANDS = {
     "eval": ("specserve.bench.eval_cli", "main"),
     "train-mtp": ("specserve.train.cli", "main"),
     "bench-phases": ("specserve.bench.phases", "main"),
+    "bench-floors": ("specserve.bench.floors", "main"),
     "bench-spec": ("specserve.bench.spec_speed", "main"),
     "soak": ("specserve.bench.soak", "main"),
 }
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
               "  eval          accuracy evals (gsm8k)\n"
               "  train-mtp     train an MTP draft head by self-distillation\n"
               "  bench-phases  per-phase GPU timings, eager vs CUDA graph\n"
+              "  bench-floors  each phase's bandwidth floor (bytes it must move) for a preset, no GPU needed\n"
               "  bench-spec    a draft head end to end: acceptance per N, tokens/s spec vs plain\n"
               "  soak          mixed valid/aborted/bad requests against a server; checks answers and KV leaks")
         return 0

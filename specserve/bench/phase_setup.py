@@ -122,8 +122,8 @@ def random_draft(cfg: ModelConfig, target, dtype: torch.dtype, device: torch.dev
     return draft
 
 
-def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0):
-    """Target and MTP draft with random weights, made on the device (nothing to carry)."""
+def preset_config(preset: str) -> ModelConfig:
+    """The model config of a named preset (PRESETS), parsed as the family parses a checkpoint's."""
     from transformers import AutoConfig
 
     spec = dict(PRESETS[preset])
@@ -134,13 +134,30 @@ def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_pos
         from transformers import PretrainedConfig
 
         hf = PretrainedConfig(**spec)
-    cfg = ModelConfig.from_hf(hf)
+    return ModelConfig.from_hf(hf)
+
+
+def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0):
+    """Target and MTP draft with random weights, made on the device (nothing to carry)."""
+    cfg = preset_config(preset)
     with torch.device("meta"):
         target = model_class(cfg.architecture)(cfg, max_positions)
     target = materialize(target, cfg, dtype, device, max_positions)  # a 30B model has no room for float32
     target.tie_weights()
     random_init(target, seed)
     return target, random_draft(cfg, target, dtype, device, max_positions, seed + 1), cfg
+
+
+def meta_models(preset: str, max_positions: int, dtype: torch.dtype = torch.bfloat16):
+    """Target and MTP draft of a preset on the meta device in `dtype`: their shapes and caches, no memory
+    (bench/floors.py)."""
+    cfg = preset_config(preset)
+    with torch.device("meta"):
+        target = model_class(cfg.architecture)(cfg, max_positions).to(dtype)
+        draft = MTPDraftModel(cfg, max_positions).to(dtype)
+    target.tie_weights()
+    draft.share_target(target.embed_tokens, target.lm_head)
+    return target, draft
 
 
 @dataclass
@@ -217,43 +234,3 @@ def randomize_token_caches(caches) -> None:
 def release(mr: ModelRunner, reqs: list[Req]) -> None:
     for r in reqs:
         mr.kv.release(r.kv)
-
-
-def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:
-    """Bytes a decode step of `tokens` tokens must read: every parameter once, except the embedding table when it
-    is not also the lm-head (a step reads only its rows), and of each MoE layer's routed experts only the chosen
-    ones (at most tokens x top-k of them; random routing chooses distinct experts almost surely)."""
-    from specserve.layers.moe import SparseMoEBlock
-
-    experts = {}
-    for m in model.modules():
-        if isinstance(m, SparseMoEBlock):  # a fused shared expert (always read) is the last of experts.w13
-            extra = int(m.fused_shared)
-            share = (min(m.num_experts, tokens * m.top_k) + extra) / (m.num_experts + extra)
-            experts.update({id(m.experts.w13): share, id(m.experts.w2): share})
-    seen, total = set(), 0
-    embed = model.embed_tokens.weight
-    tied = model.lm_head.weight is embed
-    for p in model.parameters():
-        if id(p) in seen or (p is embed and not tied):
-            continue
-        seen.add(id(p))
-        total += int(p.numel() * p.element_size() * experts.get(id(p), 1.0))
-    return total
-
-
-def cache_bytes_read(mr: ModelRunner, context: int) -> int:
-    """Bytes of token caches one decode token reads at `context` cached tokens: every K/V, latent and indexer-key
-    row, except that a DSA model's attention reads only its `index_topk` chosen latent rows (its indexer still
-    reads every key)."""
-    topk = getattr(mr.cfg, "index_topk", 0)
-    total = 0
-    for kind, pool in mr.caches.pools.items():
-        if kind is CacheKind.MHA:
-            total += context * sum(t[0].numel() * t.element_size() for t in (*pool.k, *pool.v))
-        elif kind.token_indexed:
-            rows = min(context, topk) if kind is CacheKind.MLA and topk else context
-            per = sum(t[0].numel() * t.element_size() for t in pool.rows)
-            per += 4 * len(pool.rows) if pool.scales is not None else 0
-            total += rows * per
-    return total

@@ -15,15 +15,14 @@ from collections.abc import Callable
 
 import torch
 
+from specserve.bench.floors import phase_floors
 from specserve.bench.phase_setup import (
     PRESETS,
-    cache_bytes_read,
     fake_requests,
     make_runners,
     random_draft,
     random_models,
     release,
-    weight_bytes,
 )
 from specserve.engine.steps import run_decode, run_spec_step
 from specserve.graphs.padding import LiveInputs
@@ -238,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         result["projection"] = [
             {"bs": b["bs"], "accept": a, "speedup": a / b["spec_iter_over_plain_step"]}
             for a in (float(x) for x in args.project_accept_lengths.split(",")) for b in result["batches"]]
+    for b in result["batches"]:  # each phase's bandwidth floor (bench/floors.py) at the measured copy bandwidth
+        b["floors"] = phase_floors(target, draft, b["bs"], args.prefix_len + 1, args.speculative_num_steps, dtype,
+                                   pair.spec.kind_dtypes).as_dict(result.get("copy_bw_GBps"))
     b1 = next((b for b in result["batches"] if b["bs"] == 1), None)
     if b1 is not None and b1["decode"]["graph_ms"]:
-        moved = weight_bytes(target) + cache_bytes_read(pair.plain, args.prefix_len + 1)
+        moved = b1["floors"]["decode"]
         bw = moved / (b1["decode"]["graph_ms"] * 1e-3) / 1e9
         result["decode_bs1"] = {"bytes": moved, "ms": b1["decode"]["graph_ms"], "GBps": bw}
         if "copy_bw_GBps" in result:
@@ -291,6 +293,8 @@ def print_table(r: dict) -> None:
             print(f"{b['bs']:>4} | {'plain (spec)':<14} | {'':9} | {b['spec_plain_step_ms']:9.3f} |  "
                   f"(a speculating engine's plain step: {b['spec_plain_over_plain_step']:.2f}x a plain engine's)")
         print(f"{b['bs']:>4} | spec iter / plain step = {b['spec_iter_over_plain_step']:.2f}x")
+        if "ms" in b.get("floors", {}):
+            print_floor_line(b)
     if "prefill" in r:
         pf = r["prefill"]
         g = pf["graph_ms"]
@@ -313,3 +317,18 @@ def print_table(r: dict) -> None:
                      if "idle_vs_unprofiled_step" in i else "")
             print(f"{k}: profiled wall {i['wall_ms_per_step']:.3f} ms/step, GPU busy "
                   f"{i['gpu_busy_us_per_step'] / 1e3:.3f} ms/step, idle {100 * i['idle_fraction']:.1f}%{extra}")
+
+
+def print_floor_line(b: dict) -> None:
+    """A batch's phases against their bandwidth floors, and the least spec iter / plain step that faster spec
+    phases could give against the plain step measured (the spec iteration at its floor)."""
+    f, ms = b["floors"], b["floors"]["ms"]
+    # the measured phases are keyed by runner: the draft decode runner's floor is "draft_step"
+    ms_of = {"decode": ms["decode"], "target_verify": ms["target_verify"], "draft_decode": ms["draft_step"],
+             "draft_extend": ms["draft_extend"]}
+    eff = {k: ms_of[k] / b[k]["graph_ms"] for k in ms_of if k in b and b[k]["graph_ms"]}
+    parts = ", ".join(f"{k} {ms_of[k]:.3f} ms ({100 * v:.0f}%)" for k, v in eff.items())
+    print(f"{b['bs']:>4} | floors: {parts}; spec iter {ms['spec_iter']:.3f} ms "
+          f"({100 * ms['spec_iter'] / b['spec_iter_ms']:.0f}%)")
+    print(f"{b['bs']:>4} | spec iter / plain step at both floors {f['spec_over_plain']:.2f}x; with the spec "
+          f"iteration at its floor, against this plain step: >= {ms['spec_iter'] / b['plain_step_ms']:.2f}x")

@@ -97,6 +97,11 @@ class MTPDraftModel(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self._shared[0])(ids)
 
+    @property
+    def head(self) -> LMHead:
+        """The LM head the draft's logits come from: its own, or the target's it shares."""
+        return self.lm_head or self._shared[1]
+
     def cache_specs(self) -> list[CacheSpec]:
         """The draft's own caches: its block's (kvcache/cache_spec.py)."""
         return self.decoder.cache_specs()
@@ -127,7 +132,7 @@ class MTPDraftModel(nn.Module):
         h = self.config.hidden_size
         if hidden.shape[-1] != h:
             hidden = hidden[..., :h].contiguous()
-        return (self.lm_head or self._shared[1])(hidden)
+        return self.head(hidden)
 
     def draft_vocab_size(self) -> int:
         """Vd: the tokens the head can propose (its reduced vocabulary, else the target's)."""
