@@ -110,14 +110,15 @@ def test_index_scores_match_reference(q_dtype, cache, width, heads, dim):
 
 
 @pytest.mark.parametrize("width", [1, 4])
-@pytest.mark.parametrize("heads", [2, 32])
-def test_q_fp8_scores_match_the_reference_over_rounded_queries(width, heads):
+@pytest.mark.parametrize("heads,block_h", [(2, None), (32, None), (40, 16)])
+def test_q_fp8_scores_match_the_reference_over_rounded_queries(width, heads, block_h):
     """q_fp8 (fp8 caches): each head's q row rounded to e4m3 with its own scale in the kernel equals the reference
-    over q rounded the same way in torch (quantise_rows_fp8); differs from the unrounded q's scores."""
+    over q rounded the same way in torch (quantise_rows_fp8); differs from the unrounded q's scores. One head block
+    (rounded once a program) and three (rounded in the key loop)."""
     g = torch.Generator().manual_seed(8000 + width * 100 + heads)
     seq_lens = [MAX_KV, width, 64, 65, width] if width == 1 else [width, 66, MAX_KV, 9, 130]
     q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, width, heads, 128, torch.bfloat16, "fp8", g)
-    got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, q_fp8=True)
+    got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, q_fp8=True, block_h=block_h)
     q8, q_scale = quantise_rows_fp8(q)  # [T, Hi, D], [T, Hi]
     rounded = q8.float() * q_scale[..., None]
     want = reference(rounded, weights, rows, scales, kv_slots, lens, width)

@@ -310,6 +310,20 @@ case "${1:-}" in
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
     ;;
+  twentyeighth)  # q_fp8 rounded once a program (§31): GPU indexer tests, the scores kernel; issue 12's phases
+    # against their bandwidth floors (bench/floors.py) at batch 1-64
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py 2>&1 | grep -v -i warn | tail -2
+    timeout 120 python3 scripts/gpu/profile_kernels.py --parts scores-fp8 2>&1 | grep -v -i warn | tail -12
+    timeout 240 python3 -m specserve.cli bench-phases --preset qwen3-30b-a3b --batch-sizes 1,8,32,64 --iters 10 \
+      --idle-steps 0 --prefill-tokens 0 2>&1 | grep -v -i warn | tail -44
+    ;;
+  twentyeighth-b)  # issue 13's and 14's phases against their bandwidth floors
+    timeout 230 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,32 \
+      --prefix-len 1024 --context-length 2048 --iters 10 --idle-steps 0 --prefill-tokens 0 2>&1 \
+      | grep -v -i warn | tail -26
+    timeout 300 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1,8 --iters 10 --idle-steps 0 \
+      --prefix-len 32000 --context-length 33000 --prefill-tokens 0 2>&1 | grep -v -i warn | tail -26
+    ;;
   twentyseventh)  # adaptive speculation's modes through the scheduler (§30.3) at the last commit
     timeout 300 python3 scripts/gpu/bench_adaptive.py --batch-sizes 1,8,32 --output-file "$OUT/adaptive.jsonl" 2>&1 \
       | grep -v -i warn | tail -24

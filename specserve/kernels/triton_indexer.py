@@ -10,8 +10,8 @@ with one key row of D dims per token shared by all Hi index heads (key = rows[sl
 scales[slot] when the cache is fp8 with a float32 scale per slot). So, as in the absorbed-MLA kernel
 (kernels/triton_mla.py), the heads fill the tile's M dimension: a program reads a block of key rows once and scores
 it against all heads of its query, [BLOCK_H, D] x [D, BLOCK_N] on tl.dot, then applies relu and reduces over the
-heads with their weights, all in float32. An fp8 key's scale is constant over its D dims, so it multiplies the
-dot's column afterwards; the fp8 values themselves convert exactly to q's dtype (bf16 / fp16 hold every finite
+heads with their weights, all in float32. An fp8 key's scale is constant over its D dims and positive, so it
+passes through relu and multiplies the key's head-weighted sum once; the fp8 values themselves convert exactly to q's dtype (bf16 / fp16 hold every finite
 e4m3 value), so the dot runs on q's dtype with float32 accumulation.
 
 Layout (the fixed-width metadata of attention/torch_backend.py, `_fixed_meta`): request b has `width` = W new
@@ -65,6 +65,19 @@ def _to_e4m3(y, EXACT_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _q_fp8(q_row, w_row, h, h_ok, d, d_ok, stride_qh, stride_wh, EXACT_FIRST: tl.constexpr):
+    """Heads h of a query for q_fp8: each head's q row in e4m3 with its own scale (amax / 448), and the heads'
+    weights times those scales (a scale > 0 passes through relu: w * relu(scale * x) = (w * scale) * relu(x)) ->
+    (q8 [BLOCK_H, BLOCK_D] e4m3, weights [BLOCK_H] float32)."""
+    qf = tl.load(q_row + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-12) / 448.0  # [BLOCK_H]
+    q8 = _to_e4m3(tl.clamp(qf / q_scale[:, None], -448.0, 448.0), EXACT_FIRST)
+    wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
+    return q8, wh * q_scale
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, out_ptr,
                          hist_ptr, num_heads, head_dim, max_kv, k_sel,
                          stride_qt, stride_qh, stride_wt, stride_wh, stride_rs, stride_sc, stride_kvb, stride_kvn,
@@ -72,7 +85,7 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          STEPS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr,
                          F32_DOT: tl.constexpr, PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, Q_FP8: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, Q_FP8: tl.constexpr, ONE_H_BLOCK: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # run of STEPS key blocks
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
@@ -88,6 +101,9 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
         kv_row = b.to(tl.int64)
     q_row = q_ptr + t.to(tl.int64) * stride_qt
     w_row = w_ptr + t.to(tl.int64) * stride_wt
+    if Q_FP8 and ONE_H_BLOCK:  # the query's rows in e4m3 once for all its key blocks (see _q_fp8)
+        h = tl.arange(0, BLOCK_H)
+        q8_all, wq_all = _q_fp8(q_row, w_row, h, h < num_heads, d, d_ok, stride_qh, stride_wh, F32_DOT)
     hist = first_pass_zeros()  # the top-k's first pass over this program's keys (HIST)
     for j in tl.range(0, STEPS, num_stages=NUM_STAGES):
         n = (nb * STEPS + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
@@ -104,22 +120,23 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
             if HAS_SCALES:
                 k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
             acc = tl.zeros([BLOCK_N], tl.float32)
-            for h0 in range(0, num_heads, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
-                h_ok = h < num_heads
-                qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                             other=0.0)  # [BLOCK_H, BLOCK_D]
-                if Q_FP8:  # each head's q row to e4m3 with its own scale (amax / 448): an fp8 x fp8 dot
-                    qf = qh.to(tl.float32)
-                    q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-12) / 448.0  # [BLOCK_H]
-                    q8 = _to_e4m3(tl.clamp(qf / q_scale[:, None], -448.0, 448.0), F32_DOT)  # [BLOCK_H, BLOCK_D]
-                    s = dot(q8, k_t, F32_DOT, PRECISION) * q_scale[:, None]  # [BLOCK_H, BLOCK_N] float32
-                else:
-                    s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
-                if HAS_SCALES:
-                    s = s * k_scale[None, :]
-                wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
-                acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)  # [BLOCK_N]
+            if Q_FP8 and ONE_H_BLOCK:
+                acc += tl.sum(tl.maximum(dot(q8_all, k_t, F32_DOT, PRECISION), 0.0) * wq_all[:, None], axis=0)
+            else:
+                for h0 in range(0, num_heads, BLOCK_H):
+                    h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+                    h_ok = h < num_heads
+                    if Q_FP8:  # an fp8 x fp8 dot (_q_fp8)
+                        q8, wh = _q_fp8(q_row, w_row, h, h_ok, d, d_ok, stride_qh, stride_wh, F32_DOT)
+                        s = dot(q8, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+                    else:
+                        qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :],
+                                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+                        s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+                        wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
+                    acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)  # [BLOCK_N]
+            if HAS_SCALES:  # a key's scale (> 0) passes through relu: applied once to its column's sum
+                acc = acc * k_scale
             score = tl.where(key_ok, acc, float("-inf"))
             if HIST:
                 hist += first_pass_counts(score, key_ok)
@@ -215,6 +232,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, STEPS=steps, HAS_SCALES=scales is not None,
         HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, HIST=hist is not None, PDL=pdl,
         num_warps=num_warps or (4 if block_h * block_d <= 4096 else 8), NUM_STAGES=2 if steps > 1 else 1, Q_FP8=q_fp8,
+        ONE_H_BLOCK=num_heads <= block_h,
         **pdl_kwargs(bool(pdl)),
     )
     return out
