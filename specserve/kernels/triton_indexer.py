@@ -11,8 +11,8 @@ scales[slot] when the cache is fp8 with a float32 scale per slot). So, as in the
 (kernels/triton_mla.py), the heads fill the tile's M dimension: a program reads a block of key rows once and scores
 it against all heads of its query, [BLOCK_H, D] x [D, BLOCK_N] on tl.dot, then applies relu and reduces over the
 heads with their weights, all in float32. An fp8 key's scale is constant over its D dims and positive, so it
-passes through relu and multiplies the key's head-weighted sum once; the fp8 values themselves convert exactly to q's dtype (bf16 / fp16 hold every finite
-e4m3 value), so the dot runs on q's dtype with float32 accumulation.
+passes through relu and multiplies the key's head-weighted sum once; the fp8 values themselves convert exactly
+to q's dtype (bf16 / fp16 hold every finite e4m3 value), so the dot runs on q's dtype with float32 accumulation.
 
 Layout (the fixed-width metadata of attention/torch_backend.py, `_fixed_meta`): request b has `width` = W new
 tokens, query i (0 <= i < W) at token b * W + i; kv_slots [bs, max_kv] maps key position -> cache slot, and query i
