@@ -279,6 +279,33 @@ def scores_fp8(iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def scores_fp8_sweep(iters: int) -> None:
+    """The scores kernel's launch options at batch 32 / 64 over 32k keys: bf16 keys and fp8 keys with q_fp8, key
+    tiles x blocks a program x warps; outputs checked against each dtype's default. Prints the fastest few of each."""
+    for bs in (32, 64):
+        for fp8 in (False, True):
+            x = DsaLayer.build(bs, 32768, fp8=fp8)
+            want = index_scores_triton(x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens, 1, q_fp8=fp8)
+            base = graph_us(functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens,
+                                              1, q_fp8=fp8), iters)
+            rows = []
+            for bn, steps, warps in itertools.product((64, 128, 256), (2, 4, 8, 16), (2, 4, 8)):
+                fn = functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens, 1,
+                                       q_fp8=fp8, block_n=bn, steps=steps, num_warps=warps)
+                try:
+                    torch.testing.assert_close(fn(), want, rtol=1e-3, atol=1e-3)
+                    rows.append((graph_us(fn, iters), f"tile {bn:3d} steps {steps:2d} warps {warps}"))
+                except triton.runtime.errors.OutOfResources:
+                    continue
+            rows.sort()
+            print(f"\n=== scores, batch {bs}, {'fp8 keys, q_fp8' if fp8 else 'bf16 keys'}: default {base:.1f} us; "
+                  f"fastest of {len(rows)} ===")
+            for us, name in rows[:5]:
+                print(f"  {us:8.1f}  {base / us:5.2f}x  {name}")
+            del x, want
+            torch.cuda.empty_cache()
+
+
 def sparse_mla_sweep(iters: int) -> None:
     """The sparse MLA over each query's 2048 chosen rows (the DSA step's last kernel and its split combine), launch
     options swept at batch 8 / 32 / 64: key splits x warps x stages x keys a step; outputs checked against the
@@ -314,7 +341,7 @@ def main() -> None:
     a = p.parse_args()
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
              "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
-             "sparse-mla": sparse_mla_sweep, "scores-fp8": scores_fp8,
+             "sparse-mla": sparse_mla_sweep, "scores-fp8": scores_fp8, "scores-fp8-sweep": scores_fp8_sweep,
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}
