@@ -105,8 +105,12 @@ def test_index_scores_match_reference(q_dtype, cache, width, heads, dim):
     seq_lens = [MAX_KV, width, 64, 65, width] if width == 1 else [width, 66, MAX_KV, 9, 130]
     q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, width, heads, dim, q_dtype, cache, g)
     got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width)
-    _check(got, reference(q, weights, rows, scales, kv_slots, lens, width), q_dtype == torch.float32)
+    want = reference(q, weights, rows, scales, kv_slots, lens, width)
+    _check(got, want, q_dtype == torch.float32)
     assert torch.equal(index_scores_triton(q, weights, rows, scales, kv_slots, lens, width), got)  # deterministic
+    if dim == 128 and width == 4:  # the tile's dot as [keys, heads] (keys_m), the head sum along its N
+        _check(index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, keys_m=True), want,
+               q_dtype == torch.float32)
 
 
 @pytest.mark.parametrize("width", [1, 4])
@@ -123,6 +127,8 @@ def test_q_fp8_scores_match_the_reference_over_rounded_queries(width, heads, blo
     rounded = q8.float() * q_scale[..., None]
     want = reference(rounded, weights, rows, scales, kv_slots, lens, width)
     _check(got, want, True)
+    _check(index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, q_fp8=True, block_h=block_h,
+                               keys_m=True), want, True)
     seen = ~torch.isneginf(want)
     assert not torch.allclose(got[seen], reference(q, weights, rows, scales, kv_slots, lens, width)[seen], atol=1e-3)
     with pytest.raises(AssertionError, match="fp8 cache"):

@@ -279,6 +279,31 @@ def scores_fp8(iters: int) -> None:
         torch.cuda.empty_cache()
 
 
+def scores_keys_m(iters: int) -> None:
+    """The scores kernel's tile dot as [heads, keys] (default) against [keys, heads] (keys_m), 32k keys a request,
+    bf16 keys, fp8 keys converted, fp8 keys with q_fp8; 128- and 256-key tiles; outputs checked equal in scale."""
+    print("\n=== indexer scores alone, 32k keys a request, replay us: default / keys_m ===")
+    print("    bs | tile |   bf16 keys   |   fp8 keys    |  fp8, q_fp8")
+    for bs in (1, 8, 32, 64):
+        x16, x8 = DsaLayer.build(bs, 32768), DsaLayer.build(bs, 32768, fp8=True)
+        cells = []
+        for bn in (128, 256):
+            row = []
+            for x, q8 in ((x16, False), (x8, False), (x8, True)):
+                base = functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens, 1,
+                                         block_n=bn, q_fp8=q8)
+                want = base()
+                got = base(keys_m=True)
+                seen = torch.isfinite(want)
+                err = ((got[seen] - want[seen]).abs().max() / want[seen].abs().max()).item()
+                assert err < 1e-2, err
+                row.append((graph_us(base, iters), graph_us(functools.partial(base, keys_m=True), iters)))
+            cells.append(f"  {bs:4d} | {bn:4d} | " + " | ".join(f"{a:6.1f} / {b:5.1f}" for a, b in row))
+        print("\n".join(cells))
+        del x16, x8
+        torch.cuda.empty_cache()
+
+
 def scores_fp8_sweep(iters: int) -> None:
     """The scores kernel's launch options at batch 32 / 64 over 32k keys: bf16 keys and fp8 keys with q_fp8, key
     tiles x blocks a program x warps; outputs checked against each dtype's default. Prints the fastest few of each."""
@@ -289,12 +314,13 @@ def scores_fp8_sweep(iters: int) -> None:
             base = graph_us(functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens,
                                               1, q_fp8=fp8), iters)
             rows = []
-            for bn, steps, warps in itertools.product((64, 128, 256), (2, 4, 8, 16), (2, 4, 8)):
+            for km, bn, steps, warps in itertools.product((False, True), (64, 128, 256), (2, 4, 8, 16), (2, 4, 8)):
                 fn = functools.partial(index_scores_triton, x.q, x.wts, x.rows, x.scales, x.kv_slots, x.lens, 1,
-                                       q_fp8=fp8, block_n=bn, steps=steps, num_warps=warps)
+                                       q_fp8=fp8, block_n=bn, steps=steps, num_warps=warps, keys_m=km)
                 try:
                     torch.testing.assert_close(fn(), want, rtol=1e-3, atol=1e-3)
-                    rows.append((graph_us(fn, iters), f"tile {bn:3d} steps {steps:2d} warps {warps}"))
+                    rows.append((graph_us(fn, iters), f"{'keys_m ' if km else ''}tile {bn:3d} steps {steps:2d} "
+                                                      f"warps {warps}"))
                 except triton.runtime.errors.OutOfResources:
                     continue
             rows.sort()
@@ -342,6 +368,7 @@ def main() -> None:
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
              "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
              "sparse-mla": sparse_mla_sweep, "scores-fp8": scores_fp8, "scores-fp8-sweep": scores_fp8_sweep,
+             "scores-keys-m": scores_keys_m,
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}

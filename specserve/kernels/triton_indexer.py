@@ -78,6 +78,18 @@ def _q_fp8(q_row, w_row, h, h_ok, d, d_ok, stride_qh, stride_wh, EXACT_FIRST: tl
 
 
 @triton.jit
+def _head_sum(qh, wh, k, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, KEYS_M: tl.constexpr):
+    """sum_h wh[h] * relu(qh[h] . k[n]) for a key tile k [BLOCK_N, BLOCK_D] and heads qh [BLOCK_H, BLOCK_D] ->
+    [BLOCK_N] float32. KEYS_M: the dot as [keys, heads] (keys on tl.dot's M, the head sum along N, within a warp's
+    lanes); else [heads, keys] (the head sum along M, across warps)."""
+    if KEYS_M:
+        s = dot(k, tl.trans(qh), F32_DOT, PRECISION)  # [BLOCK_N, BLOCK_H] float32
+        return tl.sum(tl.maximum(s, 0.0) * wh[None, :], axis=1)
+    s = dot(qh, tl.trans(k), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+    return tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, out_ptr,
                          hist_ptr, num_heads, head_dim, max_kv, k_sel,
                          stride_qt, stride_qh, stride_wt, stride_wh, stride_rs, stride_sc, stride_kvb, stride_kvn,
@@ -85,7 +97,8 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                          W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          STEPS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr,
                          F32_DOT: tl.constexpr, PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, Q_FP8: tl.constexpr, ONE_H_BLOCK: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, Q_FP8: tl.constexpr, ONE_H_BLOCK: tl.constexpr,
+                         KEYS_M: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # run of STEPS key blocks
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
@@ -116,25 +129,22 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                         other=0.0)  # [BLOCK_N, BLOCK_D]
             if not Q_FP8:
                 k = k.to(q_ptr.dtype.element_ty)  # fp8 -> q's dtype is exact
-            k_t = tl.trans(k)  # [BLOCK_D, BLOCK_N]
             if HAS_SCALES:
                 k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
             acc = tl.zeros([BLOCK_N], tl.float32)
             if Q_FP8 and ONE_H_BLOCK:
-                acc += tl.sum(tl.maximum(dot(q8_all, k_t, F32_DOT, PRECISION), 0.0) * wq_all[:, None], axis=0)
+                acc += _head_sum(q8_all, wq_all, k, F32_DOT, PRECISION, KEYS_M)
             else:
                 for h0 in range(0, num_heads, BLOCK_H):
                     h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
                     h_ok = h < num_heads
                     if Q_FP8:  # an fp8 x fp8 dot (_q_fp8)
-                        q8, wh = _q_fp8(q_row, w_row, h, h_ok, d, d_ok, stride_qh, stride_wh, F32_DOT)
-                        s = dot(q8, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
+                        qh, wh = _q_fp8(q_row, w_row, h, h_ok, d, d_ok, stride_qh, stride_wh, F32_DOT)
                     else:
                         qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :],
                                      mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-                        s = dot(qh, k_t, F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
                         wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
-                    acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)  # [BLOCK_N]
+                    acc += _head_sum(qh, wh, k, F32_DOT, PRECISION, KEYS_M)
             if HAS_SCALES:  # a key's scale (> 0) passes through relu: applied once to its column's sum
                 acc = acc * k_scale
             score = tl.where(key_ok, acc, float("-inf"))
@@ -173,7 +183,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
                         block_h: int | None = None, out: torch.Tensor | None = None,
                         kv_rows: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                         k: int = 0, steps: int | None = None, num_warps: int | None = None,
-                        q_fp8: bool = False) -> torch.Tensor:
+                        q_fp8: bool = False, keys_m: bool = False) -> torch.Tensor:
     """DSA indexer scores of a fixed-width batch.
 
     q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
@@ -190,7 +200,8 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     q_fp8 (fp8 caches only): each head's q row rounded to e4m3 with its own scale (amax / 448) in the kernel and the
     dot run in fp8, the key tile never converted (reference: `quantise_rows_fp8` on q, then these scores); a launch
     option to measure against the default (the fp8 cache converted to q's dtype ran slower than bf16 keys,
-    BENCHMARKS §28.3), not what the DSA backend runs."""
+    BENCHMARKS §28.3), not what the DSA backend runs. keys_m: each tile's dot as [keys, heads] rather than [heads,
+    keys] (`_head_sum`), a launch option to measure."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
@@ -232,7 +243,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, STEPS=steps, HAS_SCALES=scales is not None,
         HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, HIST=hist is not None, PDL=pdl,
         num_warps=num_warps or (4 if block_h * block_d <= 4096 else 8), NUM_STAGES=2 if steps > 1 else 1, Q_FP8=q_fp8,
-        ONE_H_BLOCK=num_heads <= block_h,
+        ONE_H_BLOCK=num_heads <= block_h, KEYS_M=keys_m,
         **pdl_kwargs(bool(pdl)),
     )
     return out
