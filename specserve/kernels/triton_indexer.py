@@ -81,9 +81,14 @@ def _q_fp8(q_row, w_row, h, h_ok, d, d_ok, stride_qh, stride_wh, EXACT_FIRST: tl
 def _head_sum(qh, wh, k, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, KEYS_M: tl.constexpr):
     """sum_h wh[h] * relu(qh[h] . k[n]) for a key tile k [BLOCK_N, BLOCK_D] and heads qh [BLOCK_H, BLOCK_D] ->
     [BLOCK_N] float32. KEYS_M: the dot as [keys, heads] (keys on tl.dot's M, the head sum along N, within a warp's
-    lanes); else [heads, keys] (the head sum along M, across warps)."""
+    lanes); else [heads, keys] (the head sum along M, across warps). With keys on M an fp8 x fp8 tile is a Hopper
+    warpgroup MMA, which Triton runs with imprecise fp8 accumulation by default on sm_90 (BENCHMARKS §31.5: 5% of
+    the scores off by more than 1e-3, up to 0.056); max_num_imprecise_acc=0 keeps every K step's sum in float32."""
     if KEYS_M:
-        s = dot(k, tl.trans(qh), F32_DOT, PRECISION)  # [BLOCK_N, BLOCK_H] float32
+        if F32_DOT:
+            s = dot(k, tl.trans(qh), F32_DOT, PRECISION)  # [BLOCK_N, BLOCK_H] float32
+        else:
+            s = tl.dot(k, tl.trans(qh), input_precision=PRECISION, max_num_imprecise_acc=0)
         return tl.sum(tl.maximum(s, 0.0) * wh[None, :], axis=1)
     s = dot(qh, tl.trans(k), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
     return tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)
