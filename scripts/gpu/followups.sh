@@ -65,6 +65,8 @@
 #             and `bench_adaptive.py`. For a fresh lease: `smollm2_round.sh keep` + `join` + `sweep 1024,4096` and then
 #             `sweep 30720` (issue 17's sweep at `c1829a5`: §30.5 had 0.96x at 1024 x 64 before the prefill-launch fix),
 #             then `twentyseventh` (bench_adaptive.py at the last commit).
+#   all of those, `twentyeighth` and `twentyeighth-b` ran in the first session of 2026-12-04 (§31). For a fresh lease:
+#             `twentyninth` (the keys_m scores tile with float32 fp8 sums, §31.5: GPU tests and speed).
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)
@@ -309,6 +311,13 @@ case "${1:-}" in
       tests/test_triton_router.py 2>&1 | grep -v -i warn | tail -2
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
+    ;;
+  twentyninth)  # the scores tile as [keys, heads] with float32 fp8 sums (§31.5): GPU indexer tests, then its speed
+    # against bf16 keys and the imprecise run of §31.5 (47.8 / 93.3 us at batch 32 / 64), then the launch sweep
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py 2>&1 | grep -v -i warn | tail -3
+    timeout 150 python3 scripts/gpu/profile_kernels.py --parts scores-keys-m --iters 20 2>&1 | grep -v -i warn | tail -12
+    timeout 200 python3 scripts/gpu/profile_kernels.py --parts scores-fp8-sweep --iters 20 2>&1 | grep -v -i warn \
+      | tail -30
     ;;
   twentyeighth)  # q_fp8 rounded once a program (§31): GPU indexer tests, the scores kernel; issue 12's phases
     # against their bandwidth floors (bench/floors.py) at batch 1-64
