@@ -377,6 +377,38 @@ def test_fp8_indexer_keys(dsa):
     assert float(err.max()) <= 2 ** -3
 
 
+def test_fp8_indexer_rounds_the_queries_as_the_keys(dsa):
+    """With fp8 index keys the reference scores e4m3 queries (each token's head row at its own scale, as the keys
+    and as DeepSeek-V3.2's fp8 indexer); with bf16 keys the queries as they are."""
+    from specserve.kernels.reference import quantise_rows_fp8
+
+    q = torch.randn(5, 4, 16, generator=torch.Generator().manual_seed(3)) * 3
+    q8, scale = quantise_rows_fp8(q)
+    for dtype, want in (("fp8_e4m3", q8.float() * scale[..., None]), ("auto", q)):
+        mr, _ = _runner(dsa["deepseek_v32_sparse"], n=0, indexer_cache_dtype=dtype)
+        got = mr.prefill.eager_backends[CacheKind.INDEX_KEYS]._queries(q)
+        assert torch.equal(got, want), dtype
+    assert not torch.equal(q8.float() * scale[..., None], q)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors under Triton's interpreter")
+def test_fp8_indexer_triton_equals_the_reference(dsa):
+    """--indexer-cache-dtype fp8_e4m3 with the Triton backends (the scores kernel rounding the queries itself,
+    q_fp8) and with the torch reference (rounding them in _queries): the same greedy MTP tokens."""
+    from specserve.attention.torch_mla_backend import TritonIndexBackend
+
+    outs = []
+    for backend in ("torch", "triton"):
+        sched, _ = build_scheduler(dsa["deepseek_v32_sparse"], max_total_tokens=4096, attention_backend=backend,
+                                   indexer_cache_dtype="fp8_e4m3", speculative_algorithm="MTP",
+                                   speculative_num_steps=2)
+        kind = type(sched.mr.spec.runners["target_verify"].backends[CacheKind.INDEX_KEYS])
+        assert (kind is TritonIndexBackend) == (backend == "triton")
+        outs.append([r.output_ids for r in run_greedy(sched, _prompts()[:3], 8)])
+        sched.check_idle_invariants()
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors under Triton's interpreter; on a GPU: "
                     "test_gpu_mla.py::test_triton_mla_backend_equals_reference_gpu")
 @pytest.mark.parametrize("key", ["deepseek_v32_sparse", "glm_moe_dsa_dense"])

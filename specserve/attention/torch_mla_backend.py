@@ -130,10 +130,11 @@ class TorchIndexBackend(TorchAttentionBackend):
         rows = self.kv_pool.rows[i]  # [slots, Di]
         self._store(iq, i, fb)
         meta = self.meta
+        q_all = self._queries(iq.q)  # [T, Hi, Di] float32
         if isinstance(meta, _FixedMeta):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]
             keys = self._keys(meta.kv_slots.reshape(-1), i).view(bs, -1, rows.shape[1])  # [bs, kv, D] float32
-            q = iq.q.view(bs, w, indexer.n_heads, -1).float()
+            q = q_all.view(bs, w, indexer.n_heads, -1)
             s = torch.einsum("bwhd,bkd->bwhk", q, keys).relu()  # [bs, w, Hi, kv]
             scores = torch.einsum("bwh,bwhk->bwk", iq.weights.view(bs, w, -1), s)
             self.last = topk_mask(scores, meta.mask[:, 0], indexer.topk)[:, None]  # [bs, 1, w, kv]
@@ -143,7 +144,7 @@ class TorchIndexBackend(TorchAttentionBackend):
             keys = self._keys(slots, i)  # [s, D]
             parts = []
             for a, b in query_blocks(e, indexer.n_heads * slots.numel(), self.max_scores):
-                s = torch.einsum("ehd,kd->ehk", iq.q[q0 + a:q0 + b].float(), keys).relu()  # [b - a, Hi, s]
+                s = torch.einsum("ehd,kd->ehk", q_all[q0 + a:q0 + b], keys).relu()  # [b - a, Hi, s]
                 scores = torch.einsum("eh,ehk->ek", iq.weights[q0 + a:q0 + b], s)
                 parts.append(topk_mask(scores, mask[a:b], indexer.topk))
             out.append(torch.cat(parts))  # [e, s]
@@ -160,6 +161,15 @@ class TorchIndexBackend(TorchAttentionBackend):
             k8, scale = quantise_rows_fp8(iq.k)  # [T, Di], [T]
             rows[fb.out_cache_loc] = k8
             pool.scales[layer][fb.out_cache_loc] = scale
+
+    def _queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Index queries q [T, Hi, Di] -> float32; with fp8 index keys each (token, head) row rounded to e4m3 with
+        its own scale first, as the keys are: DeepSeek-V3.2's fp8 indexer scores fp8 queries against fp8 keys, and
+        the Triton backend's kernel does the same rounding (kernels/triton_indexer.py q_fp8)."""
+        if self.kv_pool.scales is None:
+            return q.float()
+        q8, scale = quantise_rows_fp8(q)  # [T, Hi, Di], [T, Hi]
+        return q8.float() * scale[..., None]
 
     def _keys(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
         """Cached index keys of `slots` [n] -> [n, D] float32 (dequantised when stored in fp8)."""
@@ -300,19 +310,21 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         i = indexer.cache_index
         self._store(iq, i, fb)
         pool = self.kv_pool
+        fp8 = pool.scales is not None  # fp8 keys: fp8 queries too (_queries), rounded in the kernel
         if isinstance(meta, TokenRows):  # [T, 1, table width] scores over each token's page-table row
             table = self.req_to_token.table if meta.width is None else self.req_to_token.table[:, :meta.width]
             hist = self._hist(iq.q.shape[0], table.shape[1], iq.q.device)
             scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                          None if pool.scales is None else pool.scales[i], table, meta.lens, 1,
-                                         kv_rows=meta.rows, hist=hist, k=indexer.topk)
+                                         kv_rows=meta.rows, hist=hist, k=indexer.topk, q_fp8=fp8)
             self.last = SparseSelection(*self._topk(scores, meta.lens, table, 1, indexer.topk, kv_rows=meta.rows,
                                                     hist=hist))
             return self.last
         hist = self._hist(iq.q.shape[0], meta.kv_slots.shape[1], iq.q.device)
         scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                      None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
-                                     meta.mask.shape[2], hist=hist, k=indexer.topk)  # [bs, w, kv], -inf where unseen
+                                     meta.mask.shape[2], hist=hist, k=indexer.topk,
+                                     q_fp8=fp8)  # [bs, w, kv], -inf where unseen
         slots, counts = self._topk(scores, fb.seq_lens, meta.kv_slots, meta.mask.shape[2], indexer.topk, hist=hist)
         self.last = SparseSelection(slots, counts)  # topk_slots' choice, in position order
         return self.last

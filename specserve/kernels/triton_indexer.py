@@ -203,10 +203,9 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     here, as the scores are written; then pass it to index_topk_triton with the same k. steps: key blocks a program
     walks (default `key_steps`: more once the grid has programs to spare); num_warps: default 4, 8 for large q tiles.
     q_fp8 (fp8 caches only): each head's q row rounded to e4m3 with its own scale (amax / 448) in the kernel and the
-    dot run in fp8, the key tile never converted (reference: `quantise_rows_fp8` on q, then these scores); a launch
-    option to measure against the default (the fp8 cache converted to q's dtype ran slower than bf16 keys,
-    BENCHMARKS §28.3), not what the DSA backend runs. keys_m: each tile's dot as [keys, heads] rather than [heads,
-    keys] (`_head_sum`), a launch option to measure."""
+    dot run in fp8, the key tile never converted (reference: `quantise_rows_fp8` on q, then these scores): what the
+    DSA backend runs over fp8 index keys (1.2-1.3x the converted keys at batch 8-64, BENCHMARKS §31.4). keys_m: each
+    tile's dot as [keys, heads] rather than [heads, keys] (`_head_sum`), a launch option to measure (§31.5)."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
