@@ -21,6 +21,8 @@ from test_qwen3_next import _hf_greedy
 from test_runners import check_one_graph_step
 from test_spec_greedy import _prompts
 
+from specserve.batch import CacheKind
+
 pytestmark = pytest.mark.gpu
 NEW = 24
 
@@ -111,3 +113,18 @@ def test_adaptive_plain_steps_gpu(models):
     assert spec.stats.spec_plain_steps > 0 and spec.mr.spec.catch_ups["before_spec"] > 0
     spec.check_idle_invariants()
 
+
+
+def test_fp8_indexer_triton_equals_reference_gpu(models):
+    """--indexer-cache-dtype fp8_e4m3 on the GPU: the Triton scores kernel's fp8 x fp8 dot (q rounded in the kernel,
+    q_fp8) against the torch reference rounding q the same way; the same greedy tokens, plain and MTP."""
+    prompts = _prompts()
+    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32,
+              indexer_cache_dtype="fp8_e4m3")
+    ref = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="torch", **kw)[0],
+                                            prompts, NEW)]
+    spec, _ = build_scheduler(models["glm"], attention_backend="triton", speculative_algorithm="MTP",
+                              speculative_num_steps=3, **kw)
+    assert spec.mr.spec.runners["target_verify"].backends[CacheKind.INDEX_KEYS].kv_pool.scales is not None
+    assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
+    spec.check_idle_invariants()

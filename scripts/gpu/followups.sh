@@ -312,6 +312,15 @@ case "${1:-}" in
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
     ;;
+  thirtieth)  # fp8 index keys through the DSA step (q_fp8, and the keys_m tile with float32 sums): GPU tests, the
+    # scores kernel, the DSA step against dense MLA at 32k; GLM-5's graphed draft step kernel by kernel at batch 1
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py \
+      tests/test_gpu_mla.py::test_fp8_indexer_triton_equals_reference_gpu 2>&1 | grep -v -i warn | tail -4
+    timeout 200 python3 scripts/gpu/profile_kernels.py --parts scores-keys-m dsa-batches-fp8 --iters 20 2>&1 \
+      | grep -v -i warn | tail -24
+    timeout 150 python3 scripts/gpu/profile_phase.py --preset glm-5 --phases draft_decode --bs 1 --top 24 2>&1 \
+      | grep -v -i warn | tail -27
+    ;;
   twentyninth)  # the scores tile as [keys, heads] with float32 fp8 sums (§31.5): GPU indexer tests, then its speed
     # against bf16 keys and the imprecise run of §31.5 (47.8 / 93.3 us at batch 32 / 64), then the launch sweep
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py 2>&1 | grep -v -i warn | tail -3

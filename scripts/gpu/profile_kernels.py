@@ -7,6 +7,7 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
 `dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio), keys
 in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots;
 `dsa-layouts` random / 64-token pages shuffled / contiguous slots, each with bf16 and fp8 index keys;
+`dsa-batches-fp8` random slots with bf16 keys, fp8 keys (q_fp8) and fp8 keys with the keys_m tile;
 `scores-options` the scores kernel's launch options; `dsa-first-pass` the top-k's first pass fused or not;
 `sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64. `scores-fp8` the scores kernel alone over
 bf16 keys, fp8 keys, and fp8 keys with q rounded to fp8 in the kernel (q_fp8), batch 1-64.
@@ -123,16 +124,16 @@ class DsaLayer:
                    torch.randn((bs, hi), device=DEV, generator=g),
                    torch.randn((bs, h, cr), device=DEV, dtype=torch.bfloat16, generator=g))
 
-    def sparse(self, fused: bool | None = None):
+    def sparse(self, fused: bool | None = None, keys_m: bool = False):
         """The DSA step as attention/torch_mla_backend.py TritonIndexBackend runs it: the scores kernel (doing the
-        top-k's first pass when `fused`; None: where fuse_first_pass says), then the top-k, then the sparse MLA
-        over the chosen rows."""
+        top-k's first pass when `fused`; None: where fuse_first_pass says; over fp8 keys with q rounded to fp8,
+        q_fp8; keys_m: the tile's dot as [keys, heads]), then the top-k, then the sparse MLA over the chosen rows."""
         bs, topk = self.lens.shape[0], GLM5["topk"]
         if fused is None:
             fused = fuse_first_pass(bs, self.kv_slots.shape[1], DEV)
         hist = topk_workspace(bs, DEV) if fused else None
         s = index_scores_triton(self.q, self.wts, self.rows, self.scales, self.kv_slots, self.lens, 1, hist=hist,
-                                k=topk if fused else 0)
+                                k=topk if fused else 0, q_fp8=self.scales is not None, keys_m=keys_m)
         sel, cnt = index_topk_triton(s, self.lens, self.kv_slots, 1, topk, hist=hist)
         return mla_decode_triton(self.qm, self.lat, sel, cnt, 1, 0.07, GLM5["c"])
 
@@ -177,17 +178,18 @@ def dsa_first_pass(iters: int) -> None:
 def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), layouts=("random",), key_types=("bf16",)) -> None:
     """Issue 14's sparse against dense attention at 32k keys per request, at each batch size: one GLM-5 layer's
     DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys,
-    for each slot layout (DsaLayer) and index-key type (bf16, or fp8 with a scale a slot: --indexer-cache-dtype)."""
+    for each slot layout (DsaLayer) and index-key type (bf16; fp8 with a scale a slot, --indexer-cache-dtype, scored
+    with q in fp8; fp8-m the same with the scores tile as [keys, heads], keys_m)."""
     print("\n=== one GLM-5 layer over 32k keys a request: DSA step vs dense MLA, graph replay us ===")
     print(f"{'layout':>10} {'keys':>4} {'bs':>4} | {'DSA step':>9} | {'dense MLA':>9} | {'dense / DSA':>11}")
     for layout in layouts:
         for bs in batch_sizes:
             dense_us = None
             for keys in key_types:
-                layer = DsaLayer.build(bs, 32768, layout, fp8=keys == "fp8")
+                layer = DsaLayer.build(bs, 32768, layout, fp8=keys != "bf16")
                 if dense_us is None:  # the dense MLA reads no index keys: once a layout and batch
                     dense_us = graph_us(layer.dense, iters)
-                sparse_us = graph_us(layer.sparse, iters)
+                sparse_us = graph_us(functools.partial(layer.sparse, keys_m=keys == "fp8-m"), iters)
                 print(f"{layout:>10} {keys:>4} {bs:>4} | {sparse_us:9.1f} | {dense_us:9.1f} | "
                       f"{dense_us / sparse_us:10.2f}x")
                 del layer
@@ -369,6 +371,7 @@ def main() -> None:
              "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
              "sparse-mla": sparse_mla_sweep, "scores-fp8": scores_fp8, "scores-fp8-sweep": scores_fp8_sweep,
              "scores-keys-m": scores_keys_m,
+             "dsa-batches-fp8": functools.partial(dsa_batches, key_types=("bf16", "fp8", "fp8-m")),
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}
