@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, serve, bench, eval, train-mtp, bench-phases."""
+"""`specserve` command line: generate, serve, bench, eval, train-mtp, token-map, bench-phases."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ COMMANDS = {
     "bench-compare": ("specserve.bench.compare", "main"),
     "eval": ("specserve.bench.eval_cli", "main"),
     "train-mtp": ("specserve.train.cli", "main"),
+    "token-map": ("specserve.train.token_map_cli", "main"),
     "bench-phases": ("specserve.bench.phases", "main"),
     "bench-floors": ("specserve.bench.floors", "main"),
     "bench-spec": ("specserve.bench.spec_speed", "main"),
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
               "  bench-compare speculation vs plain through two servers, input lengths x concurrency\n"
               "  eval          accuracy evals (gsm8k)\n"
               "  train-mtp     train an MTP draft head by self-distillation\n"
+              "  token-map     write a --speculative-token-map file (the draft's hot tokens) from text\n"
               "  bench-phases  per-phase GPU timings, eager vs CUDA graph\n"
               "  bench-floors  each phase's bandwidth floor (bytes it must move) for a preset, no GPU needed\n"
               "  bench-spec    a draft head end to end: acceptance per N, tokens/s spec vs plain\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 SPEC_ALGORITHMS = ("MTP", "EAGLE", "NEXTN")
@@ -57,6 +58,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = None
     speculative_ngram_lookup: bool = False  # draft from n-gram continuations in the context (speculative/ngram.py)
     speculative_ngram_confidence: float = 0.5  # ... when the head's top probability is below this
+    speculative_token_map: str | None = None  # the tokens the draft may propose (models/token_map.py)
     speculative_draft_model_quantization: str | None = None  # "int8": weight-only int8 draft on CPU (layers/quant.py)
     # sampled requests' drafts: the head's argmax (one-hot draft) or drawn from the head's own distribution
     speculative_draft_sampling: str = "argmax"
@@ -147,6 +149,11 @@ class ServerArgs:
         if self.speculative_ngram_lookup and not self.spec_enabled and not self.embedded_speculates:
             raise ValueError("--speculative-ngram-lookup needs --speculative-algorithm MTP/EAGLE/NEXTN (it picks "
                              "draft tokens)")
+        if self.speculative_token_map is not None:
+            if not self.spec_enabled and not self.embedded_speculates:
+                raise ValueError("--speculative-token-map needs --speculative-algorithm MTP/EAGLE/NEXTN")
+            if not os.path.isfile(self.speculative_token_map):
+                raise ValueError(f"--speculative-token-map {self.speculative_token_map!r}: no such file")
         q = self.speculative_draft_model_quantization
         if q is not None and q not in QUANTIZATIONS:
             raise ValueError(f"--speculative-draft-model-quantization must be one of {QUANTIZATIONS}, got {q!r}")
@@ -331,6 +338,10 @@ class ServerArgs:
                "into the projection after it, SiLU-mul into gate/up, no split-K reduce: kernels/triton_gemv.py), "
                "cublas (separate launches), auto (triton for the shapes it was measured faster on, "
                "kernels/gemv_policy.py)")
+        a("--speculative-token-map", default=None,
+          help="a .pt or .json file of the target token ids the draft may propose (FR-Spec's hot vocabulary; "
+               "`specserve token-map` writes one): the draft's lm-head keeps only those rows, so each draft step "
+               "reads less; output unchanged, acceptance bounded by the map's coverage")
         a("--speculative-mtp-chain", default="normed", choices=("normed", "prenorm"),
           help="the MTP draft's hidden state chained into its next step: after its final norm (shared_head.norm) "
                "or before it")

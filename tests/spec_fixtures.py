@@ -18,6 +18,7 @@ from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
+from specserve.models.token_map import load_token_map
 from specserve.server_args import ServerArgs
 
 
@@ -109,7 +110,9 @@ def build_scheduler(path: str, draft: nn.Module | None = None, draft_path: str |
     dev = torch.device(device)
     t = load_target(ModelSource.resolve(path), dtype, dev, 600)
     if draft is None and args.spec_enabled:
-        draft = load_mtp_draft(t, draft_path, dtype, dev, 600)
+        token_map = (load_token_map(args.speculative_token_map, t.config.vocab_size)
+                     if args.speculative_token_map else None)
+        draft = load_mtp_draft(t, draft_path, dtype, dev, 600, token_map)
     elif draft is not None:
         draft = draft.to(dev)
     ctx = args.context_length or t.config.max_position_embeddings

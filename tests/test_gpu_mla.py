@@ -123,6 +123,11 @@ def test_fp8_indexer_triton_equals_reference_gpu(models):
               indexer_cache_dtype="fp8_e4m3")
     ref = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="torch", **kw)[0],
                                             prompts, NEW)]
+    plain = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="triton", **kw)[0],
+                                              prompts, NEW)]
+    diff = [(i, next(j for j, (a, b) in enumerate(zip(p, r)) if a != b)) for i, (p, r) in enumerate(zip(plain, ref))
+            if p != r]
+    assert not diff, f"triton plain != torch plain at (prompt, first token): {diff}"
     spec, _ = build_scheduler(models["glm"], attention_backend="triton", speculative_algorithm="MTP",
                               speculative_num_steps=3, **kw)
     assert spec.mr.spec.runners["target_verify"].backends[CacheKind.INDEX_KEYS].kv_pool.scales is not None

@@ -312,6 +312,23 @@ case "${1:-}" in
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
     ;;
+  thirtyfirst)  # the fp8 indexer's GPU test (diagnostic); GLM-5 at 32k, batch 1, without and with a 32768-token
+    # draft token map (--speculative-token-map): the draft step graph vs eager, spec iteration vs plain step
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_mla.py::test_fp8_indexer_triton_equals_reference_gpu \
+      2>&1 | grep -v -i warn | grep -E "assert|passed|failed|Error" | tail -6
+    for m in 0 32768; do
+      timeout 220 python3 -m specserve.cli bench-phases --preset glm-5 --batch-sizes 1 --iters 10 --idle-steps 0 \
+        --prefix-len 32000 --context-length 33000 --prefill-tokens 0 --token-map-size $m 2>&1 | grep -v -i warn \
+        | tee "$OUT/glm5_map$m.log" | tail -22
+    done
+    ;;
+  thirtyfirst-b)  # Qwen3-Next (24 layers) at batch 1 and 32 without and with a 32768-token draft token map
+    for m in 0 32768; do
+      timeout 280 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,32 \
+        --prefix-len 1024 --context-length 2048 --iters 10 --idle-steps 0 --prefill-tokens 0 --token-map-size $m \
+        2>&1 | grep -v -i warn | tee "$OUT/qnext_map$m.log" | tail -26
+    done
+    ;;
   thirtieth)  # fp8 index keys through the DSA step (q_fp8, and the keys_m tile with float32 sums): GPU tests, the
     # scores kernel, the DSA step against dense MLA at 32k; GLM-5's graphed draft step kernel by kernel at batch 1
     timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_triton_indexer.py \

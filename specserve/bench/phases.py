@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project-accept-lengths", default=None,
                    help="comma-separated accept lengths (tokens per verify): print the projected speed-up "
                         "accept / (spec iter / plain step) at each batch size, labelled a projection")
+    p.add_argument("--token-map-size", type=int, default=0,
+                   help="restrict the draft's head to this many token ids (--speculative-token-map; random ids: "
+                        "timing only). 0: the full vocabulary")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -221,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             draft = random_draft(cfg, target, dtype, dev, max_pos)  # timing only: weights do not matter
         label = args.model_path or "embedded SmolLM2-135M-Instruct"
+    if args.token_map_size:
+        g = torch.Generator().manual_seed(0)
+        draft.restrict_vocab(torch.sort(torch.randperm(cfg.vocab_size, generator=g)[:args.token_map_size]).values)
+        label += f", token map of {args.token_map_size}"
     pair = make_runners(target, draft, cfg, dtype, dev, args.speculative_num_steps, max(bss), args.context_length,
                         disable_graphs=False, attention_backend=args.attention_backend, capture_bs=bss,
                         prefill_graph_tokens=args.prefill_tokens, decode_gemv=args.decode_gemv)

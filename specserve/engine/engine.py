@@ -35,6 +35,7 @@ from specserve.models.loader import (
     load_target,
     resolve_dtype,
 )
+from specserve.models.token_map import load_token_map
 from specserve.server_args import ServerArgs
 from specserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -73,11 +74,13 @@ def load_models(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> Lo
     model_cfg = ModelConfig.from_hf(hf_config)
     context_len = model_cfg.context_len(args.context_length)  # within a sliding window
     max_positions = max(context_len, model_cfg.max_position_embeddings) + args.num_draft_steps + 2
+    # a bad token map fails here, before any weight loads
+    token_map = load_token_map(args.speculative_token_map, model_cfg.vocab_size) if args.speculative_token_map else None
     torch.manual_seed(args.random_seed)
     target = load_target(src, dtype, device, max_positions, hf_config, tp=tp)
     draft = None
     if args.spec_enabled:
-        draft = load_mtp_draft(target, draft_path, dtype, device, max_positions)
+        draft = load_mtp_draft(target, draft_path, dtype, device, max_positions, token_map)
         quantize_draft(draft, args.speculative_draft_model_quantization, device)
     return LoadedModels(src, target, draft, dtype, context_len)
 

@@ -187,8 +187,9 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
 
 
 def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dtype, device: torch.device,
-                   max_positions: int) -> MTPDraftModel:
-    """The MTP drafter: from a separate draft folder when given, else from the target checkpoint's MTP layer."""
+                   max_positions: int, token_map: torch.Tensor | None = None) -> MTPDraftModel:
+    """The MTP drafter: from a separate draft folder when given, else from the target checkpoint's MTP layer.
+    token_map [Vd] int64 ascending (models/token_map.py): the only tokens it may propose (its head restricted)."""
     if draft_path:
         dsrc = ModelSource.resolve(draft_path)
         if dsrc.is_gguf:
@@ -224,6 +225,8 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
         draft.load_weights(_dequantized(_stream(dsrc, dcfg, names, "Loading MTP weights"), fp8, device), layer_index,
                            preset={"lm_head.weight"} if head_from_target else set())
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
+    if token_map is not None:
+        draft.restrict_vocab(token_map)
     draft.eval().requires_grad_(False)
     return draft
 

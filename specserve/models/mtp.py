@@ -134,6 +134,23 @@ class MTPDraftModel(nn.Module):
             hidden = hidden[..., :h].contiguous()
         return self.head(hidden)
 
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Propose only the target tokens `ids` [Vd] (int64, ascending; models/token_map.py): the head becomes
+        those rows of the current one (its own or the target's it shares), a copy of Vd x H, so a draft step's
+        lm-head reads Vd / V of the bytes. Call before graphs are captured."""
+        if self.draft_vocab is not None:
+            raise ValueError(f"the draft head already has a reduced vocabulary of {self.draft_vocab.numel()} tokens "
+                             "(its checkpoint's draft_vocab); a token map cannot replace it")
+        src = self.head
+        if type(src) is not LMHead:  # a vocab-parallel head holds 1 / tp of the rows
+            raise ValueError(f"a token map needs the whole lm-head on this rank, not a {type(src).__name__}")
+        head = LMHead(ids.numel(), self.config.hidden_size).to(device=src.weight.device, dtype=src.weight.dtype)
+        with torch.no_grad():
+            head.weight.copy_(src.weight[ids.to(src.weight.device)])
+        self.lm_head = head.requires_grad_(False)
+        del self.draft_vocab  # the plain None attribute, replaced by a buffer that moves with the module
+        self.register_buffer("draft_vocab", ids.to(device=src.weight.device, dtype=torch.int64))
+
     def draft_vocab_size(self) -> int:
         """Vd: the tokens the head can propose (its reduced vocabulary, else the target's)."""
         return self.draft_vocab.numel() if self.draft_vocab is not None else self.config.vocab_size
