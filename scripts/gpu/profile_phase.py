@@ -24,9 +24,12 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--token-map-size", type=int, default=0, help="the draft's head restricted to this many ids")
     args = p.parse_args()
     dev = torch.device("cuda")
     target, draft, cfg = random_models(args.preset, torch.bfloat16, dev, 4096)
+    if args.token_map_size:
+        draft.restrict_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:args.token_map_size]).values)
     pair = make_runners(target, draft, cfg, torch.bfloat16, dev, 3, args.bs, 2048, disable_graphs=False,
                         capture_bs=[args.bs])
     for phase in args.phases.split(","):

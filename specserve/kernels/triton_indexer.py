@@ -30,7 +30,7 @@ memory; one whose block lies wholly past that length loads nothing and writes -i
 so a launch is CUDA-graph capturable and replays with new q / weights / seq_lens / kv_slots copied into the same
 tensors.
 
-Block sizes: BLOCK_N = 64 keys; BLOCK_D = D padded to a power of two (>= 16, tl.dot's smallest K); BLOCK_H = Hi
+Block sizes: BLOCK_N = 64 keys; BLOCK_D = D padded to a power of two (>= 16, tl.dot's smallest K; >= 32 for q_fp8's fp8 dot); BLOCK_H = Hi
 padded to a power of two, at least 16 (tl.dot's smallest M; padded heads have q = 0 and weight 0) and at most 64:
 more heads are looped over in blocks of 64, reusing the loaded key tile. num_warps 4, 8 for the larger q tiles
 (BLOCK_H * BLOCK_D > 4096, e.g. DeepSeek-V3.2's Hi = 64, D = 128). `F32_DOT` computes the products in float32: set
@@ -227,7 +227,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         return out
     if block_n is None:  # without the first pass, 128-key tiles (BENCHMARKS §28: 32 x 32k keys 117.9 -> 86.4 us)
         block_n = 64 if hist is not None else 128
-    block_d = max(16, triton.next_power_of_2(dim))
+    block_d = max(32 if q_fp8 else 16, triton.next_power_of_2(dim))  # an fp8 tl.dot needs K >= 32 on the GPU
     if block_h is None:
         block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     sc, sc_stride = (rows, 0) if scales is None else (scales, scales.stride(0))  # rows: an unused pointer
