@@ -322,6 +322,14 @@ case "${1:-}" in
         | tee "$OUT/glm5_map$m.log" | tail -22
     done
     ;;
+  thirtyfirst-c)  # the fp8 GPU test after the K >= 32 fix; the draft steps with a 32768-token map kernel by kernel
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_mla.py::test_fp8_indexer_triton_equals_reference_gpu \
+      tests/test_triton_indexer.py -k "fp8" 2>&1 | grep -v -i warn | grep -E "assert|passed|failed|Error" | tail -6
+    timeout 150 python3 scripts/gpu/profile_phase.py --preset qwen3-next-80b-a3b --phases draft_decode --bs 1 --top 30 \
+      --token-map-size 32768 2>&1 | grep -v -i warn | tail -32
+    timeout 150 python3 scripts/gpu/profile_phase.py --preset glm-5 --phases draft_decode --bs 1 --top 16 \
+      --token-map-size 32768 2>&1 | grep -v -i warn | tail -18
+    ;;
   thirtyfirst-b)  # Qwen3-Next (24 layers) at batch 1 and 32 without and with a 32768-token draft token map
     for m in 0 32768; do
       timeout 280 python3 -m specserve.cli bench-phases --preset qwen3-next-80b-a3b --batch-sizes 1,32 \
