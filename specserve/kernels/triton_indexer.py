@@ -204,7 +204,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     q_fp8 (fp8 caches only): each head's q row rounded to e4m3 with its own scale (amax / 448) in the kernel and the
     dot run in fp8, the key tile never converted (reference: `quantise_rows_fp8` on q, then these scores): what the
     DSA backend runs over fp8 index keys (1.2-1.3x the converted keys at batch 8-64, BENCHMARKS §31.4). keys_m: each
-    tile's dot as [keys, heads] rather than [heads, keys] (`_head_sum`), a launch option to measure (§31.5)."""
+    tile's dot as [keys, heads] rather than [heads, keys] (`_head_sum`): the DSA backend's choice over fp8 keys."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
