@@ -140,3 +140,25 @@ def test_token_map_cli_writes_a_map_the_engine_reads(tiny_models, tmp_path):
     bad.write_text('{"prompt": "x"}\n')
     with pytest.raises(SystemExit):
         main(["token-map", "--model-path", path, "--input", str(bad), "--size", "8", "--output", out])
+
+
+def test_engine_serves_with_a_token_map_and_rejects_a_bad_one(tiny_models, plain_outputs, tmp_path):
+    """Through Engine (engine.py load_models): the map reaches the draft, the output is the plain run's; a map with
+    an id past the vocabulary is a ValueError naming the file."""
+    from specserve import Engine
+
+    prompts, plain = plain_outputs
+    good = _write(tmp_path, "m.json", list(range(0, 256, 3)))
+    eng = Engine(model_path=tiny_models["llama_mtp"], max_total_tokens=4096, speculative_algorithm="MTP",
+                 speculative_num_steps=2, speculative_token_map=good)
+    try:
+        assert eng.core.model_runner.draft.draft_vocab_size() == len(range(0, 256, 3))
+        outs = eng.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": NEW, "temperature": 0.0,
+                                                                    "ignore_eos": True})
+        assert [o["output_ids"] for o in outs] == plain[:2]
+    finally:
+        eng.shutdown()
+    bad = _write(tmp_path, "bad.json", [1, 5000])
+    with pytest.raises(ValueError, match="bad.json.*outside the target's vocabulary"):
+        Engine(model_path=tiny_models["llama_mtp"], max_total_tokens=4096, speculative_algorithm="MTP",
+               speculative_token_map=bad)
