@@ -7,7 +7,9 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
 `dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio), keys
 in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots;
 `dsa-layouts` random / 64-token pages shuffled / contiguous slots, each with bf16 and fp8 index keys;
-`dsa-batches-fp8` random slots with bf16 keys, fp8 keys (q_fp8) and fp8 keys with the keys_m tile;
+`sparse-mla-heads` the sparse MLA's launch options at 16 / 32 / 64 heads a program, batch 32 / 64;
+`dsa-breakdown` the DSA step kernel by kernel over fp8 keys (keys_m) at batch 32 / 64; `dsa-batches-fp8`
+random slots with bf16 keys, fp8 keys (q_fp8) and fp8 keys with the keys_m tile;
 `scores-options` the scores kernel's launch options; `dsa-first-pass` the top-k's first pass fused or not;
 `sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64. `scores-fp8` the scores kernel alone over
 bf16 keys, fp8 keys, and fp8 keys with q rounded to fp8 in the kernel (q_fp8), batch 1-64.
@@ -223,6 +225,16 @@ def mla_keys_per_step(iters: int) -> None:
     breakdown("DSA bs 32, 32k keys: scores + top-k + sparse MLA", DsaLayer.build(32, 32768, seed=0).sparse, iters)
 
 
+def dsa_breakdown(iters: int) -> None:
+    """One GLM-5 DSA step over 32k keys a request kernel by kernel at batch 32 and 64, fp8 index keys with q_fp8 and
+    the keys_m tile (what the DSA backend runs over fp8 keys)."""
+    for bs in (32, 64):
+        layer = DsaLayer.build(bs, 32768, fp8=True, seed=0)
+        breakdown(f"DSA bs {bs}, 32k keys, fp8 keys, keys_m", functools.partial(layer.sparse, keys_m=True), iters)
+        del layer
+        torch.cuda.empty_cache()
+
+
 def scores_steps(iters: int) -> None:
     """The indexer's scores kernel (with the top-k's first pass) walking 1, 2, 4, 8 key blocks a program, GLM-5
     shapes over 32k keys a request, against the default (`key_steps`)."""
@@ -334,29 +346,31 @@ def scores_fp8_sweep(iters: int) -> None:
             torch.cuda.empty_cache()
 
 
-def sparse_mla_sweep(iters: int) -> None:
+def sparse_mla_sweep(iters: int, block_hs=(None,), stages_list=(2, 3), batch_sizes=(8, 32, 64), top: int = 6) -> None:
     """The sparse MLA over each query's 2048 chosen rows (the DSA step's last kernel and its split combine), launch
-    options swept at batch 8 / 32 / 64: key splits x warps x stages x keys a step; outputs checked against the
-    default's. Prints the fastest few and the default."""
+    options swept at batch 8 / 32 / 64: key splits x warps x stages x keys a step (x heads a program, block_hs: None
+    the default's); outputs checked against the default's. Prints the fastest few of each heads a program and the
+    default."""
     c = GLM5["c"]
-    for bs in (8, 32, 64):
+    for bs, bh in itertools.product(batch_sizes, block_hs):
         x = DsaLayer.build(bs, 32768)
         s = index_scores_triton(x.q, x.wts, x.rows, None, x.kv_slots, x.lens, 1)
         sel, cnt = index_topk_triton(s, x.lens, x.kv_slots, 1, GLM5["topk"])
         want = mla_decode_triton(x.qm, x.lat, sel, cnt, 1, 0.07, c)
         base = graph_us(lambda x=x, sel=sel, cnt=cnt: mla_decode_triton(x.qm, x.lat, sel, cnt, 1, 0.07, c), iters)
         rows = []
-        for splits, warps, stages, bn in itertools.product((1, 2, 4, 8, 16), (4, 8), (2, 3), (32, 64)):
+        for splits, warps, stages, bn in itertools.product((1, 2, 4, 8, 16), (4, 8), stages_list, (32, 64)):
             fn = functools.partial(mla_decode_triton, x.qm, x.lat, sel, cnt, 1, 0.07, c, num_splits=splits,
-                                   num_warps=warps, num_stages=stages, block_n=bn)
+                                   num_warps=warps, num_stages=stages, block_n=bn, block_h=bh)
             try:
                 torch.testing.assert_close(fn(), want, rtol=2e-2, atol=2e-2)
                 rows.append((graph_us(fn, iters), f"splits {splits:2d} warps {warps} stages {stages} block_n {bn}"))
             except triton.runtime.errors.OutOfResources:
                 continue
         rows.sort()
-        print(f"\n=== sparse MLA over 2048 chosen rows, batch {bs}: default {base:.1f} us; fastest of {len(rows)} ===")
-        for us, name in rows[:6]:
+        print(f"\n=== sparse MLA over 2048 chosen rows, batch {bs}, heads a program {bh or 'default'}: default "
+              f"{base:.1f} us; fastest of {len(rows)} ===")
+        for us, name in rows[:top]:
             print(f"  {us:8.1f}  {base / us:5.2f}x  {name}")
         del x, s, sel, cnt
         torch.cuda.empty_cache()
@@ -369,8 +383,11 @@ def main() -> None:
     a = p.parse_args()
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
              "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
-             "sparse-mla": sparse_mla_sweep, "scores-fp8": scores_fp8, "scores-fp8-sweep": scores_fp8_sweep,
-             "scores-keys-m": scores_keys_m,
+             "sparse-mla": sparse_mla_sweep,
+             "sparse-mla-heads": functools.partial(sparse_mla_sweep, block_hs=(16, 32, 64), stages_list=(2,),
+                                                   batch_sizes=(32, 64), top=3),
+             "scores-fp8": scores_fp8, "scores-fp8-sweep": scores_fp8_sweep,
+             "scores-keys-m": scores_keys_m, "dsa-breakdown": dsa_breakdown,
              "dsa-batches-fp8": functools.partial(dsa_batches, key_types=("bf16", "fp8", "fp8-m")),
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
