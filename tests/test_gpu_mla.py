@@ -115,9 +115,11 @@ def test_adaptive_plain_steps_gpu(models):
 
 
 
-def test_fp8_indexer_triton_equals_reference_gpu(models):
-    """--indexer-cache-dtype fp8_e4m3 on the GPU: the Triton scores kernel's fp8 x fp8 dot (q rounded in the kernel,
-    q_fp8) against the torch reference rounding q the same way; the same greedy tokens, plain and MTP."""
+def test_fp8_indexer_triton_gpu(models):
+    """--indexer-cache-dtype fp8_e4m3 on the GPU: the Triton scores kernel's fp8 x fp8 tile (q rounded in the kernel,
+    its sums kept in the tensor core: fast_acc) against the torch reference rounding q the same way in float32 sums:
+    the same greedy tokens for most prompts (a near-tie of the top-k may go the other way); and greedy MTP through
+    the Triton backends == their own plain decoding exactly (every phase scores alike)."""
     prompts = _prompts()
     kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32,
               indexer_cache_dtype="fp8_e4m3")
@@ -125,11 +127,11 @@ def test_fp8_indexer_triton_equals_reference_gpu(models):
                                             prompts, NEW)]
     plain = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="triton", **kw)[0],
                                               prompts, NEW)]
-    diff = [(i, next(j for j, (a, b) in enumerate(zip(p, r)) if a != b)) for i, (p, r) in enumerate(zip(plain, ref))
-            if p != r]
-    assert not diff, f"triton plain != torch plain at (prompt, first token): {diff}"
+    same = sum(p == r for p, r in zip(plain, ref))
+    assert same >= len(prompts) - 2, f"only {same} of {len(prompts)} prompts equal to the reference"
     spec, _ = build_scheduler(models["glm"], attention_backend="triton", speculative_algorithm="MTP",
                               speculative_num_steps=3, **kw)
     assert spec.mr.spec.runners["target_verify"].backends[CacheKind.INDEX_KEYS].kv_pool.scales is not None
-    assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
+    assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
+    assert spec.mr.spec.spec_step.replays > 0
     spec.check_idle_invariants()

@@ -135,6 +135,39 @@ def test_q_fp8_scores_match_the_reference_over_rounded_queries(width, heads, blo
         index_scores_triton(q, weights, rows.float().to(torch.bfloat16), None, kv_slots, lens, width, q_fp8=True)
 
 
+@pytest.mark.parametrize("heads", [32, 64])
+def test_fast_acc_scores_are_the_same_in_every_launch(heads):
+    """fast_acc (fp8 sums kept in the tensor core over the head dimension): close to the float32 reference over the
+    rounded queries (5e-3 of the largest score), and the same score for each (query, key) pair to float32 rounding
+    of the head sum (1e-6) whatever the launch: key tiles of 64 / 128 / 256, 1-4 blocks a program, the top-k's first
+    pass fused or not, and the verify-shaped batch (width 4) against the same queries as token rows (a prefill's
+    layout): the tensor core's fp8 sums do not depend on the tiling, so the phases choose alike."""
+    from specserve.kernels.triton_topk import topk_workspace
+
+    g = torch.Generator().manual_seed(9100 + heads)
+    width = 4
+    seq_lens = [width, 66, MAX_KV, 9, 130]
+    q, weights, rows, scales, kv_slots, lens = _batch(seq_lens, width, heads, 128, torch.bfloat16, "fp8", g)
+    kw = dict(q_fp8=True, keys_m=True, fast_acc=True)
+    got = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, **kw)  # [bs, W, max_kv]
+    q8, q_scale = quantise_rows_fp8(q)
+    want = reference(q8.float() * q_scale[..., None], weights, rows, scales, kv_slots, lens, width)
+    seen = ~torch.isneginf(want)
+    assert torch.equal(~torch.isneginf(got), seen)
+    scale = want[seen].abs().max().item()
+    torch.testing.assert_close(got[seen], want[seen], atol=5e-3 * scale, rtol=0)
+    n = q.shape[0]
+    for opts in (dict(block_n=64), dict(block_n=256), dict(steps=1), dict(steps=2, block_n=64),
+                 dict(hist=topk_workspace(n, DEV), k=8, block_n=64)):
+        other = index_scores_triton(q, weights, rows, scales, kv_slots, lens, width, **kw, **opts)
+        torch.testing.assert_close(other[seen], got[seen], atol=1e-6 * scale, rtol=0, msg=str(opts))
+    # the same queries as token rows: query b * W + i, its own causal length, its request's row of the table
+    rows_of = torch.arange(len(seq_lens), device=DEV).repeat_interleave(width)
+    causal = (lens[:, None] - width + torch.arange(width, device=DEV) + 1).reshape(-1)
+    tokens = index_scores_triton(q, weights, rows, scales, kv_slots, causal, 1, kv_rows=rows_of, **kw)
+    torch.testing.assert_close(tokens.view(n, -1)[seen.view(n, -1)], got[seen], atol=1e-6 * scale, rtol=0)
+
+
 def test_head_blocks_small_key_blocks_and_out_buffer():
     """Hi = 40 over 16-head blocks (three, the last partial), BLOCK_N = 16 (ten key blocks), written into a given
     strided output buffer."""

@@ -126,16 +126,18 @@ class DsaLayer:
                    torch.randn((bs, hi), device=DEV, generator=g),
                    torch.randn((bs, h, cr), device=DEV, dtype=torch.bfloat16, generator=g))
 
-    def sparse(self, fused: bool | None = None, keys_m: bool = False):
+    def sparse(self, fused: bool | None = None, keys_m: bool = False, fast_acc: bool = False):
         """The DSA step as attention/torch_mla_backend.py TritonIndexBackend runs it: the scores kernel (doing the
         top-k's first pass when `fused`; None: where fuse_first_pass says; over fp8 keys with q rounded to fp8,
-        q_fp8; keys_m: the tile's dot as [keys, heads]), then the top-k, then the sparse MLA over the chosen rows."""
+        q_fp8; keys_m: the tile's dot as [keys, heads]; fast_acc: its fp8 sums in the tensor core), then the top-k,
+        then the sparse MLA over the chosen rows."""
         bs, topk = self.lens.shape[0], GLM5["topk"]
         if fused is None:
             fused = fuse_first_pass(bs, self.kv_slots.shape[1], DEV)
         hist = topk_workspace(bs, DEV) if fused else None
         s = index_scores_triton(self.q, self.wts, self.rows, self.scales, self.kv_slots, self.lens, 1, hist=hist,
-                                k=topk if fused else 0, q_fp8=self.scales is not None, keys_m=keys_m)
+                                k=topk if fused else 0, q_fp8=self.scales is not None, keys_m=keys_m,
+                                fast_acc=fast_acc)
         sel, cnt = index_topk_triton(s, self.lens, self.kv_slots, 1, topk, hist=hist)
         return mla_decode_triton(self.qm, self.lat, sel, cnt, 1, 0.07, GLM5["c"])
 
@@ -181,7 +183,7 @@ def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), layouts=("random",), key
     """Issue 14's sparse against dense attention at 32k keys per request, at each batch size: one GLM-5 layer's
     DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys,
     for each slot layout (DsaLayer) and index-key type (bf16; fp8 with a scale a slot, --indexer-cache-dtype, scored
-    with q in fp8; fp8-m the same with the scores tile as [keys, heads], keys_m)."""
+    with q in fp8; fp8-m the same with the scores tile as [keys, heads], keys_m; fp8-f keys_m with fast_acc)."""
     print("\n=== one GLM-5 layer over 32k keys a request: DSA step vs dense MLA, graph replay us ===")
     print(f"{'layout':>10} {'keys':>4} {'bs':>4} | {'DSA step':>9} | {'dense MLA':>9} | {'dense / DSA':>11}")
     for layout in layouts:
@@ -191,7 +193,8 @@ def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), layouts=("random",), key
                 layer = DsaLayer.build(bs, 32768, layout, fp8=keys != "bf16")
                 if dense_us is None:  # the dense MLA reads no index keys: once a layout and batch
                     dense_us = graph_us(layer.dense, iters)
-                sparse_us = graph_us(functools.partial(layer.sparse, keys_m=keys == "fp8-m"), iters)
+                sparse_us = graph_us(functools.partial(layer.sparse, keys_m=keys in ("fp8-m", "fp8-f"),
+                                                       fast_acc=keys == "fp8-f"), iters)
                 print(f"{layout:>10} {keys:>4} {bs:>4} | {sparse_us:9.1f} | {dense_us:9.1f} | "
                       f"{dense_us / sparse_us:10.2f}x")
                 del layer
@@ -227,10 +230,11 @@ def mla_keys_per_step(iters: int) -> None:
 
 def dsa_breakdown(iters: int) -> None:
     """One GLM-5 DSA step over 32k keys a request kernel by kernel at batch 32 and 64, fp8 index keys with q_fp8 and
-    the keys_m tile (what the DSA backend runs over fp8 keys)."""
+    the keys_m tile with fast_acc (what the DSA backend runs over fp8 keys)."""
     for bs in (32, 64):
         layer = DsaLayer.build(bs, 32768, fp8=True, seed=0)
-        breakdown(f"DSA bs {bs}, 32k keys, fp8 keys, keys_m", functools.partial(layer.sparse, keys_m=True), iters)
+        breakdown(f"DSA bs {bs}, 32k keys, fp8 keys, keys_m, fast_acc",
+                  functools.partial(layer.sparse, keys_m=True, fast_acc=True), iters)
         del layer
         torch.cuda.empty_cache()
 
@@ -388,7 +392,7 @@ def main() -> None:
                                                    batch_sizes=(32, 64), top=3),
              "scores-fp8": scores_fp8, "scores-fp8-sweep": scores_fp8_sweep,
              "scores-keys-m": scores_keys_m, "dsa-breakdown": dsa_breakdown,
-             "dsa-batches-fp8": functools.partial(dsa_batches, key_types=("bf16", "fp8", "fp8-m")),
+             "dsa-batches-fp8": functools.partial(dsa_batches, key_types=("bf16", "fp8", "fp8-m", "fp8-f")),
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8"))}

@@ -291,6 +291,7 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         self._topk = index_topk_triton
         self._workspace = topk_workspace  # the top-k's histograms
         self._fuse = fuse_first_pass  # whether the scores kernel does their first pass
+        self.fast_acc = True  # over fp8 keys (index_scores_triton fast_acc); False: float32 sums every K step
 
     def _hist(self, num_tokens: int, max_kv: int, device: torch.device) -> torch.Tensor | None:
         """The top-k's histograms for the scores kernel to do their first pass, or None (the top-k does it)."""
@@ -311,14 +312,16 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         self._store(iq, i, fb)
         pool = self.kv_pool
         # fp8 keys: fp8 queries too (_queries), rounded in the kernel, and the tile's dot as [keys, heads] (keys_m:
-        # the DSA step 1-3% faster than [heads, keys] over fp8 keys at batch 8-64, BENCHMARKS §32.3)
+        # the DSA step 1-3% faster than [heads, keys] over fp8 keys at batch 8-64, BENCHMARKS §32.2), its fp8 sums
+        # kept in the tensor core (fast_acc, DeepGEMM's precision: BENCHMARKS §32.4) on a GPU
         fp8 = pool.scales is not None
         if isinstance(meta, TokenRows):  # [T, 1, table width] scores over each token's page-table row
             table = self.req_to_token.table if meta.width is None else self.req_to_token.table[:, :meta.width]
             hist = self._hist(iq.q.shape[0], table.shape[1], iq.q.device)
             scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                          None if pool.scales is None else pool.scales[i], table, meta.lens, 1,
-                                         kv_rows=meta.rows, hist=hist, k=indexer.topk, q_fp8=fp8, keys_m=fp8)
+                                         kv_rows=meta.rows, hist=hist, k=indexer.topk, q_fp8=fp8, keys_m=fp8,
+                                         fast_acc=fp8 and self.fast_acc)
             self.last = SparseSelection(*self._topk(scores, meta.lens, table, 1, indexer.topk, kv_rows=meta.rows,
                                                     hist=hist))
             return self.last
@@ -326,7 +329,7 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                      None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
                                      meta.mask.shape[2], hist=hist, k=indexer.topk,
-                                     q_fp8=fp8, keys_m=fp8)  # [bs, w, kv], -inf where unseen
+                                     q_fp8=fp8, keys_m=fp8, fast_acc=fp8 and self.fast_acc)  # [bs, w, kv]
         slots, counts = self._topk(scores, fb.seq_lens, meta.kv_slots, meta.mask.shape[2], indexer.topk, hist=hist)
         self.last = SparseSelection(slots, counts)  # topk_slots' choice, in position order
         return self.last

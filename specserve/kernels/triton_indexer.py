@@ -77,17 +77,20 @@ def _q_fp8(q_row, w_row, h, h_ok, d, d_ok, stride_qh, stride_wh, EXACT_FIRST: tl
 
 
 @triton.jit
-def _head_sum(qh, wh, k, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, KEYS_M: tl.constexpr):
+def _head_sum(qh, wh, k, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, KEYS_M: tl.constexpr,
+              IMPRECISE: tl.constexpr):
     """sum_h wh[h] * relu(qh[h] . k[n]) for a key tile k [BLOCK_N, BLOCK_D] and heads qh [BLOCK_H, BLOCK_D] ->
     [BLOCK_N] float32. KEYS_M: the dot as [keys, heads] (keys on tl.dot's M, the head sum along N, within a warp's
     lanes); else [heads, keys] (the head sum along M, across warps). With keys on M an fp8 x fp8 tile is a Hopper
     warpgroup MMA, which Triton runs with imprecise fp8 accumulation by default on sm_90 (BENCHMARKS §31.5: 5% of
-    the scores off by more than 1e-3, up to 0.056); max_num_imprecise_acc=0 keeps every K step's sum in float32."""
+    the scores off by more than 1e-3, up to 0.056); IMPRECISE = 0 (max_num_imprecise_acc) keeps every K step's sum
+    in float32, IMPRECISE = BLOCK_D (fast_acc) sums the whole head dimension in the tensor core, promoting to float32
+    once a tile, as DeepGEMM's fp8 kernels do every 128 elements."""
     if KEYS_M:
         if F32_DOT:
             s = dot(k, tl.trans(qh), F32_DOT, PRECISION)  # [BLOCK_N, BLOCK_H] float32
         else:
-            s = tl.dot(k, tl.trans(qh), input_precision=PRECISION, max_num_imprecise_acc=0)
+            s = tl.dot(k, tl.trans(qh), input_precision=PRECISION, max_num_imprecise_acc=IMPRECISE)
         return tl.sum(tl.maximum(s, 0.0) * wh[None, :], axis=1)
     s = dot(qh, tl.trans(k), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N] float32
     return tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)
@@ -102,7 +105,7 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                          STEPS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_ROWS: tl.constexpr,
                          F32_DOT: tl.constexpr, PRECISION: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
                          NUM_STAGES: tl.constexpr, Q_FP8: tl.constexpr, ONE_H_BLOCK: tl.constexpr,
-                         KEYS_M: tl.constexpr):
+                         KEYS_M: tl.constexpr, IMPRECISE: tl.constexpr):
     t = tl.program_id(0)  # query token b * W + i
     nb = tl.program_id(1)  # run of STEPS key blocks
     pdl_wait(PDL)  # launched with PDL (launch.grid_pdl): wait for the queries, weights and keys
@@ -137,7 +140,7 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                 k_scale = tl.load(scales_ptr + slot * stride_sc, mask=key_ok, other=0.0)  # [BLOCK_N] float32
             acc = tl.zeros([BLOCK_N], tl.float32)
             if Q_FP8 and ONE_H_BLOCK:
-                acc += _head_sum(q8_all, wq_all, k, F32_DOT, PRECISION, KEYS_M)
+                acc += _head_sum(q8_all, wq_all, k, F32_DOT, PRECISION, KEYS_M, IMPRECISE)
             else:
                 for h0 in range(0, num_heads, BLOCK_H):
                     h = h0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -148,7 +151,7 @@ def _index_scores_kernel(q_ptr, w_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_ro
                         qh = tl.load(q_row + h[:, None] * stride_qh + d[None, :],
                                      mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
                         wh = tl.load(w_row + h * stride_wh, mask=h_ok, other=0.0)  # [BLOCK_H] float32
-                    acc += _head_sum(qh, wh, k, F32_DOT, PRECISION, KEYS_M)
+                    acc += _head_sum(qh, wh, k, F32_DOT, PRECISION, KEYS_M, IMPRECISE)
             if HAS_SCALES:  # a key's scale (> 0) passes through relu: applied once to its column's sum
                 acc = acc * k_scale
             score = tl.where(key_ok, acc, float("-inf"))
@@ -187,7 +190,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
                         block_h: int | None = None, out: torch.Tensor | None = None,
                         kv_rows: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                         k: int = 0, steps: int | None = None, num_warps: int | None = None,
-                        q_fp8: bool = False, keys_m: bool = False) -> torch.Tensor:
+                        q_fp8: bool = False, keys_m: bool = False, fast_acc: bool = False) -> torch.Tensor:
     """DSA indexer scores of a fixed-width batch.
 
     q [bs * width, Hi, D] (bf16 / fp16 / fp32) rotated index queries; weights [bs * width, Hi] float32 per-head
@@ -204,7 +207,11 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     q_fp8 (fp8 caches only): each head's q row rounded to e4m3 with its own scale (amax / 448) in the kernel and the
     dot run in fp8, the key tile never converted (reference: `quantise_rows_fp8` on q, then these scores): what the
     DSA backend runs over fp8 index keys (1.2-1.3x the converted keys at batch 8-64, BENCHMARKS §31.4). keys_m: each
-    tile's dot as [keys, heads] rather than [heads, keys] (`_head_sum`): the DSA backend's choice over fp8 keys."""
+    tile's dot as [keys, heads] rather than [heads, keys] (`_head_sum`): the DSA backend's choice over fp8 keys.
+    fast_acc (with q_fp8 and keys_m): the fp8 tile's sums over the head dimension kept in the tensor core's own
+    accumulator and promoted to float32 once (DeepGEMM's fp8 precision; off: every K step promoted, §32.2), the
+    scores a little off the float32 sums (§31.5) but not dependent on the launch shape, so the phases choose alike
+    (tests/test_triton_indexer.py)."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
@@ -219,6 +226,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         assert scales.shape == (rows.shape[0],)
     assert q.stride(-1) == 1 and rows.stride(-1) == 1
     assert not q_fp8 or scales is not None, "q_fp8 needs an fp8 cache"
+    assert not fast_acc or (q_fp8 and keys_m), "fast_acc is an option of the fp8 keys_m tile"
     if out is None:
         out = torch.empty((bs, width, max_kv), dtype=torch.float32, device=q.device)
     assert out.shape == (bs, width, max_kv) and out.dtype == torch.float32 and out.stride(-1) == 1
@@ -246,7 +254,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, STEPS=steps, HAS_SCALES=scales is not None,
         HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot, PRECISION=precision, HIST=hist is not None, PDL=pdl,
         num_warps=num_warps or (4 if block_h * block_d <= 4096 else 8), NUM_STAGES=2 if steps > 1 else 1, Q_FP8=q_fp8,
-        ONE_H_BLOCK=num_heads <= block_h, KEYS_M=keys_m,
+        ONE_H_BLOCK=num_heads <= block_h, KEYS_M=keys_m, IMPRECISE=block_d if fast_acc else 0,
         **pdl_kwargs(bool(pdl)),
     )
     return out
