@@ -348,7 +348,7 @@ class ServerArgs:
         a("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
           help="the sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): auto (the KV cache's dtype) or "
                "fp8_e4m3 with a float32 scale per token (the index queries then rounded to e4m3 per head too, as "
-               "DeepSeek-V3.2's fp8 indexer)")
+               "DeepSeek-V3.2's fp8 indexer; on a GPU the fp8 products summed in the tensor core)")
         a("--mla-prefill", default="auto", choices=MLA_PREFILL,
           help="MLA attention of eager prefill batches (DeepSeek-V3): absorbed (one latent key/value head, as decode), "
                "mha (each request's latent rows decompressed into per-head keys and values by kv_b_proj, then "
