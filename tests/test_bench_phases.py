@@ -33,3 +33,28 @@ def test_bench_batch_rows_and_runner_state(tiny_models, capsys):
     print_table({"model": "tiny", "device": "cpu", "N": 2, "prefix_len": 16, "batches": batches})
     text = capsys.readouterr().out
     assert "spec phases" in text and "spec iter / plain step" in text and "plain (spec)" in text
+
+
+def test_fp8_index_keys_in_the_bench(tmp_path):
+    """make_runners(indexer_cache_dtype="fp8_e4m3") (bench-phases --indexer-cache-dtype): both runners keep fp8
+    index keys, the bench's random caches give them spread scales, and every phase of a batch runs over them."""
+    from deepseek_helpers import build_tiny_dsa
+
+    from specserve.batch import CacheKind
+    from specserve.bench.phase_setup import fake_requests, release
+
+    cpu = torch.device("cpu")
+    path = build_tiny_dsa(str(tmp_path / "glm"), "glm_moe_dsa", seed=5, index_topk=5)
+    t = load_target(ModelSource.resolve(path), torch.float32, cpu, 200)
+    draft = random_draft(t.config, t.model, torch.float32, cpu, 200)
+    pair = make_runners(t.model, draft, t.config, torch.float32, cpu, 2, 2, 64, disable_graphs=False,
+                        indexer_cache_dtype="fp8_e4m3")
+    for mr in (pair.plain, pair.spec):
+        pool = mr.caches.pools[CacheKind.INDEX_KEYS]
+        assert pool.rows[0].dtype == torch.float8_e4m3fn and pool.scales is not None
+    release(pair.plain, fake_requests(pair.plain, 2, 16))
+    scales = pair.plain.caches.pools[CacheKind.INDEX_KEYS].scales[0]
+    assert scales.min() >= 0.5 and scales.max() <= 1.5 and scales.std() > 0
+    b = bench_batch(pair, 2, 16, 1)
+    for name in ("decode", "target_verify", "draft_decode", "draft_extend"):
+        assert b[name]["eager_ms"] > 0, name

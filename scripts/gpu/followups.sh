@@ -67,6 +67,9 @@
 #             then `twentyseventh` (bench_adaptive.py at the last commit).
 #   all of those, `twentyeighth` and `twentyeighth-b` ran in the first session of 2026-12-04 (§31). For a fresh lease:
 #             `twentyninth` (the keys_m scores tile with float32 fp8 sums, §31.5: GPU tests and speed).
+#   twentyninth's parts, `thirtieth` and `thirtyfirst`(-b, -c) ran in the second session of 2026-12-04 (§32). For a
+#             fresh lease: `tests/test_triton_indexer.py` and `tests/test_gpu_mla.py` whole at the last commit
+#             (fast_acc), then `bench-phases --preset glm-5 --batch-sizes 1,8,32 --indexer-cache-dtype fp8_e4m3`.
 . scripts/gpu/env.sh
 case "${1:-}" in
   adaptive)

@@ -169,7 +169,7 @@ class Pair:
 def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int, max_bs: int, context_len: int,
                  disable_graphs: bool, attention_backend: str = "auto", capture_bs: list[int] | None = None,
                  prefill_graph_tokens: int = 0, decode_gemv: str = "auto", adaptive: bool | None = None,
-                 spec_prefill_graph_tokens: int = 0) -> Pair:
+                 spec_prefill_graph_tokens: int = 0, indexer_cache_dtype: str = "auto") -> Pair:
     """capture_bs: the batch sizes to capture (default: the engine's ladder up to max_bs). prefill_graph_tokens:
     the plain runner's prefill graphs up to this many tokens (0: none); spec_prefill_graph_tokens: the spec runner's
     (its prefills and the draft's catch-ups after plain steps).
@@ -179,7 +179,7 @@ def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int,
     tokens = max_bs * (context_len + num_steps + 2) + 1024
     common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                   cuda_graph_bs=capture_bs, disable_cuda_graph=disable_graphs, attention_backend=attention_backend,
-                  context_length=context_len, decode_gemv=decode_gemv)
+                  context_length=context_len, decode_gemv=decode_gemv, indexer_cache_dtype=indexer_cache_dtype)
     plain = ModelRunner(ServerArgs(cuda_graph_max_prefill_tokens=prefill_graph_tokens, **common), target, cfg, None,
                         device, dtype, context_len)
     spec = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=num_steps,
@@ -229,6 +229,8 @@ def randomize_token_caches(caches) -> None:
                     t.copy_(torch.randn(t.shape, device=t.device, dtype=torch.bfloat16))
                 else:
                     t.normal_()
+            for t in getattr(pool, "scales", None) or ():  # fp8 index keys' per-token scales
+                t.uniform_(0.5, 1.5)
 
 
 def release(mr: ModelRunner, reqs: list[Req]) -> None:

@@ -26,7 +26,7 @@ from specserve.bench.phase_setup import (
 )
 from specserve.engine.steps import run_decode, run_spec_step
 from specserve.graphs.padding import LiveInputs
-from specserve.server_args import ATTENTION_BACKENDS, DECODE_GEMV
+from specserve.server_args import ATTENTION_BACKENDS, DECODE_GEMV, INDEXER_CACHE_DTYPES
 
 
 def timeit(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project-accept-lengths", default=None,
                    help="comma-separated accept lengths (tokens per verify): print the projected speed-up "
                         "accept / (spec iter / plain step) at each batch size, labelled a projection")
+    p.add_argument("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
+                   help="the DSA indexer's key cache (as the server's flag)")
     p.add_argument("--token-map-size", type=int, default=0,
                    help="restrict the draft's head to this many token ids (--speculative-token-map; random ids: "
                         "timing only). 0: the full vocabulary")
@@ -228,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator().manual_seed(0)
         draft.restrict_vocab(torch.sort(torch.randperm(cfg.vocab_size, generator=g)[:args.token_map_size]).values)
         label += f", token map of {args.token_map_size}"
+    if args.indexer_cache_dtype != "auto":
+        label += f", indexer keys {args.indexer_cache_dtype}"
     pair = make_runners(target, draft, cfg, dtype, dev, args.speculative_num_steps, max(bss), args.context_length,
                         disable_graphs=False, attention_backend=args.attention_backend, capture_bs=bss,
-                        prefill_graph_tokens=args.prefill_tokens, decode_gemv=args.decode_gemv)
+                        prefill_graph_tokens=args.prefill_tokens, decode_gemv=args.decode_gemv,
+                        indexer_cache_dtype=args.indexer_cache_dtype)
     result: dict = {"model": label, "attention_backend": args.attention_backend, "decode_gemv": args.decode_gemv,
                     "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "N": args.speculative_num_steps, "prefix_len": args.prefix_len, "batches": []}
