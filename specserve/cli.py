@@ -41,7 +41,10 @@ def cmd_generate(argv: list[str]) -> int:
         p.error(str(e))
     from specserve.engine.engine import Engine
 
-    eng = Engine(**{k: v for k, v in vars(sa).items() if k != "extra"})
+    try:
+        eng = Engine(**{k: v for k, v in vars(sa).items() if k != "extra"})
+    except ValueError as e:  # what only the checkpoint can say (a missing MTP layer, a token map that does not fit)
+        p.error(str(e))
     prompts = args.prompt
     # The embedded model is a chat model: a bare question without its template gets an empty answer.
     chat = args.chat if args.chat is not None else sa.model_path is None

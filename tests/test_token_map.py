@@ -162,3 +162,18 @@ def test_engine_serves_with_a_token_map_and_rejects_a_bad_one(tiny_models, plain
     with pytest.raises(ValueError, match="bad.json.*outside the target's vocabulary"):
         Engine(model_path=tiny_models["llama_mtp"], max_total_tokens=4096, speculative_algorithm="MTP",
                speculative_token_map=bad)
+
+
+def test_generate_cli_reports_load_errors_as_usage_errors(tiny_models, tmp_path, capsys):
+    """`specserve generate` turns what only the checkpoint can reject (no MTP layer; a map past the vocabulary)
+    into a usage error (exit 2, the reason on stderr), not a traceback."""
+    from specserve.cli import main
+
+    bad = _write(tmp_path, "bad.json", [1, 99999])
+    for path, extra, msg in ((tiny_models["llama"], [], "has no MTP layer"),
+                             (tiny_models["llama_mtp"], ["--speculative-token-map", bad], "outside the target's")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--model-path", path, "--speculative-algorithm", "MTP", "--prompt", "x",
+                  "--max-total-tokens", "2048", *extra])
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
