@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specserve.bench.phase_setup import PRESETS, fake_requests, make_runners, random_models
+from specserve.bench.phase_setup import PRESETS, fake_requests, make_runners, random_models, random_token_map
 from specserve.bench.phases import phase_inputs
 
 
@@ -29,7 +29,7 @@ def main() -> None:
     dev = torch.device("cuda")
     target, draft, cfg = random_models(args.preset, torch.bfloat16, dev, 4096)
     if args.token_map_size:
-        draft.restrict_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:args.token_map_size]).values)
+        draft.restrict_vocab(random_token_map(cfg.vocab_size, args.token_map_size))
     pair = make_runners(target, draft, cfg, torch.bfloat16, dev, 3, args.bs, 2048, disable_graphs=False,
                         capture_bs=[args.bs])
     for phase in args.phases.split(","):

@@ -291,7 +291,6 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         self._topk = index_topk_triton
         self._workspace = topk_workspace  # the top-k's histograms
         self._fuse = fuse_first_pass  # whether the scores kernel does their first pass
-        self.fast_acc = True  # over fp8 keys (index_scores_triton fast_acc); False: float32 sums every K step
 
     def _hist(self, num_tokens: int, max_kv: int, device: torch.device) -> torch.Tensor | None:
         """The top-k's histograms for the scores kernel to do their first pass, or None (the top-k does it)."""
@@ -321,7 +320,7 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
             scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                          None if pool.scales is None else pool.scales[i], table, meta.lens, 1,
                                          kv_rows=meta.rows, hist=hist, k=indexer.topk, q_fp8=fp8, keys_m=fp8,
-                                         fast_acc=fp8 and self.fast_acc)
+                                         fast_acc=fp8)
             self.last = SparseSelection(*self._topk(scores, meta.lens, table, 1, indexer.topk, kv_rows=meta.rows,
                                                     hist=hist))
             return self.last
@@ -329,7 +328,7 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         scores = index_scores_triton(iq.q.contiguous(), iq.weights.contiguous(), pool.rows[i],
                                      None if pool.scales is None else pool.scales[i], meta.kv_slots, fb.seq_lens,
                                      meta.mask.shape[2], hist=hist, k=indexer.topk,
-                                     q_fp8=fp8, keys_m=fp8, fast_acc=fp8 and self.fast_acc)  # [bs, w, kv]
+                                     q_fp8=fp8, keys_m=fp8, fast_acc=fp8)  # [bs, w, kv]
         slots, counts = self._topk(scores, fb.seq_lens, meta.kv_slots, meta.mask.shape[2], indexer.topk, hist=hist)
         self.last = SparseSelection(slots, counts)  # topk_slots' choice, in position order
         return self.last

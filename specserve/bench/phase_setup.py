@@ -148,6 +148,11 @@ def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_pos
     return target, random_draft(cfg, target, dtype, device, max_positions, seed + 1), cfg
 
 
+def random_token_map(vocab_size: int, size: int, seed: int = 0) -> torch.Tensor:
+    """`size` random target ids, ascending: a --speculative-token-map for timing (its coverage means nothing)."""
+    return torch.sort(torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[:size]).values
+
+
 def meta_models(preset: str, max_positions: int, dtype: torch.dtype = torch.bfloat16):
     """Target and MTP draft of a preset on the meta device in `dtype`: their shapes and caches, no memory
     (bench/floors.py)."""

@@ -22,6 +22,7 @@ from specserve.bench.phase_setup import (
     make_runners,
     random_draft,
     random_models,
+    random_token_map,
     release,
 )
 from specserve.engine.steps import run_decode, run_spec_step
@@ -227,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             draft = random_draft(cfg, target, dtype, dev, max_pos)  # timing only: weights do not matter
         label = args.model_path or "embedded SmolLM2-135M-Instruct"
     if args.token_map_size:
-        g = torch.Generator().manual_seed(0)
-        draft.restrict_vocab(torch.sort(torch.randperm(cfg.vocab_size, generator=g)[:args.token_map_size]).values)
+        draft.restrict_vocab(random_token_map(cfg.vocab_size, args.token_map_size))
         label += f", token map of {args.token_map_size}"
     if args.indexer_cache_dtype != "auto":
         label += f", indexer keys {args.indexer_cache_dtype}"

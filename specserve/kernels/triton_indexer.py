@@ -35,7 +35,8 @@ dot); BLOCK_H = Hi padded to a power of two, at least 16 (tl.dot's smallest M; p
 at most 64: more heads are looped over in blocks of 64, reusing the loaded key tile. num_warps 4, 8 for the larger q
 tiles (BLOCK_H * BLOCK_D > 4096, e.g. DeepSeek-V3.2's Hi = 64, D = 128). `F32_DOT` computes the products in float32: set
 for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9); bf16 / fp16 / fp8 values are
-exact in float32, so it changes nothing but the summation order. """
+exact in float32, so it changes nothing but the summation order.
+"""
 
 from __future__ import annotations
 

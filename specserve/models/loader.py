@@ -212,19 +212,20 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
     own_head = any(n.endswith("shared_head.head.weight") or n == "lm_head.weight" for n in names)
     vocab_name = next((n for n in ("draft_vocab", "d2t_ids") if n in names), None)
     vocab = next(iter_safetensors(dsrc.folder, {vocab_name}))[1] if vocab_name else None
+    # A reduced vocabulary without its own head rows is the target's lm-head rows of those tokens: restrict_vocab
+    # after loading, as a --speculative-token-map is.
+    head_from_target = vocab is not None and not own_head
     with torch.device("meta"):
         draft = MTPDraftModel(dcfg, max_positions, own_embed=own_embed, own_head=own_head,
-                              draft_vocab_size=None if vocab is None else int(vocab.shape[0]))
+                              draft_vocab_size=None if vocab is None or head_from_target else int(vocab.shape[0]))
     draft = materialize(draft, dcfg, dtype, device, max_positions)
-    head_from_target = vocab is not None and not own_head
+    if head_from_target:
+        names = names - {vocab_name}
     with torch.no_grad():
-        if head_from_target:
-            # A reduced vocabulary without its own head rows: the target's lm-head rows of those tokens.
-            rows = vocab.to(device=device, dtype=torch.int64)
-            draft.lm_head.weight.copy_(target.model.lm_head.weight[rows])
-        draft.load_weights(_dequantized(_stream(dsrc, dcfg, names, "Loading MTP weights"), fp8, device), layer_index,
-                           preset={"lm_head.weight"} if head_from_target else set())
+        draft.load_weights(_dequantized(_stream(dsrc, dcfg, names, "Loading MTP weights"), fp8, device), layer_index)
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
+    if head_from_target:
+        draft.restrict_vocab(vocab.to(torch.int64))
     if token_map is not None:
         draft.restrict_vocab(token_map)
     draft.eval().requires_grad_(False)

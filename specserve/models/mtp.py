@@ -144,12 +144,13 @@ class MTPDraftModel(nn.Module):
         src = self.head
         if type(src) is not LMHead:  # a vocab-parallel head holds 1 / tp of the rows
             raise ValueError(f"a token map needs the whole lm-head on this rank, not a {type(src).__name__}")
+        ids = ids.to(device=src.weight.device, dtype=torch.int64)
         head = LMHead(ids.numel(), self.config.hidden_size).to(device=src.weight.device, dtype=src.weight.dtype)
         with torch.no_grad():
-            head.weight.copy_(src.weight[ids.to(src.weight.device)])
+            head.weight.copy_(src.weight[ids])
         self.lm_head = head.requires_grad_(False)
         del self.draft_vocab  # the plain None attribute, replaced by a buffer that moves with the module
-        self.register_buffer("draft_vocab", ids.to(device=src.weight.device, dtype=torch.int64))
+        self.register_buffer("draft_vocab", ids)
 
     def draft_vocab_size(self) -> int:
         """Vd: the tokens the head can propose (its reduced vocabulary, else the target's)."""
@@ -173,13 +174,11 @@ class MTPDraftModel(nn.Module):
         return ops.row_top1(self.compute_logits(hidden), self.draft_vocab, with_prob=True)  # [T, Vd] logits
 
     # ------------------------------------------------------------------ loading
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layer_index: int | None,
-                     preset: set[str] = frozenset()) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], layer_index: int | None) -> set[str]:
         """Load the MTP tensors among `weights` (other names are skipped). `layer_index`: L for the DeepSeek
-        layout inside a target checkpoint; None in a draft folder (the one layer index present is used).
-        `preset`: parameters the caller has already filled (not expected in the checkpoint)."""
+        layout inside a target checkpoint; None in a draft folder (the one layer index present is used)."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set(preset)
+        loaded: set[str] = set()
         for name, tensor in weights:
             ours = self._map_name(name, layer_index)
             if ours is None:
