@@ -482,3 +482,29 @@ def test_gemv_pdl_order_of_loads_equals_plain(pdl, m, silu_mul):
         plain = gemv(*to_dev(x, w, b), config=cfg)
         assert torch.equal(gemv(*to_dev(x, w, b), config=dict(cfg, PDL=pdl)), plain)
         check_norm(got, norm_reference(x, r, nw, 2.0 ** -10, 0.0, w, b, silu_mul), silu_mul)
+
+
+@pytest.mark.parametrize("m,silu_mul", [(1, True), (1, False), (3, False)])
+def test_norm_statistics_step_width_does_not_change_outputs(m, silu_mul):
+    """The RMSNorm statistics summed NORM_BLOCK columns a step: one step over all of K (the default), K / BLOCK_K
+    steps, or a width that leaves a ragged last step, give the same outputs and the reference's (exact inputs)."""
+    g = torch.Generator().manual_seed(131 + m)
+    k = 144
+    x, r, nw, w, b = exact_norm_inputs(m, k, 42, BF16, 2.0 ** -10, 0.0, True, True, g)
+    cfg = dict(ROWS_CFG if m > 1 else CFG, PDL=0)
+    assert triton_gemv.norm_block(k, cfg["BLOCK_K"], cfg["num_warps"]) == 256  # all of K in one step
+    want = norm_reference(x, r, nw, 2.0 ** -10, 0.0, w, b, silu_mul)
+    outs = [norm_gemv(*to_dev(x, r, nw), 2.0 ** -10, 0.0, *to_dev(w, b), silu_mul=silu_mul,
+                      config=dict(cfg, NORM_BLOCK=nb)) for nb in (256, 32, 64)]
+    outs.append(norm_gemv(*to_dev(x, r, nw), 2.0 ** -10, 0.0, *to_dev(w, b), silu_mul=silu_mul, config=cfg))
+    for got in outs:
+        check_norm(got, want, silu_mul)
+        assert torch.equal(got[0], outs[0][0]) and torch.equal(got[1], outs[0][1])
+
+
+def test_norm_block_widths():
+    """All of a hidden size's K in one step up to 32 columns a thread, never narrower than the GEMV's K step."""
+    assert triton_gemv.norm_block(4096, 256, 4) == 4096
+    assert triton_gemv.norm_block(4096, 512, 2) == 2048  # 64 threads x 32
+    assert triton_gemv.norm_block(576, 1024, 4) == 1024  # the K step is wider already
+    assert triton_gemv.norm_block(7168, 256, 8) == 8192

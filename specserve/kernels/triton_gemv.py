@@ -152,10 +152,11 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
                  M: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-                 GDC: tl.constexpr):
+                 GDC: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """Program i: output columns i*BLOCK_N .. + BLOCK_N of all M rows. x [M, K] (row stride stride_x), w [N, K]
     (row stride stride_w; with SILU N = 2 n_out, gate rows then up rows), y [M, n_out]. NORM: the activation is the
-    RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual).
+    RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual); the
+    statistics are summed NORM_BLOCK columns a step (norm_block: a hidden size's K in one step).
     PDL (launched with programmatic dependent launch): 0 off; 1 lets the next kernel launch at once, 2 only after
     the main loop; either way the first K step's weights (never written by another kernel) are loaded before
     gdc_wait, and everything the previous kernel writes (x, r) is read, and every output written, after it. GDC:
@@ -181,11 +182,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     # RMSNorm statistics: each row's sum of squares over all of K (h rounded first), in float32.
     rstd = ()
     if NORM:
+        nks = tl.arange(0, NORM_BLOCK)  # [NORM_BLOCK]: a hidden size's K in one step (one round trip, not K/BLOCK_K)
         sq = ()
         for _ in tl.static_range(M):
-            sq = sq + (tl.zeros([BLOCK_K], dtype=tl.float32),)
-        for k0 in tl.range(0, K, BLOCK_K):
-            k = k0 + ks
+            sq = sq + (tl.zeros([NORM_BLOCK], dtype=tl.float32),)
+        for k0 in tl.range(0, K, NORM_BLOCK):
+            k = k0 + nks
             k_ok = k < K
             new_sq = ()
             for m in tl.static_range(M):
@@ -313,6 +315,13 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, silu_mul: bool = Fal
     return _default_config(n // 2 if silu_mul else n, k, dtype, silu_mul)
 
 
+def norm_block(k: int, block_k: int, num_warps: int) -> int:
+    """Columns a step of the GEMV's RMSNorm statistics: all of K (to the next power of two) up to 32 a thread, at
+    least BLOCK_K. Summing a row's squares in one wide step costs one round trip for x and the residual instead of
+    K / BLOCK_K dependent ones before the first weight is read (measured: BENCHMARKS §33)."""
+    return max(block_k, min(triton.next_power_of_2(k), 32 * 32 * num_warps))
+
+
 def _rows_config(cols: int, k: int, dtype: torch.dtype) -> dict[str, int]:
     """The skinny GEMM's tiles: 512 bytes of each weight row a K step, 32 output columns a program where that still
     gives two programs per SM, else 16 (tl.dot's smallest)."""
@@ -383,6 +392,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
         _gemv_kernel[(programs,)](
             *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
+            NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles
