@@ -81,15 +81,16 @@ def test_tokens_arrive_one_step_late_and_nothing_is_lost(tiny_models):
     sched = eng.scheduler
     r = Req("a", [3, 4, 5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.0), seed=0)
     sched.add_request(r)
-    assert sched.step() == [] and sched._inflight.prefill  # the prefill launched, its t0 not read
+    assert not sched.in_flight
+    assert sched.step() == [] and sched._inflight.prefill and sched.in_flight  # the prefill launched, t0 not read
     assert r.seq_len == 4 and r.output_ids == [] and r in sched.running
     assert [x.rid for x in sched.step()] == ["a"]  # decode 1 launched (from t0 on the device), then t0 read
     assert r.seq_len == 5 and len(r.output_ids) == 1 and r.first_token_time is not None
-    assert not sched._inflight.prefill and sched.stats.num_overlapped_prefills == 0
+    assert not sched._inflight.prefill and sched.in_flight and sched.stats.num_overlapped_prefills == 0
     seen = []
     while sched.has_work:
         seen += [len(x.output_ids) for x in sched.step()]
-    assert seen == [2, 3, 4, 5, 6]
+    assert seen == [2, 3, 4, 5, 6] and not sched.in_flight
     ref = Engine(model_path=tiny_models["llama"], max_total_tokens=4096).generate(
         input_ids=[3, 4, 5, 6], sampling_params={"max_new_tokens": 6, "ignore_eos": True, "temperature": 0.0})
     assert r.output_ids == ref["output_ids"]

@@ -108,6 +108,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.prefilling or self._inflight)
 
     @property
+    def in_flight(self) -> bool:
+        """Whether a launched step (the overlap schedule's) awaits its read: its tokens come with the next step()."""
+        return self._inflight is not None
+
+    @property
     def num_running(self) -> int:
         return len(self.running) + (1 if self.prefilling else 0)
 
