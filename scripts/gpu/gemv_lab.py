@@ -1,19 +1,24 @@
 """Single-row GEMV kernel designs side by side on decode weight shapes (bfloat16, M = 1): where the bandwidth of
 specserve's GEMV (kernels/triton_gemv.py) goes against cuBLAS and a pure streaming read of the same bytes.
 
-    python3 scripts/gpu/gemv_lab.py [--shapes 8b 30b] [--variants cublas ours read tma splitk persist] [--quick]
+    cd scripts/gpu && python3 gemv_lab.py [--shapes 8b 30b] [--variants cublas ours read tma splitk persist] [--quick]
+    python3 gemv_lab.py --overlap | --norm | --wide       (one experiment each, below)
 
 Each timing is a CUDA graph of L = 8 back-to-back calls on 8 distinct weights (as the layers of a model), the L2
 flushed between replays, the median of --iters replays; per call us and TB/s of weight bytes. Designs:
   ours     kernels/triton_gemv.gemv with its tuned config (the product);
   cublas   F.linear;
-  read     a streaming sum over the weight's bytes (the same programs' count as `ours`): the read ceiling;
+  read     a streaming sum over the weight's bytes (several grids): the read ceiling;
   tma      each program BLOCK_N rows over all of K, weight tiles by TMA descriptor loads, pipelined;
   splitk   `ours`' tiles over K / S per program (grid N/BLOCK_N x S), partial sums to a workspace, the last program
            of a column block (an atomic counter, reset by it) sums the S partials in a fixed order: deterministic;
   persist  a grid of P programs per SM, each walking its row blocks x K steps as one flat pipelined loop (no
            pipeline drain between row blocks).
-Every variant's output is checked against F.linear (atol 2e-2) before it is timed.
+Every variant's output is checked against F.linear (atol 2e-2) before it is timed. Experiments:
+  --overlap  a bulk / per-line L2 prefetch of a GEMV's weights before a spin standing for prep + attention;
+  --norm     the fused norm GEMVs' statistics in K / BLOCK_K steps against one wide step (triton_gemv.norm_block);
+  --wide     the fused GEMVs with K steps of half or all of K.
+Results: BENCHMARKS.md §33.
 """
 
 from __future__ import annotations
@@ -339,79 +344,74 @@ def overlap(args, g, flush) -> None:
         torch.cuda.empty_cache()
 
 
-def preload_rows(args, g, flush) -> None:
-    """The fused GEMVs with their first 0 / 1 / 2 K steps of weights loaded before the RMSNorm prologue
-    (triton_gemv PRELOAD), at the tuned configs: per call us, L distinct weights, L2 flushed."""
-    cases = [("8b qkv", 6144, 4096, True, False), ("8b o", 4096, 4096, False, False),
-             ("8b gate_up", 28672, 4096, True, True), ("8b down", 4096, 14336, False, False),
-             ("30b qkv", 5120, 2048, True, False), ("30b o", 2048, 4096, False, False)]
-    for case in cases:
-        print(preload_row(*case, args, g, flush), flush=True)
+NORM_CASES = [("8b qkv", 6144, 4096, True, False), ("8b o", 4096, 4096, False, False),
+              ("8b gate_up", 28672, 4096, True, True), ("8b down", 4096, 14336, False, False),
+              ("30b qkv", 5120, 2048, True, False), ("30b o", 2048, 4096, False, False)]
+
+
+class FusedCase(Case):
+    """A Case for the product's fused GEMVs: norm_gemv (with a residual, SiLU-mul for gate_up) or gemv."""
+
+    def __init__(self, name, rows, k, norm, silu, layers, g):
+        super().__init__(rows, k, layers, g)
+        self.name, self.norm, self.silu = name, norm, silu
+        self.res = (torch.randn(1, k, generator=g, device="cuda") * 4).to(DTYPE)
+        self.nws = [(1 + 0.1 * torch.randn(k, generator=g, device="cuda")).to(DTYPE) for _ in self.ws]
+
+    def call(self, conf):
+        if self.norm:
+            return lambda i: norm_gemv(self.x, self.res, self.nws[i], 1e-5, 0.0, self.ws[i], silu_mul=self.silu,
+                                       config=conf)[0]
+        return lambda i: gemv(self.x, self.ws[i], config=conf)
+
+
+def norm_rows(args, g, flush) -> None:
+    """The fused GEMVs with the RMSNorm statistics summed K / BLOCK_K steps (NORM_BLOCK = BLOCK_K, as before
+    triton_gemv.norm_block) against the default one wide step, twice each, at the tuned configs: per call us, L
+    distinct weights, L2 flushed. (BENCHMARKS §33.3 also has variants measured on working trees and dropped:
+    weights preloaded before the prologue, the normed activation through a shared scratch.)"""
+    for case in NORM_CASES:
+        c = FusedCase(*case, args.layers, g)
+        cfg = dict(gemv_config(1, c.rows, c.k, DTYPE, c.silu), PDL=0)
+        line = f"{c.name:>10} ({c.rows}, {c.k}) {cfg_label(cfg)}:"
+        outs = []
+        for norm_block in (cfg["BLOCK_K"], None, cfg["BLOCK_K"], None):
+            conf = dict(cfg, NORM_BLOCK=norm_block) if norm_block else cfg
+            outs.append(c.call(conf)(0))
+            us = c.time_us(c.call(conf), args.iters, flush, check=False)
+            line += f"  norm block {norm_block or 'default'}: {us:6.2f} us ({c.nbytes / us / 1e6:4.2f} TB/s)"
+        assert all(torch.equal(o, outs[0]) for o in outs), c.name
+        print(line, flush=True)
+        del c
         torch.cuda.empty_cache()
-
-
-def preload_row(name, rows, k, norm, silu, args, g, flush) -> str:
-    c = Case(rows, k, args.layers, g)
-    res = (torch.randn(1, k, generator=g, device="cuda") * 4).to(DTYPE)
-    nws = [(1 + 0.1 * torch.randn(k, generator=g, device="cuda")).to(DTYPE) for _ in c.ws]
-    cfg = gemv_config(1, rows, k, DTYPE, silu)
-    line = f"{name:>10} ({rows}, {k}) {cfg_label(cfg)}:"
-    outs = []
-    for pre, norm_block, scratch in ((0, cfg["BLOCK_K"], 0), (0, None, 0), (0, None, 1), (0, None, 0),
-                                     (0, None, 1)):
-        conf = dict(cfg, PRELOAD=pre, PDL=0, SCRATCH=scratch)
-        if norm_block:
-            conf["NORM_BLOCK"] = norm_block
-        if norm:
-            def call(i, conf=conf):
-                return norm_gemv(c.x, res, nws[i], 1e-5, 0.0, c.ws[i], silu_mul=silu, config=conf)[0]
-        else:
-            def call(i, conf=conf):
-                return gemv(c.x, c.ws[i], config=conf)
-        outs.append(call(0))
-        us = c.time_us(call, args.iters, flush, check=False)
-        line += f"  nb {norm_block or 'auto'} scratch {scratch}: {us:6.2f} us ({c.nbytes / us / 1e6:4.2f} TB/s)"
-    assert all(torch.equal(o, outs[0]) for o in outs), name
-    return line
 
 
 def wide_rows(args, g, flush) -> None:
     """The fused GEMVs with wide K steps (the whole K, or half of it, a step): the RMSNorm's activation computed
     once or twice a program instead of every 256-1024 columns. Tuned config first, then the best 4 of the grid."""
-    cases = [("8b qkv", 6144, 4096, True, False), ("8b gate_up", 28672, 4096, True, True),
-             ("8b o", 4096, 4096, False, False), ("30b qkv", 5120, 2048, True, False)]
-    for case in cases:
-        print(wide_row(*case, args, g, flush), flush=True)
+    for case in [NORM_CASES[i] for i in (0, 2, 1, 4)]:
+        print(wide_row(FusedCase(*case, args.layers, g), args.iters, flush), flush=True)
         torch.cuda.empty_cache()
 
 
-def wide_row(name, rows, k, norm, silu, args, g, flush) -> str:
-    c = Case(rows, k, args.layers, g)
-    res = (torch.randn(1, k, generator=g, device="cuda") * 4).to(DTYPE)
-    nws = [(1 + 0.1 * torch.randn(k, generator=g, device="cuda")).to(DTYPE) for _ in c.ws]
-    tuned = dict(gemv_config(1, rows, k, DTYPE, silu), PDL=0)
+def wide_row(c: FusedCase, iters: int, flush) -> str:
+    tuned = dict(gemv_config(1, c.rows, c.k, DTYPE, c.silu), PDL=0)
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, PDL=0)
-            for bn, bk, w, st in itertools.product((1, 2, 4, 8), (k // 2, k), (4, 8), (1, 2))]
+            for bn, bk, w, st in itertools.product((1, 2, 4, 8), (c.k // 2, c.k), (4, 8), (1, 2))]
     want = None
     out = []
     for conf in [tuned] + grid:
-        if norm:
-            def call(i, conf=conf):
-                return norm_gemv(c.x, res, nws[i], 1e-5, 0.0, c.ws[i], silu_mul=silu, config=conf)[0]
-        else:
-            def call(i, conf=conf):
-                return gemv(c.x, c.ws[i], config=conf)
         try:
-            got = call(0)
+            got = c.call(conf)(0)
             if want is None:
                 want = got
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-            out.append((c.time_us(call, args.iters, flush, check=False), cfg_label(conf)))
+            out.append((c.time_us(c.call(conf), iters, flush, check=False), cfg_label(conf)))
         except Exception as e:
-            print(f"  {name} {cfg_label(conf)} failed: {str(e).splitlines()[0][:80]}", flush=True)
+            print(f"  {c.name} {cfg_label(conf)} failed: {str(e).splitlines()[0][:80]}", flush=True)
     first = out[0]
     best = sorted(out[1:])[:4]
-    return (f"{name:>10} ({rows}, {k}): tuned {first[0]:6.2f} us ({first[1]}); wide: "
+    return (f"{c.name:>10} ({c.rows}, {c.k}): tuned {first[0]:6.2f} us ({first[1]}); wide: "
             + "; ".join(f"{us:6.2f} ({lab})" for us, lab in best))
 
 
@@ -427,7 +427,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--overlap", action="store_true", help="only the L2 prefetch experiment")
-    ap.add_argument("--preload", action="store_true", help="only the fused GEMVs' PRELOAD settings")
+    ap.add_argument("--norm", action="store_true", help="only the fused GEMVs' norm statistics step widths")
     ap.add_argument("--wide", action="store_true", help="only the fused GEMVs with wide K steps")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -435,8 +435,8 @@ def main() -> None:
     if args.overlap:
         overlap(args, g, flush)
         return
-    if args.preload:
-        preload_rows(args, g, flush)
+    if args.norm:
+        norm_rows(args, g, flush)
         return
     if args.wide:
         wide_rows(args, g, flush)
