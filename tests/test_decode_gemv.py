@@ -36,7 +36,7 @@ def hybrids(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name,spec", [("llama", False), ("qwen2", False), ("qwen3_mtp", True),
+@pytest.mark.parametrize("name,spec", [("llama", False), ("qwen2", False), ("llama_mtp", True), ("qwen3_mtp", True),
                                        ("qwen3_moe", False), ("qwen3_next", False), ("qwen3_next", True),
                                        ("qwen3_5", False), ("deepseek", False)])
 def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name, spec):
@@ -50,10 +50,14 @@ def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name,
     fused = set_decode_gemv(t.model, "triton")
     if spec:
         assert set_decode_gemv(sched.mr.draft, "triton") >= 1  # the MTP block's layer
-    dense_mlps = mixers = moe_norms = 0
+    dense_mlps = mixers = moe_norms = preps = 0
     for layer in layers:
         projs = layer.mixer_projections()
         assert layer.fused_in == (projs is not None) and (projs is None or projs[1].decode_gemv)
+        # the q/k prep inside the qkv GEMV: attention layers without q/k norms (Llama, Qwen2), full rotary
+        assert layer.fused_prep == (isinstance(layer, DenseDecoderLayer) and not layer.self_attn.qk_norm
+                                    and layer.fused_in)
+        preps += layer.fused_prep
         mixers += projs is not None
         gate_up, down = _dense_mlp(layer.mlp)
         assert (gate_up is None) == hasattr(layer.mlp, "experts")  # MoE blocks keep their expert kernels
@@ -64,6 +68,7 @@ def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name,
         moe_norms += layer.fused_moe
     assert fused == sum(1 for m in layers if m.fused_in or m.fused_mlp or m.fused_moe) > 0
     assert moe_norms > 0 or name not in ("qwen3_moe", "qwen3_next")
+    assert (preps > 0) == (name in ("llama", "qwen2", "llama_mtp"))
     assert (mixers > 0) == (name != "deepseek") and dense_mlps > 0  # each tiny MoE model has a dense layer
     got = [r.output_ids for r in run_greedy(sched, prompts, 10)]
     assert got == want

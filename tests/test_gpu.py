@@ -254,3 +254,23 @@ def test_spec_overlap_long_accepts_gpu(tiny_models, n):
         assert sched.mr.spec.spec_step.replays > 0 and (sched.stats.num_overlapped_steps > 0) == overlap
         assert max(sched.stats.recent_accept) == n + 1
     assert outs[0] == outs[1]
+
+
+def test_qkv_prep_in_the_gemv_epilogue_gpu(tiny_models):
+    """--decode-gemv triton takes Llama's q/k prep (rotary + K/V store; no q/k norms) into the qkv GEMV's epilogue
+    (kernels/triton_gemv.py norm_gemv_rope_store; 'auto' does not until measured, gemv_policy.FASTER_PREP) and gives
+    cuBLAS's greedy tokens in float32, plain and speculative, through the graphs."""
+    from specserve import Engine
+    from specserve.models.dense import PreNormDecoderLayer
+
+    prompts = _prompts(3)
+    sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    for path, spec in (("llama", {}), ("llama_mtp", dict(speculative_algorithm="MTP", speculative_num_steps=3))):
+        outs = {}
+        for mode in ("cublas", "triton"):
+            eng = Engine(model_path=tiny_models[path], max_total_tokens=4096, dtype="float32", decode_gemv=mode,
+                         cuda_graph_bs=CAPTURE, **spec)
+            layers = [m for m in eng.core.model_runner.target.modules() if isinstance(m, PreNormDecoderLayer)]
+            assert layers and all(m.fused_prep == (mode == "triton") for m in layers)
+            outs[mode] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)]
+        assert outs["triton"] == outs["cublas"]

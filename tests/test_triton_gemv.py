@@ -508,3 +508,75 @@ def test_norm_block_widths():
     assert triton_gemv.norm_block(4096, 512, 2) == 2048  # 64 threads x 32
     assert triton_gemv.norm_block(576, 1024, 4) == 1024  # the K step is wider already
     assert triton_gemv.norm_block(7168, 256, 8) == 8192
+
+
+# ------------------------------------------------------------------------------ the q/k prep in the qkv epilogue
+
+def _rope_case(m: int, hq: int, hkv: int, d: int, k: int, bias: bool, g):
+    """x, residual, norm weight, a q|k|v weight (and bias), a cos/sin table, positions and distinct cache slots."""
+    n = (hq + 2 * hkv) * d
+    x, r = torch.randn(m, k, generator=g).to(BF16), torch.randn(m, k, generator=g).to(BF16)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(BF16)
+    w = (torch.randn(n, k, generator=g) / 8).to(BF16)
+    b = torch.randn(n, generator=g).to(BF16) if bias else None
+    cs = torch.randn(64, d, generator=g)
+    pos = torch.randperm(64, generator=g)[:m]
+    loc = torch.randperm(9, generator=g)[:m]
+    return x, r, nw, w, b, cs, pos, loc
+
+
+@pytest.mark.parametrize("m,block_n,residual,bias", [(1, 8, True, False), (1, 4, False, True), (1, 2, True, True),
+                                                      (1, 16, True, False), (3, 8, True, True)])
+def test_norm_gemv_rope_store_equals_gemv_then_prep(m, block_n, residual, bias):
+    """norm_gemv_rope_store (rotary and the K/V store in the GEMV's epilogue; rotation pairs split over programs as
+    _rope_columns lays them out) gives exactly what norm_gemv and then the q/k prep kernel give: the q|k|v output
+    (q and k rotated), the new residual, and both caches (other slots untouched)."""
+    from specserve.kernels.rope_store import RopeStore
+    from specserve.kernels.triton_gemv import norm_gemv_rope_store
+    from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
+
+    g = torch.Generator().manual_seed(140 + m + block_n)
+    hq, hkv, d = 4, 2, 16
+    x, r, nw, w, b, cs, pos, loc = _rope_case(m, hq, hkv, d, 64, bias, g)
+    r = r if residual else None
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=32, num_warps=4, num_stages=2, **({"GEMV": 1} if m > 1 else {}))
+    fill = torch.randn(9, hkv, d, generator=g).to(BF16).to(DEV)  # [S, Hkv, D] caches, distinct values
+    kc1, vc1, kc2, vc2 = (fill.clone() for _ in range(4))
+    cs, pos, loc = to_dev(cs, pos, loc)
+    want, want_h = norm_gemv(*to_dev(x, r, nw), 1e-5, 0.0, *to_dev(w, b), config=cfg)
+    q, k, v = want.split([hq * d, hkv * d, hkv * d], -1)
+    qk_norm_rope_store_triton(q.view(m, hq, d), k.view(m, hkv, d), v.view(m, hkv, d), kc1, vc1, loc, cs, pos, None)
+    rope = RopeStore(cs, pos, loc, kc2, vc2, hq, hkv, d)
+    got, got_h = norm_gemv_rope_store(*to_dev(x, r, nw), 1e-5, 0.0, *to_dev(w, b), rope, config=cfg)
+    assert torch.equal(got, want) and torch.equal(got_h, want_h)
+    assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1)
+    written = set(loc.tolist())
+    assert not torch.equal(kc1, fill) and all(torch.equal(kc1[s], fill[s]) for s in range(9) if s not in written)
+
+
+def test_rope_store_fits_only_launches_it_can_take():
+    """RopeStore.fits refuses what the epilogue cannot do (pairs that do not tile half a head, regions that are not
+    whole programs, partial rotary, 2-D positions, caches in another dtype, the skinny GEMM's rows), and a launch it
+    refuses raises instead of computing something else."""
+    from specserve.kernels.rope_store import RopeStore
+    from specserve.kernels.triton_gemv import norm_gemv_rope_store
+
+    g = torch.Generator().manual_seed(150)
+    hq, hkv, d = 4, 2, 16
+    x, r, nw, w, b, cs, pos, loc = _rope_case(1, hq, hkv, d, 64, False, g)
+    kc, vc = torch.zeros(9, hkv, d, dtype=BF16), torch.zeros(9, hkv, d, dtype=BF16)
+    rope = RopeStore(cs, pos, loc, kc, vc, hq, hkv, d)
+    cfg = dict(BLOCK_N=8, BLOCK_K=32, num_warps=4, num_stages=2)
+    assert rope.fits(x, w, cfg)
+    assert not rope.fits(x, w, dict(cfg, BLOCK_N=32))  # 16 pair dims a program, but half a head is 8
+    assert not rope.fits(x, w[:-8], cfg)  # not q|k|v of these heads
+    assert not RopeStore(cs[:, :8], pos, loc, kc, vc, hq, hkv, d).fits(x, w, cfg)  # partial rotary
+    assert not RopeStore(cs, pos[None].repeat(3, 1), loc, kc, vc, hq, hkv, d).fits(x, w, cfg)  # mRoPE rows
+    assert not RopeStore(cs, pos, loc, kc.float(), vc, hq, hkv, d).fits(x, w, cfg)  # a float32 cache
+    x3 = torch.randn(3, 64, generator=g).to(BF16)
+    three = RopeStore(cs, torch.arange(3), torch.arange(3), kc, vc, hq, hkv, d)
+    assert not three.fits(x3, w, cfg) and three.fits(x3, w, dict(cfg, GEMV=1))  # the skinny GEMM has no epilogue
+    with pytest.raises(ValueError, match="epilogue"):
+        norm_gemv_rope_store(*to_dev(x, r, nw), 1e-5, 0.0, *to_dev(w, b), RopeStore(*to_dev(cs, pos, loc, kc, vc),
+                                                                                     hq, hkv, 2 * d),
+                             config=cfg)

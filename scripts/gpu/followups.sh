@@ -58,6 +58,7 @@
 #             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes, the sparse
 #             MLA's options), `twentyfourth-b` (the one-launch routers: GPU tests, GLM-5 and 30B phases), then
 #             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
+#   thirtysecond (written 2026-12-04, third session, not yet run): the q/k prep in the qkv GEMV's epilogue.
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
 #             keep` + `sweep 1024,4096`, then `smollm2_round.sh qspec` (issue 17), the Qwen3-Next MoE sweep
 #             (`twentythird`'s second half), `twentysixth` (fp8 index keys with q rounded to fp8, §29.5).
@@ -314,6 +315,21 @@ case "${1:-}" in
       tests/test_triton_router.py 2>&1 | grep -v -i warn | tail -2
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
+    ;;
+  thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,
+    # then decode at batch 1 with it (--decode-gemv triton: on these shapes auto plus the prep fusion) against auto,
+    # side by side, on Llama-3.1-8B's and SmolLM2's shapes (if it wins, its qkv shapes go into FASTER_PREP)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py tests/test_triton_qk_prep.py \
+      2>&1 | grep -v -i warn | tail -2
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "epilogue or plain_step" 2>&1 \
+      | grep -v -i warn | tail -3
+    for preset in llama-3.1-8b smollm2-135m; do
+      for g in auto triton auto triton; do
+        echo "== $preset --decode-gemv $g"
+        timeout 100 python3 -m specserve.cli bench-phases --preset $preset --batch-sizes 1 --iters 30 --idle-steps 0 \
+          --prefill-tokens 0 --decode-gemv $g 2>&1 | grep -iE "copy bandwidth|\| decode|plain step " | head -4
+      done
+    done
     ;;
   thirtyfirst)  # the fp8 indexer's GPU test (diagnostic); GLM-5 at 32k, batch 1, without and with a 32768-token
     # draft token map (--speculative-token-map): the draft step graph vs eager, spec iteration vs plain step

@@ -64,11 +64,15 @@ class AttentionBackend(abc.ABC):
     store_kv = staticmethod(ops.store_kv)
     qk_norm_rope_store = staticmethod(ops.qk_norm_rope_store)
 
+    def layer_kv(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """layer's (k_cache, v_cache) [S, Hkv, D] (its layer.cache_index in the MHA pool)."""
+        return self.kv_pool.k[layer.cache_index], self.kv_pool.v[layer.cache_index]
+
     def store_or_prep(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb: ForwardBatch,
                       prep: QKPrep | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store k, v at fb.out_cache_loc in layer.cache_index's K/V, after prep's norms and rotary on q and k (one
         op, q and k written in place) when given -> (the q to attend with, k_cache, v_cache) [S, Hkv, D]."""
-        k_cache, v_cache = self.kv_pool.k[layer.cache_index], self.kv_pool.v[layer.cache_index]
+        k_cache, v_cache = self.layer_kv(layer)
         if prep is None:
             self.store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
         else:

@@ -25,6 +25,17 @@ FASTER_ROWS: dict[tuple[int, int], int] = {
 }
 
 
+# q|k|v weight shapes (rows, K) whose fused GEMV was measured faster with the attention's q/k prep (rotary + the K/V
+# store) in its epilogue (triton_gemv.norm_gemv_rope_store) than with the separate prep launch; 'triton' takes it
+# on every layer that can (models/dense.py DenseAttention.prep_fusable), 'auto' only on these. None measured yet.
+FASTER_PREP: frozenset[tuple[int, int]] = frozenset()
+
+
+def prefer_fused_prep(shapes: list[tuple[int, int]]) -> bool:
+    """Whether every q|k|v weight shape given is one whose GEMV was measured faster with the prep inside."""
+    return bool(shapes) and all(s in FASTER_PREP for s in shapes)
+
+
 def prefer_fused(shapes: list[tuple[int, int]]) -> bool:
     """Whether every weight shape [rows, K] given is one the fused kernels beat."""
     return bool(shapes) and all(s in FASTER for s in shapes)

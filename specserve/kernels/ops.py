@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from specserve.kernels import reference as ref
 from specserve.kernels.availability import triton_kernels
+from specserve.kernels.rope_store import RopeStore
 
 
 def _kernels(*tensors: torch.Tensor):
@@ -255,6 +256,25 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
     if (tk := _kernels(x, w)) is not None:
         return tk.gemv(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                         weight_offset: float, w: torch.Tensor, bias: torch.Tensor | None,
+                         rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """norm_gemv on an attention layer's q|k|v weight, then its q/k prep without norms (rope: rotary on q and k in
+    place, K/V stored) -> (qkv, h). On CUDA one Triton launch (triton_gemv.norm_gemv_rope_store), or None where its
+    launch cannot take the epilogue (RopeStore.fits: the caller runs the unfused ops); elsewhere the reference ops
+    (norm_gemv, then qk_norm_rope_store)."""
+    if (tk := _kernels(x, w)) is not None:
+        if not tk.rope_store_fits(x, w, rope):
+            return None
+        return tk.norm_gemv_rope_store(x, residual, norm_w, eps, weight_offset, w, bias, rope)
+    y, h = norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias)
+    t, d, hq, hkv = x.shape[0], rope.head_dim, rope.num_q_heads, rope.num_kv_heads
+    q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ref.qk_norm_rope_store(q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), rope.k_cache, rope.v_cache,
+                           rope.loc, rope.cos_sin_cache, rope.positions, None)
+    return y, h
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, weight_offset: float,

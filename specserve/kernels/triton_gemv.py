@@ -10,6 +10,11 @@ reduce) and the gaps between launches cost as much as the weights' bytes on smal
 `norm_gemv`: the RMSNorm of h = x + residual fused into the GEMV's prologue (and, with silu_mul, SiLU(gate) * up
 in its epilogue), one launch; it also returns h (the new residual).
 
+`norm_gemv_rope_store`: norm_gemv on an attention layer's q|k|v weight with the q/k prep of a layer without q/k
+norms (kernels/triton_qk_prep.py: neox rotary on q and k, K and V stored into the paged caches) in its epilogue, so
+the prep launch goes. Its programs own rotation pairs (BLOCK_N / 2 dims of a head and their partners half a head
+on, `_rope_columns`), which each rotates in registers (`_rope_store_epilogue`); rounding as the prep kernel's.
+
 One row (a decode step at batch 1) runs the GEMV below. 2..16 rows (verify's N + 1, a small batch) run, for a
 weight shape with a measured row-GEMV config (`_TUNED_ROWS`, up to ROWS_GEMV_MAX rows), the same GEMV with the rows
 unrolled (each weight tile loaded once, one accumulator tile per row), else a skinny GEMM with the same fusions and
@@ -45,6 +50,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.launch import one_wave_pdl, pdl_kwargs, pdl_supported
+from specserve.kernels.rope_store import RopeStore
 from specserve.kernels.triton_dot import dot
 
 MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
@@ -147,12 +153,64 @@ def _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stri
 
 
 @triton.jit
+def _rope_columns(pid, rot_programs, half, BLOCK_N: tl.constexpr):
+    """The output columns [BLOCK_N] of program pid of a ROPE launch. Programs below rot_programs: P = BLOCK_N / 2
+    dims j0 .. j0 + P of a q or k head (q heads first, then k heads, each 2 half wide) then their rotation partners
+    j0 + half .. (half / P programs a head); the rest: contiguous V columns (rot_programs * BLOCK_N is where V
+    starts)."""
+    P: tl.constexpr = BLOCK_N // 2
+    i = tl.arange(0, BLOCK_N)
+    per_head = half // P
+    head = pid // per_head
+    rot = head * 2 * half + (i // P) * half + (pid % per_head) * P + i % P
+    return tl.where(pid < rot_programs, rot, pid * BLOCK_N + i)
+
+
+@triton.jit
+def _rope_store_epilogue(y, m, pid, cols, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, vc_ptr, rot_programs,
+                         q_heads, half, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                         BLOCK_N: tl.constexpr):
+    """Row m's outputs y [BLOCK_N] (float32 of x.dtype values) at `cols` (_rope_columns), as the q/k prep kernel
+    (kernels/triton_qk_prep.py, no norms, rotary on all of D = 2 half) leaves them: a rotation program rotates its
+    P pairs (neox: x1 cos - x2 sin, x2 cos + x1 sin in float32, each rounded to x's dtype) at position pos[m] and
+    writes them back into y (q and k in place); a k head's are also stored into the K cache at slot loc[m]
+    ([S, Hkv, D], strides stride_kcs / stride_kch); a V program writes y and stores it into the V cache."""
+    P: tl.constexpr = BLOCK_N // 2
+    dt = y_ptr.dtype.element_ty
+    slot = tl.load(loc_ptr + m).to(tl.int64)
+    head_dim = 2 * half
+    if pid < rot_programs:
+        pos = tl.load(pos_ptr + m).to(tl.int64)
+        per_head = half // P
+        head = pid // per_head
+        band = (pid % per_head) * P + tl.arange(0, P)  # [P] frequency bands
+        c = tl.load(cs_ptr + pos * stride_cs + band)
+        s = tl.load(cs_ptr + pos * stride_cs + half + band)
+        x1, x2 = tl.split(tl.permute(tl.reshape(y, [2, P]), [1, 0]))  # [P] each: the dims, their partners
+        o1 = (x1 * c - x2 * s).to(dt)
+        o2 = (x2 * c + x1 * s).to(dt)
+        out = tl.reshape(tl.permute(tl.join(o1, o2), [1, 0]), [BLOCK_N])  # in `cols` order again
+        tl.store(y_ptr + m * stride_y + cols, out)
+        if head >= q_heads:
+            dims = cols - head * head_dim
+            tl.store(kc_ptr + slot * stride_kcs + (head - q_heads) * stride_kch + dims,
+                     out.to(kc_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + m * stride_y + cols, y.to(dt))
+        v_col = cols - rot_programs * BLOCK_N
+        tl.store(vc_ptr + slot * stride_vcs + (v_col // head_dim) * stride_vch + v_col % head_dim,
+                 y.to(dt).to(vc_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps, up_offset,
                  stride_x, stride_r, stride_h, stride_w, stride_y,
+                 pos_ptr, loc_ptr, cs_ptr, kc_ptr, vc_ptr, rot_programs, q_heads, half, stride_cs,
+                 stride_kcs, stride_kch, stride_vcs, stride_vch,
                  M: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-                 GDC: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                 GDC: tl.constexpr, NORM_BLOCK: tl.constexpr, ROPE: tl.constexpr):
     """Program i: output columns i*BLOCK_N .. + BLOCK_N of all M rows. x [M, K] (row stride stride_x), w [N, K]
     (row stride stride_w; with SILU N = 2 n_out, gate rows then up rows), y [M, n_out]. NORM: the activation is the
     RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual); the
@@ -161,9 +219,15 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     the main loop; either way the first K step's weights (never written by another kernel) are loaded before
     gdc_wait, and everything the previous kernel writes (x, r) is read, and every output written, after it. GDC:
     emit the grid-dependency instructions (CUDA; off under the interpreter, which then runs PDL's order of loads
-    without them)."""
+    without them).
+    ROPE: y is an attention layer's fused q|k|v projection, and the epilogue does the q/k prep's work (rotary on q
+    and k, K and V stored into the caches; see _rope_store_epilogue): the first rot_programs programs own rotation
+    pairs, BLOCK_N / 2 dims of a head and their partners half dims on (_rope_columns), the rest V columns."""
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    if ROPE:
+        cols = _rope_columns(pid, rot_programs, half, BLOCK_N)  # [BLOCK_N]
+    else:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_ok = cols < n_out
     ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     dtype = x_ptr.dtype.element_ty
@@ -229,7 +293,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
                 u += bu
             u = _rounded(u, dtype, ROUND_BF16)
             y = _rounded(_rounded(y / (1.0 + tl.exp(-y)), dtype, ROUND_BF16) * u, dtype, ROUND_BF16)
-        tl.store(y_ptr + m * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+        if ROPE:
+            _rope_store_epilogue(y, m, pid, cols, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, vc_ptr,
+                                 rot_programs, q_heads, half, stride_cs, stride_kcs, stride_kch, stride_vcs,
+                                 stride_vch, BLOCK_N)
+        else:
+            tl.store(y_ptr + m * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -373,12 +442,15 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu_mul
         raise ValueError(f"gemv: bias {tuple(bias.shape)} {bias.dtype} does not fit weight {tuple(w.shape)}")
 
 
-def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, config) -> None:
+def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, config,
+            rope: RopeStore | None = None) -> None:
     m, k = x.shape
     n_out = y.shape[1]
     if m == 0 or n_out == 0:
         return
     cfg = config or gemv_config(m, w.shape[0], k, x.dtype, silu_mul)
+    if rope is not None and not rope.fits(x, w, cfg):
+        raise ValueError(f"gemv: the rotary/KV-store epilogue does not fit this launch ({cfg})")
     args = (x, residual if residual is not None else x, norm_w if norm_w is not None else x, w,
             bias if bias is not None else w, y, h if h is not None else y)
     strides = (x.stride(0), residual.stride(0) if residual is not None else 0, h.stride(0) if h is not None else 0,
@@ -390,9 +462,9 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
         pdl = cfg.get("PDL", pdl_mode(x.device, programs, w.numel() * w.element_size()))
         gdc = bool(pdl) and pdl_supported(x.device)  # (a PDL config elsewhere: PDL's order of loads, no gdc ops)
         _gemv_kernel[(programs,)](
-            *args, n_out, k, eps, n_out * w.stride(0), *strides, M=m, **flags,
+            *args, n_out, k, eps, n_out * w.stride(0), *strides, *_rope_args(rope, y, cfg["BLOCK_N"]), M=m, **flags,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
-            NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])),
+            NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])), ROPE=rope is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles
@@ -401,6 +473,17 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
+
+
+def _rope_args(rope: RopeStore | None, y: torch.Tensor, block_n: int) -> tuple:
+    """_gemv_kernel's ROPE arguments (pos, loc, cos_sin, k_cache, v_cache pointers; rot_programs, q_heads, half and
+    the strides); placeholders without an epilogue."""
+    if rope is None:
+        return (y, y, y, y, y, 0, 0, 1, 0, 0, 0, 0, 0)
+    rot_programs = (rope.num_q_heads + rope.num_kv_heads) * rope.head_dim // block_n
+    kc, vc = rope.k_cache, rope.v_cache
+    return (rope.positions, rope.loc, rope.cos_sin_cache, kc, vc, rot_programs, rope.num_q_heads,
+            rope.head_dim // 2, rope.cos_sin_cache.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -445,3 +528,33 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tens
     _launch(x, residual, norm_w.contiguous(), w, bias.contiguous() if bias is not None else None, y,
             h if residual is not None else None, float(eps), weight_offset, silu_mul, config)
     return y, h
+
+
+def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                         weight_offset: float, w: torch.Tensor, bias: torch.Tensor | None, rope: RopeStore,
+                         config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_gemv on an attention layer's q|k|v weight w [(Hq + 2 Hkv) D, K], with the q/k prep in its epilogue:
+    returns (qkv [M, (Hq + 2 Hkv) D], h) where qkv's q and k heads are rotated at rope.positions (as
+    kernels/triton_qk_prep.py leaves them, no q/k norms) and k, v are stored at rope.loc in rope.k_cache /
+    rope.v_cache: one launch for norm + projection + rotary + KV store. rope.fits(x, w, config) (with
+    config None: rope_store_fits) must hold, else ValueError."""
+    _check(x, w, bias, False)
+    m, k = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: residual {tuple(residual.shape)} {residual.dtype} does not fit x")
+    if norm_w.shape != (k,) or (not weight_offset and norm_w.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: norm weight {tuple(norm_w.shape)} {norm_w.dtype} does not fit x")
+    x = _unit_stride(x)
+    h = x
+    if residual is not None:
+        residual = _unit_stride(residual)
+        h = torch.empty_like(x, memory_format=torch.contiguous_format)  # [M, K]
+    y = torch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device)  # [M, (Hq + 2 Hkv) D]
+    _launch(x, residual, norm_w.contiguous(), w, bias.contiguous() if bias is not None else None, y,
+            h if residual is not None else None, float(eps), weight_offset, False, config, rope)
+    return y, h
+
+
+def rope_store_fits(x: torch.Tensor, w: torch.Tensor, rope: RopeStore) -> bool:
+    """Whether norm_gemv_rope_store can run x [M, K] @ w^T with gemv_config's launch."""
+    return rope.fits(x, w, gemv_config(x.shape[0], w.shape[0], x.shape[1], x.dtype))

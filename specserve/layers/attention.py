@@ -55,6 +55,18 @@ class QKPrep:
                      rotary.mrope_section, qw, kw, eps, offset)
 
 
+class StoredQK:
+    """The prep of a layer whose q|k|v projection did it in its epilogue (kernels/ops.py norm_gemv_rope_store): q
+    and k already rotated in place, k and v already stored; store() has nothing left to do."""
+
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              loc: torch.Tensor, fused: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
+STORED = StoredQK()
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float, cache_index: int):
         super().__init__()
@@ -70,3 +82,9 @@ class PagedAttention(nn.Module):
         prep's norms and rotary (fused with its K/V store)."""
         out = fb.backend(CacheKind.MHA).forward(q, k, v, self, fb, prep)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def kv_caches(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's (k_cache, v_cache) [S, Hkv, D] for a projection that stores into them itself (StoredQK);
+        None when the step's backend keeps none (train/attention.py's)."""
+        layer_kv = getattr(fb.backend(CacheKind.MHA), "layer_kv", None)
+        return layer_kv(self) if layer_kv is not None else None

@@ -16,10 +16,11 @@ from torch import nn
 
 from specserve.batch import ForwardBatch, ForwardMode
 from specserve.kernels import ops
-from specserve.kernels.gemv_policy import fused_rows, prefer_fused
+from specserve.kernels.gemv_policy import fused_rows, prefer_fused, prefer_fused_prep
+from specserve.kernels.rope_store import RopeStore
 from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
 from specserve.layers.activation import silu_and_mul
-from specserve.layers.attention import PagedAttention, QKPrep
+from specserve.layers.attention import STORED, PagedAttention, QKPrep
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.moe import SparseMoEBlock
@@ -128,14 +129,42 @@ class DenseAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """qkv [T, q + 2kv] (the projection's output) -> the attention block's output [T, hidden]."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._heads(qkv)
         # per-head norms (Qwen3) and rotary on the [T, heads, D] views of the projection, fused with the K/V store
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
         return self.o_proj(self.attn(q, k, v, fb, QKPrep(self.rotary, positions, *norms)))
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The [T, heads, D] views of q, k, v in the projection's output qkv [T, q + 2kv]."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
+                v.reshape(t, self.num_kv_heads, self.head_dim))
+
+    def prep_fusable(self) -> bool:
+        """Whether the q/k prep can run in the epilogue of the qkv projection's fused GEMV: no q/k norms (a head's
+        norm needs all its dims in one program), rotary on all of D with 1-D positions, one device."""
+        return (not self.qk_norm and type(self.qkv_proj) is MergedLinear and self.rotary.mrope_section is None
+                and self.rotary.cos_sin_cache.shape[1] == self.head_dim)
+
+    def attend_from_norm(self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
+                         positions: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the attention block's output [T, hidden], the new residual) with the input norm, the qkv projection,
+        rotary and the K/V store in one op (kernels/ops.py norm_gemv_rope_store; prep_fusable layers); None when
+        that op cannot take this step (no paged K/V, or a launch it does not fit): the caller runs the unfused
+        path."""
+        caches = self.attn.kv_caches(fb)
+        if caches is None or positions.dim() != 1:
+            return None
+        rope = RopeStore(self.rotary.cos_sin_cache, positions, fb.out_cache_loc, *caches, self.num_heads,
+                         self.num_kv_heads, self.head_dim)
+        out = ops.norm_gemv_rope_store(h, residual, norm.weight, norm.eps, norm.weight_offset, self.qkv_proj.weight,
+                                       self.qkv_proj.bias, rope)
+        if out is None:
+            return None
+        qkv, residual = out
+        q, k, v = self._heads(qkv)
+        return self.o_proj(self.attn(q, k, v, fb, STORED)), residual
 
 
 class DenseMLP(nn.Module):
@@ -170,6 +199,7 @@ class PreNormDecoderLayer(nn.Module):
     fused_mlp = False
     fused_moe = False  # the post-attention norm inside an MoE block's router launch (layers/moe.py)
     fused_rows = 0  # the most rows a call fuses at ('auto': gemv_policy.fused_rows of the fused shapes)
+    fused_prep = False  # with fused_in: the mixer's q/k prep in its input projection's epilogue (mix_from_norm)
 
     def mix(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
@@ -182,6 +212,16 @@ class PreNormDecoderLayer(nn.Module):
     def mix_projected(self, positions: torch.Tensor, proj: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """mix, given the input projection's output proj [T, rows of mixer_projections()[0]]."""
         raise NotImplementedError
+
+    def prep_fusable(self) -> bool:
+        """Whether the mixer can take its input norm, input projection and q/k prep as one op (mix_from_norm)."""
+        return False
+
+    def mix_from_norm(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                      fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(mix of the input norm of h + residual, the new residual) with the norm, the input projection and the
+        q/k prep in one op (prep_fusable mixers); None when that op cannot take this step."""
+        return None
 
     def set_decode_gemv(self, mode: str) -> bool:
         """--decode-gemv: 'triton' runs this layer's decode rows through the fused GEMVs (kernels/triton_gemv.py:
@@ -201,6 +241,9 @@ class PreNormDecoderLayer(nn.Module):
                                                                 and prefer_fused([tuple(linear.weight.shape)])))
 
         self.fused_in = bool(projs) and use(projs[0])
+        # the q/k prep in the qkv GEMV's epilogue: under 'auto' only for weight shapes measured faster with it
+        self.fused_prep = self.fused_in and self.prep_fusable() and (
+            mode == "triton" or prefer_fused_prep([tuple(projs[0].weight.shape)]))
         self.fused_mlp = use(gate_up)
         self.fused_moe = isinstance(self.mlp, SparseMoEBlock) and self.mlp.norm_fusable and use(self.mlp.gate)
         outputs = [lin for lin in (projs[1] if projs else None, down) if lin is not None]
@@ -221,7 +264,10 @@ class PreNormDecoderLayer(nn.Module):
         """-> (h, residual). Decode rows (at most fused_rows) of a fused layer: one launch for each norm and
         the projection after it (enabled on CUDA only; ops' reference elsewhere)."""
         decode = h.shape[0] <= self.fused_rows
-        if self.fused_in and decode:
+        mixed = self.mix_from_norm(positions, h, residual, fb) if self.fused_prep and decode else None
+        if mixed is not None:
+            h, residual = mixed
+        elif self.fused_in and decode:
             proj, residual = _norm_linear(self.input_layernorm, self.mixer_projections()[0], h, residual)
             h = self.mix_projected(positions, proj, fb)
         else:
@@ -263,6 +309,13 @@ class DenseDecoderLayer(PreNormDecoderLayer):
 
     def mix_projected(self, positions, proj, fb: ForwardBatch):
         return self.self_attn.attend(positions, proj, fb)
+
+    def prep_fusable(self) -> bool:
+        return self.self_attn.prep_fusable()
+
+    def mix_from_norm(self, positions, h, residual, fb: ForwardBatch):
+        return self.self_attn.attend_from_norm(self.input_layernorm, h, residual,
+                                               self.self_attn.rotary.table_positions(positions), fb)
 
 
 def _dense_mlp(mlp: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
