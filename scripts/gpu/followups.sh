@@ -58,7 +58,8 @@
 #             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes, the sparse
 #             MLA's options), `twentyfourth-b` (the one-launch routers: GPU tests, GLM-5 and 30B phases), then
 #             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
-#   thirtysecond (written 2026-12-04, third session, not yet run): the q/k prep in the qkv GEMV's epilogue.
+#   thirtysecond (written 2026-12-04, third session, not yet run): the q/k prep in the qkv GEMV's epilogue, and the
+#             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
 #             keep` + `sweep 1024,4096`, then `smollm2_round.sh qspec` (issue 17), the Qwen3-Next MoE sweep
 #             (`twentythird`'s second half), `twentysixth` (fp8 index keys with q rounded to fp8, §29.5).
@@ -330,6 +331,8 @@ case "${1:-}" in
           --prefill-tokens 0 --decode-gemv $g 2>&1 | grep -iE "copy bandwidth|\| decode|plain step " | head -4
       done
     done
+    # the decode attention's key splits and blocks at batch 1 (6.55 us a layer on 8B, 6.61 on 30B: §33.1, §24.2)
+    timeout 200 python3 scripts/gpu/profile_kernels.py --parts decode-attn --iters 20 2>&1 | grep -v -i warn | tail -4
     ;;
   thirtyfirst)  # the fp8 indexer's GPU test (diagnostic); GLM-5 at 32k, batch 1, without and with a 32768-token
     # draft token map (--speculative-token-map): the draft step graph vs eager, spec iteration vs plain step

@@ -12,7 +12,8 @@ in random cache slots; `dsa-batches-contiguous` the same with each request's key
 random slots with bf16 keys, fp8 keys (q_fp8) and fp8 keys with the keys_m tile;
 `scores-options` the scores kernel's launch options; `dsa-first-pass` the top-k's first pass fused or not;
 `sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64. `scores-fp8` the scores kernel alone over
-bf16 keys, fp8 keys, and fp8 keys with q rounded to fp8 in the kernel (q_fp8), batch 1-64.
+bf16 keys, fp8 keys, and fp8 keys with q rounded to fp8 in the kernel (q_fp8), batch 1-64. `decode-attn` the dense
+decode attention at batch 1 over its key splits and key blocks (8B's and 30B's heads, 513 and 4097 keys).
 """
 
 from __future__ import annotations
@@ -380,6 +381,47 @@ def sparse_mla_sweep(iters: int, block_hs=(None,), stages_list=(2, 3), batch_siz
         torch.cuda.empty_cache()
 
 
+def decode_attention(iters: int, layers: int = 8) -> None:
+    """The decode attention at batch 1 (kernels/triton_attention.py fixed_width_attention, in-kernel split merge):
+    Llama-3.1-8B's heads (32 q, 8 KV) and Qwen3-30B-A3B's (32 q, 4 KV), D 128, at 513 and 4097 keys in random cache
+    slots, over the key splits and key blocks a launch could take; us a call from a graph of `layers` calls on
+    distinct layers' caches, the L2 flushed between replays (bench_moe.time_ms). The backend's choice
+    (TritonAttentionBackend.num_kv_splits) is 8 splits for a 2048-token graph, 32 for long contexts; block 64."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from bench_moe import l2_flush, time_ms
+
+    flush = l2_flush()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for name, hq, hkv in (("8B", 32, 8), ("30B", 32, 4)):
+        for keys in (513, 4097):
+            print(_decode_attention_row(name, hq, hkv, keys, layers, iters, flush, g, time_ms), flush=True)
+
+
+def _decode_attention_row(name, hq, hkv, keys, layers, iters, flush, g, time_ms) -> str:
+    from specserve.kernels.triton_attention import fixed_width_attention
+
+    slots = 8192
+    caches = [(torch.randn(slots, hkv, 128, generator=g, device=DEV).bfloat16(),
+               torch.randn(slots, hkv, 128, generator=g, device=DEV).bfloat16()) for _ in range(layers)]
+    table = torch.randperm(slots, generator=g, device=DEV)[None, :keys].contiguous()  # [1, keys]
+    rows = torch.zeros(1, dtype=torch.int64, device=DEV)
+    lens = torch.full((1,), keys, dtype=torch.int64, device=DEV)
+    q = torch.randn(1, hq, 128, generator=g, device=DEV).bfloat16()
+    want = fixed_width_attention(q, *caches[0], table, rows, lens, 1, 1, 128 ** -0.5)
+    line = f"{name} bs 1, {keys} keys (us):"
+    for splits, block_n in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128)):
+        def call(splits=splits, block_n=block_n):
+            return [fixed_width_attention(q, kc, vc, table, rows, lens, 1, splits, 128 ** -0.5, block_n=block_n)
+                    for kc, vc in caches]
+        torch.testing.assert_close(call()[0], want, atol=2e-2, rtol=2e-2)
+        graph, _, _ = capture_graph(call, None)
+        line += f" s{splits}/b{block_n} {time_ms(graph.replay, iters, 5, flush) * 1e3 / layers:.2f}"
+        del graph
+    return line
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=30)
@@ -395,7 +437,8 @@ def main() -> None:
              "dsa-batches-fp8": functools.partial(dsa_batches, key_types=("bf16", "fp8", "fp8-m", "fp8-f")),
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
-                                              key_types=("bf16", "fp8"))}
+                                              key_types=("bf16", "fp8")),
+             "decode-attn": decode_attention}
     for part in a.parts:
         parts[part](a.iters)
 
