@@ -2,7 +2,8 @@
 MHA backend, in the K/V cache `cache_index` (its index among the model's MHA layers, kvcache/cache_spec.py).
 
 What the layer does to q and k before the store (optional per-head RMSNorms, then rotary) travels with the call as a
-`QKPrep`, so the backend can run it and the K/V store as one op (kernels/ops.py qk_norm_rope_store)."""
+`QKPrep`, so the backend can run it and the K/V store as one op (kernels/ops.py qk_norm_rope_store). A layer whose
+qkv projection already did both (kernels/ops.py norm_gemv_rope_store, decode rows) passes `STORED` instead."""
 
 from __future__ import annotations
 
