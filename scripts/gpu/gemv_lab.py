@@ -199,6 +199,14 @@ def tbs(c: Case, us: float) -> str:
     return f"{us:8.2f} us {c.nbytes / us / 1e6:6.2f} TB/s"
 
 
+def timed(c: Case, label: str, call, iters: int, flush) -> tuple[str, float]:
+    """(label, us a call), or (label with the error, inf) for a config TMA or the compiler refuses."""
+    try:
+        return label, c.time_us(call, iters, flush)
+    except Exception as e:
+        return f"{label} failed: {str(e).splitlines()[0][:80]}", float("inf")
+
+
 def run_ours(c: Case, iters, flush):
     cfg = gemv_config(1, c.rows, c.k, DTYPE)
     return [(f"tuned {cfg}", c.time_us(lambda i: gemv(c.x, c.ws[i]), iters, flush))]
@@ -237,10 +245,7 @@ def run_tma(c: Case, iters, flush, quick):
             _tma_kernel[(triton.cdiv(c.rows, bn),)](c.x, descs[layer], y, c.rows, c.k, BLOCK_N=bn, BLOCK_K=bk,
                                                    NUM_STAGES=stages, num_warps=warps, num_stages=stages)
             return y
-        try:
-            res.append((f"N{bn} K{bk} s{stages} w{warps}", c.time_us(call, iters, flush)))
-        except Exception as e:  # a config TMA or the compiler refuses
-            res.append((f"N{bn} K{bk} s{stages} w{warps} failed: {str(e).splitlines()[0][:80]}", float("inf")))
+        res.append(timed(c, f"N{bn} K{bk} s{stages} w{warps}", call, iters, flush))
     return res
 
 
@@ -260,10 +265,7 @@ def run_splitk(c: Case, iters, flush, quick):
                 BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=base["num_stages"], num_warps=base["num_warps"],
                 num_stages=base["num_stages"])
             return y
-        try:
-            res.append((f"S{splits} N{bn} K{bk}", c.time_us(call, iters, flush)))
-        except Exception as e:
-            res.append((f"S{splits} N{bn} K{bk} failed: {str(e).splitlines()[0][:80]}", float("inf")))
+        res.append(timed(c, f"S{splits} N{bn} K{bk}", call, iters, flush))
     return res
 
 
@@ -280,10 +282,7 @@ def run_persist(c: Case, iters, flush, quick):
             _persist_kernel[(programs,)](c.x, c.ws[layer], y, c.rows, c.k, c.ws[layer].stride(0), BLOCK_N=bn,
                                          BLOCK_K=bk, NUM_STAGES=stages, num_warps=4, num_stages=stages)
             return y
-        try:
-            res.append((f"P{programs} N{bn} K{bk} s{stages}", c.time_us(call, iters, flush)))
-        except Exception as e:
-            res.append((f"P{programs} N{bn} K{bk} s{stages} failed: {str(e).splitlines()[0][:80]}", float("inf")))
+        res.append(timed(c, f"P{programs} N{bn} K{bk} s{stages}", call, iters, flush))
     return res
 
 

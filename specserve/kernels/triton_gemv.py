@@ -512,6 +512,21 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tens
     weight_offset), w [N, K] row-major, bias [N] or None, all in x's dtype. Returns (y, h): y [M, N], or with
     silu_mul (w = gate rows [0, I) then up rows [I, 2I)) y [M, I] = silu_and_mul(F.linear(a, w, bias)); h [M, K]
     the new residual (x itself when residual is None). config: gemv_config's result, to override."""
+    return _norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, silu_mul, config, None)
+
+
+def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                         weight_offset: float, w: torch.Tensor, bias: torch.Tensor | None, rope: RopeStore,
+                         config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_gemv on an attention layer's q|k|v weight w [(Hq + 2 Hkv) D, K], with the q/k prep in its epilogue:
+    returns (qkv [M, (Hq + 2 Hkv) D], h) where qkv's q and k heads are rotated at rope.positions (as
+    kernels/triton_qk_prep.py leaves them, no q/k norms) and k, v are stored at rope.loc in rope.k_cache /
+    rope.v_cache: one launch for norm + projection + rotary + KV store. rope.fits(x, w, config) (with
+    config None: rope_store_fits) must hold, else ValueError."""
+    return _norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, False, config, rope)
+
+
+def _norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, silu_mul, config, rope):
     _check(x, w, bias, silu_mul)
     m, k = x.shape
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
@@ -526,32 +541,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tens
     n_out = w.shape[0] // 2 if silu_mul else w.shape[0]
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)  # [M, N] or [M, I]
     _launch(x, residual, norm_w.contiguous(), w, bias.contiguous() if bias is not None else None, y,
-            h if residual is not None else None, float(eps), weight_offset, silu_mul, config)
-    return y, h
-
-
-def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-                         weight_offset: float, w: torch.Tensor, bias: torch.Tensor | None, rope: RopeStore,
-                         config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_gemv on an attention layer's q|k|v weight w [(Hq + 2 Hkv) D, K], with the q/k prep in its epilogue:
-    returns (qkv [M, (Hq + 2 Hkv) D], h) where qkv's q and k heads are rotated at rope.positions (as
-    kernels/triton_qk_prep.py leaves them, no q/k norms) and k, v are stored at rope.loc in rope.k_cache /
-    rope.v_cache: one launch for norm + projection + rotary + KV store. rope.fits(x, w, config) (with
-    config None: rope_store_fits) must hold, else ValueError."""
-    _check(x, w, bias, False)
-    m, k = x.shape
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"norm_gemv: residual {tuple(residual.shape)} {residual.dtype} does not fit x")
-    if norm_w.shape != (k,) or (not weight_offset and norm_w.dtype != x.dtype):
-        raise ValueError(f"norm_gemv: norm weight {tuple(norm_w.shape)} {norm_w.dtype} does not fit x")
-    x = _unit_stride(x)
-    h = x
-    if residual is not None:
-        residual = _unit_stride(residual)
-        h = torch.empty_like(x, memory_format=torch.contiguous_format)  # [M, K]
-    y = torch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device)  # [M, (Hq + 2 Hkv) D]
-    _launch(x, residual, norm_w.contiguous(), w, bias.contiguous() if bias is not None else None, y,
-            h if residual is not None else None, float(eps), weight_offset, False, config, rope)
+            h if residual is not None else None, float(eps), weight_offset, silu_mul, config, rope)
     return y, h
 
 
