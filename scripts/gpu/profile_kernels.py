@@ -13,7 +13,8 @@ random slots with bf16 keys, fp8 keys (q_fp8) and fp8 keys with the keys_m tile;
 `scores-options` the scores kernel's launch options; `dsa-first-pass` the top-k's first pass fused or not;
 `sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64. `scores-fp8` the scores kernel alone over
 bf16 keys, fp8 keys, and fp8 keys with q rounded to fp8 in the kernel (q_fp8), batch 1-64. `decode-attn` the dense
-decode attention at batch 1 over its key splits and key blocks (8B's and 30B's heads, 513 and 4097 keys).
+decode attention at batch 1 over its key splits, key blocks and key-loop stages (8B's and 30B's heads, 513 and
+4097 keys).
 """
 
 from __future__ import annotations
@@ -410,14 +411,16 @@ def _decode_attention_row(name, hq, hkv, keys, layers, iters, flush, g, time_ms)
     lens = torch.full((1,), keys, dtype=torch.int64, device=DEV)
     q = torch.randn(1, hq, 128, generator=g, device=DEV).bfloat16()
     want = fixed_width_attention(q, *caches[0], table, rows, lens, 1, 1, 128 ** -0.5)
-    line = f"{name} bs 1, {keys} keys (us):"
-    for splits, block_n in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128)):
-        def call(splits=splits, block_n=block_n):
-            return [fixed_width_attention(q, kc, vc, table, rows, lens, 1, splits, 128 ** -0.5, block_n=block_n)
-                    for kc, vc in caches]
+    line = f"{name} bs 1, {keys} keys (us, splits/key block/stages):"
+    grid = [(sp, bn, 2) for sp, bn in itertools.product((1, 2, 4, 8, 16, 32), (32, 64, 128))]
+    grid += [(sp, 64, st) for sp, st in itertools.product((8, 32), (1, 3))]  # the key loop's pipelining depth
+    for splits, block_n, stages in grid:
+        def call(splits=splits, block_n=block_n, stages=stages):
+            return [fixed_width_attention(q, kc, vc, table, rows, lens, 1, splits, 128 ** -0.5, block_n=block_n,
+                                          num_stages=stages) for kc, vc in caches]
         torch.testing.assert_close(call()[0], want, atol=2e-2, rtol=2e-2)
         graph, _, _ = capture_graph(call, None)
-        line += f" s{splits}/b{block_n} {time_ms(graph.replay, iters, 5, flush) * 1e3 / layers:.2f}"
+        line += f" {splits}/{block_n}/{stages} {time_ms(graph.replay, iters, 5, flush) * 1e3 / layers:.2f}"
         del graph
     return line
 

@@ -251,8 +251,9 @@ def _merge_counters(device: torch.device) -> torch.Tensor:
 def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                           rows: torch.Tensor, seq_lens: torch.Tensor, width: int, num_splits: int, scaling: float,
                           block_n: int = 64, out: torch.Tensor | None = None,
-                          merge_in_kernel: bool = True) -> torch.Tensor:
-    """q [bs * width, Hq, D]; rows, seq_lens [bs] (device); -> out [bs * width, Hq, D] in q's dtype.
+                          merge_in_kernel: bool = True, num_stages: int = 2) -> torch.Tensor:
+    """q [bs * width, Hq, D]; rows, seq_lens [bs] (device); -> out [bs * width, Hq, D] in q's dtype. num_stages:
+    the key loop's software pipelining depth (a launch option; the backend keeps the default).
 
     With key splits, the split of each (request, KV head) that finishes last merges them (merge_in_kernel; else a
     second kernel does). Every argument that shapes the launch (bs, width, num_splits) is a host int, so this is
@@ -281,7 +282,8 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1),
         W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, GDC=gdc, num_warps=4, num_stages=2, **pdl_kwargs(gdc),
+        F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, GDC=gdc, num_warps=4, num_stages=num_stages,
+        **pdl_kwargs(gdc),
     )
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
