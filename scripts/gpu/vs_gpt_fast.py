@@ -12,9 +12,11 @@ as a plain engine (random bf16 weights, bench/phase_setup.py presets; --attentio
 sampling, timed through Scheduler.step as a loop: the steps as served (input staging, the one-graph plain step, the
 host read of the tokens), under the overlap schedule (a GPU's default: each step launched before the previous one's
 token is read) and, for reference, the synchronous one (--disable-overlap-schedule). Both decode --tokens tokens
-after a prompt of --prompt-len random tokens, after a warm-up run; the median of --repeats runs is printed per shape
-with the ratio. Only shapes matter for time: weights are random
-on both sides. `--gpt-fast ""` runs specserve alone (a smoke test; also on a CPU with --device cpu).
+after a prompt of --prompt-len random tokens; the runs are interleaved (rounds of specserve overlapped,
+synchronous, gpt-fast; the first round warms up and compiles), so a drift of the machine meets every side, and the
+median of --repeats rounds is printed per shape with the ratio (each run's figure in the JSON line). Only shapes
+matter for time: weights are random on both sides. `--gpt-fast ""` runs specserve alone (a smoke test; also on a
+CPU with --device cpu).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -41,39 +44,39 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def specserve_decode(preset: str, dev: torch.device, prompt_len: int, tokens: int, repeats: int,
-                     temperature: float, top_k: int, decode_gemv: str = "auto") -> dict[str, list[float]]:
-    """Seconds per decoded token of each timed run (the prefill step excluded), under the overlap schedule and
-    the synchronous one (the same engine, runs alternating)."""
+def specserve_runs(preset: str, dev: torch.device, prompt_len: int, tokens: int, temperature: float, top_k: int,
+                   decode_gemv: str = "auto") -> dict[str, Callable[[int], float]]:
+    """One engine, two schedulers on it: {"overlap": run, "sync": run}, where run(i) decodes request i (seed i)
+    and returns its seconds per decoded token (the prefill step excluded)."""
     ctx = prompt_len + tokens + 64
     target, _, cfg = random_models(preset, torch.bfloat16, dev, ctx + 8)
     args = ServerArgs(context_length=ctx, max_running_requests=1, cuda_graph_max_bs=1, max_total_tokens=2 * ctx,
                       decode_gemv=decode_gemv)
     mr = ModelRunner(args, target, cfg, None, dev, torch.bfloat16, ctx)
     mr.capture_graphs()
-    scheds = {name: Scheduler(mr, StopChecker(None, set()), args.chunked_prefill_size, overlap=on)
-              for name, on in (("overlap", dev.type == "cuda"), ("sync", False))}
     prompt = torch.randint(10, 1000, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = {name: [] for name in scheds}
-    for i in range(repeats + 1):  # the first run warms up
-        for name, sched in scheds.items():
+
+    def runner(sched: Scheduler) -> Callable[[int], float]:
+        def run(i: int) -> float:
             r = Req(f"r{i}", list(prompt), SamplingParams(max_new_tokens=tokens, temperature=temperature,
                                                           top_k=top_k, ignore_eos=True), seed=i)
+            prefills = sched.stats.num_prefill_steps
             sched.add_request(r)
             while not r.output_ids:  # the prefill (under the overlap schedule its token comes with the next step)
                 sched.step()
-            assert sched.stats.num_prefill_steps == i + 1
+            assert sched.stats.num_prefill_steps == prefills + 1
             sync(dev)  # a decode step in flight now is done before the clock starts: its token is not counted
             done = len(r.output_ids) + int(sched.in_flight)
             t = time.perf_counter()
             while sched.has_work:  # decode steps as the engine runs them, timed as a loop (as gpt-fast's)
                 sched.step()
             sync(dev)
-            if i:
-                out[name].append((time.perf_counter() - t) / (len(r.output_ids) - done))
             sched.check_idle_invariants()
-    del scheds, mr, target
-    return out
+            return (time.perf_counter() - t) / (len(r.output_ids) - done)
+        return run
+
+    return {name: runner(Scheduler(mr, StopChecker(None, set()), args.chunked_prefill_size, overlap=on))
+            for name, on in (("overlap", dev.type == "cuda"), ("sync", False))}
 
 
 def gpt_fast_args(preset: str, model_args, block_size: int):
@@ -84,9 +87,10 @@ def gpt_fast_args(preset: str, model_args, block_size: int):
                       n_local_heads=p["num_key_value_heads"], rope_base=rope, norm_eps=p["rms_norm_eps"])
 
 
-def gpt_fast_decode(gpt_fast_dir: str, preset: str, dev: torch.device, prompt_len: int, tokens: int, repeats: int,
-                    temperature: float, top_k: int, coordinate_descent: bool) -> list[float]:
-    """Seconds per decoded token of each timed run, gpt-fast's model compiled as its generate.py does."""
+def gpt_fast_run(gpt_fast_dir: str, preset: str, dev: torch.device, prompt_len: int, tokens: int,
+                 temperature: float, top_k: int, coordinate_descent: bool) -> Callable[[int], float]:
+    """gpt-fast's model compiled as its generate.py does; run(i) decodes `tokens` after the prompt and returns the
+    seconds per decoded token (its first call compiles)."""
     import torch._inductor.config as inductor
 
     sys.path.insert(0, gpt_fast_dir)
@@ -110,9 +114,9 @@ def gpt_fast_decode(gpt_fast_dir: str, preset: str, dev: torch.device, prompt_le
 
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     prompt = torch.randint(10, 1000, (1, prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
-    out = []
-    with torch.no_grad():
-        for i in range(repeats + 1):  # the first run compiles and warms up
+
+    def run(i: int) -> float:
+        with torch.no_grad():
             x = step(prompt, torch.arange(prompt_len, device=dev))  # prefill, eager (as generate.py by default)
             pos = torch.tensor([prompt_len], device=dev, dtype=torch.int)
             sync(dev)
@@ -121,9 +125,9 @@ def gpt_fast_decode(gpt_fast_dir: str, preset: str, dev: torch.device, prompt_le
                 x = compiled(x, pos).clone()
                 pos += 1
             sync(dev)
-            if i:
-                out.append((time.perf_counter() - t) / (tokens - 1))
-    return out
+        return (time.perf_counter() - t) / (tokens - 1)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,22 +149,31 @@ def main(argv: list[str] | None = None) -> int:
     for shape in a.shapes.split(","):
         row = {"shape": shape, "prompt_len": a.prompt_len, "tokens": a.tokens, "temperature": a.temperature,
                "top_k": a.top_k, "decode_gemv": a.decode_gemv}
-        ours = specserve_decode(shape, dev, a.prompt_len, a.tokens, a.repeats, a.temperature, a.top_k,
-                                a.decode_gemv)
-        row["specserve_ms"] = 1e3 * statistics.median(ours["overlap"])
-        row["specserve_sync_ms"] = 1e3 * statistics.median(ours["sync"])
+        runs = specserve_runs(shape, dev, a.prompt_len, a.tokens, a.temperature, a.top_k, a.decode_gemv)
+        if a.gpt_fast:
+            runs["gpt-fast"] = gpt_fast_run(a.gpt_fast, shape, dev, a.prompt_len, a.tokens, a.temperature,
+                                            a.top_k, not a.no_coordinate_descent)
+        times = {name: [] for name in runs}
+        for i in range(a.repeats + 1):  # rounds interleave the runs, so a drift of the machine meets all of them
+            for name, run in runs.items():
+                sec = run(i)
+                if i:  # the first round compiles and warms up
+                    times[name].append(sec)
+        row["specserve_ms"] = 1e3 * statistics.median(times["overlap"])
+        row["specserve_sync_ms"] = 1e3 * statistics.median(times["sync"])
         line = (f"{shape:<14} specserve {row['specserve_ms']:.3f} ms/token (synchronous schedule "
                 f"{row['specserve_sync_ms']:.3f})")
         if a.gpt_fast:
-            theirs = gpt_fast_decode(a.gpt_fast, shape, dev, a.prompt_len, a.tokens, a.repeats, a.temperature,
-                                     a.top_k, not a.no_coordinate_descent)
-            row["gpt_fast_ms"] = 1e3 * statistics.median(theirs)
+            row["gpt_fast_ms"] = 1e3 * statistics.median(times["gpt-fast"])
+            row["gpt_fast_runs_ms"] = [round(1e3 * t, 3) for t in times["gpt-fast"]]
+            row["specserve_runs_ms"] = [round(1e3 * t, 3) for t in times["overlap"]]
             row["specserve_speedup"] = row["gpt_fast_ms"] / row["specserve_ms"]
             line += f" | gpt-fast {row['gpt_fast_ms']:.3f} ms/token | specserve {row['specserve_speedup']:.3f}x"
         print(line, flush=True)
         if a.output_file:
             with open(a.output_file, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        del runs
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return 0
