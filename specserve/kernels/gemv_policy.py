@@ -31,14 +31,10 @@ FASTER_ROWS: dict[tuple[int, int], int] = {
 FASTER_PREP: frozenset[tuple[int, int]] = frozenset()
 
 
-def prefer_fused_prep(shapes: list[tuple[int, int]]) -> bool:
-    """Whether every q|k|v weight shape given is one whose GEMV was measured faster with the prep inside."""
-    return bool(shapes) and all(s in FASTER_PREP for s in shapes)
-
-
-def prefer_fused(shapes: list[tuple[int, int]]) -> bool:
-    """Whether every weight shape [rows, K] given is one the fused kernels beat."""
-    return bool(shapes) and all(s in FASTER for s in shapes)
+def prefer_fused(shapes: list[tuple[int, int]], measured: frozenset[tuple[int, int]] = FASTER) -> bool:
+    """Whether every weight shape [rows, K] given is one the fused kernels beat (measured: FASTER, or FASTER_PREP
+    for the q/k prep in the qkv GEMV)."""
+    return bool(shapes) and all(s in measured for s in shapes)
 
 
 def fused_rows(shapes: list[tuple[int, int]]) -> int:

@@ -266,9 +266,9 @@ def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
     launch cannot take the epilogue (RopeStore.fits: the caller runs the unfused ops); elsewhere the reference ops
     (norm_gemv, then qk_norm_rope_store)."""
     if (tk := _kernels(x, w)) is not None:
-        if not tk.rope_store_fits(x, w, rope):
+        if (cfg := tk.rope_store_config(x, w, rope)) is None:
             return None
-        return tk.norm_gemv_rope_store(x, residual, norm_w, eps, weight_offset, w, bias, rope)
+        return tk.norm_gemv_rope_store(x, residual, norm_w, eps, weight_offset, w, bias, rope, config=cfg)
     y, h = norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias)
     t, d, hq, hkv = x.shape[0], rope.head_dim, rope.num_q_heads, rope.num_kv_heads
     q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)

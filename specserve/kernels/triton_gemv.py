@@ -522,7 +522,7 @@ def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
     returns (qkv [M, (Hq + 2 Hkv) D], h) where qkv's q and k heads are rotated at rope.positions (as
     kernels/triton_qk_prep.py leaves them, no q/k norms) and k, v are stored at rope.loc in rope.k_cache /
     rope.v_cache: one launch for norm + projection + rotary + KV store. rope.fits(x, w, config) (with
-    config None: rope_store_fits) must hold, else ValueError."""
+    config None: gemv_config's; rope_store_config gives it when it fits) must hold, else ValueError."""
     return _norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, False, config, rope)
 
 
@@ -545,6 +545,7 @@ def _norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, silu_mul, confi
     return y, h
 
 
-def rope_store_fits(x: torch.Tensor, w: torch.Tensor, rope: RopeStore) -> bool:
-    """Whether norm_gemv_rope_store can run x [M, K] @ w^T with gemv_config's launch."""
-    return rope.fits(x, w, gemv_config(x.shape[0], w.shape[0], x.shape[1], x.dtype))
+def rope_store_config(x: torch.Tensor, w: torch.Tensor, rope: RopeStore) -> dict[str, int] | None:
+    """gemv_config's launch for x [M, K] @ w^T when it can take norm_gemv_rope_store's epilogue, else None."""
+    cfg = gemv_config(x.shape[0], w.shape[0], x.shape[1], x.dtype)
+    return cfg if rope.fits(x, w, cfg) else None

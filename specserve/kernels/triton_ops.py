@@ -8,7 +8,7 @@ from specserve.kernels.triton_candidates import sample_candidates_triton
 from specserve.kernels.triton_gdn import causal_conv_states_triton, gated_delta_rule_states_triton
 from specserve.kernels.triton_gdn_chunked import causal_conv_prefill_triton, gated_delta_rule_prefill_triton
 from specserve.kernels.triton_gdn_gates import gated_rms_norm_triton, gdn_gating_triton
-from specserve.kernels.triton_gemv import gemv, norm_gemv, norm_gemv_rope_store, rope_store_fits
+from specserve.kernels.triton_gemv import gemv, norm_gemv, norm_gemv_rope_store, rope_store_config
 from specserve.kernels.triton_kv import store_kv
 from specserve.kernels.triton_moe import fused_moe
 from specserve.kernels.triton_ngram import lookup_drafts_triton
@@ -30,5 +30,5 @@ __all__ = ["accept_greedy_triton", "accept_sampling_q_triton", "accept_sampling_
            "gated_delta_rule_states_triton", "gated_rms_norm_triton", "gdn_gating_triton", "gemv",
            "grouped_router_fits", "grouped_router_topk_triton", "lookup_drafts_triton", "norm_gemv",
            "norm_gemv_rope_store", "norm_router_topk_triton", "probs_triton", "qk_norm_rope_store_triton",
-           "rms_norm", "rope", "rope_store_fits", "router_topk_triton", "row_top1_triton",
+           "rms_norm", "rope", "rope_store_config", "router_topk_triton", "row_top1_triton",
            "sample_candidates_triton", "sample_triton", "silu_and_mul", "softmax_topk_triton", "store_kv"]

@@ -84,8 +84,7 @@ class PagedAttention(nn.Module):
         out = fb.backend(CacheKind.MHA).forward(q, k, v, self, fb, prep)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def kv_caches(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This layer's (k_cache, v_cache) [S, Hkv, D] for a projection that stores into them itself (StoredQK);
-        None when the step's backend keeps none (train/attention.py's)."""
-        layer_kv = getattr(fb.backend(CacheKind.MHA), "layer_kv", None)
-        return layer_kv(self) if layer_kv is not None else None
+    def kv_caches(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (k_cache, v_cache) [S, Hkv, D] in the step's paged MHA backend, for a projection that stores
+        into them itself (StoredQK; decode rows only, which a cacheless training backend never runs)."""
+        return fb.backend(CacheKind.MHA).layer_kv(self)

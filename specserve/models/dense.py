@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.batch import ForwardBatch, ForwardMode
 from specserve.kernels import ops
-from specserve.kernels.gemv_policy import fused_rows, prefer_fused, prefer_fused_prep
+from specserve.kernels.gemv_policy import FASTER_PREP, fused_rows, prefer_fused
 from specserve.kernels.rope_store import RopeStore
 from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
 from specserve.layers.activation import silu_and_mul
@@ -150,14 +150,10 @@ class DenseAttention(nn.Module):
     def attend_from_norm(self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
                          positions: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the attention block's output [T, hidden], the new residual) with the input norm, the qkv projection,
-        rotary and the K/V store in one op (kernels/ops.py norm_gemv_rope_store; prep_fusable layers); None when
-        that op cannot take this step (no paged K/V, or a launch it does not fit): the caller runs the unfused
-        path."""
-        caches = self.attn.kv_caches(fb)
-        if caches is None or positions.dim() != 1:
-            return None
-        rope = RopeStore(self.rotary.cos_sin_cache, positions, fb.out_cache_loc, *caches, self.num_heads,
-                         self.num_kv_heads, self.head_dim)
+        rotary and the K/V store in one op (kernels/ops.py norm_gemv_rope_store; prep_fusable layers: 1-D
+        positions); None when that op's launch cannot take this step: the caller runs the unfused path."""
+        rope = RopeStore(self.rotary.cos_sin_cache, positions, fb.out_cache_loc, *self.attn.kv_caches(fb),
+                         self.num_heads, self.num_kv_heads, self.head_dim)
         out = ops.norm_gemv_rope_store(h, residual, norm.weight, norm.eps, norm.weight_offset, self.qkv_proj.weight,
                                        self.qkv_proj.bias, rope)
         if out is None:
@@ -243,7 +239,7 @@ class PreNormDecoderLayer(nn.Module):
         self.fused_in = bool(projs) and use(projs[0])
         # the q/k prep in the qkv GEMV's epilogue: under 'auto' only for weight shapes measured faster with it
         self.fused_prep = self.fused_in and self.prep_fusable() and (
-            mode == "triton" or prefer_fused_prep([tuple(projs[0].weight.shape)]))
+            mode == "triton" or prefer_fused([tuple(projs[0].weight.shape)], FASTER_PREP))
         self.fused_mlp = use(gate_up)
         self.fused_moe = isinstance(self.mlp, SparseMoEBlock) and self.mlp.norm_fusable and use(self.mlp.gate)
         outputs = [lin for lin in (projs[1] if projs else None, down) if lin is not None]
