@@ -118,7 +118,8 @@ def test_auto_fuses_only_measured_shapes_and_cublas_nothing(tiny_models):
 
 def test_auto_fuses_verify_rows_per_measured_shape(tmp_path):
     """On SmolLM2-135M's shapes (gemv_policy.FASTER_ROWS) 'auto' fuses more than one row: each output projection up
-    to its own measured row count, the norms fused into qkv / gate_up up to the least of the two."""
+    to its own measured row count, the norms fused into qkv / gate_up up to the least of the two; the q/k prep goes
+    into the qkv GEMV's epilogue (gemv_policy.FASTER_PREP)."""
     from helpers import build_tiny_model
 
     from specserve.kernels.gemv_policy import FASTER_ROWS
@@ -133,5 +134,6 @@ def test_auto_fuses_verify_rows_per_measured_shape(tmp_path):
     assert (o.decode_gemv, down.decode_gemv) == (FASTER_ROWS[(576, 576)], FASTER_ROWS[(576, 1536)])
     assert layer.fused_in and layer.fused_mlp and layer.fused_rows == min(FASTER_ROWS[(960, 576)],
                                                                           FASTER_ROWS[(3072, 576)])
+    assert layer.fused_prep  # SmolLM2's qkv shape is in FASTER_PREP: the q/k prep rides in its epilogue
     set_decode_gemv(model, "cublas")
     assert o.decode_gemv == down.decode_gemv == layer.fused_rows == 0

@@ -258,7 +258,7 @@ def test_spec_overlap_long_accepts_gpu(tiny_models, n):
 
 def test_qkv_prep_in_the_gemv_epilogue_gpu(tiny_models):
     """--decode-gemv triton takes Llama's q/k prep (rotary + K/V store; no q/k norms) into the qkv GEMV's epilogue
-    (kernels/triton_gemv.py norm_gemv_rope_store; 'auto' does not until measured, gemv_policy.FASTER_PREP) and gives
+    (kernels/triton_gemv.py norm_gemv_rope_store; 'auto' on the shapes of gemv_policy.FASTER_PREP only) and gives
     cuBLAS's greedy tokens in float32, plain and speculative, through the graphs. One request at a time: the
     epilogue takes one row (at more rows these shapes run the skinny GEMM, which has none, and the layer the
     separate prep), so plain decode and the draft's steps run it; the target's verify rows do not."""

@@ -14,7 +14,7 @@ random slots with bf16 keys, fp8 keys (q_fp8) and fp8 keys with the keys_m tile;
 `sparse-mla` the sparse MLA's launch options swept at batch 8 / 32 / 64. `scores-fp8` the scores kernel alone over
 bf16 keys, fp8 keys, and fp8 keys with q rounded to fp8 in the kernel (q_fp8), batch 1-64. `decode-attn` the dense
 decode attention at batch 1 over its key splits, key blocks and key-loop stages (8B's and 30B's heads, 513 and
-4097 keys).
+4097 keys); `decode-attn-batches` its key blocks of 64 and 128 at batch 1-64, decode and verify widths.
 """
 
 from __future__ import annotations
@@ -425,6 +425,50 @@ def _decode_attention_row(name, hq, hkv, keys, layers, iters, flush, g, time_ms)
     return line
 
 
+def decode_attention_batches(iters: int, layers: int = 8) -> None:
+    """Key blocks of 64 against 128 for the fixed-width attention at batch 1-64, decode (width 1) and verify (width
+    4), 8B's and 30B's heads, 513 and 4097 keys a request in random cache slots, at the key splits the backend
+    takes (TritonAttentionBackend.num_kv_splits with 132 SMs) for a graph of 2048 and of 8192 tokens; us a call from
+    a graph of `layers` calls on distinct layers' caches, the L2 flushed between replays."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from bench_moe import l2_flush, time_ms
+
+    flush = l2_flush()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    slots = 65536
+    for name, hq, hkv in (("8B", 32, 8), ("30B", 32, 4)):
+        caches = [(torch.randn(slots, hkv, 128, generator=g, device=DEV).bfloat16(),
+                   torch.randn(slots, hkv, 128, generator=g, device=DEV).bfloat16()) for _ in range(layers)]
+        for bs, width, keys in itertools.product((1, 8, 32, 64), (1, 4), (513, 4097)):
+            table = torch.stack([torch.randperm(slots, generator=g, device=DEV)[:keys] for _ in range(bs)])
+            rows = torch.arange(bs, dtype=torch.int64, device=DEV)
+            lens = torch.full((bs,), keys, dtype=torch.int64, device=DEV)
+            q = torch.randn(bs * width, hq, 128, generator=g, device=DEV).bfloat16()
+            line = f"{name} bs {bs} width {width} {keys} keys (us, graph tokens/splits/key block):"
+            for graph_tokens in (2048, 8192):
+                splits = max(1, min(32, -(-2 * 132 // (bs * hkv)), -(-graph_tokens // 256)))
+                outs = []
+                for block_n in (64, 128):
+                    call = functools.partial(_attend_layers, q, caches, table, rows, lens, width, splits, block_n)
+                    outs.append(call()[0])
+                    graph, _, _ = capture_graph(call, None)
+                    us = time_ms(graph.replay, iters, 5, flush) * 1e3 / layers
+                    line += f" {graph_tokens}/{splits}/{block_n} {us:.2f}"
+                    del graph
+                torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+            print(line, flush=True)
+        del caches
+
+
+def _attend_layers(q, caches, table, rows, lens, width, splits, block_n):
+    from specserve.kernels.triton_attention import fixed_width_attention
+
+    return [fixed_width_attention(q, kc, vc, table, rows, lens, width, splits, 128 ** -0.5, block_n=block_n)
+            for kc, vc in caches]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=30)
@@ -441,7 +485,7 @@ def main() -> None:
              "dsa-batches-contiguous": functools.partial(dsa_batches, layouts=("contiguous",)),
              "dsa-layouts": functools.partial(dsa_batches, layouts=("random", "paged", "contiguous"),
                                               key_types=("bf16", "fp8")),
-             "decode-attn": decode_attention}
+             "decode-attn": decode_attention, "decode-attn-batches": decode_attention_batches}
     for part in a.parts:
         parts[part](a.iters)
 

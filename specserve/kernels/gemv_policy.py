@@ -27,8 +27,9 @@ FASTER_ROWS: dict[tuple[int, int], int] = {
 
 # q|k|v weight shapes (rows, K) whose fused GEMV was measured faster with the attention's q/k prep (rotary + the K/V
 # store) in its epilogue (triton_gemv.norm_gemv_rope_store) than with the separate prep launch; 'triton' takes it
-# on every layer that can (models/dense.py DenseAttention.prep_fusable), 'auto' only on these. None measured yet.
-FASTER_PREP: frozenset[tuple[int, int]] = frozenset()
+# on every layer that can (models/dense.py DenseAttention.prep_fusable), 'auto' only on these (H200, bench-phases
+# decode at batch 1 side by side, BENCHMARKS §34.1).
+FASTER_PREP: frozenset[tuple[int, int]] = frozenset([(960, 576), (6144, 4096)])  # SmolLM2-135M, Llama-3.1-8B
 
 
 def prefer_fused(shapes: list[tuple[int, int]], measured: frozenset[tuple[int, int]] = FASTER) -> bool:
