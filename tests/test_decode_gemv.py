@@ -54,9 +54,8 @@ def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name,
     for layer in layers:
         projs = layer.mixer_projections()
         assert layer.fused_in == (projs is not None) and (projs is None or projs[1].decode_gemv)
-        # the q/k prep inside the qkv GEMV: attention layers without q/k norms (Llama, Qwen2), full rotary
-        assert layer.fused_prep == (isinstance(layer, DenseDecoderLayer) and not layer.self_attn.qk_norm
-                                    and layer.fused_in)
+        # the q/k prep inside the qkv GEMV: dense attention layers (with q/k norms or not), full rotary
+        assert layer.fused_prep == (isinstance(layer, DenseDecoderLayer) and layer.fused_in)
         preps += layer.fused_prep
         mixers += projs is not None
         gate_up, down = _dense_mlp(layer.mlp)
@@ -68,7 +67,7 @@ def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name,
         moe_norms += layer.fused_moe
     assert fused == sum(1 for m in layers if m.fused_in or m.fused_mlp or m.fused_moe) > 0
     assert moe_norms > 0 or name not in ("qwen3_moe", "qwen3_next")
-    assert (preps > 0) == (name in ("llama", "qwen2", "llama_mtp"))
+    assert (preps > 0) == (name not in ("qwen3_next", "qwen3_5", "deepseek"))  # hybrid and MLA attention: no
     assert (mixers > 0) == (name != "deepseek") and dense_mlps > 0  # each tiny MoE model has a dense layer
     got = [r.output_ids for r in run_greedy(sched, prompts, 10)]
     assert got == want
@@ -122,7 +121,7 @@ def test_auto_fuses_verify_rows_per_measured_shape(tmp_path):
     into the qkv GEMV's epilogue (gemv_policy.FASTER_PREP)."""
     from helpers import build_tiny_model
 
-    from specserve.kernels.gemv_policy import FASTER_ROWS
+    from specserve.kernels.gemv_policy import FASTER_NORM_PREP, FASTER_ROWS
     from specserve.models.loader import ModelSource, load_target
 
     path = build_tiny_model(str(tmp_path / "smol"), hidden_size=576, intermediate_size=1536, num_attention_heads=9,
@@ -135,5 +134,8 @@ def test_auto_fuses_verify_rows_per_measured_shape(tmp_path):
     assert layer.fused_in and layer.fused_mlp and layer.fused_rows == min(FASTER_ROWS[(960, 576)],
                                                                           FASTER_ROWS[(3072, 576)])
     assert layer.fused_prep  # SmolLM2's qkv shape is in FASTER_PREP: the q/k prep rides in its epilogue
+    layer.self_attn.qk_norm = True  # with q/k norms the same shape needs FASTER_NORM_PREP (a different epilogue)
+    set_decode_gemv(model, "auto")
+    assert layer.fused_prep == ((960, 576) in FASTER_NORM_PREP) and layer.fused_in
     set_decode_gemv(model, "cublas")
     assert o.decode_gemv == down.decode_gemv == layer.fused_rows == 0

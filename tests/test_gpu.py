@@ -257,17 +257,19 @@ def test_spec_overlap_long_accepts_gpu(tiny_models, n):
 
 
 def test_qkv_prep_in_the_gemv_epilogue_gpu(tiny_models):
-    """--decode-gemv triton takes Llama's q/k prep (rotary + K/V store; no q/k norms) into the qkv GEMV's epilogue
-    (kernels/triton_gemv.py norm_gemv_rope_store; 'auto' on the shapes of gemv_policy.FASTER_PREP only) and gives
-    cuBLAS's greedy tokens in float32, plain and speculative, through the graphs. One request at a time: the
-    epilogue takes one row (at more rows these shapes run the skinny GEMM, which has none, and the layer the
-    separate prep), so plain decode and the draft's steps run it; the target's verify rows do not."""
+    """--decode-gemv triton takes Llama's and Qwen3's q/k prep (Qwen3's q/k norms, rotary, K/V store) into the qkv
+    GEMV's epilogue (kernels/triton_gemv.py norm_gemv_rope_store; 'auto' on the shapes of gemv_policy.FASTER_PREP /
+    FASTER_NORM_PREP only) and gives cuBLAS's greedy tokens in float32, plain and speculative, through the graphs.
+    One request at a time: the epilogue takes one row (at more rows these shapes run the skinny GEMM, which has
+    none, and the layer the separate prep), so plain decode and the draft's steps run it; the target's verify rows
+    do not."""
     from specserve import Engine
     from specserve.models.dense import PreNormDecoderLayer
 
     prompts = _prompts(3)
     sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    for path, spec in (("llama", {}), ("llama_mtp", dict(speculative_algorithm="MTP", speculative_num_steps=3))):
+    mtp = dict(speculative_algorithm="MTP", speculative_num_steps=3)
+    for path, spec in (("llama", {}), ("llama_mtp", mtp), ("qwen3_mtp", mtp)):  # qwen3: the q/k norms too
         outs = {}
         for mode in ("cublas", "triton"):
             eng = Engine(model_path=tiny_models[path], max_total_tokens=4096, dtype="float32", decode_gemv=mode,

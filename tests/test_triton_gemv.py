@@ -554,6 +554,51 @@ def test_norm_gemv_rope_store_equals_gemv_then_prep(m, block_n, residual, bias):
     assert not torch.equal(kc1, fill) and all(torch.equal(kc1[s], fill[s]) for s in range(9) if s not in written)
 
 
+@pytest.mark.parametrize("m,block_n,offset,dtype", [(1, 8, 0.0, BF16), (1, 2, 0.0, BF16), (1, 16, 1.0, BF16),
+                                                    (3, 4, 0.0, BF16), (2, 8, 0.0, torch.float32)])
+def test_norm_gemv_rope_store_with_qk_norms_equals_gemv_then_prep(m, block_n, offset, dtype):
+    """With per-head q/k RMSNorms (Qwen3; a zero-centred weight too) the epilogue's programs each hold part of a
+    head, so the last of them norms and rotates it (_norm_rope_head): the result is the q/k prep kernel's after
+    norm_gemv, up to the sum of squares' order (its partial sums by program; bf16: one rounding step where a value
+    sits on a boundary), the caches' other slots untouched, and the arrival counters back at 0 for the next launch
+    (a second launch gives the same)."""
+    from specserve.kernels.rope_store import RopeStore
+    from specserve.kernels.triton_gemv import _counters, norm_gemv_rope_store
+    from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
+
+    g = torch.Generator().manual_seed(160 + m + block_n)
+    hq, hkv, d = 4, 2, 16
+    x, r, nw, w, b, cs, pos, loc = (t.to(dtype) if t.is_floating_point() and t.dtype == BF16 else t
+                                    for t in _rope_case(m, hq, hkv, d, 64, True, g))
+    qn, kn = ((offset == 0) + 0.3 * torch.randn(d, generator=g).to(dtype) for _ in range(2))
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=32, num_warps=4, num_stages=2, **({"GEMV": 1} if m > 1 else {}))
+    fill = torch.randn(9, hkv, d, generator=g).to(dtype).to(DEV)  # [S, Hkv, D] caches, distinct values
+    kc1, vc1, kc2, vc2 = (fill.clone() for _ in range(4))
+    cs, pos, loc, qn, kn = to_dev(cs, pos, loc, qn, kn)
+    want, want_h = norm_gemv(*to_dev(x, r, nw), 1e-5, 0.0, *to_dev(w, b), config=cfg)
+    q, k, v = want.split([hq * d, hkv * d, hkv * d], -1)
+    qk_norm_rope_store_triton(q.view(m, hq, d), k.view(m, hkv, d), v.view(m, hkv, d), kc1, vc1, loc, cs, pos, None,
+                              qn, kn, 1e-6, offset)
+    rope = RopeStore(cs, pos, loc, kc2, vc2, hq, hkv, d, qn, kn, 1e-6, offset)
+    assert rope.fits(x, w, cfg)
+    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    for _ in range(2):  # the counters reset themselves: a second launch counts from 0 again
+        got, got_h = norm_gemv_rope_store(*to_dev(x, r, nw), 1e-5, 0.0, *to_dev(w, b), rope, config=cfg)
+        assert torch.equal(got_h, want_h) and torch.equal(got[:, (hq + hkv) * d:], want[:, (hq + hkv) * d:])  # v
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(kc2, kc1, atol=1e-6, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+            torch.testing.assert_close(kc2.float(), kc1.float(), **tol)
+            assert (got != want).float().mean() < 0.05  # a few rounding steps, not another result
+        assert torch.equal(vc2, vc1) and int(_counters(got.device)[: hq + hkv].abs().sum()) == 0
+    written = set(loc.tolist())
+    assert all(torch.equal(kc2[s], fill[s]) for s in range(9) if s not in written)
+    assert not torch.equal(got[:, : hq * d], norm_gemv(*to_dev(x, r, nw), 1e-5, 0.0, *to_dev(w, b),
+                                                        config=cfg)[0][:, : hq * d])  # q was normed and rotated
+
+
 def test_rope_store_fits_only_launches_it_can_take():
     """RopeStore.fits refuses what the epilogue cannot do (pairs that do not tile half a head, regions that are not
     whole programs, partial rotary, 2-D positions, caches in another dtype, the skinny GEMM's rows), and a launch it
@@ -573,6 +618,13 @@ def test_rope_store_fits_only_launches_it_can_take():
     assert not RopeStore(cs[:, :8], pos, loc, kc, vc, hq, hkv, d).fits(x, w, cfg)  # partial rotary
     assert not RopeStore(cs, pos[None].repeat(3, 1), loc, kc, vc, hq, hkv, d).fits(x, w, cfg)  # mRoPE rows
     assert not RopeStore(cs, pos, loc, kc.float(), vc, hq, hkv, d).fits(x, w, cfg)  # a float32 cache
+    qn = torch.ones(d, dtype=BF16)
+    assert RopeStore(cs, pos, loc, kc, vc, hq, hkv, d, qn, qn).fits(x, w, cfg)  # q/k norms
+    assert not RopeStore(cs, pos, loc, kc, vc, hq, hkv, d, qn.float(), qn.float()).fits(x, w, cfg)  # fp32 weights
+    assert RopeStore(cs, pos, loc, kc, vc, hq, hkv, d, qn.float(), qn.float(), weight_offset=1.0).fits(x, w, cfg)
+    assert not RopeStore(cs, pos, loc, kc, vc, hq, hkv, d, qn[:8], qn[:8]).fits(x, w, cfg)  # not [D]
+    with pytest.raises(ValueError, match="both"):
+        RopeStore(cs, pos, loc, kc, vc, hq, hkv, d, qn)
     x3 = torch.randn(3, 64, generator=g).to(BF16)
     three = RopeStore(cs, torch.arange(3), torch.arange(3), kc, vc, hq, hkv, d)
     assert not three.fits(x3, w, cfg) and three.fits(x3, w, dict(cfg, GEMV=1))  # the skinny GEMM has no epilogue

@@ -3,7 +3,7 @@
 Today's path (Triton add+RMSNorm, cuBLAS F.linear, Triton SiLU-and-mul) against specserve/kernels/triton_gemv.py
 (norm_gemv, gemv), as CUDA-graph replays:
 
-    python3 scripts/gpu/bench_gemv.py [--shapes llama-3.1-8b smollm2-135m qwen3-30b-a3b] [--iters 50] [--sweep]
+    python3 scripts/gpu/bench_gemv.py [--shapes llama-3.1-8b smollm2-135m qwen3-30b-a3b qwen3-8b] [--iters 50] [--sweep]
 
 Per layer: qkv = add_rms_norm + F.linear (fused: norm_gemv), o = F.linear (gemv), gate_up = add_rms_norm + F.linear
 + silu_and_mul (norm_gemv with silu_mul), down = F.linear (gemv); Qwen3-30B-A3B: the attention projections only (its
@@ -44,6 +44,7 @@ SHAPES = {
     "llama-3.1-8b": (4096, 4096 + 2 * 1024, 4096, 14336, 8),
     "smollm2-135m": (576, 9 * 64 + 2 * 3 * 64, 576, 1536, 30),
     "qwen3-30b-a3b": (2048, (32 + 2 * 4) * 128, 32 * 128, None, 8),
+    "qwen3-8b": (4096, (32 + 2 * 8) * 128, 32 * 128, 12288, 8),
 }
 EPS = 1e-5
 DTYPE = torch.bfloat16

@@ -12,6 +12,7 @@ from __future__ import annotations
 FASTER: frozenset[tuple[int, int]] = frozenset([
     (576, 576), (576, 1536), (960, 576), (3072, 576),  # SmolLM2-135M
     (4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096),  # Llama-3.1-8B
+    (4096, 12288), (24576, 4096),  # Qwen3-8B's MLP (its attention's shapes are Llama-3.1-8B's; BENCHMARKS §34.3)
     (5120, 2048), (2048, 4096),  # Qwen3-30B-A3B attention (swept in BENCHMARKS §19)
     (128, 2048), (513, 2048),  # routers with the norm inside: Qwen3-30B-A3B, Qwen3-Next (+ shared gate) at 1 token
 ])
@@ -31,10 +32,15 @@ FASTER_ROWS: dict[tuple[int, int], int] = {
 # decode at batch 1 side by side, BENCHMARKS §34.1).
 FASTER_PREP: frozenset[tuple[int, int]] = frozenset([(960, 576), (6144, 4096)])  # SmolLM2-135M, Llama-3.1-8B
 
+# The same for layers with per-head q/k norms (Qwen3), whose epilogue has the last program of each head norm and
+# rotate it (triton_gemv._norm_rope_head): a different cost, measured apart. None is faster: Qwen3-30B-A3B's qkv
+# (5120, 2048) ran its decode step ~0.1 ms slower with it, Qwen3-8B's (6144, 4096) tied (BENCHMARKS §34.2).
+FASTER_NORM_PREP: frozenset[tuple[int, int]] = frozenset()
+
 
 def prefer_fused(shapes: list[tuple[int, int]], measured: frozenset[tuple[int, int]] = FASTER) -> bool:
-    """Whether every weight shape [rows, K] given is one the fused kernels beat (measured: FASTER, or FASTER_PREP
-    for the q/k prep in the qkv GEMV)."""
+    """Whether every weight shape [rows, K] given is one the fused kernels beat (measured: FASTER, or FASTER_PREP /
+    FASTER_NORM_PREP for the q/k prep in the qkv GEMV)."""
     return bool(shapes) and all(s in measured for s in shapes)
 
 

@@ -261,10 +261,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
 def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
                          weight_offset: float, w: torch.Tensor, bias: torch.Tensor | None,
                          rope: RopeStore) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """norm_gemv on an attention layer's q|k|v weight, then its q/k prep without norms (rope: rotary on q and k in
-    place, K/V stored) -> (qkv, h). On CUDA one Triton launch (triton_gemv.norm_gemv_rope_store), or None where its
-    launch cannot take the epilogue (RopeStore.fits: the caller runs the unfused ops); elsewhere the reference ops
-    (norm_gemv, then qk_norm_rope_store)."""
+    """norm_gemv on an attention layer's q|k|v weight, then its q/k prep (rope: q/k norms when it has them, rotary
+    on q and k in place, K/V stored) -> (qkv, h). On CUDA one Triton launch (triton_gemv.norm_gemv_rope_store), or
+    None where its launch cannot take the epilogue (RopeStore.fits: the caller runs the unfused ops); elsewhere the
+    reference ops (norm_gemv, then qk_norm_rope_store)."""
     if (tk := _kernels(x, w)) is not None:
         if (cfg := tk.rope_store_config(x, w, rope)) is None:
             return None
@@ -273,7 +273,8 @@ def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
     t, d, hq, hkv = x.shape[0], rope.head_dim, rope.num_q_heads, rope.num_kv_heads
     q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
     ref.qk_norm_rope_store(q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), rope.k_cache, rope.v_cache,
-                           rope.loc, rope.cos_sin_cache, rope.positions, None)
+                           rope.loc, rope.cos_sin_cache, rope.positions, None, rope.q_norm_w, rope.k_norm_w, rope.eps,
+                           rope.weight_offset)
     return y, h
 
 

@@ -10,10 +10,12 @@ reduce) and the gaps between launches cost as much as the weights' bytes on smal
 `norm_gemv`: the RMSNorm of h = x + residual fused into the GEMV's prologue (and, with silu_mul, SiLU(gate) * up
 in its epilogue), one launch; it also returns h (the new residual).
 
-`norm_gemv_rope_store`: norm_gemv on an attention layer's q|k|v weight with the q/k prep of a layer without q/k
-norms (kernels/triton_qk_prep.py: neox rotary on q and k, K and V stored into the paged caches) in its epilogue, so
-the prep launch goes. Its programs own rotation pairs (BLOCK_N / 2 dims of a head and their partners half a head
-on, `_rope_columns`), which each rotates in registers (`_rope_store_epilogue`); rounding as the prep kernel's.
+`norm_gemv_rope_store`: norm_gemv on an attention layer's q|k|v weight with the layer's q/k prep
+(kernels/triton_qk_prep.py: optional per-head q/k RMSNorms, neox rotary on q and k, K and V stored into the paged
+caches) in its epilogue, so the prep launch goes. Its programs own rotation pairs (BLOCK_N / 2 dims of a head and
+their partners half a head on, `_rope_columns`), which each rotates in registers (`_rope_store_epilogue`); with
+q/k norms a head's norm needs all its dims, so its programs write their outputs and sums of squares and the last of
+them to arrive (a counter per head) norms and rotates the head (`_norm_rope_head`); rounding as the prep kernel's.
 
 One row (a decode step at batch 1) runs the GEMV below. 2..16 rows (verify's N + 1, a small batch) run, for a
 weight shape with a measured row-GEMV config (`_TUNED_ROWS`, up to ROWS_GEMV_MAX rows), the same GEMV with the rows
@@ -50,7 +52,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.launch import one_wave_pdl, pdl_kwargs, pdl_supported
-from specserve.kernels.rope_store import RopeStore
+from specserve.kernels.rope_store import NORM_MAX_HEADS, RopeStore
 from specserve.kernels.triton_dot import dot
 
 MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
@@ -168,18 +170,23 @@ def _rope_columns(pid, rot_programs, half, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _rope_store_epilogue(y, m, pid, cols, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, vc_ptr, rot_programs,
-                         q_heads, half, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                         BLOCK_N: tl.constexpr):
+                         q_heads, half, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch, part_ptr,
+                         BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr):
     """Row m's outputs y [BLOCK_N] (float32 of x.dtype values) at `cols` (_rope_columns), as the q/k prep kernel
     (kernels/triton_qk_prep.py, no norms, rotary on all of D = 2 half) leaves them: a rotation program rotates its
     P pairs (neox: x1 cos - x2 sin, x2 cos + x1 sin in float32, each rounded to x's dtype) at position pos[m] and
     writes them back into y (q and k in place); a k head's are also stored into the K cache at slot loc[m]
-    ([S, Hkv, D], strides stride_kcs / stride_kch); a V program writes y and stores it into the V cache."""
+    ([S, Hkv, D], strides stride_kcs / stride_kch); a V program writes y and stores it into the V cache.
+    QK_NORM: a rotation program cannot norm its head alone, so it writes y as it is and its sum of squares (float32)
+    into part_ptr [M, q + k heads, programs a head]; the head's last program rotates it (_norm_rope_head)."""
     P: tl.constexpr = BLOCK_N // 2
     dt = y_ptr.dtype.element_ty
     slot = tl.load(loc_ptr + m).to(tl.int64)
     head_dim = 2 * half
-    if pid < rot_programs:
+    if QK_NORM and pid < rot_programs:
+        tl.store(y_ptr + m * stride_y + cols, y.to(dt))
+        tl.store(part_ptr + m * rot_programs + pid, tl.sum(y * y, 0))  # [M, heads, per_head] flat: m, then pid
+    elif pid < rot_programs:
         pos = tl.load(pos_ptr + m).to(tl.int64)
         per_head = half // P
         head = pid // per_head
@@ -203,14 +210,69 @@ def _rope_store_epilogue(y, m, pid, cols, y_ptr, stride_y, pos_ptr, loc_ptr, cs_
 
 
 @triton.jit
+def _norm_rope_head(pid, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, part_ptr, count_ptr, qn_ptr, kn_ptr,
+                    qk_eps, rot_programs, q_heads, half, stride_cs, stride_kcs, stride_kch,
+                    M: tl.constexpr, BLOCK_N: tl.constexpr, QK_W_OFFSET: tl.constexpr, HALF_PAD: tl.constexpr,
+                    PARTS_PAD: tl.constexpr):
+    """QK_NORM's finish: the last of a q or k head's programs to arrive (counter per head, acq_rel) reads the
+    head's y [D] of every row back (through L2) and the programs' sums of squares (in program order: deterministic),
+    RMS-norms it as triton_qk_prep._normed does (x's dtype, plain or zero-centred weight), rotates it, writes it back
+    into y and, for a k head, into the K cache; then resets its counter for the next launch."""
+    P: tl.constexpr = BLOCK_N // 2
+    per_head = half // P
+    head = pid // per_head
+    # The barrier orders every thread's stores of y and the sums before the one-thread atomic, whose release makes
+    # them visible at GPU scope to the program that acquires the last count.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + head, 1, sem="acq_rel")
+    if arrived == per_head - 1:
+        dt = y_ptr.dtype.element_ty
+        i = tl.arange(0, HALF_PAD)  # [HALF_PAD] the head's first half of dims; + half: their partners
+        i_ok = i < half
+        j = tl.arange(0, PARTS_PAD)  # [PARTS_PAD] the head's programs
+        is_k = head >= q_heads
+        w1 = tl.where(is_k, tl.load(kn_ptr + i, mask=i_ok, other=0.0), tl.load(qn_ptr + i, mask=i_ok, other=0.0))
+        w2 = tl.where(is_k, tl.load(kn_ptr + half + i, mask=i_ok, other=0.0),
+                      tl.load(qn_ptr + half + i, mask=i_ok, other=0.0))
+        w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
+        for m in tl.static_range(M):
+            row = y_ptr + m * stride_y + head * 2 * half
+            x1 = tl.load(row + i, mask=i_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            x2 = tl.load(row + half + i, mask=i_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            parts = tl.load(part_ptr + m * rot_programs + head * per_head + j, mask=j < per_head, other=0.0,
+                            cache_modifier=".cg")
+            r = tl.rsqrt(tl.sum(parts, 0) / (2 * half) + qk_eps)
+            if QK_W_OFFSET == 0.0:
+                x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+                x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+            else:
+                x1 = (x1 * r * (w1 + QK_W_OFFSET)).to(dt).to(tl.float32)
+                x2 = (x2 * r * (w2 + QK_W_OFFSET)).to(dt).to(tl.float32)
+            pos = tl.load(pos_ptr + m).to(tl.int64)
+            c = tl.load(cs_ptr + pos * stride_cs + i, mask=i_ok, other=0.0)
+            s = tl.load(cs_ptr + pos * stride_cs + half + i, mask=i_ok, other=0.0)
+            o1 = (x1 * c - x2 * s).to(dt)
+            o2 = (x2 * c + x1 * s).to(dt)
+            tl.store(row + i, o1, mask=i_ok)
+            tl.store(row + half + i, o2, mask=i_ok)
+            if is_k:
+                slot = tl.load(loc_ptr + m).to(tl.int64)
+                k_row = kc_ptr + slot * stride_kcs + (head - q_heads) * stride_kch
+                tl.store(k_row + i, o1.to(kc_ptr.dtype.element_ty), mask=i_ok)
+                tl.store(k_row + half + i, o2.to(kc_ptr.dtype.element_ty), mask=i_ok)
+        tl.store(count_ptr + head, 0)  # the next launch (or graph replay) counts from 0 again
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps, up_offset,
                  stride_x, stride_r, stride_h, stride_w, stride_y,
                  pos_ptr, loc_ptr, cs_ptr, kc_ptr, vc_ptr, rot_programs, q_heads, half, stride_cs,
-                 stride_kcs, stride_kch, stride_vcs, stride_vch,
+                 stride_kcs, stride_kch, stride_vcs, stride_vch, part_ptr, count_ptr, qn_ptr, kn_ptr, qk_eps,
                  M: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
-                 GDC: tl.constexpr, NORM_BLOCK: tl.constexpr, ROPE: tl.constexpr):
+                 GDC: tl.constexpr, NORM_BLOCK: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                 QK_W_OFFSET: tl.constexpr, HALF_PAD: tl.constexpr, PARTS_PAD: tl.constexpr):
     """Program i: output columns i*BLOCK_N .. + BLOCK_N of all M rows. x [M, K] (row stride stride_x), w [N, K]
     (row stride stride_w; with SILU N = 2 n_out, gate rows then up rows), y [M, n_out]. NORM: the activation is the
     RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual); the
@@ -222,7 +284,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     without them).
     ROPE: y is an attention layer's fused q|k|v projection, and the epilogue does the q/k prep's work (rotary on q
     and k, K and V stored into the caches; see _rope_store_epilogue): the first rot_programs programs own rotation
-    pairs, BLOCK_N / 2 dims of a head and their partners half dims on (_rope_columns), the rest V columns."""
+    pairs, BLOCK_N / 2 dims of a head and their partners half dims on (_rope_columns), the rest V columns. QK_NORM:
+    each q and k head is RMS-normed first (weights qn / kn [D], eps qk_eps; _norm_rope_head), by the last of its
+    programs."""
     pid = tl.program_id(0)
     if ROPE:
         cols = _rope_columns(pid, rot_programs, half, BLOCK_N)  # [BLOCK_N]
@@ -296,9 +360,13 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
         if ROPE:
             _rope_store_epilogue(y, m, pid, cols, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, vc_ptr,
                                  rot_programs, q_heads, half, stride_cs, stride_kcs, stride_kch, stride_vcs,
-                                 stride_vch, BLOCK_N)
+                                 stride_vch, part_ptr, BLOCK_N, QK_NORM)
         else:
             tl.store(y_ptr + m * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+    if QK_NORM and pid < rot_programs:
+        _norm_rope_head(pid, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, part_ptr, count_ptr, qn_ptr, kn_ptr,
+                        qk_eps, rot_programs, q_heads, half, stride_cs, stride_kcs, stride_kch, M, BLOCK_N,
+                        QK_W_OFFSET, HALF_PAD, PARTS_PAD)
 
 
 @triton.jit
@@ -462,7 +530,8 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
         pdl = cfg.get("PDL", pdl_mode(x.device, programs, w.numel() * w.element_size()))
         gdc = bool(pdl) and pdl_supported(x.device)  # (a PDL config elsewhere: PDL's order of loads, no gdc ops)
         _gemv_kernel[(programs,)](
-            *args, n_out, k, eps, n_out * w.stride(0), *strides, *_rope_args(rope, y, cfg["BLOCK_N"]), M=m, **flags,
+            *args, n_out, k, eps, n_out * w.stride(0), *strides, *_rope_args(rope, y, m, cfg["BLOCK_N"]), M=m,
+            **flags, **_rope_flags(rope, cfg["BLOCK_N"]),
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
             NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])), ROPE=rope is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
@@ -475,15 +544,44 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
         num_stages=cfg["num_stages"])
 
 
-def _rope_args(rope: RopeStore | None, y: torch.Tensor, block_n: int) -> tuple:
+def _rope_args(rope: RopeStore | None, y: torch.Tensor, m: int, block_n: int) -> tuple:
     """_gemv_kernel's ROPE arguments (pos, loc, cos_sin, k_cache, v_cache pointers; rot_programs, q_heads, half and
-    the strides); placeholders without an epilogue."""
+    the strides; with q/k norms the programs' sums of squares [M, rot_programs] float32, the arrival counters, the
+    norm weights and eps); placeholders without an epilogue or without norms."""
     if rope is None:
-        return (y, y, y, y, y, 0, 0, 1, 0, 0, 0, 0, 0)
+        return (y, y, y, y, y, 0, 0, 1, 0, 0, 0, 0, 0, y, y, y, y, 0.0)
     rot_programs = (rope.num_q_heads + rope.num_kv_heads) * rope.head_dim // block_n
     kc, vc = rope.k_cache, rope.v_cache
+    norm: tuple = (y, y, y, y, 0.0)
+    if rope.has_norm:
+        parts = torch.empty(m * rot_programs, dtype=torch.float32, device=y.device)  # [M, rot_programs]
+        norm = (parts, _counters(y.device), rope.q_norm_w, rope.k_norm_w, float(rope.eps))
     return (rope.positions, rope.loc, rope.cos_sin_cache, kc, vc, rot_programs, rope.num_q_heads,
-            rope.head_dim // 2, rope.cos_sin_cache.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1))
+            rope.head_dim // 2, rope.cos_sin_cache.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+            *norm)
+
+
+def _rope_flags(rope: RopeStore | None, block_n: int) -> dict:
+    """_gemv_kernel's QK_NORM constexprs."""
+    if rope is None or not rope.has_norm:
+        return dict(QK_NORM=False, QK_W_OFFSET=0.0, HALF_PAD=1, PARTS_PAD=1)
+    half = rope.head_dim // 2
+    return dict(QK_NORM=True, QK_W_OFFSET=float(rope.weight_offset), HALF_PAD=triton.next_power_of_2(half),
+                PARTS_PAD=triton.next_power_of_2(half // (block_n // 2)))
+
+
+# Zero-initialised int32 arrival counters per device (one per q or k head of a launch with q/k norms), shared by every
+# such launch: each leaves them at 0 again, so they need no reset between calls or graph replays, and the buffer is
+# made once (eagerly: the graphs' warm-up calls run first) and never replaced. The engine runs its layers on one
+# stream, in order, so launches never overlap on them.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    c = _COUNTERS.get(device)
+    if c is None:
+        c = _COUNTERS[device] = torch.zeros(NORM_MAX_HEADS, dtype=torch.int32, device=device)
+    return c
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -519,10 +617,11 @@ def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
                          weight_offset: float, w: torch.Tensor, bias: torch.Tensor | None, rope: RopeStore,
                          config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """norm_gemv on an attention layer's q|k|v weight w [(Hq + 2 Hkv) D, K], with the q/k prep in its epilogue:
-    returns (qkv [M, (Hq + 2 Hkv) D], h) where qkv's q and k heads are rotated at rope.positions (as
-    kernels/triton_qk_prep.py leaves them, no q/k norms) and k, v are stored at rope.loc in rope.k_cache /
-    rope.v_cache: one launch for norm + projection + rotary + KV store. rope.fits(x, w, config) (with
-    config None: gemv_config's; rope_store_config gives it when it fits) must hold, else ValueError."""
+    returns (qkv [M, (Hq + 2 Hkv) D], h) where qkv's q and k heads are normed (with rope's q/k norm weights) and
+    rotated at rope.positions as kernels/triton_qk_prep.py leaves them, and k, v are stored at rope.loc in
+    rope.k_cache / rope.v_cache: one launch for norm + projection + (q/k norms +) rotary + KV store.
+    rope.fits(x, w, config) (with config None: gemv_config's; rope_store_config gives it when it fits) must hold,
+    else ValueError."""
     return _norm_gemv(x, residual, norm_w, eps, weight_offset, w, bias, False, config, rope)
 
 

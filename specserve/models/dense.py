@@ -16,7 +16,7 @@ from torch import nn
 
 from specserve.batch import ForwardBatch, ForwardMode
 from specserve.kernels import ops
-from specserve.kernels.gemv_policy import FASTER_PREP, fused_rows, prefer_fused
+from specserve.kernels.gemv_policy import FASTER_NORM_PREP, FASTER_PREP, fused_rows, prefer_fused
 from specserve.kernels.rope_store import RopeStore
 from specserve.kvcache.cache_spec import CacheSpec, MHACacheSpec
 from specserve.layers.activation import silu_and_mul
@@ -142,18 +142,23 @@ class DenseAttention(nn.Module):
                 v.reshape(t, self.num_kv_heads, self.head_dim))
 
     def prep_fusable(self) -> bool:
-        """Whether the q/k prep can run in the epilogue of the qkv projection's fused GEMV: no q/k norms (a head's
-        norm needs all its dims in one program), rotary on all of D with 1-D positions, one device."""
-        return (not self.qk_norm and type(self.qkv_proj) is MergedLinear and self.rotary.mrope_section is None
+        """Whether the q/k prep can run in the epilogue of the qkv projection's fused GEMV: rotary on all of D with
+        1-D positions, one device (q/k norms or not)."""
+        return (type(self.qkv_proj) is MergedLinear and self.rotary.mrope_section is None
                 and self.rotary.cos_sin_cache.shape[1] == self.head_dim)
 
     def attend_from_norm(self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
                          positions: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the attention block's output [T, hidden], the new residual) with the input norm, the qkv projection,
-        rotary and the K/V store in one op (kernels/ops.py norm_gemv_rope_store; prep_fusable layers: 1-D
-        positions); None when that op's launch cannot take this step: the caller runs the unfused path."""
+        the q/k norms (Qwen3), rotary and the K/V store in one op (kernels/ops.py norm_gemv_rope_store;
+        prep_fusable layers: 1-D positions); None when that op's launch cannot take this step: the caller runs the
+        unfused path."""
+        norms = {}
+        if self.qk_norm:
+            norms = dict(q_norm_w=self.q_norm.weight, k_norm_w=self.k_norm.weight, eps=self.q_norm.eps,
+                         weight_offset=self.q_norm.weight_offset)
         rope = RopeStore(self.rotary.cos_sin_cache, positions, fb.out_cache_loc, *self.attn.kv_caches(fb),
-                         self.num_heads, self.num_kv_heads, self.head_dim)
+                         self.num_heads, self.num_kv_heads, self.head_dim, **norms)
         out = ops.norm_gemv_rope_store(h, residual, norm.weight, norm.eps, norm.weight_offset, self.qkv_proj.weight,
                                        self.qkv_proj.bias, rope)
         if out is None:
@@ -213,6 +218,10 @@ class PreNormDecoderLayer(nn.Module):
         """Whether the mixer can take its input norm, input projection and q/k prep as one op (mix_from_norm)."""
         return False
 
+    def prep_normed(self) -> bool:
+        """Whether the mixer's fusable q/k prep has per-head q/k norms (a different epilogue, measured apart)."""
+        return False
+
     def mix_from_norm(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                       fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(mix of the input norm of h + residual, the new residual) with the norm, the input projection and the
@@ -239,7 +248,8 @@ class PreNormDecoderLayer(nn.Module):
         self.fused_in = bool(projs) and use(projs[0])
         # the q/k prep in the qkv GEMV's epilogue: under 'auto' only for weight shapes measured faster with it
         self.fused_prep = self.fused_in and self.prep_fusable() and (
-            mode == "triton" or prefer_fused([tuple(projs[0].weight.shape)], FASTER_PREP))
+            mode == "triton" or prefer_fused([tuple(projs[0].weight.shape)],
+                                             FASTER_NORM_PREP if self.prep_normed() else FASTER_PREP))
         self.fused_mlp = use(gate_up)
         self.fused_moe = isinstance(self.mlp, SparseMoEBlock) and self.mlp.norm_fusable and use(self.mlp.gate)
         outputs = [lin for lin in (projs[1] if projs else None, down) if lin is not None]
@@ -308,6 +318,9 @@ class DenseDecoderLayer(PreNormDecoderLayer):
 
     def prep_fusable(self) -> bool:
         return self.self_attn.prep_fusable()
+
+    def prep_normed(self) -> bool:
+        return self.self_attn.qk_norm
 
     def mix_from_norm(self, positions, h, residual, fb: ForwardBatch):
         return self.self_attn.attend_from_norm(self.input_layernorm, h, residual,
