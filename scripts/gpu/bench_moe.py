@@ -3,9 +3,12 @@ MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and
 
     python3 scripts/gpu/bench_moe.py [--tokens 1 8 64 512] [--iters 200]
     python3 scripts/gpu/bench_moe.py --sweep [--tokens 1 4] [--iters 50]
+    python3 scripts/gpu/bench_moe.py --gemv-sweep [--iters 50]
 
 `--sweep`: at each T, the gate/up and the down GEMM's launch configs (BLOCK_N x BLOCK_K x (warps, stages)) tried one
 kernel at a time (the other at its default), graphed, L2 flushed; prints the fastest few and the default's time.
+`--gemv-sweep`: the same for the one-token GEMVs (kernels/triton_moe_gemv.py). At T = 1 the table's run also times
+the direct path against the aligned one and against the two GEMVs, side by side.
 
 Both are checked against kernels/reference.py once before timing. Times are CUDA-event medians over --iters calls,
 each after an L2 flush (the 60 MB L2 would otherwise hold most of a decode step's 75 MB of expert weights). The flush
@@ -118,6 +121,17 @@ def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
         assert torch.equal(out_a, graph_out), "the direct path differs from the aligned one"
         print(f"      one token, graphed: direct {direct_ms:.4f} ms, aligned {aligned_ms:.4f} ms "
               f"({aligned_ms / direct_ms:.2f}x)")
+        # the two GEMVs (kernels/triton_moe_gemv.py) against the direct path, alternating, both graphed
+        replay_g, out_g = graphed(lambda: fused_moe(*moe_args, gemv=True))
+        err_g = rel_err(out_g, want)
+        assert err_g < 3e-2, f"the one-token GEMVs differ from the reference: {err_g:.3g}"
+        times = {"direct": [], "gemv": []}
+        for _ in range(2):
+            times["direct"].append(time_ms(replay, args.iters, args.warmup, flush))
+            times["gemv"].append(time_ms(replay_g, args.iters, args.warmup, flush))
+        d, gv = min(times["direct"]), min(times["gemv"])
+        print(f"      one token, graphed: direct {d:.4f} ms, two GEMVs {gv:.4f} ms ({d / gv:.2f}x; "
+              f"{used * 3 * h * i * w13.element_size() / (gv * 1e-3) / PEAK_BW:.1%} of peak), err {err_g:.2e}")
 
 
 SWEEP_N = (16, 32, 64, 128)
@@ -160,6 +174,59 @@ def sweep_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
             print(f"    {ms * 1e3:7.1f}  {base / ms:5.2f}x  {cfg}")
 
 
+GEMV_SWEEP_GATE_UP = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), ((2, 3), (4, 3), (4, 4), (8, 3))))
+GEMV_SWEEP_DOWN_N = (1, 2, 4, 8)
+GEMV_SWEEP_DOWN_WS = ((1, 2), (2, 3), (4, 2), (4, 3), (4, 4), (8, 3))
+
+
+def gemv_sweep(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
+    """The one-token GEMVs' launch configs (kernels/triton_moe_gemv.py), each kernel's with the other at its default
+    (moe_gemv_configs), whole-MoE graph us; outputs checked against the reference."""
+    from specserve.kernels.triton_moe_gemv import moe_gemv_configs
+
+    dev, dtype = w13.device, w13.dtype
+    e, h, i, k = w13.shape[0], w13.shape[2], w2.shape[2], args.top_k
+    x = torch.randn((1, h), generator=g, device=dev).to(dtype)
+    topk_weights, topk_ids = torch.topk(torch.softmax(torch.randn((1, e), generator=g, device=dev), -1), k, dim=-1)
+    topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
+    moe_args = (x, w13, w2, topk_weights, topk_ids)
+    want = ref.fused_moe(*moe_args)
+    default = moe_gemv_configs(k, h, i)
+    replay, _ = graphed(lambda: fused_moe(*moe_args, gemv=True))
+    base = time_ms(replay, args.iters, args.warmup, flush)
+    replay_d, _ = graphed(lambda: fused_moe(*moe_args, gemv=False))
+    direct = time_ms(replay_d, args.iters, args.warmup, flush)
+    print(f"\nT 1, two GEMVs: default {base * 1e3:.1f} us (direct path {direct * 1e3:.1f} us)  gate/up {default[0]}  "
+          f"down {default[1]}")
+    down_k = triton_next_pow2(i)
+    candidates = (
+        [dict(BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for n, kk, (w, st) in GEMV_SWEEP_GATE_UP],
+        [dict(BLOCK_N=n, BLOCK_K=down_k, num_warps=w, num_stages=st) for n in GEMV_SWEEP_DOWN_N
+         for w, st in GEMV_SWEEP_DOWN_WS],
+    )
+    for which in (0, 1):
+        rows = []
+        for cfg in candidates[which]:
+            tiles = (cfg, default[1]) if which == 0 else (default[0], cfg)
+            try:
+                got = fused_moe(*moe_args, tiles=tiles, gemv=True)
+                replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles, gemv=True))
+            except Exception as exc:  # noqa: BLE001 - a config past a resource limit: skipped
+                rows.append((float("inf"), cfg, type(exc).__name__))
+                continue
+            err = rel_err(got, want)
+            assert err < 3e-2, f"{cfg} differs from the reference: {err:.3g}"
+            rows.append((time_ms(replay, args.iters, args.warmup, flush), cfg, ""))
+        rows.sort(key=lambda r: r[0])
+        print(f"  {'gate/up' if which == 0 else 'down'}: fastest of {len(rows)} (whole MoE us)")
+        for ms, cfg, _ in rows[:6]:
+            print(f"    {ms * 1e3:7.1f}  {base / ms:5.2f}x  {cfg}")
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
@@ -172,6 +239,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between timed calls")
     p.add_argument("--sweep", action="store_true", help="sweep both GEMMs' launch configs at each T")
+    p.add_argument("--gemv-sweep", action="store_true", help="sweep the one-token GEMVs' launch configs")
     args = p.parse_args()
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -182,6 +250,9 @@ def main() -> None:
     flush = l2_flush(args.no_flush, dev)
     print(f"{torch.cuda.get_device_name()}: H {h}, I {i}, E {e}, top-{k}, {dtype}; median of {args.iters} "
           f"(L2 {'warm' if flush is None else 'flushed'})")
+    if args.gemv_sweep:
+        gemv_sweep(w13, w2, g, args, flush)
+        return
     if args.sweep:
         for t in args.tokens:
             sweep_tokens(t, w13, w2, g, args, flush)

@@ -58,8 +58,9 @@
 #             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes, the sparse
 #             MLA's options), `twentyfourth-b` (the one-launch routers: GPU tests, GLM-5 and 30B phases), then
 #             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
-#   thirtythird, thirtythird-b (written 2026-12-04, fourth session, not yet run): Qwen3-8B's GEMV sweep, PDL on the
-#             larger GEMVs and the attention's 128-key blocks, each A/B run from inside a tree copy (BENCHMARKS §34.5).
+#   thirtythird, -b, -c (written 2026-12-04, fourth session, not yet run): Qwen3-8B's GEMV sweep, PDL on the larger
+#             GEMVs, the attention's 128-key blocks, the one-token MoE as two GEMVs; each A/B run from inside a tree
+#             copy (BENCHMARKS §34.5).
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
@@ -319,17 +320,21 @@ case "${1:-}" in
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
     ;;
-  thirtythird|thirtythird-b)  # (written 2026-12-04, fourth session) A/B runs from inside tree copies (BENCHMARKS
-    # §34.5: `python3 -m` imports the package of the working directory, whatever PYTHONPATH says).
+  thirtythird|thirtythird-b|thirtythird-c)  # (written 2026-12-04, fourth session) A/B runs from inside tree copies
+    # (BENCHMARKS §34.5: `python3 -m` imports the package of the working directory, whatever PYTHONPATH says).
     # thirtythird: Qwen3-8B's GEMV launch sweep (paste the printed dict into triton_gemv._TUNED), then the 8B decode
     # with PDL on GEMVs up to 40 MB (8B's o) and 64 MB against the kept 8 MB (§33.4's tree-B run measured tree A).
     # thirtythird-b: the decode attention's 128-key blocks against 64 in the graphs (§34.4), 8B and 30B, batch 1, 8.
+    # thirtythird-c: the one-token MoE as two GEMVs (kernels/triton_moe_gemv.py, off: triton_moe.ONE_TOKEN_GEMV):
+    # its GPU tests, bench_moe at one token (direct path against the GEMVs) and its launch sweep, then 30B and
+    # Qwen3-Next decode with it on against off (if it wins: ONE_TOKEN_GEMV = True, the sweep's configs in
+    # triton_moe_gemv.moe_gemv_configs).
     variant() {  # variant NAME FILE SED: specserve/ copied to .v_NAME with one sed applied to FILE (must change it)
       rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
       if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
     }
     phase() {  # phase TREE PRESET BATCHES: decode graph ms, run from inside the tree
-      (cd "$1" && timeout 100 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
+      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
         --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
     }
     if [ "$1" = thirtythird ]; then
@@ -337,6 +342,12 @@ case "${1:-}" in
       variant pdl40 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 40 << 20/'
       variant pdl64 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 64 << 20/'
       for t in . .v_pdl40 .v_pdl64 .v_pdl64 .v_pdl40 .; do phase $t llama-3.1-8b 1; done
+    elif [ "$1" = thirtythird-c ]; then
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | grep -v -i warn | tail -2
+      timeout 120 python3 scripts/gpu/bench_moe.py --tokens 1 --iters 50 2>&1 | grep -v -i warn | tail -5
+      timeout 150 python3 scripts/gpu/bench_moe.py --gemv-sweep --iters 30 2>&1 | grep -v -i warn | tail -16
+      variant moegemv kernels/triton_moe.py 's/^ONE_TOKEN_GEMV = False/ONE_TOKEN_GEMV = True/'
+      for t in . .v_moegemv .v_moegemv .; do phase $t qwen3-30b-a3b 1; phase $t qwen3-next-80b-a3b 1; done
     else
       variant blk128 attention/triton_backend.py 's/meta.num_splits, layer.scaling, block_n=self.block_n)/meta.num_splits, layer.scaling, block_n=128)/'
       for t in . .v_blk128 .v_blk128 .; do phase $t llama-3.1-8b 1,8; phase $t qwen3-30b-a3b 1,8; done
