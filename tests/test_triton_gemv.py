@@ -502,6 +502,45 @@ def test_norm_statistics_step_width_does_not_change_outputs(m, silu_mul):
         assert torch.equal(got[0], outs[0][0]) and torch.equal(got[1], outs[0][1])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("m,silu_mul,offset,residual,bias,pdl", [(1, False, 0.0, True, False, 0),
+                                                                 (1, True, 0.0, True, False, 1),
+                                                                 (1, False, 1.0, False, True, 2),
+                                                                 (3, True, 0.0, True, True, 0),
+                                                                 (2, False, 1.0, True, False, 0)])
+def test_late_rstd_close_to_reference(m, silu_mul, offset, residual, bias, pdl, dtype):
+    """LATE_RSTD (the squares summed in the K loop, 1/rms after it; the activation unrounded) gives the new
+    residual exactly and outputs within the output's rounding of the reference (float32: to float32 sums'
+    order), unrolled rows and PDL's order of loads included; the exact-rounding path's checks
+    (test_norm_gemv_checks_reject_other_roundings) are not its contract."""
+    g = torch.Generator().manual_seed(170 + m + 2 * silu_mul + pdl)
+    k, n = 144, 40
+    x, r = torch.randn(m, k, generator=g).to(dtype), (torch.randn(m, k, generator=g) * 3).to(dtype)
+    nw = (offset == 0) + 0.2 * torch.randn(k, generator=g)
+    nw = nw.to(dtype)
+    w = (torch.randn(2 * n if silu_mul else n, k, generator=g) / 8).to(dtype)
+    b = torch.randn(w.shape[0], generator=g).to(dtype) if bias else None
+    r = r if residual else None
+    cfg = dict(CFG, PDL=pdl, **({"GEMV": 1} if m > 1 else {}))
+    exact, h0 = norm_gemv(*to_dev(x, r, nw), 1e-5, offset, *to_dev(w, b), silu_mul=silu_mul, config=cfg)
+    late, h1 = norm_gemv(*to_dev(x, r, nw), 1e-5, offset, *to_dev(w, b), silu_mul=silu_mul,
+                         config=dict(cfg, LATE_RSTD=1))
+    assert torch.equal(h1, h0)
+    hf = (x.float() + r.float()) if residual else x.float()
+    a = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * (nw.float() + offset)
+    want = F.linear(a, w.float(), b.float() if bias else None)  # float32 throughout
+    if silu_mul:
+        want = ref.silu_and_mul(want.to(dtype).float()) if dtype == F32 else None
+    if dtype == F32:
+        torch.testing.assert_close(late.cpu(), want, atol=1e-5, rtol=1e-4)
+    else:  # within two output roundings of the exact-rounding path (whose activation is rounded twice)
+        scale = exact.float().abs().max().item()
+        torch.testing.assert_close(late.float(), exact.float(), atol=2 ** -6 * scale, rtol=2 ** -6)
+        if not silu_mul:
+            torch.testing.assert_close(late.float().cpu(), want, atol=2 ** -7 * scale, rtol=2 ** -7)
+    assert not torch.equal(late, exact) or dtype == F32  # bf16: another rounding of the activation shows
+
+
 def test_norm_block_widths():
     """All of a hidden size's K in one step up to 32 columns a thread, never narrower than the GEMV's K step."""
     assert triton_gemv.norm_block(4096, 256, 4) == 4096

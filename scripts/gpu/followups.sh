@@ -58,9 +58,10 @@
 #             twentythird in the fourth (§28). For a fresh lease: `twentyfourth` (the top-k's 256-bin passes, the sparse
 #             MLA's options), `twentyfourth-b` (the one-launch routers: GPU tests, GLM-5 and 30B phases), then
 #             `smollm2_round.sh keep` + `sweep 1024,4096` (prefills overlap in the server now).
-#   thirtythird, -b, -c (written 2026-12-04, fourth session, not yet run): Qwen3-8B's GEMV sweep, PDL on the larger
-#             GEMVs, the attention's 128-key blocks, the one-token MoE as two GEMVs; each A/B run from inside a tree
-#             copy (BENCHMARKS §34.5).
+#   thirtythird, -b, -c, -d (written 2026-12-04, fourth session, not yet run): Qwen3-8B's GEMV sweep, PDL on the
+#             larger GEMVs, the attention's 128-key blocks, the one-token MoE as two GEMVs, the norm GEMVs without
+#             their statistics prologue (LATE_RSTD); each A/B run from inside a tree copy (BENCHMARKS §34.5).
+#             Order for a fresh lease: -d first (the largest expected gain, issue 17), then -c (issue 12), a, b.
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
@@ -320,7 +321,8 @@ case "${1:-}" in
     timeout 200 python3 scripts/gpu/profile_kernels.py --parts dsa-batches mla-n64 2>&1 | grep -v -i warn | tail -30
     timeout 240 python3 scripts/gpu/profile_kernels.py --parts sparse-mla 2>&1 | grep -v -i warn | tail -24
     ;;
-  thirtythird|thirtythird-b|thirtythird-c)  # (written 2026-12-04, fourth session) A/B runs from inside tree copies
+  thirtythird|thirtythird-b|thirtythird-c|thirtythird-d)  # (written 2026-12-04, fourth session) A/B runs from
+    # inside tree copies
     # (BENCHMARKS §34.5: `python3 -m` imports the package of the working directory, whatever PYTHONPATH says).
     # thirtythird: Qwen3-8B's GEMV launch sweep (paste the printed dict into triton_gemv._TUNED), then the 8B decode
     # with PDL on GEMVs up to 40 MB (8B's o) and 64 MB against the kept 8 MB (§33.4's tree-B run measured tree A).
@@ -329,6 +331,9 @@ case "${1:-}" in
     # its GPU tests, bench_moe at one token (direct path against the GEMVs) and its launch sweep, then 30B and
     # Qwen3-Next decode with it on against off (if it wins: ONE_TOKEN_GEMV = True, the sweep's configs in
     # triton_moe_gemv.moe_gemv_configs).
+    # thirtythird-d: the fused norm GEMVs with LATE_RSTD (no statistics prologue; BENCHMARKS §34.7): its tests on the
+    # GPU, gemv_lab.py --late, then decode on 8B, Qwen3-8B, SmolLM2 and 30B with it on against off (if it wins:
+    # triton_gemv.LATE_RSTD = True, then tests/test_gpu.py and tests/test_decode_gemv.py on the GPU).
     variant() {  # variant NAME FILE SED: specserve/ copied to .v_NAME with one sed applied to FILE (must change it)
       rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
       if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
@@ -342,6 +347,14 @@ case "${1:-}" in
       variant pdl40 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 40 << 20/'
       variant pdl64 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 64 << 20/'
       for t in . .v_pdl40 .v_pdl64 .v_pdl64 .v_pdl40 .; do phase $t llama-3.1-8b 1; done
+    elif [ "$1" = thirtythird-d ]; then
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py -k "late or norm" 2>&1 \
+        | grep -v -i warn | tail -2
+      (cd scripts/gpu && timeout 150 python3 gemv_lab.py --late --iters 30 2>&1 | grep -v -i warn | tail -7)
+      variant late kernels/triton_gemv.py 's/^LATE_RSTD = False/LATE_RSTD = True/'
+      for t in . .v_late .v_late .; do
+        for p in llama-3.1-8b qwen3-8b smollm2-135m qwen3-30b-a3b; do phase $t $p 1; done
+      done
     elif [ "$1" = thirtythird-c ]; then
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | grep -v -i warn | tail -2
       timeout 120 python3 scripts/gpu/bench_moe.py --tokens 1 --iters 50 2>&1 | grep -v -i warn | tail -5

@@ -2,7 +2,7 @@
 specserve's GEMV (kernels/triton_gemv.py) goes against cuBLAS and a pure streaming read of the same bytes.
 
     cd scripts/gpu && python3 gemv_lab.py [--shapes 8b 30b] [--variants cublas ours read tma splitk persist] [--quick]
-    python3 gemv_lab.py --overlap | --norm | --wide       (one experiment each, below)
+    python3 gemv_lab.py --overlap | --norm | --wide | --late     (one experiment each, below)
 
 Each timing is a CUDA graph of L = 8 back-to-back calls on 8 distinct weights (as the layers of a model), the L2
 flushed between replays, the median of --iters replays; per call us and TB/s of weight bytes. Designs:
@@ -17,7 +17,8 @@ flushed between replays, the median of --iters replays; per call us and TB/s of 
 Every variant's output is checked against F.linear (atol 2e-2) before it is timed. Experiments:
   --overlap  a bulk / per-line L2 prefetch of a GEMV's weights before a spin standing for prep + attention;
   --norm     the fused norm GEMVs' statistics in K / BLOCK_K steps against one wide step (triton_gemv.norm_block);
-  --wide     the fused GEMVs with K steps of half or all of K.
+  --wide     the fused GEMVs with K steps of half or all of K;
+  --late     the fused norm GEMVs with the statistics prologue against LATE_RSTD (in the K loop, 1/rms after it).
 Results: BENCHMARKS.md §33.
 """
 
@@ -385,6 +386,32 @@ def norm_rows(args, g, flush) -> None:
         torch.cuda.empty_cache()
 
 
+LATE_CASES = [NORM_CASES[0], NORM_CASES[2], NORM_CASES[4], ("qwen3-8b gate_up", 24576, 4096, True, True),
+              ("smollm2 qkv", 960, 576, True, False), ("smollm2 gate_up", 3072, 576, True, True)]
+
+
+def late_rows(args, g, flush) -> None:
+    """The fused norm GEMVs with the statistics prologue (the default) against LATE_RSTD (squares summed in the K
+    loop, 1/rms after it; triton_gemv's module doc), alternating twice, at the tuned configs, PDL as the product
+    launches them; per call us (L distinct weights, L2 flushed) and the outputs' largest difference over their
+    largest magnitude (a bf16 rounding step is 2^-8 of a value)."""
+    for case in LATE_CASES:
+        c = FusedCase(*case, args.layers, g)
+        cfg = gemv_config(1, c.rows, c.k, DTYPE, c.silu)
+        line = f"{c.name:>17} ({c.rows}, {c.k}) {cfg_label(cfg)}:"
+        outs = {}
+        for late in (0, 1, 1, 0):
+            conf = dict(cfg, LATE_RSTD=late)
+            outs[late] = c.call(conf)(0)
+            us = c.time_us(c.call(conf), args.iters, flush, check=False)
+            line += f"  {'late' if late else 'prologue'} {us:6.2f} us"
+        diff = (outs[1].float() - outs[0].float()).abs().max() / outs[0].float().abs().max()
+        assert diff < 2 ** -5, f"{c.name}: LATE_RSTD differs by {diff:.2e}"
+        print(f"{line}  max diff {diff:.1e}", flush=True)
+        del c
+        torch.cuda.empty_cache()
+
+
 def wide_rows(args, g, flush) -> None:
     """The fused GEMVs with wide K steps (the whole K, or half of it, a step): the RMSNorm's activation computed
     once or twice a program instead of every 256-1024 columns. Tuned config first, then the best 4 of the grid."""
@@ -428,6 +455,7 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true", help="only the L2 prefetch experiment")
     ap.add_argument("--norm", action="store_true", help="only the fused GEMVs' norm statistics step widths")
     ap.add_argument("--wide", action="store_true", help="only the fused GEMVs with wide K steps")
+    ap.add_argument("--late", action="store_true", help="only the fused norm GEMVs with and without LATE_RSTD")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     flush = l2_flush()
@@ -439,6 +467,9 @@ def main() -> None:
         return
     if args.wide:
         wide_rows(args, g, flush)
+        return
+    if args.late:
+        late_rows(args, g, flush)
         return
     runners = dict(cublas=lambda c: run_cublas(c, args.iters, flush), ours=lambda c: run_ours(c, args.iters, flush),
                    read=lambda c: run_read(c, args.iters, flush, args.quick),

@@ -43,6 +43,11 @@ gate and up are each rounded, then silu(gate) is rounded and its product with up
 `silu_and_mul(F.linear(a, w))` in bfloat16. bfloat16 rounding is to nearest even by hand (`_rounded`), as the GPU's
 conversion does, because Triton's interpreter (CPU tests) truncates instead. The sums differ from cuBLAS's only in
 the order of accumulation.
+
+LATE_RSTD (a launch option of the row GEMV, off by default): W (h * w) / rms(h) computed as rstd * sum_k W_k (h_k
+w_k) in float32, the squares summed in the same K loop, so a program's first weight load waits for nothing. The
+normed activation is then never rounded to x's dtype (nor h * rstd before the weight multiply): outputs within the
+output rounding of the exact-rounding path (closer to the float32 result), not bit-equal to the unfused ops'.
 """
 
 from __future__ import annotations
@@ -152,6 +157,31 @@ def _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stri
         for m in tl.static_range(M):
             new_acc = new_acc + (acc[M + m] + wu * acts[m][None, :],)
     return new_acc
+
+
+@triton.jit
+def _accumulate_late(acc, sq, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, stride_x, stride_r, stride_h,
+                     M: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr, SILU: tl.constexpr,
+                     ROUND_BF16: tl.constexpr):
+    """LATE_RSTD's K step: (acc, sq) with acc += the products of the weight tiles with h * w (h = x + residual
+    rounded to x's dtype, w the norm weight (+ W_OFFSET), in float32, not rounded: 1/rms is applied after the loop)
+    and sq (per row [BLOCK_K]) += h * h; program 0 stores h, the new residual."""
+    nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32) + W_OFFSET  # [BLOCK_K]
+    new_acc = ()
+    new_sq = ()
+    acts = ()
+    for m in tl.static_range(M):
+        h = _load_h(x_ptr, r_ptr, m, k, k_ok, stride_x, stride_r, HAS_RESIDUAL, ROUND_BF16)
+        if HAS_RESIDUAL and pid == 0:
+            tl.store(h_ptr + m * stride_h + k, h.to(x_ptr.dtype.element_ty), mask=k_ok)
+        new_sq = new_sq + (sq[m] + h * h,)
+        acts = acts + (h * nw,)
+    for m in tl.static_range(M):
+        new_acc = new_acc + (acc[m] + wg * acts[m][None, :],)
+    if SILU:
+        for m in tl.static_range(M):
+            new_acc = new_acc + (acc[M + m] + wu * acts[m][None, :],)
+    return new_acc, new_sq
 
 
 @triton.jit
@@ -272,7 +302,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
                  SILU: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
                  GDC: tl.constexpr, NORM_BLOCK: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                 QK_W_OFFSET: tl.constexpr, HALF_PAD: tl.constexpr, PARTS_PAD: tl.constexpr):
+                 QK_W_OFFSET: tl.constexpr, HALF_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
+                 LATE_RSTD: tl.constexpr):
     """Program i: output columns i*BLOCK_N .. + BLOCK_N of all M rows. x [M, K] (row stride stride_x), w [N, K]
     (row stride stride_w; with SILU N = 2 n_out, gate rows then up rows), y [M, n_out]. NORM: the activation is the
     RMSNorm of h = x (+ residual r [M, K]) with weight nw [K]; program 0 stores h [M, K] (with a residual); the
@@ -286,7 +317,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     and k, K and V stored into the caches; see _rope_store_epilogue): the first rot_programs programs own rotation
     pairs, BLOCK_N / 2 dims of a head and their partners half dims on (_rope_columns), the rest V columns. QK_NORM:
     each q and k head is RMS-normed first (weights qn / kn [D], eps qk_eps; _norm_rope_head), by the last of its
-    programs."""
+    programs.
+    LATE_RSTD (with NORM): no statistics prologue; the K loop also sums the squares, and each row's 1/rms scales the
+    float32 sums after it (see the module doc: not the unfused ops' rounding)."""
     pid = tl.program_id(0)
     if ROPE:
         cols = _rope_columns(pid, rot_programs, half, BLOCK_N)  # [BLOCK_N]
@@ -309,7 +342,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
 
     # RMSNorm statistics: each row's sum of squares over all of K (h rounded first), in float32.
     rstd = ()
-    if NORM:
+    if NORM and not LATE_RSTD:
         nks = tl.arange(0, NORM_BLOCK)  # [NORM_BLOCK]: a hidden size's K in one step (one round trip, not K/BLOCK_K)
         sq = ()
         for _ in tl.static_range(M):
@@ -330,15 +363,30 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     acc = ()  # per row [BLOCK_N, BLOCK_K] float32 partial products of the gate (all) rows, then of the up rows
     for _ in tl.static_range(M * (2 if SILU else 1)):
         acc = acc + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
+    late = NORM and LATE_RSTD
+    sq = ()  # LATE_RSTD: per row [BLOCK_K] float32 sums of squares, summed in the K loop
+    for _ in tl.static_range(M if late else 0):
+        sq = sq + (tl.zeros([BLOCK_K], dtype=tl.float32),)
     if PDL:  # the first K step, from the weights loaded before the wait
-        acc = _accumulate(acc, wg0, wu0, ks, first_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
-                          HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+        if late:
+            acc, sq = _accumulate_late(acc, sq, wg0, wu0, ks, first_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, stride_x,
+                                       stride_r, stride_h, M, HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+        else:
+            acc = _accumulate(acc, wg0, wu0, ks, first_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
+                              HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
     for k0 in tl.range(k_first, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + ks
         k_ok = k < K
         wg, wu = _w_tiles(gate_rows, up_rows, k, col_ok[:, None] & k_ok[None, :], SILU)
-        acc = _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
-                          HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+        if late:
+            acc, sq = _accumulate_late(acc, sq, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, stride_x,
+                                       stride_r, stride_h, M, HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+        else:
+            acc = _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
+                              HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+    if late:
+        for m in tl.static_range(M):
+            rstd = rstd + (tl.rsqrt(tl.sum(sq[m], 0) / K + eps),)
     if PDL == 2 and GDC:
         tl.extra.cuda.gdc_launch_dependents()  # only now: its waiting programs never hold SMs this grid needs
 
@@ -348,11 +396,15 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
             bu = tl.load(b_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)
     for m in tl.static_range(M):
         y = tl.sum(acc[m], 1)  # [BLOCK_N]
+        if late:
+            y = y * rstd[m]
         if HAS_BIAS:
             y += bg
         y = _rounded(y, dtype, ROUND_BF16)
         if SILU:
             u = tl.sum(acc[M + m], 1)
+            if late:
+                u = u * rstd[m]
             if HAS_BIAS:
                 u += bu
             u = _rounded(u, dtype, ROUND_BF16)
@@ -483,6 +535,11 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
                 num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
 
 
+# The row GEMV's fused norm with the statistics in the K loop and 1/rms after it (LATE_RSTD; a config's "LATE_RSTD"
+# overrides): no prologue before the first weight load, but not the unfused ops' rounding (module doc). Off: not yet
+# measured (scripts/gpu/gemv_lab.py --late).
+LATE_RSTD = False
+
 PDL_MAX_BYTES = 8 << 20  # weights up to which a GEMV is latency-bound enough for PDL to pay (BENCHMARKS.md §21)
 
 
@@ -534,6 +591,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
             **flags, **_rope_flags(rope, cfg["BLOCK_N"]),
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
             NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])), ROPE=rope is not None,
+            LATE_RSTD=bool(cfg.get("LATE_RSTD", LATE_RSTD)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles
