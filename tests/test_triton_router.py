@@ -187,7 +187,7 @@ def test_fused_router_repeated_calls_reset_the_counter():
                                                           (16, 8, 2, False)]):
         x, w = exact_inputs(tokens, experts + int(shared), torch.bfloat16, seed=50 + i)
         check_fused(x, w, top_k, True, shared)
-        assert not triton_router._COUNTERS[x.device].any()
+        assert not triton_router._counters(x.device).any()
 
 
 def test_fused_router_many_tokens_and_none(monkeypatch):
@@ -251,7 +251,7 @@ def test_fused_router_dispatch_and_cuda_graph(monkeypatch):
         want_w, want_ids = fused_reference(x, w, 8, True, False)
         assert torch.equal(ids.cpu(), want_ids)
         torch.testing.assert_close(wts.cpu(), want_w, atol=1e-6, rtol=1e-5)
-    assert not triton_router._COUNTERS[x.device].any()
+    assert not triton_router._counters(x.device).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_dot import dot
 
@@ -231,21 +232,12 @@ def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Zero-initialised int32 arrival counters per device, one per (request, KV head) program group of a split launch,
-# shared by every fixed_width_attention call on it: each launch leaves them at 0 again, so they need no reset
-# between calls or graph replays, and the buffer is made once and never replaced (captured graphs keep its
-# address). Launches that could overlap (several streams) would share them: the engine runs its layers on one
-# stream, in order.
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
 MERGE_MAX_PROGRAMS = 1 << 16  # requests x KV heads; larger launches merge in a second kernel
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters, made on first use (eager: graphs/capture.py's warm-up calls run first)."""
-    c = _MERGE_COUNTERS.get(device)
-    if c is None:
-        c = _MERGE_COUNTERS[device] = torch.zeros(MERGE_MAX_PROGRAMS, dtype=torch.int32, device=device)
-    return c
+    """One arrival counter per (request, KV head) program group of a split launch (kernels/counters.py)."""
+    return arrival_counters("attention merge", device, MERGE_MAX_PROGRAMS)
 
 
 def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,

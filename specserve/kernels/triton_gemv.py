@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_kwargs, pdl_supported
 from specserve.kernels.rope_store import NORM_MAX_HEADS, RopeStore
 from specserve.kernels.triton_dot import dot
@@ -182,6 +183,21 @@ def _accumulate_late(acc, sq, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid,
         for m in tl.static_range(M):
             new_acc = new_acc + (acc[M + m] + wu * acts[m][None, :],)
     return new_acc, new_sq
+
+
+@triton.jit
+def _k_step(acc, sq, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, rstd, stride_x, stride_r, stride_h,
+            M: tl.constexpr, NORM: tl.constexpr, LATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+            W_OFFSET: tl.constexpr, SILU: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """One K step of the row GEMV: (acc, sq) by _accumulate_late under LATE (LATE_RSTD), else by _accumulate (sq
+    unchanged)."""
+    if LATE:
+        acc, sq = _accumulate_late(acc, sq, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, stride_x, stride_r,
+                                   stride_h, M, HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+    else:
+        acc = _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
+                          HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+    return acc, sq
 
 
 @triton.jit
@@ -318,8 +334,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     pairs, BLOCK_N / 2 dims of a head and their partners half dims on (_rope_columns), the rest V columns. QK_NORM:
     each q and k head is RMS-normed first (weights qn / kn [D], eps qk_eps; _norm_rope_head), by the last of its
     programs.
-    LATE_RSTD (with NORM): no statistics prologue; the K loop also sums the squares, and each row's 1/rms scales the
-    float32 sums after it (see the module doc: not the unfused ops' rounding)."""
+    LATE_RSTD (only with NORM): no statistics prologue; the K loop also sums the squares, and each row's 1/rms
+    scales the float32 sums after it (see the module doc: not the unfused ops' rounding)."""
     pid = tl.program_id(0)
     if ROPE:
         cols = _rope_columns(pid, rot_programs, half, BLOCK_N)  # [BLOCK_N]
@@ -363,30 +379,22 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
     acc = ()  # per row [BLOCK_N, BLOCK_K] float32 partial products of the gate (all) rows, then of the up rows
     for _ in tl.static_range(M * (2 if SILU else 1)):
         acc = acc + (tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32),)
-    late = NORM and LATE_RSTD
-    sq = ()  # LATE_RSTD: per row [BLOCK_K] float32 sums of squares, summed in the K loop
-    for _ in tl.static_range(M if late else 0):
-        sq = sq + (tl.zeros([BLOCK_K], dtype=tl.float32),)
+    sums = ()  # LATE_RSTD: per row [BLOCK_K] float32 sums of squares, summed in the K loop
+    if LATE_RSTD:
+        for _ in tl.static_range(M):
+            sums = sums + (tl.zeros([BLOCK_K], dtype=tl.float32),)
     if PDL:  # the first K step, from the weights loaded before the wait
-        if late:
-            acc, sq = _accumulate_late(acc, sq, wg0, wu0, ks, first_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, stride_x,
-                                       stride_r, stride_h, M, HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
-        else:
-            acc = _accumulate(acc, wg0, wu0, ks, first_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
-                              HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+        acc, sums = _k_step(acc, sums, wg0, wu0, ks, first_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, rstd, stride_x,
+                            stride_r, stride_h, M, NORM, LATE_RSTD, HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
     for k0 in tl.range(k_first, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + ks
         k_ok = k < K
         wg, wu = _w_tiles(gate_rows, up_rows, k, col_ok[:, None] & k_ok[None, :], SILU)
-        if late:
-            acc, sq = _accumulate_late(acc, sq, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, stride_x,
-                                       stride_r, stride_h, M, HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
-        else:
-            acc = _accumulate(acc, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, rstd, stride_x, stride_r, M, NORM,
-                              HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
-    if late:
+        acc, sums = _k_step(acc, sums, wg, wu, k, k_ok, x_ptr, r_ptr, nw_ptr, h_ptr, pid, rstd, stride_x, stride_r,
+                            stride_h, M, NORM, LATE_RSTD, HAS_RESIDUAL, W_OFFSET, SILU, ROUND_BF16)
+    if LATE_RSTD:
         for m in tl.static_range(M):
-            rstd = rstd + (tl.rsqrt(tl.sum(sq[m], 0) / K + eps),)
+            rstd = rstd + (tl.rsqrt(tl.sum(sums[m], 0) / K + eps),)
     if PDL == 2 and GDC:
         tl.extra.cuda.gdc_launch_dependents()  # only now: its waiting programs never hold SMs this grid needs
 
@@ -396,14 +404,14 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_out, K, eps
             bu = tl.load(b_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)
     for m in tl.static_range(M):
         y = tl.sum(acc[m], 1)  # [BLOCK_N]
-        if late:
+        if LATE_RSTD:
             y = y * rstd[m]
         if HAS_BIAS:
             y += bg
         y = _rounded(y, dtype, ROUND_BF16)
         if SILU:
             u = tl.sum(acc[M + m], 1)
-            if late:
+            if LATE_RSTD:
                 u = u * rstd[m]
             if HAS_BIAS:
                 u += bu
@@ -591,7 +599,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
             **flags, **_rope_flags(rope, cfg["BLOCK_N"]),
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
             NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])), ROPE=rope is not None,
-            LATE_RSTD=bool(cfg.get("LATE_RSTD", LATE_RSTD)),
+            LATE_RSTD=norm_w is not None and bool(cfg.get("LATE_RSTD", LATE_RSTD)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles
@@ -628,18 +636,9 @@ def _rope_flags(rope: RopeStore | None, block_n: int) -> dict:
                 PARTS_PAD=triton.next_power_of_2(half // (block_n // 2)))
 
 
-# Zero-initialised int32 arrival counters per device (one per q or k head of a launch with q/k norms), shared by every
-# such launch: each leaves them at 0 again, so they need no reset between calls or graph replays, and the buffer is
-# made once (eagerly: the graphs' warm-up calls run first) and never replaced. The engine runs its layers on one
-# stream, in order, so launches never overlap on them.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _counters(device: torch.device) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(NORM_MAX_HEADS, dtype=torch.int32, device=device)
-    return c
+    """One arrival counter per q or k head of a launch with q/k norms (kernels/counters.py)."""
+    return arrival_counters("gemv q/k norm", device, NORM_MAX_HEADS)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

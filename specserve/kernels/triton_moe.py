@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.counters import arrival_counters
 from specserve.kernels.triton_dot import dot
 from specserve.kernels.triton_moe_gemv import fits as moe_gemv_fits
 from specserve.kernels.triton_moe_gemv import moe_gemv
@@ -35,17 +36,10 @@ DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of t
 SUM_COUNTERS = 4096  # column blocks of the down GEMM that can sum in-kernel at one token (more: _sum_k_kernel)
 ONE_TOKEN_GEMV = False  # fused_moe at one token through kernels/triton_moe_gemv.py: not yet measured on a GPU
 
-# Zero-initialised int32 arrival counters per device, one per column block of the one-token down GEMM, shared by
-# every fused_moe call on it: each launch leaves them at 0 again (as kernels/triton_router.py's counters), made on
-# first use, which is eager (graphs/capture.py warms up before capturing) and never replaced. One stream at a time.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
 
 def _counters(device: torch.device) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(SUM_COUNTERS, dtype=torch.int32, device=device)
-    return c
+    """One arrival counter per column block of the one-token down GEMM (kernels/counters.py)."""
+    return arrival_counters("moe sum", device, SUM_COUNTERS)
 
 
 @triton.jit

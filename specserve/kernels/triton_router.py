@@ -9,7 +9,7 @@ sum and a division (four launches per MoE layer). With a gated shared expert fus
 the same routing in one launch, for decode and verify batches of a few tokens, where the GEMV reads well under 2 MB
 of weights and the separate launches (cuBLAS's GEMV, its split-K reduce, the router kernel) are mostly launch
 latency. Each program computes a block of logit columns for a block of tokens into a float32 scratch; the program
-that finishes a token block last (a device counter per block, see `_COUNTERS`) routes those tokens from the scratch.
+that finishes a token block last (a device counter per block, kernels/counters.py) routes those tokens from the scratch.
 Both kernels share the routing step, `_route_rows`.
 """
 
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specserve.kernels.counters import arrival_counters
 from specserve.kernels.triton_gemv import _rounded
 from specserve.kernels.triton_topk import score_keys
 
@@ -266,11 +267,6 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
         tl.store(counter_ptr + block, 0)  # the next launch (or graph replay) counts from 0 again
 
 
-# Zero-initialised int32 arrival counters per device (one per token block), shared by every router_topk_triton call
-# on it: each launch leaves them at 0 again, so they need no reset between calls or graph replays, and the buffer is
-# made once and never replaced (a captured graph keeps its address). Launches that could overlap (several streams,
-# graphs replayed concurrently) would share them and break: the engine runs all layers on one stream, in order.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 ROUTER_MAX_TOKEN_BLOCKS = 1024  # counters per device; batches needing more blocks take F.linear + softmax_topk
 
 ROUTER_TOKEN_BLOCK = 16  # at most this many tokens per program
@@ -279,12 +275,8 @@ _ROUTE_TILE = 8192  # elements of one [R_BLOCK, E_PAD] routing tile
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters, made on first use (which should be eager, not inside a graph capture:
-    graphs/capture.py's warm-up calls run first)."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(ROUTER_MAX_TOKEN_BLOCKS, dtype=torch.int32, device=device)
-    return c
+    """One arrival counter per token block (kernels/counters.py)."""
+    return arrival_counters("router", device, ROUTER_MAX_TOKEN_BLOCKS)
 
 
 def router_config(tokens: int, cols: int, hidden: int, num_experts: int, block_e: int | None = None,
@@ -314,7 +306,7 @@ def router_topk_triton(x: torch.Tensor, weight: torch.Tensor, top_k: int, renorm
     [E (+ 1), H] in x's dtype -> (weights [T, K (+ 1)] float32, ids [T, K (+ 1)] int64). The logits are accumulated
     in float32 and rounded to x's dtype, as F.linear's (up to the order of accumulation). Launch shapes depend on
     (T, H, E) alone and nothing is read back to the host: capturable in a CUDA graph. One stream at a time (the
-    device's arrival counters are shared, see _COUNTERS). config: router_config's result, to override
+    device's arrival counters are shared, kernels/counters.py). config: router_config's result, to override
     (benchmarks)."""
     return _router(x, weight, top_k, renormalize, shared_gate, config, None)[:2]
 

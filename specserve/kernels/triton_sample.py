@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import chunk_for_grid, target_programs
 from specserve.kernels.noise import SALT_SAMPLE
 from specserve.kernels.triton_accept import _key, _uniform
@@ -296,20 +297,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-# Arrival counters, one per row, zero between passes (each pass leaves them at 0 again): made once per device on
-# first use (eager: graphs/capture.py's warm-up calls run first), so a sample launches no memset. The launches of
-# one device run on one stream, in order.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-COUNTER_ROWS = 1 << 16
+COUNTER_ROWS = 1 << 16  # rows with shared arrival counters (kernels/counters.py); more rows get their own
 
 
 def _counters(device: torch.device, rows: int) -> torch.Tensor:
+    """One arrival counter per row, zero between passes (each pass leaves them at 0 again): no memset a sample."""
     if rows > COUNTER_ROWS:
         return torch.zeros(rows, dtype=torch.int32, device=device)
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(COUNTER_ROWS, dtype=torch.int32, device=device)
-    return c
+    return arrival_counters("sample", device, COUNTER_ROWS)
 
 
 class _Work:

@@ -1,0 +1,130 @@
+"""Compiles Triton kernels for an H100/H200 (sm_90) on a machine without a GPU (run by
+tests/test_compile_for_gpu.py in a process without TRITON_INTERPRET: the interpreter runs a kernel as Python and
+accepts code the GPU compiler rejects, e.g. a non-constexpr tl.static_range bound).
+
+Each case calls a product launcher with CPU tensors of a real model's shapes; the kernel objects it launches are
+swapped, for the call, for recorders that keep the launch arguments instead of running, and each recorded launch is
+then compiled to PTX by triton.compile for sm_90 (the bundled ptxas; no driver needed). Prints one line a launch;
+exits non-zero on the first failure."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.int64: "i64",
+          torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
+BF16 = torch.bfloat16
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def _compile(kernel, args, kwargs) -> triton.compiler.CompiledKernel:
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    kwargs.pop("launch_pdl", None)
+    values = dict(zip(kernel.arg_names, args), **kwargs)
+    signature, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        v = values[name]
+        if i in kernel.constexprs:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = v
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + _TYPES[v.dtype]
+        elif isinstance(v, bool):
+            signature[name] = "i1"
+        elif isinstance(v, int):
+            signature[name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}.{name}: {type(v).__name__}")
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET,
+                          options=options)
+
+
+def check(label: str, module, names: list[str], launch) -> None:
+    """Run launch() with module's kernels `names` recording, then compile every recorded launch."""
+    kernels = {n: getattr(module, n) for n in names}
+    recorders = {n: _Recorder() for n in names}
+    for n in names:
+        setattr(module, n, recorders[n])
+    try:
+        launch()
+    finally:
+        for n in names:
+            setattr(module, n, kernels[n])
+    launched = 0
+    for n in names:
+        for args, kwargs in recorders[n].launches:
+            compiled = _compile(kernels[n], args, kwargs)
+            launched += 1
+            print(f"{label}: {n} -> {len(compiled.asm['ptx'])} chars of PTX")
+    assert launched, f"{label}: nothing was launched"
+
+
+def main() -> None:
+    from specserve.kernels import triton_gemv as tg
+    from specserve.kernels import triton_moe as tm
+    from specserve.kernels import triton_moe_gemv as mg
+    from specserve.kernels.rope_store import RopeStore
+
+    def norm_gemv_case(rows, k, silu, m=1, **cfg_extra):
+        x, r = torch.randn(m, k).to(BF16), torch.randn(m, k).to(BF16)
+        w = torch.randn(rows, k).to(BF16)
+        cfg = dict(tg.gemv_config(m, rows, k, BF16, silu), **cfg_extra)
+        y = torch.empty(m, rows // (2 if silu else 1), dtype=BF16)
+        return lambda: tg._launch(x, r, torch.ones(k, dtype=BF16), w, None, y, torch.empty_like(x), 1e-5, 0.0, silu,
+                                  cfg)
+
+    # Llama-3.1-8B's qkv and gate_up (norm, SiLU-mul), with the statistics prologue and with LATE_RSTD, PDL on/off
+    for late in (0, 1):
+        for pdl in (0, 2):
+            check(f"qkv late={late} pdl={pdl}", tg, ["_gemv_kernel"],
+                  norm_gemv_case(6144, 4096, False, LATE_RSTD=late, PDL=pdl))
+            check(f"gate_up late={late} pdl={pdl}", tg, ["_gemv_kernel"],
+                  norm_gemv_case(28672, 4096, True, LATE_RSTD=late, PDL=pdl))
+    check("smollm2 qkv 3 rows late", tg, ["_gemv_kernel"],
+          norm_gemv_case(960, 576, False, m=3, LATE_RSTD=1))
+    # the q/k prep epilogue, without and with q/k norms (Qwen3-30B-A3B's heads)
+    hq, hkv, d, k = 32, 4, 128, 2048
+    for normed in (False, True):
+        x = torch.randn(1, k).to(BF16)
+        w = torch.randn((hq + 2 * hkv) * d, k).to(BF16)
+        caches = [torch.zeros(16, hkv, d, dtype=BF16) for _ in range(2)]
+        norms = (torch.ones(d, dtype=BF16), torch.ones(d, dtype=BF16)) if normed else ()
+        rope = RopeStore(torch.randn(64, d), torch.tensor([3]), torch.tensor([5]), *caches, hq, hkv, d, *norms)
+        y = torch.empty(1, w.shape[0], dtype=BF16)
+        check(f"qkv rope epilogue normed={normed}", tg, ["_gemv_kernel"],
+              lambda x=x, w=w, rope=rope, y=y: tg._launch(x, None, torch.ones(k, dtype=BF16), w, None, y, None, 1e-5,
+                                                          0.0, False, tg.rope_store_config(x, w, rope), rope))
+    # the one-token MoE: the two GEMVs (Qwen3-30B-A3B's and Qwen3-Next's experts) and the grouped direct path
+    for e, h, i, top in ((128, 2048, 768, 8), (512, 2048, 512, 10)):
+        w13, w2 = torch.empty(e, 2 * i, h, dtype=BF16), torch.empty(e, h, i, dtype=BF16)
+        x, ids, wts = torch.randn(1, h).to(BF16), torch.arange(top)[None], torch.rand(1, top)
+        check(f"moe gemvs E{e} I{i}", mg, ["_gate_up_gemv_kernel", "_down_gemv_kernel"],
+              lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: mg.moe_gemv(x, w13, w2, wts, ids))
+        check(f"moe direct E{e} I{i}", tm, ["_gate_up_kernel", "_down_kernel"],
+              lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: tm.fused_moe(x, w13, w2, wts, ids, gemv=False))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on the exit status
+        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
