@@ -78,9 +78,12 @@ def check(label: str, module, names: list[str], launch) -> None:
 
 
 def main() -> None:
+    from specserve.kernels import triton_attention as ta
     from specserve.kernels import triton_gemv as tg
     from specserve.kernels import triton_moe as tm
     from specserve.kernels import triton_moe_gemv as mg
+    from specserve.kernels import triton_qk_prep as tq
+    from specserve.kernels import triton_router as tr
     from specserve.kernels.rope_store import RopeStore
 
     def norm_gemv_case(rows, k, silu, m=1, **cfg_extra):
@@ -120,6 +123,31 @@ def main() -> None:
               lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: mg.moe_gemv(x, w13, w2, wts, ids))
         check(f"moe direct E{e} I{i}", tm, ["_gate_up_kernel", "_down_kernel"],
               lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: tm.fused_moe(x, w13, w2, wts, ids, gemv=False))
+    # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)
+    x, r = torch.randn(1, 2048).to(BF16), torch.randn(1, 2048).to(BF16)
+    check("router + norm", tr, ["_router_gemv_topk_kernel"],
+          lambda: tr.norm_router_topk_triton(x, r, torch.ones(2048, dtype=BF16), 1e-6, 0.0,
+                                             torch.randn(128, 2048).to(BF16), 8, True))
+    # the q/k prep (Qwen3's q/k norms, rotary, K/V store) and the attention (decode with split merge, verify width 4,
+    # a prefill's variable lengths), Llama-3.1-8B's heads
+    hq, hkv, d, slots = 32, 8, 128, 4096
+    kc, vc = torch.zeros(slots, hkv, d, dtype=BF16), torch.zeros(slots, hkv, d, dtype=BF16)
+    q, k, v = torch.randn(1, hq, d).to(BF16), torch.randn(1, hkv, d).to(BF16), torch.randn(1, hkv, d).to(BF16)
+    check("q/k prep with norms", tq, ["_qk_prep_kernel"],
+          lambda: tq.qk_norm_rope_store_triton(q, k, v, kc, vc, torch.tensor([7]), torch.randn(64, d),
+                                               torch.tensor([3]), None, torch.ones(d, dtype=BF16),
+                                               torch.ones(d, dtype=BF16), 1e-6))
+    table = torch.arange(slots, dtype=torch.int64)[None]  # [1, slots]
+    rows, lens = torch.zeros(1, dtype=torch.int64), torch.full((1,), 513, dtype=torch.int64)
+    for width, splits in ((1, 8), (4, 8), (1, 1)):
+        qw = torch.randn(width, hq, d).to(BF16)
+        check(f"decode attention width {width} splits {splits}", ta, ["_fixed_width_kernel"],
+              lambda qw=qw, width=width, splits=splits: ta.fixed_width_attention(qw, kc, vc, table, rows, lens,
+                                                                                 width, splits, d ** -0.5))
+    qp = torch.randn(100, hq, d).to(BF16)
+    check("prefill attention", ta, ["_varlen_kernel"],
+          lambda: ta.varlen_attention(qp, kc, vc, table, rows, lens, torch.zeros(1, dtype=torch.int64),
+                                      torch.full((1,), 100, dtype=torch.int64), 100, d ** -0.5))
 
 
 if __name__ == "__main__":
