@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32", torch.uint8: "u8", torch.bool: "i1"}
+          torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 BF16 = torch.bfloat16
 
 
@@ -84,6 +84,7 @@ def main() -> None:
     from specserve.kernels import triton_moe_gemv as mg
     from specserve.kernels import triton_qk_prep as tq
     from specserve.kernels import triton_router as tr
+    from specserve.kernels import triton_sample as ts
     from specserve.kernels.rope_store import RopeStore
 
     def norm_gemv_case(rows, k, silu, m=1, **cfg_extra):
@@ -144,6 +145,13 @@ def main() -> None:
         check(f"decode attention width {width} splits {splits}", ta, ["_fixed_width_kernel"],
               lambda qw=qw, width=width, splits=splits: ta.fixed_width_attention(qw, kc, vc, table, rows, lens,
                                                                                  width, splits, d ** -0.5))
+    # sampling at one row over Llama-3.1-8B's vocabulary: T 0.8, top-k 200 (the filter's statistics, levels, race)
+    logits = torch.randn(1, 128256)
+    one = dict(temperature=torch.tensor([0.8]), top_k=torch.tensor([200]), top_p=torch.tensor([1.0]),
+               min_p=torch.tensor([0.0]), greedy=torch.tensor([False]), seeds=torch.tensor([1]),
+               positions=torch.tensor([5]))
+    check("sample top-k", ts, ["_stats_kernel", "_level_kernel", "_race_kernel"],
+          lambda: ts.sample_triton(logits, need_filter=True, **one))
     qp = torch.randn(100, hq, d).to(BF16)
     check("prefill attention", ta, ["_varlen_kernel"],
           lambda: ta.varlen_attention(qp, kc, vc, table, rows, lens, torch.zeros(1, dtype=torch.int64),
