@@ -325,7 +325,8 @@ case "${1:-}" in
     # inside tree copies
     # (BENCHMARKS §34.5: `python3 -m` imports the package of the working directory, whatever PYTHONPATH says).
     # thirtythird: Qwen3-8B's GEMV launch sweep (paste the printed dict into triton_gemv._TUNED), then the 8B decode
-    # with PDL on GEMVs up to 40 MB (8B's o) and 64 MB against the kept 8 MB (§33.4's tree-B run measured tree A).
+    # with PDL on GEMVs up to 40 MB (8B's o) and 64 MB against the kept 8 MB (§33.4's tree-B run measured tree A),
+    # then the 8B plain step greedy against sampled (T 0.8, top-k 200) kernel by kernel (profile_decode.py --steps).
     # thirtythird-b: the decode attention's 128-key blocks against 64 in the graphs (§34.4), 8B and 30B, batch 1, 8.
     # thirtythird-c: the one-token MoE as two GEMVs (kernels/triton_moe_gemv.py, off: triton_moe.ONE_TOKEN_GEMV):
     # its GPU tests, bench_moe at one token (direct path against the GEMVs) and its launch sweep, then 30B and
@@ -347,6 +348,9 @@ case "${1:-}" in
       variant pdl40 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 40 << 20/'
       variant pdl64 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 64 << 20/'
       for t in . .v_pdl40 .v_pdl64 .v_pdl64 .v_pdl40 .; do phase $t llama-3.1-8b 1; done
+      # where a sampled token's time goes beyond the greedy step's (vs_gpt_fast: 4.363 ms against bench-phases' 4.23)
+      timeout 120 python3 scripts/gpu/profile_decode.py llama-3.1-8b --steps greedy sampled --top 12 2>&1 \
+        | grep -v -i warn | tail -30
     elif [ "$1" = thirtythird-d ]; then
       timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py -k "late or norm" 2>&1 \
         | grep -v -i warn | tail -2
