@@ -26,6 +26,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
@@ -88,16 +89,44 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
-    """One row of the table: T tokens routed top-k by random logits."""
-    dev, dtype = w13.device, w13.dtype
-    e, h, i, k = w13.shape[0], w13.shape[2], w2.shape[2], args.top_k
-    x = torch.randn((t, h), generator=g, device=dev).to(dtype)  # [T, H]
-    logits = torch.randn((t, e), generator=g, device=dev)
-    topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, K] distinct experts
+def moe_inputs(t: int, w13: torch.Tensor, w2: torch.Tensor, k: int, g: torch.Generator) -> tuple[tuple, torch.Tensor]:
+    """((x [T, H], w13, w2, topk_weights [T, K] float32, topk_ids [T, K]), the reference's output): T tokens routed
+    top-k (distinct experts, renormalised) by random logits."""
+    dev, e, h = w13.device, w13.shape[0], w13.shape[2]
+    x = torch.randn((t, h), generator=g, device=dev).to(w13.dtype)  # [T, H]
+    topk_weights, topk_ids = torch.topk(torch.softmax(torch.randn((t, e), generator=g, device=dev), -1), k, dim=-1)
     topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
     moe_args = (x, w13, w2, topk_weights, topk_ids)
-    want = ref.fused_moe(*moe_args)
+    return moe_args, ref.fused_moe(*moe_args)
+
+
+def sweep_one_kernel(moe_args, want, configs: list[dict], default: tuple[dict, dict], which: int, base: float, args,
+                     flush, label: str, **moe_kw) -> None:
+    """Times fused_moe (graphed) with kernel `which` (0 gate/up, 1 down) at each of configs and the other at its
+    default, each output checked against the reference; prints the fastest few against `base` (ms)."""
+    rows = []
+    for cfg in configs:
+        tiles = (cfg, default[1]) if which == 0 else (default[0], cfg)
+        try:
+            got = fused_moe(*moe_args, tiles=tiles, **moe_kw)
+            replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles, **moe_kw))
+        except Exception as exc:  # noqa: BLE001 - a config past a resource limit: skipped
+            rows.append((float("inf"), cfg, type(exc).__name__))
+            continue
+        err = rel_err(got, want)
+        assert err < 3e-2, f"{cfg} differs from the reference: {err:.3g}"
+        rows.append((time_ms(replay, args.iters, args.warmup, flush), cfg, ""))
+    rows.sort(key=lambda r: r[0])
+    print(f"  {'gate/up' if which == 0 else 'down'}: fastest of {len(rows)} ({label} us)")
+    for ms, cfg, _ in rows[:6]:
+        print(f"    {ms * 1e3:7.1f}  {base / ms:5.2f}x  {cfg}")
+
+
+def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
+    """One row of the table: T tokens routed top-k by random logits."""
+    h, i, k = w13.shape[2], w2.shape[2], args.top_k
+    moe_args, want = moe_inputs(t, w13, w2, k, g)
+    topk_ids = moe_args[4]
     err_loop = rel_err(torch_loop(*moe_args), want)
     err_fused = rel_err(fused_moe(*moe_args), want)
     assert err_fused < 3e-2, f"fused kernel differs from the reference at T={t}: {err_fused:.3g}"
@@ -142,36 +171,17 @@ SWEEP_WARPS_STAGES = ((4, 3), (4, 4), (8, 4))
 def sweep_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
     """The launch configs of both GEMMs at T tokens (direct path at T = 1, else aligned), each kernel's configs with
     the other kernel at its default; outputs checked against the reference."""
-    dev, dtype = w13.device, w13.dtype
-    e, h, k = w13.shape[0], w13.shape[2], args.top_k
-    x = torch.randn((t, h), generator=g, device=dev).to(dtype)
-    topk_weights, topk_ids = torch.topk(torch.softmax(torch.randn((t, e), generator=g, device=dev), -1), k, dim=-1)
-    topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
-    moe_args = (x, w13, w2, topk_weights, topk_ids)
-    want = ref.fused_moe(*moe_args)
+    e, k = w13.shape[0], args.top_k
+    moe_args, want = moe_inputs(t, w13, w2, k, g)
     block_m = 16 if t == 1 else moe_block_m(t * k, e)
     default = _gemm_configs(block_m)
     replay, _ = graphed(lambda: fused_moe(*moe_args))
     base = time_ms(replay, args.iters, args.warmup, flush)
     print(f"\nT {t} (block_m {block_m}): default {base * 1e3:.1f} us  gate/up {default[0]}  down {default[1]}")
+    configs = [dict(BLOCK_N=n, BLOCK_K=kk, num_warps=warps, num_stages=stages)
+               for n, kk, (warps, stages) in itertools.product(SWEEP_N, SWEEP_K, SWEEP_WARPS_STAGES)]
     for which in (0, 1):
-        rows = []
-        for n, kk, (warps, stages) in itertools.product(SWEEP_N, SWEEP_K, SWEEP_WARPS_STAGES):
-            cfg = dict(BLOCK_N=n, BLOCK_K=kk, num_warps=warps, num_stages=stages)
-            tiles = (cfg, default[1]) if which == 0 else (default[0], cfg)
-            try:
-                got = fused_moe(*moe_args, tiles=tiles)
-                replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles))
-            except Exception as exc:  # noqa: BLE001 - a config past the shared-memory limit: skipped
-                rows.append((float("inf"), cfg, type(exc).__name__))
-                continue
-            err = rel_err(got, want)
-            assert err < 3e-2, f"{cfg} differs from the reference: {err:.3g}"
-            rows.append((time_ms(replay, args.iters, args.warmup, flush), cfg, ""))
-        rows.sort(key=lambda r: r[0])
-        print(f"  {'gate/up' if which == 0 else 'down'}: fastest of {len(rows)} (whole fused_moe us)")
-        for ms, cfg, _ in rows[:6]:
-            print(f"    {ms * 1e3:7.1f}  {base / ms:5.2f}x  {cfg}")
+        sweep_one_kernel(moe_args, want, configs, default, which, base, args, flush, "whole fused_moe")
 
 
 GEMV_SWEEP_GATE_UP = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), ((2, 3), (4, 3), (4, 4), (8, 3))))
@@ -184,13 +194,8 @@ def gemv_sweep(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, fl
     (moe_gemv_configs), whole-MoE graph us; outputs checked against the reference."""
     from specserve.kernels.triton_moe_gemv import moe_gemv_configs
 
-    dev, dtype = w13.device, w13.dtype
-    e, h, i, k = w13.shape[0], w13.shape[2], w2.shape[2], args.top_k
-    x = torch.randn((1, h), generator=g, device=dev).to(dtype)
-    topk_weights, topk_ids = torch.topk(torch.softmax(torch.randn((1, e), generator=g, device=dev), -1), k, dim=-1)
-    topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).float()
-    moe_args = (x, w13, w2, topk_weights, topk_ids)
-    want = ref.fused_moe(*moe_args)
+    h, i, k = w13.shape[2], w2.shape[2], args.top_k
+    moe_args, want = moe_inputs(1, w13, w2, k, g)
     default = moe_gemv_configs(k, h, i)
     replay, _ = graphed(lambda: fused_moe(*moe_args, gemv=True))
     base = time_ms(replay, args.iters, args.warmup, flush)
@@ -198,33 +203,11 @@ def gemv_sweep(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, fl
     direct = time_ms(replay_d, args.iters, args.warmup, flush)
     print(f"\nT 1, two GEMVs: default {base * 1e3:.1f} us (direct path {direct * 1e3:.1f} us)  gate/up {default[0]}  "
           f"down {default[1]}")
-    down_k = triton_next_pow2(i)
-    candidates = (
-        [dict(BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for n, kk, (w, st) in GEMV_SWEEP_GATE_UP],
-        [dict(BLOCK_N=n, BLOCK_K=down_k, num_warps=w, num_stages=st) for n in GEMV_SWEEP_DOWN_N
-         for w, st in GEMV_SWEEP_DOWN_WS],
-    )
-    for which in (0, 1):
-        rows = []
-        for cfg in candidates[which]:
-            tiles = (cfg, default[1]) if which == 0 else (default[0], cfg)
-            try:
-                got = fused_moe(*moe_args, tiles=tiles, gemv=True)
-                replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles, gemv=True))
-            except Exception as exc:  # noqa: BLE001 - a config past a resource limit: skipped
-                rows.append((float("inf"), cfg, type(exc).__name__))
-                continue
-            err = rel_err(got, want)
-            assert err < 3e-2, f"{cfg} differs from the reference: {err:.3g}"
-            rows.append((time_ms(replay, args.iters, args.warmup, flush), cfg, ""))
-        rows.sort(key=lambda r: r[0])
-        print(f"  {'gate/up' if which == 0 else 'down'}: fastest of {len(rows)} (whole MoE us)")
-        for ms, cfg, _ in rows[:6]:
-            print(f"    {ms * 1e3:7.1f}  {base / ms:5.2f}x  {cfg}")
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    gate_up = [dict(BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for n, kk, (w, st) in GEMV_SWEEP_GATE_UP]
+    down = [dict(BLOCK_N=n, BLOCK_K=triton.next_power_of_2(i), num_warps=w, num_stages=st)
+            for n in GEMV_SWEEP_DOWN_N for w, st in GEMV_SWEEP_DOWN_WS]
+    for which, configs in enumerate((gate_up, down)):
+        sweep_one_kernel(moe_args, want, configs, default, which, base, args, flush, "whole MoE", gemv=True)
 
 
 def main() -> None:
