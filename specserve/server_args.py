@@ -335,8 +335,8 @@ class ServerArgs:
                "cores) or recurrent (token by token, the decode kernels)")
         a("--decode-gemv", default="auto", choices=DECODE_GEMV,
           help="dense layers' projections for decode rows (at most 4 a forward) on a GPU: triton (each RMSNorm fused "
-               "into the projection after it, SiLU-mul into gate/up, no split-K reduce, and in attention layers "
-               "without q/k norms the rotary + K/V store in the qkv projection's epilogue: kernels/triton_gemv.py), "
+               "into the projection after it, SiLU-mul into gate/up, no split-K reduce, and in dense attention layers "
+               "the q/k prep (q/k norms, rotary, K/V store) in the qkv projection's epilogue: kernels/triton_gemv.py), "
                "cublas (separate launches), auto (triton for the shapes it was measured faster on, "
                "kernels/gemv_policy.py)")
         a("--speculative-token-map", default=None,

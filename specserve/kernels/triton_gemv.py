@@ -60,6 +60,7 @@ from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_kwargs, pdl_supported
 from specserve.kernels.rope_store import NORM_MAX_HEADS, RopeStore
 from specserve.kernels.triton_dot import dot
+from specserve.kernels.triton_qk_prep import _normed
 
 MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
 
@@ -219,9 +220,9 @@ def _rope_store_epilogue(y, m, pid, cols, y_ptr, stride_y, pos_ptr, loc_ptr, cs_
                          q_heads, half, stride_cs, stride_kcs, stride_kch, stride_vcs, stride_vch, part_ptr,
                          BLOCK_N: tl.constexpr, QK_NORM: tl.constexpr):
     """Row m's outputs y [BLOCK_N] (float32 of x.dtype values) at `cols` (_rope_columns), as the q/k prep kernel
-    (kernels/triton_qk_prep.py, no norms, rotary on all of D = 2 half) leaves them: a rotation program rotates its
-    P pairs (neox: x1 cos - x2 sin, x2 cos + x1 sin in float32, each rounded to x's dtype) at position pos[m] and
-    writes them back into y (q and k in place); a k head's are also stored into the K cache at slot loc[m]
+    (kernels/triton_qk_prep.py, rotary on all of D = 2 half) leaves them without q/k norms: a rotation program
+    rotates its P pairs (neox: x1 cos - x2 sin, x2 cos + x1 sin in float32, each rounded to x's dtype) at position
+    pos[m] and writes them back into y (q and k in place); a k head's are also stored into the K cache at slot loc[m]
     ([S, Hkv, D], strides stride_kcs / stride_kch); a V program writes y and stores it into the V cache.
     QK_NORM: a rotation program cannot norm its head alone, so it writes y as it is and its sum of squares (float32)
     into part_ptr [M, q + k heads, programs a head]; the head's last program rotates it (_norm_rope_head)."""
@@ -262,7 +263,7 @@ def _norm_rope_head(pid, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, part
                     PARTS_PAD: tl.constexpr):
     """QK_NORM's finish: the last of a q or k head's programs to arrive (counter per head, acq_rel) reads the
     head's y [D] of every row back (through L2) and the programs' sums of squares (in program order: deterministic),
-    RMS-norms it as triton_qk_prep._normed does (x's dtype, plain or zero-centred weight), rotates it, writes it back
+    RMS-norms it with triton_qk_prep._normed (x's dtype, plain or zero-centred weight), rotates it, writes it back
     into y and, for a k head, into the K cache; then resets its counter for the next launch."""
     P: tl.constexpr = BLOCK_N // 2
     per_head = half // P
@@ -277,23 +278,17 @@ def _norm_rope_head(pid, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, part
         i_ok = i < half
         j = tl.arange(0, PARTS_PAD)  # [PARTS_PAD] the head's programs
         is_k = head >= q_heads
-        w1 = tl.where(is_k, tl.load(kn_ptr + i, mask=i_ok, other=0.0), tl.load(qn_ptr + i, mask=i_ok, other=0.0))
-        w2 = tl.where(is_k, tl.load(kn_ptr + half + i, mask=i_ok, other=0.0),
-                      tl.load(qn_ptr + half + i, mask=i_ok, other=0.0))
-        w1, w2 = w1.to(tl.float32), w2.to(tl.float32)
+        w_ptr = tl.where(is_k, kn_ptr, qn_ptr)  # this head's norm weight [D]
         for m in tl.static_range(M):
             row = y_ptr + m * stride_y + head * 2 * half
-            x1 = tl.load(row + i, mask=i_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            x2 = tl.load(row + half + i, mask=i_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            x1 = tl.load(row + i, mask=i_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+            x2 = tl.load(row + half + i, mask=i_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
             parts = tl.load(part_ptr + m * rot_programs + head * per_head + j, mask=j < per_head, other=0.0,
                             cache_modifier=".cg")
             r = tl.rsqrt(tl.sum(parts, 0) / (2 * half) + qk_eps)
-            if QK_W_OFFSET == 0.0:
-                x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-                x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-            else:
-                x1 = (x1 * r * (w1 + QK_W_OFFSET)).to(dt).to(tl.float32)
-                x2 = (x2 * r * (w2 + QK_W_OFFSET)).to(dt).to(tl.float32)
+            # [1, HALF_PAD] tiles, normed and rounded as the prep kernel's (x's dtype: RopeStore.fits)
+            x1 = tl.reshape(_normed(x1, r, w_ptr, i, i_ok, y_ptr, QK_W_OFFSET, True), [HALF_PAD])
+            x2 = tl.reshape(_normed(x2, r, w_ptr + half, i, i_ok, y_ptr, QK_W_OFFSET, True), [HALF_PAD])
             pos = tl.load(pos_ptr + m).to(tl.int64)
             c = tl.load(cs_ptr + pos * stride_cs + i, mask=i_ok, other=0.0)
             s = tl.load(cs_ptr + pos * stride_cs + half + i, mask=i_ok, other=0.0)
