@@ -216,3 +216,16 @@ def test_pdl_dsa_chain_equals_eager_over_replays():
         got = [t.clone() for t in outs]
         for a, b in zip(got, chain(sync=True)):
             assert torch.equal(a, b), step
+
+
+def test_pdl_mode_by_size_and_measured_shapes():
+    """PDL on the GEMVs of at most PDL_MAX_BYTES and on the larger shapes of PDL_SHAPES (8B's o), not on 8B's qkv."""
+    from specserve.kernels.triton_gemv import PDL_MAX_BYTES, PDL_SHAPES, pdl_mode
+
+    def w(rows, k):
+        return torch.empty(rows, k, dtype=BF16, device=DEV)
+
+    assert (4096, 4096) in PDL_SHAPES and PDL_MAX_BYTES < 4096 * 4096 * 2
+    assert pdl_mode(DEV, 1024, w(4096, 4096)) == 2  # more programs than one wave: after the main loop
+    assert pdl_mode(DEV, 1024, w(6144, 4096)) == 0  # 50 MB, not listed
+    assert pdl_mode(DEV, 8, w(QKV, HIDDEN)) == 1 and pdl_mode(DEV, 10 ** 5, w(QKV, HIDDEN)) == 2

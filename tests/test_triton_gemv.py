@@ -338,7 +338,7 @@ def test_gemv_config_defaults_and_tuned_table():
     for n, k, silu in [(6144, 4096, False), (28672, 4096, True), (4096, 14336, False), (960, 576, False),
                        (3072, 576, True), (37, 100, False)]:
         cfg = gemv_config(1, n, k, BF16, silu)
-        assert set(cfg) == {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+        assert set(cfg) - {"LATE_RSTD"} == {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
         assert all(v > 0 and v & (v - 1) == 0 for v in (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]))
         assert 2 <= cfg["BLOCK_N"] <= 16 and cfg["BLOCK_K"] <= max(16, triton.next_power_of_2(k))
         if (n, k) in triton_gemv._TUNED:
@@ -565,12 +565,15 @@ def _rope_case(m: int, hq: int, hkv: int, d: int, k: int, bias: bool, g):
     return x, r, nw, w, b, cs, pos, loc
 
 
-@pytest.mark.parametrize("m,block_n,residual,bias", [(1, 8, True, False), (1, 4, False, True), (1, 2, True, True),
-                                                      (1, 16, True, False), (3, 8, True, True)])
-def test_norm_gemv_rope_store_equals_gemv_then_prep(m, block_n, residual, bias):
+@pytest.mark.parametrize("m,block_n,residual,bias,late", [(1, 8, True, False, 0), (1, 4, False, True, 0),
+                                                           (1, 2, True, True, 0), (1, 16, True, False, 0),
+                                                           (3, 8, True, True, 0), (1, 4, True, False, 1),
+                                                           (3, 8, False, True, 1)])
+def test_norm_gemv_rope_store_equals_gemv_then_prep(m, block_n, residual, bias, late):
     """norm_gemv_rope_store (rotary and the K/V store in the GEMV's epilogue; rotation pairs split over programs as
     _rope_columns lays them out) gives exactly what norm_gemv and then the q/k prep kernel give: the q|k|v output
-    (q and k rotated), the new residual, and both caches (other slots untouched)."""
+    (q and k rotated), the new residual, and both caches (other slots untouched); with the norm's statistics in the
+    K loop (LATE_RSTD, SmolLM2's qkv launch) as without."""
     from specserve.kernels.rope_store import RopeStore
     from specserve.kernels.triton_gemv import norm_gemv_rope_store
     from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
@@ -579,7 +582,8 @@ def test_norm_gemv_rope_store_equals_gemv_then_prep(m, block_n, residual, bias):
     hq, hkv, d = 4, 2, 16
     x, r, nw, w, b, cs, pos, loc = _rope_case(m, hq, hkv, d, 64, bias, g)
     r = r if residual else None
-    cfg = dict(BLOCK_N=block_n, BLOCK_K=32, num_warps=4, num_stages=2, **({"GEMV": 1} if m > 1 else {}))
+    cfg = dict(BLOCK_N=block_n, BLOCK_K=32, num_warps=4, num_stages=2, LATE_RSTD=late,
+               **({"GEMV": 1} if m > 1 else {}))
     fill = torch.randn(9, hkv, d, generator=g).to(BF16).to(DEV)  # [S, Hkv, D] caches, distinct values
     kc1, vc1, kc2, vc2 = (fill.clone() for _ in range(4))
     cs, pos, loc = to_dev(cs, pos, loc)

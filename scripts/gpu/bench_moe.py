@@ -152,6 +152,7 @@ def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
               f"({aligned_ms / direct_ms:.2f}x)")
         # the two GEMVs (kernels/triton_moe_gemv.py) against the direct path, alternating, both graphed
         replay_g, out_g = graphed(lambda: fused_moe(*moe_args, gemv=True))
+        replay_g()  # the capture only recorded the launches: out_g holds nothing until a replay
         err_g = rel_err(out_g, want)
         assert err_g < 3e-2, f"the one-token GEMVs differ from the reference: {err_g:.3g}"
         times = {"direct": [], "gemv": []}

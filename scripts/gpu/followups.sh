@@ -370,6 +370,44 @@ case "${1:-}" in
       for t in . .v_blk128 .v_blk128 .; do phase $t llama-3.1-8b 1,8; phase $t qwen3-30b-a3b 1,8; done
     fi
     ;;
+  thirtyfourth)  # (2026-12-04, fifth session) the fused MoE's launch-config test's GPU failure (its message), the
+    # GEMV GPU tests with SmolLM2's LATE_RSTD launches, SmolLM2 decode with them against without, PDL on the 8B GEMVs
+    # up to 40 / 64 MB against 8, then the 8B plain step greedy against sampled kernel by kernel
+    variant() {
+      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
+      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
+    }
+    phase() {
+      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
+        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
+    }
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py -k tiles_override --tb=short 2>&1 \
+      | grep -iE "error|passed|failed" | grep -v -i warn | head -12
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py tests/test_gpu_pdl.py \
+      tests/test_decode_gemv.py 2>&1 | grep -v -i warn | tail -2
+    variant nolate kernels/triton_gemv.py 's/, LATE_RSTD=1)/)/'
+    for t in . .v_nolate .v_nolate .; do phase $t smollm2-135m 1; done
+    variant pdl40 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 40 << 20/'
+    variant pdl64 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 64 << 20/'
+    for t in . .v_pdl40 .v_pdl64 .v_pdl64 .v_pdl40 .; do phase $t llama-3.1-8b 1; done
+    timeout 120 python3 scripts/gpu/profile_decode.py llama-3.1-8b --steps greedy sampled --top 12 2>&1 \
+      | grep -v -i warn | tail -30
+    ;;
+  thirtyfourth-b)  # PDL on GEMVs up to 40 MB (now the default) against 8 MB on Qwen3-30B-A3B's and Qwen3-8B's
+    # shapes (their o / qkv fall under 40 MB too), then gpt-fast side by side on 8B's shapes
+    variant() {
+      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
+      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
+    }
+    phase() {
+      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
+        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
+    }
+    variant pdl8 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 40 << 20/PDL_MAX_BYTES = 8 << 20/'
+    for t in . .v_pdl8 .v_pdl8 .; do phase $t qwen3-30b-a3b 1; phase $t qwen3-8b 1; done
+    timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast --shapes llama-3.1-8b 2>&1 | grep -v -i warn \
+      | tail -4
+    ;;
   thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,
     # then decode at batch 1 with it (--decode-gemv triton: on these shapes auto plus the prep fusion) against auto,
     # side by side, on Llama-3.1-8B's and SmolLM2's shapes (if it wins, its qkv shapes go into FASTER_PREP)

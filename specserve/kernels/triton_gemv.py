@@ -44,10 +44,11 @@ gate and up are each rounded, then silu(gate) is rounded and its product with up
 conversion does, because Triton's interpreter (CPU tests) truncates instead. The sums differ from cuBLAS's only in
 the order of accumulation.
 
-LATE_RSTD (a launch option of the row GEMV, off by default): W (h * w) / rms(h) computed as rstd * sum_k W_k (h_k
-w_k) in float32, the squares summed in the same K loop, so a program's first weight load waits for nothing. The
-normed activation is then never rounded to x's dtype (nor h * rstd before the weight multiply): outputs within the
-output rounding of the exact-rounding path (closer to the float32 result), not bit-equal to the unfused ops'.
+LATE_RSTD (a launch option of the row GEMV; off by default, on in SmolLM2's tuned launches): W (h * w) / rms(h)
+computed as rstd * sum_k W_k (h_k w_k) in float32, the squares summed in the same K loop, so a program's first
+weight load waits for nothing. The normed activation is then never rounded to x's dtype (nor h * rstd before the
+weight multiply): outputs within the output rounding of the exact-rounding path (closer to the float32 result), not
+bit-equal to the unfused ops'.
 """
 
 from __future__ import annotations
@@ -67,15 +68,17 @@ MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of row
 # ---------------------------------------------------------------------------------------------------------------
 # Tuned launch configurations at M = 1, keyed by the weight's (rows, K) (rows: 2I for silu_mul's gate_up weight).
 # TUNED ON: NVIDIA H200, triton 3.6, 2026-12-01 (`python3 scripts/gpu/bench_gemv.py --sweep --shapes llama-3.1-8b
-# smollm2-135m`, then `--shapes qwen3-30b-a3b`, which print this dict; BENCHMARKS.md).
+# smollm2-135m`, then `--shapes qwen3-30b-a3b`, which print this dict; BENCHMARKS.md). LATE_RSTD=1 (added by hand:
+# the sweep does not try it): SmolLM2's norm GEMVs, K = 576, measured faster with the statistics in the K loop
+# (`scripts/gpu/gemv_lab.py --late`, 2026-12-04, BENCHMARKS §35.1); the larger K of 8B, Qwen3-8B and 30B were slower.
 _TUNED: dict[tuple[int, int], dict[str, int]] = {
     (6144, 4096): dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=2),
     (4096, 4096): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3),
     (28672, 4096): dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
     (4096, 14336): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3),
-    (960, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+    (960, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, LATE_RSTD=1),
     (576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=3),
-    (3072, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1),
+    (3072, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, LATE_RSTD=1),
     (576, 1536): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=8, num_stages=1),
     (5120, 2048): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2),
     (2048, 4096): dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
@@ -539,20 +542,26 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
 
 
 # The row GEMV's fused norm with the statistics in the K loop and 1/rms after it (LATE_RSTD; a config's "LATE_RSTD"
-# overrides): no prologue before the first weight load, but not the unfused ops' rounding (module doc). Off: not yet
-# measured (scripts/gpu/gemv_lab.py --late).
+# overrides, as _TUNED's SmolLM2 entries do): no prologue before the first weight load, but not the unfused ops'
+# rounding (module doc). Off by default: slower on 8B's, Qwen3-8B's and 30B's norm GEMVs (BENCHMARKS §35.1).
 LATE_RSTD = False
 
 PDL_MAX_BYTES = 8 << 20  # weights up to which a GEMV is latency-bound enough for PDL to pay (BENCHMARKS.md §21)
+# larger weight shapes (rows, K) measured faster with PDL in the decode step: Llama-3.1-8B's o projection (33.5 MB;
+# the step -1.8%). A 40 MB bound instead would also take Qwen3-30B-A3B's qkv and o, whose step it slowed; 64 MB
+# (8B's qkv too) slowed 8B's (BENCHMARKS §35.2).
+PDL_SHAPES: frozenset[tuple[int, int]] = frozenset([(4096, 4096)])
 
 
-def pdl_mode(device: torch.device, programs: int, weight_bytes: int) -> int:
-    """How the GEMV launches (its kernel's PDL). Where PDL is supported (launch.pdl_supported) and the weights are
-    at most PDL_MAX_BYTES (SmolLM2's projections): with programmatic dependent launch, letting the next kernel
-    launch at once (1) when the grid fits in one wave of the GPU (launch.one_wave_pdl: its waiting programs then
-    take no SM the grid still needs), else only after the main loop (2); otherwise, and for larger weights
-    (Llama-3.1-8B's, where a layer measured no gain, BENCHMARKS.md §21), off (0). A config's PDL key overrides it."""
-    if not pdl_supported(device) or weight_bytes > PDL_MAX_BYTES:
+def pdl_mode(device: torch.device, programs: int, w: torch.Tensor) -> int:
+    """How the GEMV with weight w launches (its kernel's PDL). Where PDL is supported (launch.pdl_supported) and the
+    weight is at most PDL_MAX_BYTES (SmolLM2's projections) or its shape is in PDL_SHAPES: with programmatic
+    dependent launch, letting the next kernel launch at once (1) when the grid fits in one wave of the GPU
+    (launch.one_wave_pdl: its waiting programs then take no SM the grid still needs), else only after the main loop
+    (2); otherwise (Llama-3.1-8B's other projections, where a layer measured no gain, BENCHMARKS.md §21), off (0).
+    A config's PDL key overrides it."""
+    small = w.numel() * w.element_size() <= PDL_MAX_BYTES
+    if not pdl_supported(device) or not (small or tuple(w.shape) in PDL_SHAPES):
         return 0
     return 1 if one_wave_pdl(device, programs) else 2
 
@@ -587,7 +596,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
                  SILU=silu_mul, HAS_BIAS=bias is not None, ROUND_BF16=x.dtype == torch.bfloat16)
     if m == 1 or cfg.get("GEMV"):  # the GEMV, its rows unrolled (a config marked GEMV=1 at more than one row)
         programs = triton.cdiv(n_out, cfg["BLOCK_N"])
-        pdl = cfg.get("PDL", pdl_mode(x.device, programs, w.numel() * w.element_size()))
+        pdl = cfg.get("PDL", pdl_mode(x.device, programs, w))
         gdc = bool(pdl) and pdl_supported(x.device)  # (a PDL config elsewhere: PDL's order of loads, no gdc ops)
         _gemv_kernel[(programs,)](
             *args, n_out, k, eps, n_out * w.stride(0), *strides, *_rope_args(rope, y, m, cfg["BLOCK_N"]), M=m,

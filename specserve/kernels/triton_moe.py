@@ -359,8 +359,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     f32_dot = not x.is_cuda
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch reference
     cfg_gu, cfg_down = _gemm_configs(block_m) if tiles is None else tiles
-    if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones
-        cfg_gu, cfg_down = ({**c, "BLOCK_K": c["BLOCK_K"] // 2} for c in (cfg_gu, cfg_down))
+    if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones, down
+        # to tl.dot's least K of 16 (triton 3.6 rejects less on the GPU; the interpreter does not)
+        cfg_gu, cfg_down = ({**c, "BLOCK_K": max(16, c["BLOCK_K"] // 2)} for c in (cfg_gu, cfg_down))
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
         x, w13, act, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
         w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, **cfg_gu)
