@@ -62,6 +62,9 @@
 #             larger GEMVs, the attention's 128-key blocks, the one-token MoE as two GEMVs, the norm GEMVs without
 #             their statistics prologue (LATE_RSTD); each A/B run from inside a tree copy (BENCHMARKS §34.5).
 #             Order for a fresh lease: -d first (the largest expected gain, issue 17), then -c (issue 12), a, b.
+#   thirtythird-d, -c, thirtyfourth, -b ran on 2026-12-04 (fifth session, BENCHMARKS §35; thirtythird and -b's
+#             remaining parts were folded into thirtyfourth or dropped). For a fresh lease: `thirtyfifth` (carry
+#             .gpt-fast: the sampler's 6-bit levels, gpt-fast's figure re-checked), then `thirtythird-b`.
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
@@ -407,6 +410,34 @@ case "${1:-}" in
     for t in . .v_pdl8 .v_pdl8 .; do phase $t qwen3-30b-a3b 1; phase $t qwen3-8b 1; done
     timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast --shapes llama-3.1-8b 2>&1 | grep -v -i warn \
       | tail -4
+    ;;
+  thirtyfifth)  # (written 2026-12-04, fifth session, after the lease; not yet run) the new pdl_mode GPU test; the
+    # sampler's radix levels of 6 bits (5 launches) against 5 bits (6 launches, 47 us of the sampled 8B step, §35.3):
+    # bench_sample and the whole sampled step from inside each tree; then gpt-fast twice more (§35.4: its own time
+    # moved from 5.08 to 5.78-6.02 ms in the last lease; is the move the image's or the machine's?)
+    variant() {
+      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
+      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
+    }
+    in_tree() {  # in_tree TREE SCRIPT ARGS...: a script of scripts/gpu run on TREE's package (a script's own
+      # directory, not the working directory, comes first on sys.path: PYTHONPATH names the tree)
+      local t=$1 script=$2; shift 2
+      (cd "$t" && PYTHONPATH=$PWD:/tmp/site python3 "$OLDPWD/scripts/gpu/$script" "$@" 2>&1 | grep -v -i warn \
+        | sed "s|^|$t |")
+    }
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pdl.py 2>&1 | grep -v -i warn | tail -2
+    variant bits6 kernels/triton_sample.py 's/^BITS = 5 /BITS = 6 /'
+    for t in . .v_bits6 .v_bits6 .; do
+      in_tree $t bench_sample.py --vocab 128256 49152 --rows 1 5 40 --iters 50 | tail -12
+    done
+    for t in . .v_bits6 .v_bits6 .; do
+      in_tree $t profile_decode.py llama-3.1-8b --steps sampled --top 4 | grep -E "wall|_level|_race|_stats"
+    done
+    for r in 1 2; do
+      timeout 200 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast --shapes llama-3.1-8b \
+        --output-file "$OUT/gptfast.jsonl" 2>&1 | grep -v -i warn | grep -E "ms/token" | tail -2
+    done
+    cat "$OUT/gptfast.jsonl"  # each round's figures
     ;;
   thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,
     # then decode at batch 1 with it (--decode-gemv triton: on these shapes auto plus the prep fusion) against auto,
