@@ -145,6 +145,16 @@ def main() -> None:
         check(f"decode attention width {width} splits {splits}", ta, ["_fixed_width_kernel"],
               lambda qw=qw, width=width, splits=splits: ta.fixed_width_attention(qw, kc, vc, table, rows, lens,
                                                                                  width, splits, d ** -0.5))
+    # the same attention doing the q/k prep itself (Qwen3's q/k norms at decode; no norms at verify's width 4)
+    cs, one = torch.randn(4096, d), torch.ones(d, dtype=BF16)
+    for width, norms in ((1, True), (4, False)):
+        qkv = torch.randn(width, (hq + 2 * hkv) * d).to(BF16)
+        qw, kw, vw = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        prep = ta.AttnPrep(kw.view(width, hkv, d), vw.view(width, hkv, d), torch.arange(width), cs,
+                           torch.arange(width), *((one, one) if norms else (None, None)))
+        check(f"decode attention with the q/k prep, width {width} norms {norms}", ta, ["_fixed_width_kernel"],
+              lambda qw=qw, width=width, prep=prep: ta.fixed_width_attention(
+                  qw.view(width, hq, d), kc, vc, table, rows, lens, width, 8, d ** -0.5, prep=prep))
     # sampling at one row over Llama-3.1-8B's vocabulary: T 0.8, top-k 200 (the filter's statistics, levels, race)
     logits = torch.randn(1, 128256)
     one = dict(temperature=torch.tensor([0.8]), top_k=torch.tensor([200]), top_p=torch.tensor([1.0]),

@@ -64,7 +64,8 @@
 #             Order for a fresh lease: -d first (the largest expected gain, issue 17), then -c (issue 12), a, b.
 #   thirtythird-d, -c, thirtyfourth, -b ran on 2026-12-04 (fifth session, BENCHMARKS §35; thirtythird and -b's
 #             remaining parts were folded into thirtyfourth or dropped). For a fresh lease: `thirtyfifth` (carry
-#             .gpt-fast: the sampler's 6-bit levels, gpt-fast's figure re-checked), then `thirtythird-b`.
+#             .gpt-fast: the sampler's 6-bit levels, gpt-fast's figure re-checked), `thirtyfifth-b` (the q/k prep
+#             inside the attention kernel), then `thirtythird-b`.
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
@@ -438,6 +439,26 @@ case "${1:-}" in
         --output-file "$OUT/gptfast.jsonl" 2>&1 | grep -v -i warn | grep -E "ms/token" | tail -2
     done
     cat "$OUT/gptfast.jsonl"  # each round's figures
+    ;;
+  thirtyfifth-b)  # (written 2026-12-04, fifth session, after the lease; not yet run) the q/k prep inside the decode
+    # / verify attention kernel (attention/triton_backend.py PREP_IN_ATTENTION, off): its kernel and backend tests on
+    # the GPU, then decode (batch 1, 8) on against off where a separate prep launch runs today: Qwen3-30B-A3B and
+    # Qwen3-8B (q/k norms: 2.7 us a layer of prep at batch 1, §24.2), Llama-3.1-8B at batch 8 (its batch 1 preps in
+    # the qkv GEMV's epilogue). If it wins: PREP_IN_ATTENTION = True, then tests/test_gpu.py -k "plain_step or mtp".
+    variant() {
+      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
+      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
+    }
+    phase() {
+      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
+        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| (decode|target_verify)" | sed "s|^|$1 $2 |")
+    }
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_prep.py tests/test_triton_attention.py \
+      2>&1 | grep -v -i warn | tail -2
+    variant prepattn attention/triton_backend.py 's/^PREP_IN_ATTENTION = False/PREP_IN_ATTENTION = True/'
+    for t in . .v_prepattn .v_prepattn .; do
+      phase $t qwen3-30b-a3b 1,8; phase $t qwen3-8b 1; phase $t llama-3.1-8b 8
+    done
     ;;
   thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,
     # then decode at batch 1 with it (--decode-gemv triton: on these shapes auto plus the prep fusion) against auto,

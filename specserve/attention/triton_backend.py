@@ -22,13 +22,16 @@ import torch
 
 from specserve.attention.backend import AttentionBackend
 from specserve.batch import ForwardBatch, extend_starts
-from specserve.kernels.triton_attention import fixed_width_attention, varlen_attention
+from specserve.kernels.triton_attention import AttnPrep, fixed_width_attention, varlen_attention
 from specserve.kernels.triton_kv import store_kv
 from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.req_to_token import ReqToTokenPool
 
 _CPU_NUM_SMS = 4  # stands in for the SM count on CPU (Triton interpreter) so the split heuristic is exercised
+# Fixed-width batches with a QKPrep the attention kernel can take (AttnPrep.fits): the q/k prep inside the attention
+# kernel instead of its own launch before it. Off: not yet measured on the GPU (BENCHMARKS §35.8).
+PREP_IN_ATTENTION = False
 
 
 @dataclass
@@ -54,9 +57,11 @@ class TritonAttentionBackend(AttentionBackend):
     qk_norm_rope_store = staticmethod(qk_norm_rope_store_triton)
 
     def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool, max_kv_splits: int = 32,
-                 min_split_keys: int = 256, num_sms: int | None = None, block_n: int = 64, block_m: int = 64):
+                 min_split_keys: int = 256, num_sms: int | None = None, block_n: int = 64, block_m: int = 64,
+                 prep_in_attention: bool | None = None):
         """max_kv_splits caps the split-KV fan-out; min_split_keys is the fewest keys worth a split of their own;
-        block_n / block_m: key / query tile sizes."""
+        block_n / block_m: key / query tile sizes; prep_in_attention (default PREP_IN_ATTENTION): fixed-width
+        batches do the q/k prep in the attention kernel where it can."""
         super().__init__(req_to_token, kv_pool)
         dev = req_to_token.table.device
         if num_sms is None:
@@ -67,6 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.min_split_keys = min_split_keys
         self.block_n = block_n
         self.block_m = block_m
+        self.prep_in_attention = PREP_IN_ATTENTION if prep_in_attention is None else prep_in_attention
         self.meta: _FixedMeta | _VarlenMeta | None = None
 
     def num_kv_splits(self, batch_size: int, max_seq_len: int) -> int:
@@ -116,13 +122,30 @@ class TritonAttentionBackend(AttentionBackend):
 
     # ---------------------------------------------------------------- attention
     def forward(self, q, k, v, layer, fb: ForwardBatch, prep=None) -> torch.Tensor:
+        meta = self.meta
+        table = self.req_to_token.table
+        attn_prep = self._attn_prep(q, k, v, fb, prep) if isinstance(meta, _FixedMeta) else None
+        if attn_prep is not None:  # the attention kernel preps q and stores the new K/V itself
+            k_cache, v_cache = self.layer_kv(layer)
+            return fixed_width_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.width,
+                                         meta.num_splits, layer.scaling, block_n=self.block_n, prep=attn_prep)
         q, k_cache, v_cache = self.store_or_prep(q, k, v, layer, fb, prep)  # [S, Hkv, D] caches
         if q.stride(-1) != 1:
             q = q.contiguous()
-        table = self.req_to_token.table
-        meta = self.meta
         if isinstance(meta, _FixedMeta):
             return fixed_width_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.width,
                                          meta.num_splits, layer.scaling, block_n=self.block_n)
         return varlen_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.q_starts, meta.ext_lens,
                                 meta.max_ext, layer.scaling, block_m=self.block_m, block_n=self.block_n)
+
+    def _attn_prep(self, q, k, v, fb: ForwardBatch, prep) -> AttnPrep | None:
+        """prep as the attention kernel's AttnPrep where prep_in_attention holds and the kernel takes it, else None
+        (no prep, a layer whose projection already stored K/V, partial rotary, mRoPE, strided heads)."""
+        if not self.prep_in_attention or not hasattr(prep, "kernel_args"):
+            return None
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return None
+        cos_sin, positions, qw, kw, eps, offset = prep.kernel_args()
+        if prep.rotary.mrope_section is not None or not AttnPrep.fits(q.shape[-1], cos_sin, positions):
+            return None
+        return AttnPrep(k, v, fb.out_cache_loc, cos_sin, positions, qw, kw, eps, offset)

@@ -11,6 +11,11 @@ Two kernels:
     with a long context still fills the GPU; the split that finishes last merges them by their log-sum-exp. The
     number of splits is a launch constant (static under CUDA graphs); each split's key range is derived from the
     live seq_len inside the kernel, so short sequences do little work in any split.
+    With `prep` (AttnPrep) it also does the q/k prep of kernels/triton_qk_prep.py, so no prep launch precedes it:
+    each program norms and rotates its tile's q rows in registers, and the program whose key range holds a new
+    token's key norms and rotates that key, stores it and the new value into the caches, and then reads them back
+    with the rest of its range (a block barrier orders its stores before its loads). Same rounding as the prep
+    kernel followed by this one.
   * `varlen_attention` (EXTEND and prefill draft extend): flash-attention over a paged prefix plus causal new
     tokens. One program per (block of BLOCK_M new tokens, query head, request). Keys below the block's first query
     are visible to every row and are processed without a mask; only the diagonal band is masked.
@@ -22,6 +27,8 @@ tl.dot is wrong (triton 3.9); probabilities are still rounded to the value dtype
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +36,7 @@ import triton.language as tl
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_dot import dot
+from specserve.kernels.triton_qk_prep import _normed, _rounds_to_x
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free
@@ -59,13 +67,74 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
 
 
 @triton.jit
+def _prep_rows(row_ptrs, ok, i, w_ptr, eps, cs_ptr, pos, stride_cs, head_dim,
+               HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, X_ROUND: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The q/k prep of whole heads (rotary over all of D = 2 BLOCK_HALF dims) as the prep kernel does it
+    (triton_qk_prep._norm_rope_heads): heads at row_ptrs [R, 1] (rows where ok [R]) at positions pos [R] int64 ->
+    (dims [0, half), dims [half, D)) [R, BLOCK_HALF] float32, normed (HAS_NORM), rotated, and rounded as the prep
+    kernel rounds what it writes back (X_ROUND)."""
+    m_rot = ok[:, None]
+    x1 = tl.load(row_ptrs + i[None, :], mask=m_rot, other=0.0).to(tl.float32)  # [R, BLOCK_HALF]
+    x2 = tl.load(row_ptrs + BLOCK_HALF + i[None, :], mask=m_rot, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        i_ok = i < BLOCK_HALF
+        sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [R]
+        r = tl.rsqrt(sq / head_dim + eps)[:, None]  # [R, 1]
+        x1 = _normed(x1, r, w_ptr, i, i_ok, row_ptrs, W_OFFSET, X_ROUND)
+        x2 = _normed(x2, r, w_ptr + BLOCK_HALF, i, i_ok, row_ptrs, W_OFFSET, X_ROUND)
+    c = tl.load(cs_ptr + pos[:, None] * stride_cs + i[None, :], mask=m_rot, other=0.0)  # [R, BLOCK_HALF]
+    s = tl.load(cs_ptr + pos[:, None] * stride_cs + BLOCK_HALF + i[None, :], mask=m_rot, other=0.0)
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    if X_ROUND:
+        dt = row_ptrs.dtype.element_ty
+        o1 = o1.to(dt).to(tl.float32)
+        o2 = o2.to(dt).to(tl.float32)
+    return o1, o2
+
+
+@triton.jit
+def _store_new_kv(k_new_ptr, v_new_ptr, loc_ptr, pos_ptr, cs_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, b, kv_head,
+                  seq_len, start, end, head_dim, eps, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
+                  stride_pos, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  W: tl.constexpr, HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, K_ROUND: tl.constexpr,
+                  BLOCK_W: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The new tokens of request b whose keys fall in [start, end): key head kv_head prepped, stored with its value
+    at the token's slot; then a barrier, so the program's loads of its range see them."""
+    jn = tl.arange(0, BLOCK_W)
+    n_new = seq_len - W + jn  # [BLOCK_W] sequence index of new token jn
+    own = (jn < W) & (n_new >= start) & (n_new < end)
+    tok = (b * W + jn).to(tl.int64)
+    slot = tl.load(loc_ptr + tok, mask=own, other=0).to(tl.int64)  # [BLOCK_W]
+    pos = tl.load(pos_ptr + tok * stride_pos, mask=own, other=0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    k1, k2 = _prep_rows(k_new_ptr + tok[:, None] * stride_knt + kv_head * stride_knh, own, i, kw_ptr, eps, cs_ptr,
+                        pos, stride_cs, head_dim, HAS_NORM, W_OFFSET, K_ROUND, BLOCK_HALF)
+    cache_row = k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch  # [BLOCK_W, 1]
+    tl.store(cache_row + i[None, :], k1.to(k_cache_ptr.dtype.element_ty), mask=own[:, None])
+    tl.store(cache_row + BLOCK_HALF + i[None, :], k2.to(k_cache_ptr.dtype.element_ty), mask=own[:, None])
+    d = tl.arange(0, BLOCK_D)
+    v = tl.load(v_new_ptr + tok[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :], mask=own[:, None])
+    tl.store(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=own[:, None])
+    tl.debug_barrier()  # every thread's stores before any thread's loads of the range (block scope)
+
+
+@triton.jit
 def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, seq_lens_ptr,
                         out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, qk_scale, num_q_heads, head_dim,
                         stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_table,
                         stride_ot, stride_oh,
+                        k_new_ptr, v_new_ptr, loc_ptr, cs_ptr, pos_ptr, qw_ptr, kw_ptr, eps, stride_knt, stride_knh,
+                        stride_vnt, stride_vnh, stride_cs, stride_pos,
                         W: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
-                        PRECISION: tl.constexpr, MERGE: tl.constexpr, GDC: tl.constexpr):
+                        PRECISION: tl.constexpr, MERGE: tl.constexpr, GDC: tl.constexpr,
+                        PREP: tl.constexpr, HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, Q_ROUND: tl.constexpr,
+                        K_ROUND: tl.constexpr, BLOCK_W: tl.constexpr):
+    """PREP: q_ptr holds the unprepped q; k_new_ptr / v_new_ptr the new tokens' unprepped keys and their values,
+    loc_ptr their slots, cs_ptr / pos_ptr the rotary table and positions, qw_ptr / kw_ptr the q/k norm weights
+    (HAS_NORM). Unused otherwise."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,14 +150,26 @@ def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, se
     head = kv_head * GROUP + m % GROUP  # [M]
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
+    q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh  # [M, 1]
+    if PREP:
+        pos = tl.load(pos_ptr + tok * stride_pos, mask=m_ok, other=0).to(tl.int64)  # [M]
+        q1, q2 = _prep_rows(q_rows, m_ok, tl.arange(0, BLOCK_D // 2), qw_ptr, eps, cs_ptr, pos, stride_cs, head_dim,
+                            HAS_NORM, W_OFFSET, Q_ROUND, BLOCK_D // 2)
+        dt = q_ptr.dtype.element_ty
+        q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (BLOCK_M, BLOCK_D))  # [M, BLOCK_D]
+    else:
+        q = tl.load(q_rows + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [M, BLOCK_D]
     q_idx = seq_len - W + j  # [M] sequence index of each row's query
 
     # this split's keys: [start, end), a multiple of BLOCK_N long, from the live seq_len
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if PREP:
+        _store_new_kv(k_new_ptr, v_new_ptr, loc_ptr, pos_ptr, cs_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, b, kv_head,
+                      seq_len, start, end, head_dim, eps, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
+                      stride_pos, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                      W, HAS_NORM, W_OFFSET, K_ROUND, BLOCK_W, BLOCK_D // 2, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -235,6 +316,31 @@ def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 MERGE_MAX_PROGRAMS = 1 << 16  # requests x KV heads; larger launches merge in a second kernel
 
 
+@dataclass
+class AttnPrep:
+    """What fixed_width_attention needs to do the q/k prep itself (triton_qk_prep.qk_norm_rope_store_triton's
+    arguments but q and the caches): the new tokens' k, v [T, Hkv, D] (unit stride along D), their slots loc [T]
+    int64, the rotary table cos_sin [P, D] float32 and positions [T], and optional per-head q/k RMSNorm weights
+    [D] (both or neither) with eps and weight_offset (1.0: zero-centred)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    loc: torch.Tensor
+    cos_sin: torch.Tensor
+    positions: torch.Tensor
+    q_norm_w: torch.Tensor | None = None
+    k_norm_w: torch.Tensor | None = None
+    eps: float = 1e-6
+    weight_offset: float = 0.0
+
+    @staticmethod
+    def fits(head_dim: int, cos_sin: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether the kernel takes this prep: rotary over the whole head (no partial rotary), a head dim that is a
+        power of two, 1-D positions (no mRoPE); else the prep kernel runs first."""
+        return (cos_sin.shape[1] == head_dim and head_dim & (head_dim - 1) == 0 and positions.dim() == 1
+                and cos_sin.dtype == torch.float32)
+
+
 def _merge_counters(device: torch.device) -> torch.Tensor:
     """One arrival counter per (request, KV head) program group of a split launch (kernels/counters.py)."""
     return arrival_counters("attention merge", device, MERGE_MAX_PROGRAMS)
@@ -243,9 +349,13 @@ def _merge_counters(device: torch.device) -> torch.Tensor:
 def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                           rows: torch.Tensor, seq_lens: torch.Tensor, width: int, num_splits: int, scaling: float,
                           block_n: int = 64, out: torch.Tensor | None = None,
-                          merge_in_kernel: bool = True, num_stages: int = 2) -> torch.Tensor:
+                          merge_in_kernel: bool = True, num_stages: int = 2,
+                          prep: AttnPrep | None = None) -> torch.Tensor:
     """q [bs * width, Hq, D]; rows, seq_lens [bs] (device); -> out [bs * width, Hq, D] in q's dtype. num_stages:
     the key loop's software pipelining depth (a launch option; the backend keeps the default).
+
+    prep (AttnPrep.fits): q is not yet normed or rotated and the new tokens' k, v not yet stored; the kernel does
+    both as qk_norm_rope_store_triton would (q is left as it was; the caches get the new keys and values).
 
     With key splits, the split of each (request, KV head) that finishes last merges them (merge_in_kernel; else a
     second kernel does). Every argument that shapes the launch (bs, width, num_splits) is a host int, so this is
@@ -272,10 +382,10 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _fixed_width_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, seq_lens, out, part_o, part_lse, counters, scaling * _LOG2E, num_q_heads,
         head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1),
+        v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1), *_prep_args(prep, q, width),
         W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, GDC=gdc, num_warps=4, num_stages=num_stages,
-        **pdl_kwargs(gdc),
+        F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, GDC=gdc, **_prep_flags(prep, q, width), num_warps=4,
+        num_stages=num_stages, **pdl_kwargs(gdc),
     )
     if num_splits > 1 and not merge:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -283,6 +393,31 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
         )
     return out
+
+
+def _prep_args(prep: AttnPrep | None, q: torch.Tensor, width: int) -> tuple:
+    """_fixed_width_kernel's prep arguments (k_new .. stride_pos); placeholders without prep."""
+    if prep is None:
+        return (q, q, q, q, q, q, q, 0.0, 0, 0, 0, 0, 0, 0)
+    num_tokens, _, head_dim = q.shape
+    k, v, cs, pos = prep.k, prep.v, prep.cos_sin, prep.positions
+    assert AttnPrep.fits(head_dim, cs, pos), "the prep needs full rotary, a power-of-two head dim and 1-D positions"
+    assert k.shape[0] == v.shape[0] == prep.loc.shape[0] == pos.shape[0] == num_tokens
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cs.stride(-1) == 1
+    assert (prep.q_norm_w is None) == (prep.k_norm_w is None), "both q and k norms, or neither"
+    qw = prep.q_norm_w.contiguous() if prep.q_norm_w is not None else q
+    kw = prep.k_norm_w.contiguous() if prep.k_norm_w is not None else q
+    return (k, v, prep.loc, cs, pos, qw, kw, float(prep.eps), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cs.stride(0), pos.stride(0))
+
+
+def _prep_flags(prep: AttnPrep | None, q: torch.Tensor, width: int) -> dict:
+    if prep is None:
+        return dict(PREP=False, HAS_NORM=False, W_OFFSET=0.0, Q_ROUND=False, K_ROUND=False, BLOCK_W=1)
+    return dict(PREP=True, HAS_NORM=prep.q_norm_w is not None, W_OFFSET=float(prep.weight_offset),
+                Q_ROUND=_rounds_to_x(q, prep.q_norm_w, prep.weight_offset),
+                K_ROUND=_rounds_to_x(prep.k, prep.k_norm_w, prep.weight_offset),
+                BLOCK_W=triton.next_power_of_2(width))
 
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,

@@ -46,14 +46,19 @@ class QKPrep:
               loc: torch.Tensor, fused: Callable = ops.qk_norm_rope_store) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms and rotary on q, k (written in place), then k, v stored at loc [T], by `fused` (an
         ops.qk_norm_rope_store signature) -> the (q, k) to attend with."""
+        cos_sin, positions, qw, kw, eps, offset = self.kernel_args()
+        return fused(q, k, v, k_cache, v_cache, loc, cos_sin, positions, self.rotary.mrope_section, qw, kw, eps,
+                     offset)
+
+    def kernel_args(self) -> tuple:
+        """(cos_sin [P, rot_dim] float32, positions as the table is read, q norm weight, k norm weight, eps,
+        weight offset): what a kernel doing this prep takes (norm weights None without norms)."""
         qw = kw = None
         eps, offset = 1e-6, 0.0
         if self.q_norm is not None:
             qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
             offset = self.q_norm.weight_offset
-        rotary = self.rotary
-        return fused(q, k, v, k_cache, v_cache, loc, rotary.cos_sin_cache, rotary.table_positions(self.positions),
-                     rotary.mrope_section, qw, kw, eps, offset)
+        return (self.rotary.cos_sin_cache, self.rotary.table_positions(self.positions), qw, kw, eps, offset)
 
 
 class StoredQK:
