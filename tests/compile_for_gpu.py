@@ -57,8 +57,9 @@ def _compile(kernel, args, kwargs) -> triton.compiler.CompiledKernel:
                           options=options)
 
 
-def check(label: str, module, names: list[str], launch) -> None:
-    """Run launch() with module's kernels `names` recording, then compile every recorded launch."""
+def check(label: str, module, names: list[str], launch, **override) -> None:
+    """Run launch() with module's kernels `names` recording, then compile every recorded launch (its keyword
+    arguments updated by `override`: a launch option the product's defaults leave off, e.g. GDC)."""
     kernels = {n: getattr(module, n) for n in names}
     recorders = {n: _Recorder() for n in names}
     for n in names:
@@ -71,7 +72,7 @@ def check(label: str, module, names: list[str], launch) -> None:
     launched = 0
     for n in names:
         for args, kwargs in recorders[n].launches:
-            compiled = _compile(kernels[n], args, kwargs)
+            compiled = _compile(kernels[n], args, {**kwargs, **override})
             launched += 1
             print(f"{label}: {n} -> {len(compiled.asm['ptx'])} chars of PTX")
     assert launched, f"{label}: nothing was launched"
@@ -126,9 +127,10 @@ def main() -> None:
               lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: tm.fused_moe(x, w13, w2, wts, ids, gemv=False))
     # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)
     x, r = torch.randn(1, 2048).to(BF16), torch.randn(1, 2048).to(BF16)
-    check("router + norm", tr, ["_router_gemv_topk_kernel"],
-          lambda: tr.norm_router_topk_triton(x, r, torch.ones(2048, dtype=BF16), 1e-6, 0.0,
-                                             torch.randn(128, 2048).to(BF16), 8, True))
+    for gdc in (False, True):  # and launched with PDL (ROUTER_PDL)
+        check(f"router + norm gdc={gdc}", tr, ["_router_gemv_topk_kernel"],
+              lambda: tr.norm_router_topk_triton(x, r, torch.ones(2048, dtype=BF16), 1e-6, 0.0,
+                                                 torch.randn(128, 2048).to(BF16), 8, True), GDC=gdc)
     # the q/k prep (Qwen3's q/k norms, rotary, K/V store) and the attention (decode with split merge, verify width 4,
     # a prefill's variable lengths), Llama-3.1-8B's heads
     hq, hkv, d, slots = 32, 8, 128, 4096

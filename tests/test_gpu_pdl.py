@@ -129,15 +129,15 @@ def test_pdl_attention_chain_equals_eager_over_replays():
         snapshot = (k_cache.clone(), v_cache.clone())
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_pdl_moe_chain_equals_eager_over_replays(tokens):
+@pytest.mark.parametrize("tokens,router_pdl", [(1, False), (4, False), (1, True), (4, True)])
+def test_pdl_moe_chain_equals_eager_over_replays(tokens, router_pdl):
     """Layers of the fused norm + router + top-k and the fused MoE (one token: the direct path with its in-kernel
     sum, arrival counters shared across layers), each layer consuming the last one's output and residual, in one
     graph replayed over fresh inputs: equal to the same kernels launched one at a time with a synchronisation after
-    each."""
+    each; the router also launched with PDL (ROUTER_PDL's launch)."""
     from specserve.graphs.capture import capture_graph
     from specserve.kernels.triton_moe import fused_moe
-    from specserve.kernels.triton_router import norm_router_topk_triton
+    from specserve.kernels.triton_router import norm_router_topk_triton, router_config
 
     g = torch.Generator(device=DEV).manual_seed(11 + tokens)
     layers, e, k, h, i = 6, 32, 4, 256, 128
@@ -152,7 +152,8 @@ def test_pdl_moe_chain_equals_eager_over_replays(tokens):
     def chain(sync: bool = False):
         out, r = x, res
         for router_w, norm_w, w13, w2 in ws:
-            wts, ids, xn, r = norm_router_topk_triton(out, r, norm_w, 1e-6, 0.0, router_w, k, True)
+            cfg = dict(router_config(tokens, e, h, e), PDL=router_pdl)
+            wts, ids, xn, r = norm_router_topk_triton(out, r, norm_w, 1e-6, 0.0, router_w, k, True, config=cfg)
             if sync:
                 torch.cuda.synchronize()
             out = fused_moe(xn, w13, w2, wts, ids)

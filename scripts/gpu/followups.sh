@@ -65,7 +65,7 @@
 #   thirtythird-d, -c, thirtyfourth, -b ran on 2026-12-04 (fifth session, BENCHMARKS §35; thirtythird and -b's
 #             remaining parts were folded into thirtyfourth or dropped). For a fresh lease: `thirtyfifth` (carry
 #             .gpt-fast: the sampler's 6-bit levels, gpt-fast's figure re-checked), `thirtyfifth-b` (the q/k prep
-#             inside the attention kernel), then `thirtythird-b`.
+#             inside the attention kernel), `thirtyfifth-c` (the router with PDL), then `thirtythird-b`.
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
@@ -459,6 +459,25 @@ case "${1:-}" in
     for t in . .v_prepattn .v_prepattn .; do
       phase $t qwen3-30b-a3b 1,8; phase $t qwen3-8b 1; phase $t llama-3.1-8b 8
     done
+    ;;
+  thirtyfifth-c)  # (written 2026-12-04, fifth session, after the lease; not yet run) the fused router launched with
+    # PDL (triton_router.ROUTER_PDL, off; §23.3 measured it only together with the MoE kernels'), alone and with
+    # Qwen3-30B-A3B's o GEMV (2048, 4096) in PDL_SHAPES so it lets the router launch after its main loop
+    variant() {
+      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
+      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
+    }
+    phase() {
+      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
+        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
+    }
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pdl.py -k moe 2>&1 | grep -v -i warn | tail -2
+    variant rpdl kernels/triton_router.py 's/^ROUTER_PDL = False/ROUTER_PDL = True/'
+    variant rpdlo kernels/triton_router.py 's/^ROUTER_PDL = False/ROUTER_PDL = True/'
+    sed -i 's/^PDL_SHAPES: frozenset\[tuple\[int, int\]\] = frozenset(\[(4096, 4096)\])/PDL_SHAPES = frozenset([(4096, 4096), (2048, 4096)])/' \
+      .v_rpdlo/specserve/kernels/triton_gemv.py
+    grep -n "^PDL_SHAPES" .v_rpdlo/specserve/kernels/triton_gemv.py
+    for t in . .v_rpdl .v_rpdlo .v_rpdlo .v_rpdl .; do phase $t qwen3-30b-a3b 1; done
     ;;
   thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,
     # then decode at batch 1 with it (--decode-gemv triton: on these shapes auto plus the prep fusion) against auto,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.counters import arrival_counters
+from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_gemv import _rounded
 from specserve.kernels.triton_topk import score_keys
 
@@ -180,7 +181,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
                              K_PAD: tl.constexpr, SHARED: tl.constexpr, ROUND_BF16: tl.constexpr,
                              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_OFFSET: tl.constexpr,
                              GROUPED: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                             HAS_BIAS: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, GDC: tl.constexpr):
     """Grid (cdiv(num_cols, BLOCK_E), cdiv(num_tokens, T_BLOCK)): program (i, b) computes the logit columns
     i*BLOCK_E .. + BLOCK_E (rows of the weight wt [num_cols, H]) of tokens b*T_BLOCK .. + T_BLOCK into scratch
     [num_tokens, num_cols] float32. The last program of token block b to finish (counter b) routes its tokens from
@@ -191,7 +192,10 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
     it (xn [T, H], the experts' input) and h (the new residual), both contiguous.
 
     GROUPED: DeepSeek-V3 / GLM routing (`_route_grouped`: sigmoid scores, correction bias bias_ptr [E], groups,
-    `scaling`) of float32 logits, not rounded (the gate runs in float32 there: F.linear(x.float(), w.float()))."""
+    `scaling`) of float32 logits, not rounded (the gate runs in float32 there: F.linear(x.float(), w.float())).
+
+    GDC: launched with PDL (ROUTER_PDL): waits for the previous kernel's outputs before its first read."""
+    pdl_enter(GDC)
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < num_cols
     block = tl.program_id(1)
@@ -267,6 +271,10 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
         tl.store(counter_ptr + block, 0)  # the next launch (or graph replay) counts from 0 again
 
 
+# The fused router launched with programmatic dependent launch where its grid fits one wave: off. PDL on the router
+# and every MoE kernel together cost Qwen3-30B-A3B's step 6% (BENCHMARKS §23.3, mostly the expert GEMMs sharing SMs
+# with waiting programs); the router alone is not yet measured (§35.9).
+ROUTER_PDL = False
 ROUTER_MAX_TOKEN_BLOCKS = 1024  # counters per device; batches needing more blocks take F.linear + softmax_topk
 
 ROUTER_TOKEN_BLOCK = 16  # at most this many tokens per program
@@ -359,7 +367,8 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
         raise ValueError(f"router weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} "
                          f"{x.dtype}")
     num_experts = cols - 1 if shared_gate and grouped is None else cols  # a gated shared expert: gate row E
-    cfg = config or router_config(t, cols, h, num_experts)
+    cfg = dict(config or router_config(t, cols, h, num_experts))
+    pdl = cfg.pop("PDL", ROUTER_PDL)  # a config's PDL key overrides ROUTER_PDL
     if triton.cdiv(t, cfg["T_BLOCK"]) > ROUTER_MAX_TOKEN_BLOCKS:  # prefill-sized: the GEMM path
         if grouped is not None:
             raise ValueError(f"grouped_router_topk_triton: {t} tokens are beyond the decode sizes it serves")
@@ -386,6 +395,7 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
     # Per call, not cached: inside a CUDA graph capture it is a fixed address of the graph's pool.
     scratch = torch.empty((t, cols), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(cols, cfg["BLOCK_E"]), triton.cdiv(t, cfg["T_BLOCK"]))
+    gdc = bool(pdl) and one_wave_pdl(x.device, grid[0] * grid[1])
     bias, n_group, topk_group, scaling = grouped or (None, 1, 1, 1.0)
     _router_gemv_topk_kernel[grid](x, weight, scratch, _counters(x.device), w, ids,
                                    x if residual is None else residual, x if norm_w is None else norm_w.contiguous(),
@@ -397,5 +407,5 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
                                    ROUND_BF16=x.dtype == torch.bfloat16, NORM=norm is not None,
                                    HAS_RESIDUAL=residual is not None, W_OFFSET=float(offset),
                                    GROUPED=grouped is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                                   HAS_BIAS=bias is not None, **cfg)
+                                   HAS_BIAS=bias is not None, GDC=gdc, **cfg, **pdl_kwargs(gdc))
     return w, ids, xn, hh
