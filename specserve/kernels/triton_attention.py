@@ -382,7 +382,7 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _fixed_width_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, seq_lens, out, part_o, part_lse, counters, scaling * _LOG2E, num_q_heads,
         head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1), *_prep_args(prep, q, width),
+        v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1), *_prep_args(prep, q),
         W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, GDC=gdc, **_prep_flags(prep, q, width), num_warps=4,
         num_stages=num_stages, **pdl_kwargs(gdc),
@@ -395,7 +395,7 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-def _prep_args(prep: AttnPrep | None, q: torch.Tensor, width: int) -> tuple:
+def _prep_args(prep: AttnPrep | None, q: torch.Tensor) -> tuple:
     """_fixed_width_kernel's prep arguments (k_new .. stride_pos); placeholders without prep."""
     if prep is None:
         return (q, q, q, q, q, q, q, 0.0, 0, 0, 0, 0, 0, 0)
