@@ -174,3 +174,23 @@ def shared_data_dir() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.path.normpath(os.path.join(here, "..", "..", "shared", "data"))
     return path if os.path.isdir(path) else None
+
+
+def make_qk_prep(d: int, rot_dim: int, norms: bool, zero_centred: bool, positions: torch.Tensor,
+                 g: torch.Generator, max_pos: int):
+    """A layers.attention.QKPrep on positions' device: rotary over the first rot_dim of d dims (a table of max_pos
+    positions) and, with norms, random per-head q/k RMSNorm weights (zero-centred or plain)."""
+    from specserve.layers.attention import QKPrep
+    from specserve.layers.norm import RMSNorm
+    from specserve.layers.rotary import RotaryEmbedding
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    with torch.device(positions.device):
+        rotary = RotaryEmbedding(rot_dim, max_pos, inv_freq)
+        if not norms:
+            return QKPrep(rotary, positions)
+        q_norm, k_norm = RMSNorm(d, 1e-6, zero_centred), RMSNorm(d, 1e-6, zero_centred)
+    with torch.no_grad():
+        for n in (q_norm, k_norm):
+            n.weight.copy_(torch.randn(d, generator=g) * 0.3 + (0.0 if zero_centred else 1.0))
+    return QKPrep(rotary, positions, q_norm, k_norm)

@@ -14,15 +14,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import make_qk_prep  # noqa: E402
+
 from specserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from specserve.batch import ForwardBatch, ForwardMode, fixed_width_out_cache_loc  # noqa: E402
 from specserve.kernels.triton_attention import AttnPrep, fixed_width_attention  # noqa: E402
 from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton  # noqa: E402
 from specserve.kvcache.kv_pool import KVPool  # noqa: E402
 from specserve.kvcache.req_to_token import ReqToTokenPool  # noqa: E402
-from specserve.layers.attention import PagedAttention, QKPrep  # noqa: E402
-from specserve.layers.norm import RMSNorm  # noqa: E402
-from specserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from specserve.layers.attention import PagedAttention  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MAX_POS = 128
@@ -120,19 +120,6 @@ def test_fits_only_full_rotary_power_of_two_heads_and_flat_positions():
 
 # ------------------------------------------------------------------------------------------------ the backend
 
-def _prep(d: int, rot_dim: int, norms: bool, positions: torch.Tensor, g) -> QKPrep:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    with torch.device(DEV):
-        rotary = RotaryEmbedding(rot_dim, MAX_POS, inv_freq)
-        if not norms:
-            return QKPrep(rotary, positions)
-        q_norm, k_norm = RMSNorm(d, 1e-6, False), RMSNorm(d, 1e-6, False)
-    with torch.no_grad():
-        for n in (q_norm, k_norm):
-            n.weight.copy_(torch.randn(d, generator=g) * 0.3 + 1.0)
-    return QKPrep(rotary, positions, q_norm, k_norm)
-
-
 @pytest.mark.parametrize("width,rot_dim,norms", [(1, 32, True), (3, 32, False), (1, 16, True)])
 def test_backend_prep_in_attention_equals_the_prep_kernel(width, rot_dim, norms):
     """The backend with prep_in_attention gives the outputs and caches of the one without (the prep kernel and
@@ -150,7 +137,7 @@ def test_backend_prep_in_attention_equals_the_prep_kernel(width, rot_dim, norms)
     fb = ForwardBatch(mode=mode, batch_size=bs, input_ids=torch.zeros_like(positions), positions=positions,
                       out_cache_loc=fixed_width_out_cache_loc(r2t.table, rows, lens, width), req_pool_indices=rows,
                       seq_lens=lens, max_seq_len=max(seq_lens), width=width)
-    prep = _prep(d, rot_dim, norms, positions, g)
+    prep = make_qk_prep(d, rot_dim, norms, False, positions, g, MAX_POS)
     layer = PagedAttention(hq, hkv, d, d ** -0.5, cache_index=0)
     qkv = torch.randn(bs * width, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
     k0, v0 = (torch.randn(201, hkv, d, generator=g).to(dtype).to(DEV) for _ in range(2))

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import make_qk_prep  # noqa: E402
+
 from specserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from specserve.batch import ForwardBatch, ForwardMode, fixed_width_out_cache_loc  # noqa: E402
@@ -21,8 +23,6 @@ from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton  # noqa: 
 from specserve.kvcache.kv_pool import KVPool  # noqa: E402
 from specserve.kvcache.req_to_token import ReqToTokenPool  # noqa: E402
 from specserve.layers.attention import PagedAttention, QKPrep  # noqa: E402
-from specserve.layers.norm import RMSNorm  # noqa: E402
-from specserve.layers.rotary import RotaryEmbedding  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_TOKENS, NUM_SLOTS, MAX_POS = 7, 24, 64
@@ -162,19 +162,6 @@ def _extend_batch(r2t: ReqToTokenPool, rows: list[int], seq_lens: list[int], ext
                         extend_lens_cpu=ext, seq_lens_cpu=seq_lens)
 
 
-def _prep(d: int, rot_dim: int, norms: bool, zero_centred: bool, positions: torch.Tensor, g) -> QKPrep:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    with torch.device(DEV):
-        rotary = RotaryEmbedding(rot_dim, MAX_POS, inv_freq)
-        if not norms:
-            return QKPrep(rotary, positions)
-        q_norm, k_norm = RMSNorm(d, 1e-6, zero_centred), RMSNorm(d, 1e-6, zero_centred)
-    with torch.no_grad():
-        for n in (q_norm, k_norm):
-            n.weight.copy_(torch.randn(d, generator=g) * 0.3 + (0.0 if zero_centred else 1.0))
-    return QKPrep(rotary, positions, q_norm, k_norm)
-
-
 def _old_sequence(backend, q, k, v, layer, fb, prep: QKPrep) -> torch.Tensor:
     """What the attention layers did before the fusion: norms, rotary, then the backend's store + attention."""
     if prep.q_norm is not None:
@@ -189,7 +176,7 @@ def _compare_backends(make_backend, batch, hq, hkv, d, rot_dim, norms, zero_cent
     fb = batch(r2t)
     t = fb.num_tokens
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
-    prep = _prep(d, rot_dim, norms, zero_centred, fb.positions, g)
+    prep = make_qk_prep(d, rot_dim, norms, zero_centred, fb.positions, g, MAX_POS)
     layer = PagedAttention(hq, hkv, d, d ** -0.5, cache_index=0)
     results = []
     for fused in (False, True):

@@ -81,6 +81,22 @@
 #             fresh lease: `tests/test_triton_indexer.py` and `tests/test_gpu_mla.py` whole at the last commit
 #             (fast_acc), then `bench-phases --preset glm-5 --batch-sizes 1,8,32 --indexer-cache-dtype fp8_e4m3`.
 . scripts/gpu/env.sh
+# A/B helpers (BENCHMARKS §34.5: `python3 -m` imports the package of the working directory, a script of scripts/gpu
+# the package PYTHONPATH names; so each runs from inside, or on, the tree copy it measures)
+variant() {  # variant NAME FILE SED: specserve/ copied to .v_NAME with one sed applied to FILE (must change it)
+  rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
+  if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
+}
+phase() {  # phase TREE PRESET BATCHES: decode (and verify) graph ms, run from inside the tree
+  (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
+    --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| (decode|target_verify)" | sed "s|^|$1 $2 |")
+}
+in_tree() {  # in_tree TREE SCRIPT ARGS...: a script of scripts/gpu run on TREE's package (a script's own directory,
+  # not the working directory, comes first on sys.path: PYTHONPATH names the tree)
+  local t=$1 script=$2; shift 2
+  (cd "$t" && PYTHONPATH=$PWD:/tmp/site python3 "$OLDPWD/scripts/gpu/$script" "$@" 2>&1 | grep -v -i warn \
+    | sed "s|^|$t |")
+}
 case "${1:-}" in
   adaptive)
     timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_mla.py \
@@ -339,14 +355,6 @@ case "${1:-}" in
     # thirtythird-d: the fused norm GEMVs with LATE_RSTD (no statistics prologue; BENCHMARKS §34.7): its tests on the
     # GPU, gemv_lab.py --late, then decode on 8B, Qwen3-8B, SmolLM2 and 30B with it on against off (if it wins:
     # triton_gemv.LATE_RSTD = True, then tests/test_gpu.py and tests/test_decode_gemv.py on the GPU).
-    variant() {  # variant NAME FILE SED: specserve/ copied to .v_NAME with one sed applied to FILE (must change it)
-      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
-      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
-    }
-    phase() {  # phase TREE PRESET BATCHES: decode graph ms, run from inside the tree
-      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
-        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
-    }
     if [ "$1" = thirtythird ]; then
       timeout 240 python3 scripts/gpu/bench_gemv.py --shapes qwen3-8b --sweep --iters 20 2>&1 | grep -v -i warn | tail -16
       variant pdl40 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 40 << 20/'
@@ -377,14 +385,6 @@ case "${1:-}" in
   thirtyfourth)  # (2026-12-04, fifth session) the fused MoE's launch-config test's GPU failure (its message), the
     # GEMV GPU tests with SmolLM2's LATE_RSTD launches, SmolLM2 decode with them against without, PDL on the 8B GEMVs
     # up to 40 / 64 MB against 8, then the 8B plain step greedy against sampled kernel by kernel
-    variant() {
-      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
-      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
-    }
-    phase() {
-      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
-        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
-    }
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py -k tiles_override --tb=short 2>&1 \
       | grep -iE "error|passed|failed" | grep -v -i warn | head -12
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gemv.py tests/test_gpu_pdl.py \
@@ -399,14 +399,6 @@ case "${1:-}" in
     ;;
   thirtyfourth-b)  # PDL on GEMVs up to 40 MB (now the default) against 8 MB on Qwen3-30B-A3B's and Qwen3-8B's
     # shapes (their o / qkv fall under 40 MB too), then gpt-fast side by side on 8B's shapes
-    variant() {
-      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
-      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
-    }
-    phase() {
-      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
-        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
-    }
     variant pdl8 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 40 << 20/PDL_MAX_BYTES = 8 << 20/'
     for t in . .v_pdl8 .v_pdl8 .; do phase $t qwen3-30b-a3b 1; phase $t qwen3-8b 1; done
     timeout 240 python3 scripts/gpu/vs_gpt_fast.py --gpt-fast .gpt-fast --shapes llama-3.1-8b 2>&1 | grep -v -i warn \
@@ -416,16 +408,6 @@ case "${1:-}" in
     # sampler's radix levels of 6 bits (5 launches) against 5 bits (6 launches, 47 us of the sampled 8B step, §35.3):
     # bench_sample and the whole sampled step from inside each tree; then gpt-fast twice more (§35.4: its own time
     # moved from 5.08 to 5.78-6.02 ms in the last lease; is the move the image's or the machine's?)
-    variant() {
-      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
-      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
-    }
-    in_tree() {  # in_tree TREE SCRIPT ARGS...: a script of scripts/gpu run on TREE's package (a script's own
-      # directory, not the working directory, comes first on sys.path: PYTHONPATH names the tree)
-      local t=$1 script=$2; shift 2
-      (cd "$t" && PYTHONPATH=$PWD:/tmp/site python3 "$OLDPWD/scripts/gpu/$script" "$@" 2>&1 | grep -v -i warn \
-        | sed "s|^|$t |")
-    }
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pdl.py 2>&1 | grep -v -i warn | tail -2
     variant bits6 kernels/triton_sample.py 's/^BITS = 5 /BITS = 6 /'
     for t in . .v_bits6 .v_bits6 .; do
@@ -445,14 +427,6 @@ case "${1:-}" in
     # the GPU, then decode (batch 1, 8) on against off where a separate prep launch runs today: Qwen3-30B-A3B and
     # Qwen3-8B (q/k norms: 2.7 us a layer of prep at batch 1, §24.2), Llama-3.1-8B at batch 8 (its batch 1 preps in
     # the qkv GEMV's epilogue). If it wins: PREP_IN_ATTENTION = True, then tests/test_gpu.py -k "plain_step or mtp".
-    variant() {
-      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
-      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
-    }
-    phase() {
-      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
-        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| (decode|target_verify)" | sed "s|^|$1 $2 |")
-    }
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_prep.py tests/test_triton_attention.py \
       2>&1 | grep -v -i warn | tail -2
     variant prepattn attention/triton_backend.py 's/^PREP_IN_ATTENTION = False/PREP_IN_ATTENTION = True/'
@@ -463,14 +437,6 @@ case "${1:-}" in
   thirtyfifth-c)  # (written 2026-12-04, fifth session, after the lease; not yet run) the fused router launched with
     # PDL (triton_router.ROUTER_PDL, off; §23.3 measured it only together with the MoE kernels'), alone and with
     # Qwen3-30B-A3B's o GEMV (2048, 4096) in PDL_SHAPES so it lets the router launch after its main loop
-    variant() {
-      rm -rf ".v_$1" && mkdir ".v_$1" && cp -r specserve ".v_$1/" && sed -i "$3" ".v_$1/specserve/$2"
-      if cmp -s "specserve/$2" ".v_$1/specserve/$2"; then echo "variant $1: the sed changed nothing"; exit 1; fi
-    }
-    phase() {
-      (cd "$1" && timeout 150 python3 -m specserve.cli bench-phases --preset "$2" --batch-sizes "$3" --iters 30 \
-        --idle-steps 0 --prefill-tokens 0 2>&1 | grep -E "\| decode" | sed "s|^|$1 $2 |")
-    }
     timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pdl.py -k moe 2>&1 | grep -v -i warn | tail -2
     variant rpdl kernels/triton_router.py 's/^ROUTER_PDL = False/ROUTER_PDL = True/'
     variant rpdlo kernels/triton_router.py 's/^ROUTER_PDL = False/ROUTER_PDL = True/'
