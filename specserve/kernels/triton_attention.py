@@ -36,7 +36,7 @@ import triton.language as tl
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_dot import dot
-from specserve.kernels.triton_qk_prep import _normed, _rounds_to_x
+from specserve.kernels.triton_qk_prep import _normed, _rotated, _rounds_to_x
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free
@@ -71,8 +71,8 @@ def _prep_rows(row_ptrs, ok, i, w_ptr, eps, cs_ptr, pos, stride_cs, head_dim,
                HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, X_ROUND: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """The q/k prep of whole heads (rotary over all of D = 2 BLOCK_HALF dims) as the prep kernel does it
     (triton_qk_prep._norm_rope_heads): heads at row_ptrs [R, 1] (rows where ok [R]) at positions pos [R] int64 ->
-    (dims [0, half), dims [half, D)) [R, BLOCK_HALF] float32, normed (HAS_NORM), rotated, and rounded as the prep
-    kernel rounds what it writes back (X_ROUND)."""
+    (dims [0, half), dims [half, D)) [R, BLOCK_HALF], normed (HAS_NORM), rotated and rounded as the prep kernel
+    rounds what it writes back (triton_qk_prep._rotated: x's dtype under X_ROUND, else float32)."""
     m_rot = ok[:, None]
     x1 = tl.load(row_ptrs + i[None, :], mask=m_rot, other=0.0).to(tl.float32)  # [R, BLOCK_HALF]
     x2 = tl.load(row_ptrs + BLOCK_HALF + i[None, :], mask=m_rot, other=0.0).to(tl.float32)
@@ -84,13 +84,7 @@ def _prep_rows(row_ptrs, ok, i, w_ptr, eps, cs_ptr, pos, stride_cs, head_dim,
         x2 = _normed(x2, r, w_ptr + BLOCK_HALF, i, i_ok, row_ptrs, W_OFFSET, X_ROUND)
     c = tl.load(cs_ptr + pos[:, None] * stride_cs + i[None, :], mask=m_rot, other=0.0)  # [R, BLOCK_HALF]
     s = tl.load(cs_ptr + pos[:, None] * stride_cs + BLOCK_HALF + i[None, :], mask=m_rot, other=0.0)
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
-    if X_ROUND:
-        dt = row_ptrs.dtype.element_ty
-        o1 = o1.to(dt).to(tl.float32)
-        o2 = o2.to(dt).to(tl.float32)
-    return o1, o2
+    return _rotated(x1, x2, c, s, row_ptrs.dtype.element_ty, X_ROUND)
 
 
 @triton.jit

@@ -61,7 +61,7 @@ from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_kwargs, pdl_supported
 from specserve.kernels.rope_store import NORM_MAX_HEADS, RopeStore
 from specserve.kernels.triton_dot import dot
-from specserve.kernels.triton_qk_prep import _normed
+from specserve.kernels.triton_qk_prep import _normed, _rotated
 
 MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
 
@@ -244,8 +244,7 @@ def _rope_store_epilogue(y, m, pid, cols, y_ptr, stride_y, pos_ptr, loc_ptr, cs_
         c = tl.load(cs_ptr + pos * stride_cs + band)
         s = tl.load(cs_ptr + pos * stride_cs + half + band)
         x1, x2 = tl.split(tl.permute(tl.reshape(y, [2, P]), [1, 0]))  # [P] each: the dims, their partners
-        o1 = (x1 * c - x2 * s).to(dt)
-        o2 = (x2 * c + x1 * s).to(dt)
+        o1, o2 = _rotated(x1, x2, c, s, dt, True)
         out = tl.reshape(tl.permute(tl.join(o1, o2), [1, 0]), [BLOCK_N])  # in `cols` order again
         tl.store(y_ptr + m * stride_y + cols, out)
         if head >= q_heads:
@@ -295,8 +294,7 @@ def _norm_rope_head(pid, y_ptr, stride_y, pos_ptr, loc_ptr, cs_ptr, kc_ptr, part
             pos = tl.load(pos_ptr + m).to(tl.int64)
             c = tl.load(cs_ptr + pos * stride_cs + i, mask=i_ok, other=0.0)
             s = tl.load(cs_ptr + pos * stride_cs + half + i, mask=i_ok, other=0.0)
-            o1 = (x1 * c - x2 * s).to(dt)
-            o2 = (x2 * c + x1 * s).to(dt)
+            o1, o2 = _rotated(x1, x2, c, s, dt, True)
             tl.store(row + i, o1, mask=i_ok)
             tl.store(row + half + i, o2, mask=i_ok)
             if is_k:

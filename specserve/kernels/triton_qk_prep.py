@@ -41,6 +41,19 @@ def _normed(x, r, w_ptr, d, d_ok, x_ptr, W_OFFSET: tl.constexpr, X_ROUND: tl.con
 
 
 @triton.jit
+def _rotated(x1, x2, c, s, dt, X_ROUND: tl.constexpr):
+    """Neox rotary of the dims x1 and their partners x2 (float32) by cos c / sin s: (x1 c - x2 s, x2 c + x1 s) in
+    float32, rounded to dt (X_ROUND) as the unfused ops materialise the rotated head. The one rotation rule of the
+    prep, wherever it runs (this kernel, the qkv GEMV's epilogue, the attention kernel's prologue)."""
+    o1 = x1 * c - x2 * s
+    o2 = x2 * c + x1 * s
+    if X_ROUND:
+        o1 = o1.to(dt)
+        o2 = o2.to(dt)
+    return o1, o2
+
+
+@triton.jit
 def _norm_rope_heads(x_ptr, t, h0, num_heads, stride_t, stride_h, w_ptr, eps, cos, sin, half, rest, head_dim,
                      cache_ptr, slot, stride_cs, stride_ch,
                      HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, X_ROUND: tl.constexpr, REST: tl.constexpr,
@@ -72,13 +85,8 @@ def _norm_rope_heads(x_ptr, t, h0, num_heads, stride_t, stride_h, w_ptr, eps, co
         if REST:
             x3 = _normed(x3, r, w_ptr + 2 * half, j, j_ok, x_ptr, W_OFFSET, X_ROUND)
             tl.store(p3, x3.to(x_ptr.dtype.element_ty), mask=m_rest)  # (without a norm they are unchanged)
-    c, s = cos[None, :], sin[None, :]
-    o1 = x1 * c - x2 * s
-    o2 = x2 * c + x1 * s
     dt = x_ptr.dtype.element_ty
-    if X_ROUND:  # the unfused ops materialise the rotated head in x's dtype, then cast it to the cache's
-        o1 = o1.to(dt)
-        o2 = o2.to(dt)
+    o1, o2 = _rotated(x1, x2, cos[None, :], sin[None, :], dt, X_ROUND)  # (in x's dtype, then cast to the cache's)
     tl.store(p1, o1.to(dt), mask=m_rot)
     tl.store(p1 + half, o2.to(dt), mask=m_rot)
     if STORE:
