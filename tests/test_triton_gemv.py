@@ -607,7 +607,8 @@ def test_norm_gemv_rope_store_with_qk_norms_equals_gemv_then_prep(m, block_n, of
     sits on a boundary), the caches' other slots untouched, and the arrival counters back at 0 for the next launch
     (a second launch gives the same)."""
     from specserve.kernels.rope_store import RopeStore
-    from specserve.kernels.triton_gemv import _counters, norm_gemv_rope_store
+    from specserve.kernels.triton_gemv import norm_gemv_rope_store
+    from specserve.kernels.triton_gemv_rope import _counters
     from specserve.kernels.triton_qk_prep import qk_norm_rope_store_triton
 
     g = torch.Generator().manual_seed(160 + m + block_n)

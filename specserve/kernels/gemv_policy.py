@@ -33,7 +33,7 @@ FASTER_ROWS: dict[tuple[int, int], int] = {
 FASTER_PREP: frozenset[tuple[int, int]] = frozenset([(960, 576), (6144, 4096)])  # SmolLM2-135M, Llama-3.1-8B
 
 # The same for layers with per-head q/k norms (Qwen3), whose epilogue has the last program of each head norm and
-# rotate it (triton_gemv._norm_rope_head): a different cost, measured apart. None is faster: Qwen3-30B-A3B's qkv
+# rotate it (triton_gemv_rope._norm_rope_head): a different cost, measured apart. None is faster: Qwen3-30B-A3B's qkv
 # (5120, 2048) ran its decode step ~0.1 ms slower with it, Qwen3-8B's (6144, 4096) tied (BENCHMARKS §34.2).
 FASTER_NORM_PREP: frozenset[tuple[int, int]] = frozenset()
 
