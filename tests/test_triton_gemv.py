@@ -45,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 CFG = dict(BLOCK_N=8, BLOCK_K=32, num_warps=4, num_stages=2, LATE_RSTD=0)  # several programs and K steps; the
-# exact-rounding norm (LATE_RSTD off whatever triton_gemv.LATE_RSTD says: these tests check the unfused ops' rounding)
+# exact-rounding norm (LATE_RSTD off: these tests check the unfused ops' rounding)
 # On a GPU the kernel's float32 division (the mean) and tl.rsqrt are approximate (an ulp or so), so even on the
 # exact rows its rstd can differ from torch's, and a normed value by one ulp; the interpreter's are IEEE, as
 # torch's CPU ones. Likewise exp (the SiLU) differs by float32 ulps between implementations: a bfloat16 rounding

@@ -355,6 +355,7 @@ case "${1:-}" in
     # thirtythird-d: the fused norm GEMVs with LATE_RSTD (no statistics prologue; BENCHMARKS §34.7): its tests on the
     # GPU, gemv_lab.py --late, then decode on 8B, Qwen3-8B, SmolLM2 and 30B with it on against off (if it wins:
     # triton_gemv.LATE_RSTD = True, then tests/test_gpu.py and tests/test_decode_gemv.py on the GPU).
+    # (-d ran in the fifth session, §35.1; LATE_RSTD is now a launch config key, so its sed no longer applies.)
     if [ "$1" = thirtythird ]; then
       timeout 240 python3 scripts/gpu/bench_gemv.py --shapes qwen3-8b --sweep --iters 20 2>&1 | grep -v -i warn | tail -16
       variant pdl40 kernels/triton_gemv.py 's/^PDL_MAX_BYTES = 8 << 20/PDL_MAX_BYTES = 40 << 20/'

@@ -41,11 +41,11 @@ gate and up are each rounded, then silu(gate) is rounded and its product with up
 conversion does, because Triton's interpreter (CPU tests) truncates instead. The sums differ from cuBLAS's only in
 the order of accumulation.
 
-LATE_RSTD (a launch option of the row GEMV; off by default, on in SmolLM2's tuned launches): W (h * w) / rms(h)
-computed as rstd * sum_k W_k (h_k w_k) in float32, the squares summed in the same K loop, so a program's first
-weight load waits for nothing. The normed activation is then never rounded to x's dtype (nor h * rstd before the
-weight multiply): outputs within the output rounding of the exact-rounding path (closer to the float32 result), not
-bit-equal to the unfused ops'.
+LATE_RSTD (a launch config key of the row GEMV; on only in SmolLM2's tuned launches, slower on the larger K of 8B,
+Qwen3-8B and 30B: BENCHMARKS §35.1): W (h * w) / rms(h) computed as rstd * sum_k W_k (h_k w_k) in float32, the
+squares summed in the same K loop, so a program's first weight load waits for nothing. The normed activation is
+then never rounded to x's dtype (nor h * rstd before the weight multiply): outputs within the output rounding of the
+exact-rounding path (closer to the float32 result), not bit-equal to the unfused ops'.
 """
 
 from __future__ import annotations
@@ -440,11 +440,6 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
                 num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
 
 
-# The row GEMV's fused norm with the statistics in the K loop and 1/rms after it (LATE_RSTD; a config's "LATE_RSTD"
-# overrides, as _TUNED's SmolLM2 entries do): no prologue before the first weight load, but not the unfused ops'
-# rounding (module doc). Off by default: slower on 8B's, Qwen3-8B's and 30B's norm GEMVs (BENCHMARKS §35.1).
-LATE_RSTD = False
-
 PDL_MAX_BYTES = 8 << 20  # weights up to which a GEMV is latency-bound enough for PDL to pay (BENCHMARKS.md §21)
 # larger weight shapes (rows, K) measured faster with PDL in the decode step: Llama-3.1-8B's o projection (33.5 MB;
 # the step -1.8%). A 40 MB bound instead would also take Qwen3-30B-A3B's qkv and o, whose step it slowed; 64 MB
@@ -502,7 +497,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
             **flags, **_rope_flags(rope, cfg["BLOCK_N"]),
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
             NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])), ROPE=rope is not None,
-            LATE_RSTD=norm_w is not None and bool(cfg.get("LATE_RSTD", LATE_RSTD)),
+            LATE_RSTD=norm_w is not None and bool(cfg.get("LATE_RSTD", 0)),  # (module doc; _TUNED's SmolLM2 launches)
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles

@@ -17,7 +17,8 @@ Capturable with fixed shapes: nothing is read back to the host and every buffer 
     never use float atomics, so the result is deterministic run to run (it may differ from the reference's
     expert-order float32 sum in the last bit).
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
-At one token `fused_moe(gemv=True)` (default ONE_TOKEN_GEMV) runs kernels/triton_moe_gemv.py's two GEMVs instead.
+At one token `fused_moe(gemv=True)` runs kernels/triton_moe_gemv.py's two GEMVs instead (off by default:
+ONE_TOKEN_GEMV; measured no faster).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from specserve.kernels.triton_moe_gemv import moe_gemv
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
 DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
 SUM_COUNTERS = 4096  # column blocks of the down GEMM that can sum in-kernel at one token (more: _sum_k_kernel)
-ONE_TOKEN_GEMV = False  # fused_moe at one token through kernels/triton_moe_gemv.py: not yet measured on a GPU
+ONE_TOKEN_GEMV = False  # fused_moe at one token through kernels/triton_moe_gemv.py: no faster (BENCHMARKS §35.5)
 
 
 def _counters(device: torch.device) -> torch.Tensor:

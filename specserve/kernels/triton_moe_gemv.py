@@ -77,9 +77,10 @@ def _down_gemv_kernel(act_ptr, w_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter, 
 
 
 def moe_gemv_configs(top_k: int, hidden: int, inter: int) -> tuple[dict, dict]:
-    """(gate/up, down) launch parameters from the shapes (not yet swept on a GPU: scripts/gpu/bench_moe.py
-    --gemv-sweep tries others). Gate/up: 512-column K steps (1 kB of each bf16 row), 4 columns (8 weight rows) a
-    program. Down: an expert's whole I a step (padded to a power of two), 2 columns a program."""
+    """(gate/up, down) launch parameters from the shapes (scripts/gpu/bench_moe.py --gemv-sweep tries others: on
+    Qwen3-30B-A3B's experts none beat the grouped path by more than ~3%, BENCHMARKS §35.5). Gate/up: 512-column K
+    steps (1 kB of each bf16 row), 4 columns (8 weight rows) a program. Down: an expert's whole I a step (padded to
+    a power of two), 2 columns a program."""
     gate_up = dict(BLOCK_N=4, BLOCK_K=min(512, triton.next_power_of_2(hidden)), num_warps=4, num_stages=3)
     down = dict(BLOCK_N=2, BLOCK_K=triton.next_power_of_2(inter), num_warps=4, num_stages=3)
     return gate_up, down
