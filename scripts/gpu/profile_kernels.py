@@ -428,12 +428,14 @@ def _decode_attention_row(name, hq, hkv, keys, layers, iters, flush, g, time_ms)
 def decode_attention_batches(iters: int, layers: int = 8) -> None:
     """Key blocks of 64 against 128 for the fixed-width attention at batch 1-64, decode (width 1) and verify (width
     4), 8B's and 30B's heads, 513 and 4097 keys a request in random cache slots, at the key splits the backend
-    takes (TritonAttentionBackend.num_kv_splits with 132 SMs) for a graph of 2048 and of 8192 tokens; us a call from
+    takes (triton_backend.kv_splits with 132 SMs) for a graph of 2048 and of 8192 tokens; us a call from
     a graph of `layers` calls on distinct layers' caches, the L2 flushed between replays."""
     import sys
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from bench_moe import l2_flush, time_ms
+
+    from specserve.attention.triton_backend import kv_splits
 
     flush = l2_flush()
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -448,7 +450,7 @@ def decode_attention_batches(iters: int, layers: int = 8) -> None:
             q = torch.randn(bs * width, hq, 128, generator=g, device=DEV).bfloat16()
             line = f"{name} bs {bs} width {width} {keys} keys (us, graph tokens/splits/key block):"
             for graph_tokens in (2048, 8192):
-                splits = max(1, min(32, -(-2 * 132 // (bs * hkv)), -(-graph_tokens // 256)))
+                splits = kv_splits(bs, hkv, graph_tokens, 132)
                 outs = []
                 for block_n in (64, 128):
                     call = functools.partial(_attend_layers, q, caches, table, rows, lens, width, splits, block_n)

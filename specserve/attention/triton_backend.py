@@ -34,6 +34,16 @@ _CPU_NUM_SMS = 4  # stands in for the SM count on CPU (Triton interpreter) so th
 PREP_IN_ATTENTION = False
 
 
+def kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_kv_splits: int = 32,
+              min_split_keys: int = 256) -> int:
+    """KV splits of the split-KV kernel: enough (request, KV head, split) programs to cover every SM about twice,
+    without splits shorter than min_split_keys, at most max_kv_splits. Depends on host ints only."""
+    groups = max(1, batch_size * num_kv_heads)
+    want = -(-2 * num_sms // groups)
+    by_len = -(-max_seq_len // min_split_keys)
+    return max(1, min(max_kv_splits, want, by_len))
+
+
 @dataclass
 class _FixedMeta:
     rows: torch.Tensor  # [bs] int64 page-table rows
@@ -76,12 +86,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.meta: _FixedMeta | _VarlenMeta | None = None
 
     def num_kv_splits(self, batch_size: int, max_seq_len: int) -> int:
-        """Enough (request, KV head, split) programs to cover every SM about twice, without splits shorter than
-        min_split_keys. Depends on host ints only."""
-        groups = max(1, batch_size * self.kv_pool.num_kv_heads)
-        want = -(-2 * self.num_sms // groups)
-        by_len = -(-max_seq_len // self.min_split_keys)
-        return max(1, min(self.max_kv_splits, want, by_len))
+        """kv_splits for this backend's KV heads, SMs and limits."""
+        return kv_splits(batch_size, self.kv_pool.num_kv_heads, max_seq_len, self.num_sms, self.max_kv_splits,
+                         self.min_split_keys)
 
     # ---------------------------------------------------------------- eager
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
