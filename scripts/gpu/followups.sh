@@ -66,6 +66,9 @@
 #             remaining parts were folded into thirtyfourth or dropped). For a fresh lease: `thirtyfifth` (carry
 #             .gpt-fast: the sampler's 6-bit levels, gpt-fast's figure re-checked), `thirtyfifth-b` (the q/k prep
 #             inside the attention kernel), `thirtyfifth-c` (the router with PDL), then `thirtythird-b`.
+#   thirtyfifth, -b, -c and thirtythird-b ran on 2026-12-04 (sixth session, BENCHMARKS §36; PREP_IN_ATTENTION is now
+#             on, so -b's sed no longer applies). For a fresh lease: `thirtysixth` (the MoE and hybrid GPU tests with
+#             the prep inside the attention kernel).
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
@@ -445,6 +448,11 @@ case "${1:-}" in
       .v_rpdlo/specserve/kernels/triton_gemv.py
     grep -n "^PDL_SHAPES" .v_rpdlo/specserve/kernels/triton_gemv.py
     for t in . .v_rpdl .v_rpdlo .v_rpdlo .v_rpdl .; do phase $t qwen3-30b-a3b 1; done
+    ;;
+  thirtysixth)  # (written 2026-12-04, sixth session) the GPU tests of the families whose decode / verify now prep q/k
+    # inside the attention kernel (PREP_IN_ATTENTION, §36.2: tests/test_gpu.py passed with it; these did not run)
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_moe.py tests/test_gpu_hybrid.py \
+      tests/test_decode_gemv.py 2>&1 | grep -v -i warn | tail -8
     ;;
   thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,
     # then decode at batch 1 with it (--decode-gemv triton: on these shapes auto plus the prep fusion) against auto,

@@ -30,8 +30,8 @@ from specserve.kvcache.req_to_token import ReqToTokenPool
 
 _CPU_NUM_SMS = 4  # stands in for the SM count on CPU (Triton interpreter) so the split heuristic is exercised
 # Fixed-width batches with a QKPrep the attention kernel can take (AttnPrep.fits): the q/k prep inside the attention
-# kernel instead of its own launch before it. Off: not yet measured on the GPU (BENCHMARKS §35.8).
-PREP_IN_ATTENTION = False
+# kernel instead of its own launch before it. On: faster or equal wherever it applies (BENCHMARKS §36.2).
+PREP_IN_ATTENTION = True
 
 
 def kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_kv_splits: int = 32,

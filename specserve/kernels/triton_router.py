@@ -273,7 +273,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
 
 # The fused router launched with programmatic dependent launch where its grid fits one wave: off. PDL on the router
 # and every MoE kernel together cost Qwen3-30B-A3B's step 6% (BENCHMARKS §23.3, mostly the expert GEMMs sharing SMs
-# with waiting programs); the router alone is not yet measured (§35.9).
+# with waiting programs); the router alone, with and without PDL on the o GEMV before it, was no faster (§36.3).
 ROUTER_PDL = False
 ROUTER_MAX_TOKEN_BLOCKS = 1024  # counters per device; batches needing more blocks take F.linear + softmax_topk
 

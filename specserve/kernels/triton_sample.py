@@ -41,7 +41,7 @@ from specserve.kernels.triton_accept import _key, _uniform
 CHUNK = 4096  # tokens per program, at most
 CHUNKS = (4096, 2048, 1024)  # pick_chunk's choices, largest first
 BLOCK = 1024  # tokens per step of a program
-BITS = 5  # key bits a level resolves
+BITS = 5  # key bits a level resolves (6: one launch fewer, each slower: 61.6 us of levels against 47.2, §36.1)
 BINS = 1 << BITS  # buckets per level
 KEY_BITS = 30  # e = exp(z - max z) <= 1: the float's sign and top exponent bit are 0
 LEVELS = KEY_BITS // BITS
