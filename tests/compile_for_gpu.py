@@ -82,7 +82,6 @@ def main() -> None:
     from specserve.kernels import triton_attention as ta
     from specserve.kernels import triton_gemv as tg
     from specserve.kernels import triton_moe as tm
-    from specserve.kernels import triton_moe_gemv as mg
     from specserve.kernels import triton_qk_prep as tq
     from specserve.kernels import triton_router as tr
     from specserve.kernels import triton_sample as ts
@@ -117,17 +116,15 @@ def main() -> None:
         check(f"qkv rope epilogue normed={normed}", tg, ["_gemv_kernel"],
               lambda x=x, w=w, rope=rope, y=y: tg._launch(x, None, torch.ones(k, dtype=BF16), w, None, y, None, 1e-5,
                                                           0.0, False, tg.rope_store_config(x, w, rope), rope))
-    # the one-token MoE: the two GEMVs (Qwen3-30B-A3B's and Qwen3-Next's experts) and the grouped direct path
+    # the one-token MoE's grouped direct path (Qwen3-30B-A3B's and Qwen3-Next's experts)
     for e, h, i, top in ((128, 2048, 768, 8), (512, 2048, 512, 10)):
         w13, w2 = torch.empty(e, 2 * i, h, dtype=BF16), torch.empty(e, h, i, dtype=BF16)
         x, ids, wts = torch.randn(1, h).to(BF16), torch.arange(top)[None], torch.rand(1, top)
-        check(f"moe gemvs E{e} I{i}", mg, ["_gate_up_gemv_kernel", "_down_gemv_kernel"],
-              lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: mg.moe_gemv(x, w13, w2, wts, ids))
         check(f"moe direct E{e} I{i}", tm, ["_gate_up_kernel", "_down_kernel"],
-              lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: tm.fused_moe(x, w13, w2, wts, ids, gemv=False))
+              lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: tm.fused_moe(x, w13, w2, wts, ids))
     # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)
     x, r = torch.randn(1, 2048).to(BF16), torch.randn(1, 2048).to(BF16)
-    for gdc in (False, True):  # and launched with PDL (ROUTER_PDL)
+    for gdc in (False, True):  # and launched with PDL (a config's PDL key)
         check(f"router + norm gdc={gdc}", tr, ["_router_gemv_topk_kernel"],
               lambda: tr.norm_router_topk_triton(x, r, torch.ones(2048, dtype=BF16), 1e-6, 0.0,
                                                  torch.randn(128, 2048).to(BF16), 8, True), GDC=gdc)

@@ -134,7 +134,7 @@ def test_pdl_moe_chain_equals_eager_over_replays(tokens, router_pdl):
     """Layers of the fused norm + router + top-k and the fused MoE (one token: the direct path with its in-kernel
     sum, arrival counters shared across layers), each layer consuming the last one's output and residual, in one
     graph replayed over fresh inputs: equal to the same kernels launched one at a time with a synchronisation after
-    each; the router also launched with PDL (ROUTER_PDL's launch)."""
+    each; the router also launched with PDL (its launch config's PDL key)."""
     from specserve.graphs.capture import capture_graph
     from specserve.kernels.triton_moe import fused_moe
     from specserve.kernels.triton_router import norm_router_topk_triton, router_config

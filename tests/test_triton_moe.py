@@ -92,52 +92,6 @@ def test_fused_moe_direct_equals_aligned(dtype, kind):
         _assert_close(aligned, ref.fused_moe(x, w13, w2, topk_weights, topk_ids))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["distinct", "some_empty", "one_expert", "repeats"])
-def test_one_token_gemvs_match_reference(dtype, kind):
-    """At one token the two GEMVs (kernels/triton_moe_gemv.py: gate/up per expert slot, down summing the slots in
-    registers) give the reference's result and the grouped path's up to the float32 sums' order, read only the
-    chosen experts (the others are NaN), take a strided x, and are deterministic; more tokens ignore `gemv`."""
-    g = torch.Generator().manual_seed(40 + len(kind))
-    base = (torch.randn((1, HIDDEN + 6), generator=g) * 2).to(dtype).to(DEV)
-    x = base[:, 3:3 + HIDDEN]  # [1, H] a slice of a wider buffer
-    w13, w2 = _weights(NUM_E, HIDDEN, INTER, dtype, g)
-    topk_weights, topk_ids = _routing(kind, 1, NUM_E, TOP_K, g)
-    unused = torch.ones(NUM_E, dtype=torch.bool, device=DEV)
-    unused[topk_ids.reshape(-1)] = False
-    w13[unused], w2[unused] = float("nan"), float("nan")
-    got = fused_moe(x, w13, w2, topk_weights, topk_ids, gemv=True)
-    assert got.shape == (1, HIDDEN) and got.dtype == dtype
-    _assert_close(got, ref.fused_moe(x, w13, w2, topk_weights, topk_ids))
-    _assert_close(got, fused_moe(x, w13, w2, topk_weights, topk_ids, gemv=False))
-    assert torch.equal(fused_moe(x, w13, w2, topk_weights, topk_ids, gemv=True), got)
-    x3 = (torch.randn((3, HIDDEN), generator=g) * 2).to(dtype).to(DEV)
-    w3, ids3 = _routing("distinct", 3, NUM_E, TOP_K, g)
-    w13, w2 = _weights(NUM_E, HIDDEN, INTER, dtype, g)
-    assert torch.equal(fused_moe(x3, w13, w2, w3, ids3, gemv=True), fused_moe(x3, w13, w2, w3, ids3, gemv=False))
-
-
-def test_one_token_gemv_tiles():
-    """The GEMVs' launch parameters (bench_moe.py --gemv-sweep tries them): column blocks that do not divide I or H,
-    several K steps of the gate/up rows and one wider than H, a down step wider than I; 10 experts a token with I and
-    H that are not powers of two. All give the reference's result."""
-    from specserve.kernels.triton_moe_gemv import moe_gemv_configs
-
-    g = torch.Generator().manual_seed(12)
-    e, h, i, k = 12, 96, 40, 10
-    w13, w2 = _weights(e, h, i, torch.float32, g)
-    x = (torch.randn((1, h), generator=g) * 2).to(DEV)
-    topk_weights, topk_ids = _routing("distinct", 1, e, k, g)
-    want = ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    _assert_close(fused_moe(x, w13, w2, topk_weights, topk_ids, gemv=True), want)  # moe_gemv_configs'
-    gu0, down0 = moe_gemv_configs(k, h, i)
-    assert down0["BLOCK_K"] >= i and gu0["BLOCK_K"] <= 512
-    for gu_n, gu_k, down_n, down_k in ((16, 32, 64, 64), (8, 128, 1, 128), (1, 16, 32, 64)):
-        gu = dict(BLOCK_N=gu_n, BLOCK_K=gu_k, num_warps=2, num_stages=2)
-        down = dict(BLOCK_N=down_n, BLOCK_K=down_k, num_warps=2, num_stages=2)
-        _assert_close(fused_moe(x, w13, w2, topk_weights, topk_ids, tiles=(gu, down), gemv=True), want)
-
-
 @pytest.mark.parametrize("t", [1, 3])
 def test_fused_moe_tiles_override(t):
     """Launch configs other than the defaults (bench_moe.py --sweep tries them): narrower and wider column blocks,
@@ -211,9 +165,9 @@ def test_block_m_from_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,gemv", [(1, False), (1, True), (5, False)])
-def test_fused_moe_cuda_graph_replay(dtype, t, gemv):
-    """Captured once with fixed shapes (one token: the direct path, or the two GEMVs); replays with new routings
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_cuda_graph_replay(dtype, t):
+    """Captured once with fixed shapes (one token: the direct path); replays with new routings
     (different experts, counts, and empty experts) equal the reference."""
     dev = torch.device("cuda")
     e, h, i, k = 16, 256, 128, 4
@@ -225,11 +179,11 @@ def test_fused_moe_cuda_graph_replay(dtype, t, gemv):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up (compiles) outside the capture
-        fused_moe(x, w13, w2, topk_weights, topk_ids, gemv=gemv)
+        fused_moe(x, w13, w2, topk_weights, topk_ids)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(x, w13, w2, topk_weights, topk_ids, gemv=gemv)
+        out = fused_moe(x, w13, w2, topk_weights, topk_ids)
     for seed in range(4):
         g.manual_seed(100 + seed)
         ids = torch.randint(0, 3 if seed % 2 else e, (t, k), generator=g)  # odd seeds: experts 3.. get nothing

@@ -3,12 +3,10 @@ MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and
 
     python3 scripts/gpu/bench_moe.py [--tokens 1 8 64 512] [--iters 200]
     python3 scripts/gpu/bench_moe.py --sweep [--tokens 1 4] [--iters 50]
-    python3 scripts/gpu/bench_moe.py --gemv-sweep [--iters 50]
 
 `--sweep`: at each T, the gate/up and the down GEMM's launch configs (BLOCK_N x BLOCK_K x (warps, stages)) tried one
 kernel at a time (the other at its default), graphed, L2 flushed; prints the fastest few and the default's time.
-`--gemv-sweep`: the same for the one-token GEMVs (kernels/triton_moe_gemv.py). At T = 1 the table's run also times
-the direct path against the aligned one and against the two GEMVs, side by side.
+At T = 1 the table's run also times the direct path against the aligned one, side by side.
 
 Both are checked against kernels/reference.py once before timing. Times are CUDA-event medians over --iters calls,
 each after an L2 flush (the 60 MB L2 would otherwise hold most of a decode step's 75 MB of expert weights). The flush
@@ -26,7 +24,6 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
@@ -101,15 +98,15 @@ def moe_inputs(t: int, w13: torch.Tensor, w2: torch.Tensor, k: int, g: torch.Gen
 
 
 def sweep_one_kernel(moe_args, want, configs: list[dict], default: tuple[dict, dict], which: int, base: float, args,
-                     flush, label: str, **moe_kw) -> None:
+                     flush, label: str) -> None:
     """Times fused_moe (graphed) with kernel `which` (0 gate/up, 1 down) at each of configs and the other at its
     default, each output checked against the reference; prints the fastest few against `base` (ms)."""
     rows = []
     for cfg in configs:
         tiles = (cfg, default[1]) if which == 0 else (default[0], cfg)
         try:
-            got = fused_moe(*moe_args, tiles=tiles, **moe_kw)
-            replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles, **moe_kw))
+            got = fused_moe(*moe_args, tiles=tiles)
+            replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles))
         except Exception as exc:  # noqa: BLE001 - a config past a resource limit: skipped
             rows.append((float("inf"), cfg, type(exc).__name__))
             continue
@@ -150,18 +147,6 @@ def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
         assert torch.equal(out_a, graph_out), "the direct path differs from the aligned one"
         print(f"      one token, graphed: direct {direct_ms:.4f} ms, aligned {aligned_ms:.4f} ms "
               f"({aligned_ms / direct_ms:.2f}x)")
-        # the two GEMVs (kernels/triton_moe_gemv.py) against the direct path, alternating, both graphed
-        replay_g, out_g = graphed(lambda: fused_moe(*moe_args, gemv=True))
-        replay_g()  # the capture only recorded the launches: out_g holds nothing until a replay
-        err_g = rel_err(out_g, want)
-        assert err_g < 3e-2, f"the one-token GEMVs differ from the reference: {err_g:.3g}"
-        times = {"direct": [], "gemv": []}
-        for _ in range(2):
-            times["direct"].append(time_ms(replay, args.iters, args.warmup, flush))
-            times["gemv"].append(time_ms(replay_g, args.iters, args.warmup, flush))
-        d, gv = min(times["direct"]), min(times["gemv"])
-        print(f"      one token, graphed: direct {d:.4f} ms, two GEMVs {gv:.4f} ms ({d / gv:.2f}x; "
-              f"{used * 3 * h * i * w13.element_size() / (gv * 1e-3) / PEAK_BW:.1%} of peak), err {err_g:.2e}")
 
 
 SWEEP_N = (16, 32, 64, 128)
@@ -185,32 +170,6 @@ def sweep_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
         sweep_one_kernel(moe_args, want, configs, default, which, base, args, flush, "whole fused_moe")
 
 
-GEMV_SWEEP_GATE_UP = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), ((2, 3), (4, 3), (4, 4), (8, 3))))
-GEMV_SWEEP_DOWN_N = (1, 2, 4, 8)
-GEMV_SWEEP_DOWN_WS = ((1, 2), (2, 3), (4, 2), (4, 3), (4, 4), (8, 3))
-
-
-def gemv_sweep(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
-    """The one-token GEMVs' launch configs (kernels/triton_moe_gemv.py), each kernel's with the other at its default
-    (moe_gemv_configs), whole-MoE graph us; outputs checked against the reference."""
-    from specserve.kernels.triton_moe_gemv import moe_gemv_configs
-
-    h, i, k = w13.shape[2], w2.shape[2], args.top_k
-    moe_args, want = moe_inputs(1, w13, w2, k, g)
-    default = moe_gemv_configs(k, h, i)
-    replay, _ = graphed(lambda: fused_moe(*moe_args, gemv=True))
-    base = time_ms(replay, args.iters, args.warmup, flush)
-    replay_d, _ = graphed(lambda: fused_moe(*moe_args, gemv=False))
-    direct = time_ms(replay_d, args.iters, args.warmup, flush)
-    print(f"\nT 1, two GEMVs: default {base * 1e3:.1f} us (direct path {direct * 1e3:.1f} us)  gate/up {default[0]}  "
-          f"down {default[1]}")
-    gate_up = [dict(BLOCK_N=n, BLOCK_K=kk, num_warps=w, num_stages=st) for n, kk, (w, st) in GEMV_SWEEP_GATE_UP]
-    down = [dict(BLOCK_N=n, BLOCK_K=triton.next_power_of_2(i), num_warps=w, num_stages=st)
-            for n in GEMV_SWEEP_DOWN_N for w, st in GEMV_SWEEP_DOWN_WS]
-    for which, configs in enumerate((gate_up, down)):
-        sweep_one_kernel(moe_args, want, configs, default, which, base, args, flush, "whole MoE", gemv=True)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
@@ -223,7 +182,6 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between timed calls")
     p.add_argument("--sweep", action="store_true", help="sweep both GEMMs' launch configs at each T")
-    p.add_argument("--gemv-sweep", action="store_true", help="sweep the one-token GEMVs' launch configs")
     args = p.parse_args()
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -234,9 +192,6 @@ def main() -> None:
     flush = l2_flush(args.no_flush, dev)
     print(f"{torch.cuda.get_device_name()}: H {h}, I {i}, E {e}, top-{k}, {dtype}; median of {args.iters} "
           f"(L2 {'warm' if flush is None else 'flushed'})")
-    if args.gemv_sweep:
-        gemv_sweep(w13, w2, g, args, flush)
-        return
     if args.sweep:
         for t in args.tokens:
             sweep_tokens(t, w13, w2, g, args, flush)

@@ -351,7 +351,7 @@ case "${1:-}" in
     # with PDL on GEMVs up to 40 MB (8B's o) and 64 MB against the kept 8 MB (§33.4's tree-B run measured tree A),
     # then the 8B plain step greedy against sampled (T 0.8, top-k 200) kernel by kernel (profile_decode.py --steps).
     # thirtythird-b: the decode attention's 128-key blocks against 64 in the graphs (§34.4), 8B and 30B, batch 1, 8.
-    # thirtythird-c: the one-token MoE as two GEMVs (kernels/triton_moe_gemv.py, off: triton_moe.ONE_TOKEN_GEMV):
+    # thirtythird-c: the one-token MoE as two GEMVs (then kernels/triton_moe_gemv.py, removed since: no faster):
     # its GPU tests, bench_moe at one token (direct path against the GEMVs) and its launch sweep, then 30B and
     # Qwen3-Next decode with it on against off (if it wins: ONE_TOKEN_GEMV = True, the sweep's configs in
     # triton_moe_gemv.moe_gemv_configs).
@@ -375,12 +375,8 @@ case "${1:-}" in
       for t in . .v_late .v_late .; do
         for p in llama-3.1-8b qwen3-8b smollm2-135m qwen3-30b-a3b; do phase $t $p 1; done
       done
-    elif [ "$1" = thirtythird-c ]; then
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_moe.py 2>&1 | grep -v -i warn | tail -2
-      timeout 120 python3 scripts/gpu/bench_moe.py --tokens 1 --iters 50 2>&1 | grep -v -i warn | tail -5
-      timeout 150 python3 scripts/gpu/bench_moe.py --gemv-sweep --iters 30 2>&1 | grep -v -i warn | tail -16
-      variant moegemv kernels/triton_moe.py 's/^ONE_TOKEN_GEMV = False/ONE_TOKEN_GEMV = True/'
-      for t in . .v_moegemv .v_moegemv .; do phase $t qwen3-30b-a3b 1; phase $t qwen3-next-80b-a3b 1; done
+    elif [ "$1" = thirtythird-c ]; then  # ran (§35.5); the two GEMVs were removed after §36 (no faster)
+      echo "thirtythird-c: the one-token MoE GEMVs it measured are gone (BENCHMARKS §35.5, §36)"; exit 1
     else
       variant blk128 attention/triton_backend.py 's/meta.num_splits, layer.scaling, block_n=self.block_n)/meta.num_splits, layer.scaling, block_n=128)/'
       for t in . .v_blk128 .v_blk128 .; do phase $t llama-3.1-8b 1,8; phase $t qwen3-30b-a3b 1,8; done
@@ -441,13 +437,8 @@ case "${1:-}" in
   thirtyfifth-c)  # (written 2026-12-04, fifth session, after the lease; not yet run) the fused router launched with
     # PDL (triton_router.ROUTER_PDL, off; §23.3 measured it only together with the MoE kernels'), alone and with
     # Qwen3-30B-A3B's o GEMV (2048, 4096) in PDL_SHAPES so it lets the router launch after its main loop
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pdl.py -k moe 2>&1 | grep -v -i warn | tail -2
-    variant rpdl kernels/triton_router.py 's/^ROUTER_PDL = False/ROUTER_PDL = True/'
-    variant rpdlo kernels/triton_router.py 's/^ROUTER_PDL = False/ROUTER_PDL = True/'
-    sed -i 's/^PDL_SHAPES: frozenset\[tuple\[int, int\]\] = frozenset(\[(4096, 4096)\])/PDL_SHAPES = frozenset([(4096, 4096), (2048, 4096)])/' \
-      .v_rpdlo/specserve/kernels/triton_gemv.py
-    grep -n "^PDL_SHAPES" .v_rpdlo/specserve/kernels/triton_gemv.py
-    for t in . .v_rpdl .v_rpdlo .v_rpdlo .v_rpdl .; do phase $t qwen3-30b-a3b 1; done
+    echo "thirtyfifth-c ran (BENCHMARKS §36.3); ROUTER_PDL is gone (the router's launch config has a PDL key)"
+    exit 1
     ;;
   thirtysixth)  # (written 2026-12-04, sixth session) the GPU tests of the families whose decode / verify now prep q/k
     # inside the attention kernel (PREP_IN_ATTENTION, §36.2: tests/test_gpu.py passed with it; these did not run)

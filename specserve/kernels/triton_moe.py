@@ -17,8 +17,8 @@ Capturable with fixed shapes: nothing is read back to the host and every buffer 
     never use float atomics, so the result is deterministic run to run (it may differ from the reference's
     expert-order float32 sum in the last bit).
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
-At one token `fused_moe(gemv=True)` runs kernels/triton_moe_gemv.py's two GEMVs instead (off by default:
-ONE_TOKEN_GEMV; measured no faster).
+(One token as two plain GEMVs, gate/up per expert slot and down summing the slots in registers, was measured no
+faster than the direct path and removed: BENCHMARKS §35.5.)
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ import triton.language as tl
 
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.triton_dot import dot
-from specserve.kernels.triton_moe_gemv import fits as moe_gemv_fits
-from specserve.kernels.triton_moe_gemv import moe_gemv
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
 DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
 SUM_COUNTERS = 4096  # column blocks of the down GEMM that can sum in-kernel at one token (more: _sum_k_kernel)
-ONE_TOKEN_GEMV = False  # fused_moe at one token through kernels/triton_moe_gemv.py: no faster (BENCHMARKS §35.5)
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -317,7 +314,7 @@ def _gemm_configs(block_m: int) -> tuple[dict, dict]:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, direct: bool | None = None,
-              tiles: tuple[dict, dict] | None = None, gemv: bool | None = None) -> torch.Tensor:
+              tiles: tuple[dict, dict] | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
     int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable.
 
@@ -328,9 +325,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     No programmatic dependent launch here: in a Qwen3-30B-A3B decode step at batch 1 it cost 6% (BENCHMARKS.md §23.3;
     the next kernel's early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone.
     tiles: (gate/up, down) launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of `_gemm_configs`'
-    (scripts/gpu/bench_moe.py --sweep tries them), or of the GEMVs' with gemv.
-    gemv (default ONE_TOKEN_GEMV): at one token, the two GEMVs of kernels/triton_moe_gemv.py instead (no 16-row
-    tiles, the top-k sum in the down GEMV's registers); equal to this path up to the order of float32 sums."""
+    (scripts/gpu/bench_moe.py --sweep tries them)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -341,8 +336,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out.zero_()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if num_tokens == 1 and (ONE_TOKEN_GEMV if gemv is None else gemv) and moe_gemv_fits(inter):
-        return moe_gemv(x, w13, w2, topk_weights.float(), topk_ids, tiles)
     n_pairs = num_tokens * top_k
     direct = num_tokens == 1 if direct is None else direct
     dev = x.device

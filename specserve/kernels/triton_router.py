@@ -194,7 +194,7 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
     GROUPED: DeepSeek-V3 / GLM routing (`_route_grouped`: sigmoid scores, correction bias bias_ptr [E], groups,
     `scaling`) of float32 logits, not rounded (the gate runs in float32 there: F.linear(x.float(), w.float())).
 
-    GDC: launched with PDL (ROUTER_PDL): waits for the previous kernel's outputs before its first read."""
+    GDC: launched with PDL (a launch config's PDL key): waits for the previous kernel's output before reading."""
     pdl_enter(GDC)
     cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E]
     col_ok = cols < num_cols
@@ -271,10 +271,6 @@ def _router_gemv_topk_kernel(x_ptr, wt_ptr, scratch_ptr, counter_ptr, w_ptr, ids
         tl.store(counter_ptr + block, 0)  # the next launch (or graph replay) counts from 0 again
 
 
-# The fused router launched with programmatic dependent launch where its grid fits one wave: off. PDL on the router
-# and every MoE kernel together cost Qwen3-30B-A3B's step 6% (BENCHMARKS §23.3, mostly the expert GEMMs sharing SMs
-# with waiting programs); the router alone, with and without PDL on the o GEMV before it, was no faster (§36.3).
-ROUTER_PDL = False
 ROUTER_MAX_TOKEN_BLOCKS = 1024  # counters per device; batches needing more blocks take F.linear + softmax_topk
 
 ROUTER_TOKEN_BLOCK = 16  # at most this many tokens per program
@@ -368,7 +364,10 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
                          f"{x.dtype}")
     num_experts = cols - 1 if shared_gate and grouped is None else cols  # a gated shared expert: gate row E
     cfg = dict(config or router_config(t, cols, h, num_experts))
-    pdl = cfg.pop("PDL", ROUTER_PDL)  # a config's PDL key overrides ROUTER_PDL
+    # A config's PDL key launches it with programmatic dependent launch where its grid fits one wave; off by
+    # default: PDL on the router and every MoE kernel cost Qwen3-30B-A3B's step 6% (BENCHMARKS §23.3), the router
+    # alone, with and without PDL on the o GEMV before it, was no faster (§36.3).
+    pdl = cfg.pop("PDL", False)
     if triton.cdiv(t, cfg["T_BLOCK"]) > ROUTER_MAX_TOKEN_BLOCKS:  # prefill-sized: the GEMM path
         if grouped is not None:
             raise ValueError(f"grouped_router_topk_triton: {t} tokens are beyond the decode sizes it serves")
