@@ -68,7 +68,7 @@
 #             inside the attention kernel), `thirtyfifth-c` (the router with PDL), then `thirtythird-b`.
 #   thirtyfifth, -b, -c and thirtythird-b ran on 2026-12-04 (sixth session, BENCHMARKS §36; PREP_IN_ATTENTION is now
 #             on, so -b's sed no longer applies). For a fresh lease: `thirtysixth` (the MoE and hybrid GPU tests with
-#             the prep inside the attention kernel).
+#             the prep inside the attention kernel; a decode step as pure reads against the real one).
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
 #   twentyfourth, twentyfourth-b and twentyfifth ran in the fifth session (§29). For a fresh lease: `smollm2_round.sh
@@ -441,9 +441,13 @@ case "${1:-}" in
     exit 1
     ;;
   thirtysixth)  # (written 2026-12-04, sixth session) the GPU tests of the families whose decode / verify now prep q/k
-    # inside the attention kernel (PREP_IN_ATTENTION, §36.2: tests/test_gpu.py passed with it; these did not run)
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_moe.py tests/test_gpu_hybrid.py \
+    # inside the attention kernel (PREP_IN_ATTENTION, §36.2: tests/test_gpu.py passed with it; these did not run);
+    # then a decode step as pure reads only (gemv_lab.py --step-ceiling: the most one launch per op can give, §36.8)
+    # beside the real decode steps of the same shapes
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_moe.py tests/test_gpu_hybrid.py \
       tests/test_decode_gemv.py 2>&1 | grep -v -i warn | tail -8
+    (cd scripts/gpu && timeout 150 python3 gemv_lab.py --step-ceiling --iters 20 2>&1 | grep -v -i warn | tail -14)
+    phase . qwen3-30b-a3b 1; phase . llama-3.1-8b 1
     ;;
   thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,
     # then decode at batch 1 with it (--decode-gemv triton: on these shapes auto plus the prep fusion) against auto,
