@@ -24,7 +24,7 @@ Every variant's output is checked against F.linear (atol 2e-2) before it is time
              layer's qkv, o, the chosen experts' gate/up and down, then the LM head; distinct buffers, so nothing is
              in L2), each at its best read grid: the time a step of one launch per op cannot beat however fast its
              kernels, against measured copy bandwidth; what is left of a bandwidth target is the budget for the
-             step's latency-bound kernels (attention, router, norms).
+             step's latency-bound kernels (attention, router, norms); and the same bytes read by one launch.
 Results: BENCHMARKS.md §33.
 """
 
@@ -504,6 +504,13 @@ def step_ceiling(names: list[str], iters: int, flush) -> None:
               f"{(nbytes / 0.7 / copy_gbps / 1e6 - ms) * 1e3 / layers:.2f} us a layer for everything that is not a "
               f"weight read", flush=True)
         del graph, bufs, head_w
+        # the same bytes as one launch: what a kernel streaming the whole step without launches between could reach
+        whole = torch.empty(nbytes // 2, dtype=DTYPE, device=dev)
+        one = [read_launch(whole, out, programs, stages) for programs, stages in ((528, 4), (1056, 4), (2112, 4))]
+        ms_one = min(time_ms(lambda c=c: c(), iters, 5, flush) for c in one)
+        print(f"{name}: the same {nbytes / 1e9:.2f} GB as one read launch: {ms_one:.3f} ms = "
+              f"{nbytes / (ms_one * 1e-3) / 1e9 / copy_gbps:.1%} of copy bandwidth", flush=True)
+        del whole
         torch.cuda.empty_cache()
 
 
