@@ -67,7 +67,7 @@
 #             .gpt-fast: the sampler's 6-bit levels, gpt-fast's figure re-checked), `thirtyfifth-b` (the q/k prep
 #             inside the attention kernel), `thirtyfifth-c` (the router with PDL), then `thirtythird-b`.
 #   thirtyfifth, -b, -c and thirtythird-b ran on 2026-12-04 (sixth session, BENCHMARKS §36; PREP_IN_ATTENTION is now
-#             on, so -b's sed no longer applies). For a fresh lease: `thirtysixth` (the MoE and hybrid GPU tests with
+#             on: -b now measures it against a copy without it). For a fresh lease: `thirtysixth` (the MoE and hybrid GPU tests with
 #             the prep inside the attention kernel; a decode step as pure reads against the real one).
 #   thirtysecond (written 2026-12-04, third session; ran in the fourth, BENCHMARKS §34.1): the q/k prep in the qkv GEMV's epilogue, and the
 #             decode attention's key splits and blocks at batch 1 (profile_kernels.py --parts decode-attn).
@@ -422,15 +422,14 @@ case "${1:-}" in
     done
     cat "$OUT/gptfast.jsonl"  # each round's figures
     ;;
-  thirtyfifth-b)  # (written 2026-12-04, fifth session, after the lease; not yet run) the q/k prep inside the decode
-    # / verify attention kernel (attention/triton_backend.py PREP_IN_ATTENTION, off): its kernel and backend tests on
-    # the GPU, then decode (batch 1, 8) on against off where a separate prep launch runs today: Qwen3-30B-A3B and
-    # Qwen3-8B (q/k norms: 2.7 us a layer of prep at batch 1, §24.2), Llama-3.1-8B at batch 8 (its batch 1 preps in
-    # the qkv GEMV's epilogue). If it wins: PREP_IN_ATTENTION = True, then tests/test_gpu.py -k "plain_step or mtp".
+  thirtyfifth-b)  # (2026-12-04; ran in the sixth session, BENCHMARKS §36.2) the q/k prep inside the decode / verify
+    # attention kernel (attention/triton_backend.py PREP_IN_ATTENTION, on since): its kernel and backend tests on the
+    # GPU, then decode (batch 1, 8) with it against a copy without it where a separate prep launch would run:
+    # Qwen3-30B-A3B and Qwen3-8B (q/k norms), Llama-3.1-8B at batch 8 (its batch 1 preps in the qkv GEMV's epilogue)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_prep.py tests/test_triton_attention.py \
       2>&1 | grep -v -i warn | tail -2
-    variant prepattn attention/triton_backend.py 's/^PREP_IN_ATTENTION = False/PREP_IN_ATTENTION = True/'
-    for t in . .v_prepattn .v_prepattn .; do
+    variant noprep attention/triton_backend.py 's/^PREP_IN_ATTENTION = True/PREP_IN_ATTENTION = False/'
+    for t in .v_noprep . . .v_noprep; do
       phase $t qwen3-30b-a3b 1,8; phase $t qwen3-8b 1; phase $t llama-3.1-8b 8
     done
     ;;
@@ -442,11 +441,11 @@ case "${1:-}" in
     ;;
   thirtysixth)  # (written 2026-12-04, sixth session) the GPU tests of the families whose decode / verify now prep q/k
     # inside the attention kernel (PREP_IN_ATTENTION, §36.2: tests/test_gpu.py passed with it; these did not run);
-    # then a decode step as pure reads only (gemv_lab.py --step-ceiling: the most one launch per op can give, §36.8)
+    # then a decode step as pure reads only (step_ceiling.py: the most one launch per op can give, §36.8)
     # beside the real decode steps of the same shapes
     timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu_moe.py tests/test_gpu_hybrid.py \
       tests/test_decode_gemv.py 2>&1 | grep -v -i warn | tail -8
-    (cd scripts/gpu && timeout 150 python3 gemv_lab.py --step-ceiling --iters 20 2>&1 | grep -v -i warn | tail -14)
+    (cd scripts/gpu && timeout 150 python3 step_ceiling.py --iters 20 2>&1 | grep -v -i warn | tail -14)
     phase . qwen3-30b-a3b 1; phase . llama-3.1-8b 1
     ;;
   thirtysecond)  # the q/k prep in the qkv GEMV's epilogue (§33.7): its kernel tests and the model test on the GPU,

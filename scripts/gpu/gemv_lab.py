@@ -3,7 +3,6 @@ specserve's GEMV (kernels/triton_gemv.py) goes against cuBLAS and a pure streami
 
     cd scripts/gpu && python3 gemv_lab.py [--shapes 8b 30b] [--variants cublas ours read tma splitk persist] [--quick]
     python3 gemv_lab.py --overlap | --norm | --wide | --late     (one experiment each, below)
-    python3 gemv_lab.py --step-ceiling [30b 8b]
 
 Each timing is a CUDA graph of L = 8 back-to-back calls on 8 distinct weights (as the layers of a model), the L2
 flushed between replays, the median of --iters replays; per call us and TB/s of weight bytes. Designs:
@@ -19,12 +18,7 @@ Every variant's output is checked against F.linear (atol 2e-2) before it is time
   --overlap  a bulk / per-line L2 prefetch of a GEMV's weights before a spin standing for prep + attention;
   --norm     the fused norm GEMVs' statistics in K / BLOCK_K steps against one wide step (triton_gemv.norm_block);
   --wide     the fused GEMVs with K steps of half or all of K;
-  --late     the fused norm GEMVs with the statistics prologue against LATE_RSTD (in the K loop, 1/rms after it);
-  --step-ceiling  a whole decode step at batch 1 as pure reads only, one launch a weight read of the step (each
-             layer's qkv, o, the chosen experts' gate/up and down, then the LM head; distinct buffers, so nothing is
-             in L2), each at its best read grid: the time a step of one launch per op cannot beat however fast its
-             kernels, against measured copy bandwidth; what is left of a bandwidth target is the budget for the
-             step's latency-bound kernels (attention, router, norms); and the same bytes read by one launch.
+  --late     the fused norm GEMVs with the statistics prologue against LATE_RSTD (in the K loop, 1/rms after it).
 Results: BENCHMARKS.md §33.
 """
 
@@ -60,6 +54,17 @@ def _read_kernel(w_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NU
         idx = base + i + offs
         acc += tl.load(w_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+def read_launch(w: torch.Tensor, out: torch.Tensor, programs: int, stages: int):
+    """A pure streaming read of w with `programs` programs of 4096-element steps: a zero-argument launch."""
+    n, block = w.numel(), 4096
+    chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
+    grid = (triton.cdiv(n, chunk),)
+
+    def launch() -> None:  # returns nothing (Case.time_us checks what a call returns)
+        _read_kernel[grid](w, out, n, CHUNK=chunk, BLOCK=block, NUM_STAGES=stages, num_warps=4, num_stages=stages)
+    return launch
 
 
 @triton.jit
@@ -226,15 +231,9 @@ def run_cublas(c: Case, iters, flush):
 def run_read(c: Case, iters, flush, quick):
     out = torch.empty(4096, device="cuda")
     res = []
-    n = c.rows * c.k
-    for programs, block, stages in itertools.product((264, 528, 1056), (4096,), (2, 4)):
-        chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
-        grid = (triton.cdiv(n, chunk),)
-
-        def call(layer, chunk=chunk, block=block, stages=stages, grid=grid):
-            _read_kernel[grid](c.ws[layer], out, n, CHUNK=chunk, BLOCK=block, NUM_STAGES=stages, num_warps=4,
-                               num_stages=stages)
-        res.append((f"P{grid[0]} B{block} s{stages}", c.time_us(call, iters, flush)))
+    for programs, stages in itertools.product((264, 528, 1056), (2, 4)):
+        launches = [read_launch(w, out, programs, stages) for w in c.ws]
+        res.append((f"P{programs} B4096 s{stages}", c.time_us(lambda layer, ls=launches: ls[layer](), iters, flush)))
     return res
 
 
@@ -451,69 +450,6 @@ def cfg_label(cfg) -> str:
     return f"N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
 
 
-# A decode step's weight reads at batch 1 (elements, bf16): layers x [per layer], then the LM head. Qwen3-30B-A3B: qkv
-# (32 + 2 * 4 heads of 128) x 2048, o 2048 x 4096, 8 chosen experts' gate/up 8 x 1536 x 2048 and down 8 x 2048 x 768.
-STEP_READS = {
-    "30b": (48, [5120 * 2048, 2048 * 4096, 8 * 1536 * 2048, 8 * 2048 * 768], 151936 * 2048),
-    "8b": (32, [6144 * 4096, 4096 * 4096, 28672 * 4096, 4096 * 14336], 128256 * 4096),
-}
-
-
-def read_launch(w: torch.Tensor, out: torch.Tensor, programs: int, stages: int):
-    """A pure streaming read of w with `programs` programs of 4096-element steps: a zero-argument launch."""
-    n, block = w.numel(), 4096
-    chunk = triton.cdiv(triton.cdiv(n, programs), block) * block
-    grid = (triton.cdiv(n, chunk),)
-    return lambda: _read_kernel[grid](w, out, n, CHUNK=chunk, BLOCK=block, NUM_STAGES=stages, num_warps=4,
-                                      num_stages=stages)
-
-
-def step_ceiling(names: list[str], iters: int, flush) -> None:
-    from specserve.bench.phases import copy_bandwidth
-
-    dev = torch.device("cuda")
-    copy_gbps = copy_bandwidth(dev)
-    out = torch.empty(4096, device=dev)
-    print(f"measured copy bandwidth {copy_gbps:.0f} GB/s")
-    for name in names:
-        layers, per_layer, head = STEP_READS[name]
-        best = {}  # elements -> (programs, stages) of the fastest read of that size (8 distinct buffers a graph)
-        for n in sorted(set(per_layer + [head])):
-            ws = [torch.empty(n, dtype=DTYPE, device=dev).normal_() for _ in range(8 if n < 1 << 28 else 2)]
-            times = {}
-            for programs, stages in itertools.product((132, 264, 528, 1056), (2, 4)):
-                calls = [read_launch(w, out, programs, stages) for w in ws]
-                graph, _, _ = capture_graph(lambda calls=calls: [c() for c in calls], None)
-                times[programs, stages] = time_ms(graph.replay, iters, 5, flush) * 1e3 / len(ws)
-                del graph
-            best[n] = min(times, key=times.get)
-            us = times[best[n]]
-            print(f"  {name} read of {n * 2 / 1e6:7.1f} MB: {us:8.2f} us ({n * 2 / us / 1e6:5.2f} TB/s) at "
-                  f"P{best[n][0]} s{best[n][1]}", flush=True)
-            del ws
-        bufs = [[torch.empty(n, dtype=DTYPE, device=dev) for n in per_layer] for _ in range(layers)]
-        head_w = torch.empty(head, dtype=DTYPE, device=dev)
-        step = [read_launch(w, out, *best[w.numel()]) for layer in bufs for w in layer]
-        step.append(read_launch(head_w, out, *best[head]))
-        graph, _, _ = capture_graph(lambda step=step: [c() for c in step], None)
-        ms = time_ms(graph.replay, iters, 5, flush)
-        nbytes = 2 * (layers * sum(per_layer) + head)
-        frac = nbytes / (ms * 1e-3) / 1e9 / copy_gbps
-        print(f"{name}: a step as {len(step)} pure reads, {nbytes / 1e9:.2f} GB: {ms:.3f} ms = {frac:.1%} of copy "
-              f"bandwidth; at 70% the step may take {nbytes / 0.7 / copy_gbps / 1e6:.3f} ms, which leaves "
-              f"{(nbytes / 0.7 / copy_gbps / 1e6 - ms) * 1e3 / layers:.2f} us a layer for everything that is not a "
-              f"weight read", flush=True)
-        del graph, bufs, head_w
-        # the same bytes as one launch: what a kernel streaming the whole step without launches between could reach
-        whole = torch.empty(nbytes // 2, dtype=DTYPE, device=dev)
-        one = [read_launch(whole, out, programs, stages) for programs, stages in ((528, 4), (1056, 4), (2112, 4))]
-        ms_one = min(time_ms(lambda c=c: c(), iters, 5, flush) for c in one)
-        print(f"{name}: the same {nbytes / 1e9:.2f} GB as one read launch: {ms_one:.3f} ms = "
-              f"{nbytes / (ms_one * 1e-3) / 1e9 / copy_gbps:.1%} of copy bandwidth", flush=True)
-        del whole
-        torch.cuda.empty_cache()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["8b", "30b"])
@@ -525,8 +461,6 @@ def main() -> None:
     ap.add_argument("--norm", action="store_true", help="only the fused GEMVs' norm statistics step widths")
     ap.add_argument("--wide", action="store_true", help="only the fused GEMVs with wide K steps")
     ap.add_argument("--late", action="store_true", help="only the fused norm GEMVs with and without LATE_RSTD")
-    ap.add_argument("--step-ceiling", nargs="*", choices=sorted(STEP_READS), default=None,
-                    help="only a decode step as pure reads (default: all of STEP_READS)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     flush = l2_flush()
@@ -541,9 +475,6 @@ def main() -> None:
         return
     if args.late:
         late_rows(args, g, flush)
-        return
-    if args.step_ceiling is not None:
-        step_ceiling(args.step_ceiling or sorted(STEP_READS), args.iters, flush)
         return
     runners = dict(cublas=lambda c: run_cublas(c, args.iters, flush), ours=lambda c: run_ours(c, args.iters, flush),
                    read=lambda c: run_read(c, args.iters, flush, args.quick),
