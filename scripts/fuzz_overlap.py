@@ -4,11 +4,14 @@ prompts arriving at random steps, random aborts, max_new_tokens from 1, stop ids
 workload runs under both schedules; outputs and finish reasons must be equal (an aborted request's: equal over
 their common prefix, since the schedules reach an abort at different lengths), and every page and row must be back.
 
-    python3 scripts/fuzz_overlap.py [first-seed] [count] [llama|hybrid|dsa]
+    python3 scripts/fuzz_overlap.py [first-seed] [count] [llama|hybrid|dsa] [--output-file PATH]
 
 hybrid: a tiny Qwen3-Next (GDN state rows) with its MTP layer; dsa: a tiny GLM-5 (MLA + sparse attention, top 5)
-with an MTP layer; llama (default): a tiny Llama, with an MTP layer for the speculative runs.
+with an MTP layer; llama (default): a tiny Llama, with an MTP layer for the speculative runs. Prints a line every
+10 trials and a MISMATCH block per differing request; the last line counts trials, mismatches and overlapped
+prefills; the exit status is 1 on any mismatch.
 """
+import argparse
 import os
 import random
 import sys
@@ -21,6 +24,7 @@ from helpers import build_tiny_model  # noqa: E402
 from test_overlap_schedule import overlapped  # noqa: E402
 
 from specserve import Engine  # noqa: E402
+from specserve.bench.tee import tee_stdout_to  # noqa: E402
 from specserve.engine.request import Req  # noqa: E402
 from specserve.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -127,6 +131,16 @@ def _trials(seed0: int, count: int, models: dict[str, str]) -> int:
     return 1 if bad else 0
 
 
+def _cli() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("first_seed", nargs="?", type=int, default=0)
+    p.add_argument("count", nargs="?", type=int, default=100)
+    p.add_argument("family", nargs="?", default="llama", choices=("llama", "hybrid", "dsa"))
+    p.add_argument("--output-file", default=None, help="also write what is printed to this file (text)")
+    args = p.parse_args()
+    tee_stdout_to(args.output_file)
+    return main(args.first_seed, args.count, args.family)
+
+
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0, int(sys.argv[2]) if len(sys.argv) > 2 else 100,
-                  sys.argv[3] if len(sys.argv) > 3 else "llama"))
+    sys.exit(_cli())

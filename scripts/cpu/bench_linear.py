@@ -1,6 +1,7 @@
 """Micro-benchmark of fp32 CPU linear layers at small row counts (the speculative verify step's 2-6 rows).
 
     OMP_NUM_THREADS=2 python3 scripts/cpu/bench_linear.py [--ms 1,2,4] [--shapes qkv,lm_head] [--reps 5]
+        [--output-file PATH]
 
 For each SmolLM2-135M linear shape and row count M it times every candidate y = x @ W^T + b and prints the time,
 the ratio to F.linear at M=1 (the plain decode step's cost) and the ratio to F.linear at the same M. The weights are
@@ -16,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specserve.bench.tee import tee_stdout_to
 
 # name: (in, out) of SmolLM2-135M's linears (hidden 576, intermediate 1536, 9 q heads / 3 kv heads of 64).
 SHAPES = {
@@ -58,14 +61,16 @@ def time_once(fn: Callable, preps: list, xs: list[torch.Tensor], iters: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--min-s", type=float, default=0.02, help="seconds per timed repeat")
     ap.add_argument("--methods", default="", help="comma list to restrict the candidates")
     ap.add_argument("--hot", action="store_true", help="one weight copy (cache-resident for the small shapes)")
+    ap.add_argument("--output-file", default=None, help="also write the printed table to this file (text)")
     args = ap.parse_args()
+    tee_stdout_to(args.output_file)
     ms = [int(m) for m in args.ms.split(",")]
     only = set(args.methods.split(",")) - {""}
     torch.manual_seed(0)

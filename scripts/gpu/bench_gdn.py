@@ -3,14 +3,20 @@ against their memory floor: the bytes a kernel must move (states read and writte
 measured copy bandwidth. Decode (1 token, state in place), verify (4 tokens, a state per position) at batch 1..64,
 timed as CUDA-graph replays;
 prefill at 512..8192 tokens, token-sequential vs chunked. One layer; bf16 inputs, float32 SSM state, bf16 conv state.
+Printed per row: the kernel's ms, its floor's ms and the floor as a percentage of the kernel's time (100%: at the
+copy bandwidth); prefill rows also give the chunked kernel's TFLOP/s and its largest difference from the sequential
+kernel. Needs a CUDA GPU.
 
-    python3 scripts/gpu/bench_gdn.py
+    python3 scripts/gpu/bench_gdn.py [--output-file PATH]
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.kernels import reference as ref
 from specserve.kernels.triton_gdn import causal_conv_states_triton, gated_delta_rule_states_triton
 
@@ -73,6 +79,9 @@ def inputs(b: int, w: int, slots: int):
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output-file", default=None, help="also write the printed tables to this file (text)")
+    tee_stdout_to(p.parse_args().output_file)
     bw = copy_bw()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; one layer, Hk {HK} Hv {HV} Dk {DK} Dv {DV}, conv {C} x {K}")
     state_b = HV * DK * DV * 4  # float32 SSM state per slot

@@ -4,6 +4,7 @@ Today's path (Triton add+RMSNorm, cuBLAS F.linear, Triton SiLU-and-mul) against 
 (norm_gemv, gemv), as CUDA-graph replays:
 
     python3 scripts/gpu/bench_gemv.py [--shapes llama-3.1-8b smollm2-135m qwen3-30b-a3b qwen3-8b] [--iters 50] [--sweep]
+        [--rows 1 2 3 4 5] [--output-file PATH]
 
 Per layer: qkv = add_rms_norm + F.linear (fused: norm_gemv), o = F.linear (gemv), gate_up = add_rms_norm + F.linear
 + silu_and_mul (norm_gemv with silu_mul), down = F.linear (gemv); Qwen3-30B-A3B: the attention projections only (its
@@ -18,11 +19,12 @@ weight bytes only, against 4.2 TB/s. Before timing, the fused outputs are checke
 --sweep also times, per projection (weight rows, K) at each M of --rows, a pruned grid of launch configurations:
 BLOCK_N in 2..32 x BLOCK_K in 128..1024 at 4 warps / 2 stages, then num_warps 1..8 at the best tile, then
 num_stages 1..4 at the best of those (about 25 configurations per projection, 10 projections for the three shape
-sets); it prints the best per (rows, K) as a dict to paste into triton_gemv._TUNED (M = 1) or, at M > 1, for the
-GEMV with its M rows unrolled, into triton_gemv._TUNED_ROWS. Triton's compilation (about a second a
+sets); it prints the best per (rows, K) as a dict to paste into kernels/tuned_h200.py GEMV_TUNED (M = 1) or, at
+M > 1, for the GEMV with its M rows unrolled, into GEMV_TUNED_ROWS. Triton's compilation (about a second a
 configuration) dominates its time; --shapes limits it. With more than one M in --rows it also prints, per weight
 shape whose M > 1 calls ran the row-unrolled GEMV, the most rows up to which that beat the unfused path at every
-M measured (kernels/gemv_policy.py FASTER_ROWS).
+M measured (tuned_h200.FASTER_ROWS), and the shapes the fused kernels beat the unfused path on (tuned_h200.FASTER).
+Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from bench_moe import PEAK_BW, l2_flush, time_ms  # this folder: the scripts run as files
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels.triton_act import silu_and_mul
 from specserve.kernels.triton_gemv import gemv, gemv_config, norm_gemv
@@ -255,7 +258,7 @@ def sweep(p: Proj, iters: int, flush, m: int = 1) -> tuple[dict[str, int], float
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--rows", type=int, nargs="+", default=[1], help="M: rows (1: the GEMV; 2..16: the skinny GEMM)")
     p.add_argument("--iters", type=int, default=50)
@@ -263,7 +266,9 @@ def main() -> None:
     p.add_argument("--warm", action="store_true", help="no L2 flush between replays")
     p.add_argument("--sweep", action="store_true", help="also search launch configurations (each M of --rows)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-file", default=None, help="also write the printed tables and dicts to this file (text)")
     args = p.parse_args()
+    tee_stdout_to(args.output_file)
 
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     flush = l2_flush(args.warm)
@@ -286,23 +291,23 @@ def main() -> None:
                     break
                 up_to = m
             most[shape] = up_to
-        print("\n# kernels/gemv_policy.py FASTER_ROWS (the row-unrolled GEMV faster at every M up to):")
+        print("\n# kernels/tuned_h200.py FASTER_ROWS (the row-unrolled GEMV faster at every M up to):")
         print(f"FASTER_ROWS = {dict(sorted(most.items()))}")
     if tuned_rows:
-        print("_TUNED_ROWS: dict[tuple[int, int], dict[str, int]] = {")
+        print("GEMV_TUNED_ROWS: dict[tuple[int, int], dict[str, int]] = {")
         for key, cfg in tuned_rows.items():
             print(f"    {key}: dict(BLOCK_N={cfg['BLOCK_N']}, BLOCK_K={cfg['BLOCK_K']}, num_warps={cfg['num_warps']}, "
                   f"num_stages={cfg['num_stages']}),")
         print("}")
     if args.sweep and tuned:
-        print(f"\n# triton_gemv._TUNED from bench_gemv.py --sweep on {torch.cuda.get_device_name()} "
+        print(f"\n# kernels/tuned_h200.py GEMV_TUNED from bench_gemv.py --sweep on {torch.cuda.get_device_name()} "
               f"({time.time() - t0:.0f} s):")
-        print("_TUNED: dict[tuple[int, int], dict[str, int]] = {")
+        print("GEMV_TUNED: dict[tuple[int, int], dict[str, int]] = {")
         for key, cfg in tuned.items():
             print(f"    {key}: dict(BLOCK_N={cfg['BLOCK_N']}, BLOCK_K={cfg['BLOCK_K']}, num_warps={cfg['num_warps']}, "
                   f"num_stages={cfg['num_stages']}),")
         print("}")
-        print("# kernels/gemv_policy.py: the shapes the tuned fused kernels beat the unfused path on")
+        print("# kernels/tuned_h200.py: the shapes the tuned fused kernels beat the unfused path on")
         print(f"FASTER: frozenset[tuple[int, int]] = frozenset({sorted(faster)})")
 
 

@@ -10,14 +10,16 @@ one layer, bf16, timed as CUDA-graph replays (the kernels without the host launc
 - `sweep` (only when asked): the absorbed-MLA kernel's launch options (heads per program, keys per step, warps,
   pipeline stages) searched per shape, dense and sparse, against the defaults; ends with a dict literal of the best
   options per shape for a policy.
+Times are printed in us per call; "floor" rows are the bytes floor's time, so kernel / floor near 1 is at the copy
+bandwidth. Needs a CUDA GPU.
 
-    python3 scripts/gpu/bench_mla.py [sparse] [mla] [indexer] [sweep [--budget SECONDS]]
+    python3 scripts/gpu/bench_mla.py [sparse] [mla] [indexer] [sweep] [--budget SECONDS] [--output-file PATH]
                                                                   (default: the first three; sweep budget 240 s)
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import torch
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from bench_gdn import bench_graph, copy_bw
 
 from specserve.attention.torch_mla_backend import topk_slots
+from specserve.bench.tee import tee_stdout_to
 from specserve.kernels.triton_indexer import index_scores_triton
 from specserve.kernels.triton_mla import mla_decode_triton
 from specserve.kernels.triton_topk import index_topk_triton
@@ -262,9 +265,16 @@ def sweep(bw: float, budget: float) -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    budget = float(args[args.index("--budget") + 1]) if "--budget" in args else 240.0
-    parts = [a for a in args if a in ("sparse", "mla", "indexer", "sweep")] or ["sparse", "mla", "indexer"]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("parts", nargs="*", help="what to time, of sparse mla indexer sweep (default: the first three)")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds the sweep may take")
+    p.add_argument("--output-file", default=None, help="also write the printed tables to this file (text)")
+    args = p.parse_args()
+    if set(args.parts) - {"sparse", "mla", "indexer", "sweep"}:
+        p.error(f"unknown parts {args.parts}: choose from sparse mla indexer sweep")
+    tee_stdout_to(args.output_file)
+    budget = args.budget
+    parts = args.parts or ["sparse", "mla", "indexer"]
     bw = copy_bw()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e9:.0f} GB/s")
     for name, fn in (("sparse", sparse_rows), ("mla", mla_rows), ("indexer", indexer_rows)):

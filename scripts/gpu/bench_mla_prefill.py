@@ -13,13 +13,13 @@ err: the largest |mha - absorbed| over the largest |absorbed| of the output, a b
 columns count the multiply-adds x 2 of each form over the causal pairs (absorbed: (C + R) + C per key and head plus
 the W_UK / W_UV einsums; mha: (nope + R) + v plus the [S, C] x [C, H (nope + v)] decompression).
 
-    python3 scripts/gpu/bench_mla_prefill.py [h64] [dsv3] [glm5]     (default: h64 dsv3)
+    python3 scripts/gpu/bench_mla_prefill.py [h64] [dsv3] [glm5] [--output-file PATH]     (default: h64 dsv3)
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from specserve.attention.mla_prefill import MHAPrefillMeta
 from specserve.attention.torch_backend import _ExtendMeta
 from specserve.attention.torch_mla_backend import TorchMLABackend
+from specserve.bench.tee import tee_stdout_to
 
 C, R = 512, 64
 SHAPES = {"h64": (64, 128, 128), "dsv3": (128, 128, 128), "glm5": (64, 192, 256)}  # heads, nope, v
@@ -92,13 +93,18 @@ def row(heads: int, nope: int, v: int, chunk: int, prefix: int, dev: torch.devic
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shapes", nargs="*", help=f"of {' '.join(SHAPES)} (default: h64 dsv3)")
+    p.add_argument("--output-file", default=None, help="also write the printed tables to this file (text)")
+    args = p.parse_args()
+    names = args.shapes or ["h64", "dsv3"]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
     if not torch.cuda.is_available():
         print("bench_mla_prefill: needs a CUDA GPU; nothing to time here")
         return
-    names = sys.argv[1:] or ["h64", "dsv3"]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown:
-        sys.exit(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
+    tee_stdout_to(args.output_file)
     dev = torch.device("cuda")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; ms per layer, bf16")
     for name in names:

@@ -25,6 +25,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
 from specserve.kernels.triton_moe import _gemm_configs, fused_moe, moe_block_m
@@ -171,7 +172,7 @@ def sweep_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=768)
@@ -182,7 +183,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between timed calls")
     p.add_argument("--sweep", action="store_true", help="sweep both GEMMs' launch configs at each T")
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     args = p.parse_args()
+    tee_stdout_to(args.output_file)
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     h, i, e, k = args.hidden, args.inter, args.experts, args.top_k

@@ -9,9 +9,9 @@ weights are never written, so that read may overlap the previous kernel), and on
 kernel (gdc_wait) before it reads x; the same with the dependents let in only after the main loop (pdl-late:
 waiting programs then never take SM slots from the kernel's own later waves); and, for scale, cuBLAS (F.linear).
 Per GEMV microseconds (median of --iters replays after an L2 flush), the weight bandwidth against 4.2 TB/s, and
-whether the PDL chains equal the plain one bit for bit. The profile of §15.1 puts ~0.9 us of gap at each kernel
-boundary of an 8B decode step; if PDL recovers most of it, the fused decode kernels (kernels/triton_gemv.py and
-their neighbours) should launch this way. Prints "PDL not supported" and the error when this Triton cannot launch
+whether the PDL chains equal the plain one bit for bit. A decode step's profile shows a gap at each kernel boundary;
+where PDL recovers most of it, the fused decode kernels (kernels/triton_gemv.py and their neighbours) should launch
+this way. Prints "PDL not supported" and the error when this Triton cannot launch
 with PDL.
 """
 
@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from bench_moe import PEAK_BW, l2_flush, time_ms  # this folder: the scripts run as files
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 
 
@@ -73,7 +74,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--block-n", type=int, default=8)
     p.add_argument("--block-k", type=int, default=512)
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     a = p.parse_args()
+    tee_stdout_to(a.output_file)
     dev = torch.device("cuda")
     flush = l2_flush()
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}: per-GEMV us in a graph of {a.layers}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from bench_moe import time_ms  # this folder: the scripts run as files
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import triton_ops as tk
 
@@ -87,11 +88,13 @@ def check(s: Shape, layer: Layer, cs, pos, loc) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 1024])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     args = p.parse_args()
+    tee_stdout_to(args.output_file)
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     print(f"{torch.cuda.get_device_name()}: bfloat16, CUDA-graph replays of {args.layers} layers, median of "

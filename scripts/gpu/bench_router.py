@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from bench_moe import l2_flush, time_ms  # this folder: the scripts run as files
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
 from specserve.kernels.triton_norm import add_rms_norm
@@ -77,14 +78,16 @@ SWEEP = [(be, tb) for be in (1, 2, 4, 8) for tb in (1, 2, 4)]  # (BLOCK_E, T_BLO
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--calls", type=int, default=20, help="router calls (distinct weights) per graph")
     p.add_argument("--warm", action="store_true", help="no L2 flush between replays")
     p.add_argument("--sweep", action="store_true", help="also time other fused launch configurations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     args = p.parse_args()
+    tee_stdout_to(args.output_file)
 
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     flush = l2_flush(args.warm)

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 from bench_moe import time_ms  # this folder: the scripts run as files
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels.triton_sample import probs_triton, sample_triton
 from specserve.layers.sampler import SamplingBatch, probs_reference, sample_from_probs
@@ -48,7 +49,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 40, 320])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--chunks", type=int, nargs="*", default=[], help="also time the kernels at these chunk sizes")
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     a = p.parse_args()
+    tee_stdout_to(a.output_file)
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}: graph replay us (median of {a.iters}); torch reference vs Triton")
     print(f"{'vocab':>7} {'rows':>5} {'sampling':<16} {'sample ref':>10} {'triton':>8} {'x':>6} "

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.phase_setup import fake_requests, make_runners, random_models
 from specserve.bench.phases import phase_inputs
+from specserve.bench.tee import tee_stdout_to
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.steps import launch_decode
 
@@ -55,19 +56,21 @@ def wall_ms(fn, steps: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("preset", nargs="?", default="llama-3.1-8b")
     p.add_argument("--steps", nargs="*", choices=list(SAMPLING), default=None,
                    help="profile the whole plain step (decode + sampling) instead of the decode graph alone")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     a = p.parse_args()
+    tee_stdout_to(a.output_file)
     dev = torch.device("cuda")
     target, draft, cfg = random_models(a.preset, torch.bfloat16, dev, 2100)
     pair = make_runners(target, draft, cfg, torch.bfloat16, dev, 3, 1, 2048, disable_graphs=False)
     mr = pair.plain
     if not a.steps:
-        runner = mr.runners["decode"]
+        runner = mr.phases.decode
         live = phase_inputs(mr, fake_requests(mr, 1, 512), "decode")
         for _ in range(10):
             runner.run(live)

@@ -4,7 +4,7 @@ sampler's filtered sample (kernels/triton_sample.py) at two chunk sizes, and one
 
     python3 scripts/gpu/profile_kernels.py [--iters 30] [--parts sampler dsa dsa-batches]
 
-`dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (issue 14's ratio), keys
+`dsa-batches`: the DSA step against dense MLA at 32k keys a request, batch 1, 8, 32, 64 (sparse against dense), keys
 in random cache slots; `dsa-batches-contiguous` the same with each request's keys in consecutive slots;
 `dsa-layouts` random / 64-token pages shuffled / contiguous slots, each with bf16 and fp8 index keys;
 `sparse-mla-heads` the sparse MLA's launch options at 16 / 32 / 64 heads a program, batch 32 / 64;
@@ -29,6 +29,7 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels.triton_indexer import fuse_first_pass, index_scores_triton
 from specserve.kernels.triton_mla import mla_decode_triton
@@ -182,7 +183,7 @@ def dsa_first_pass(iters: int) -> None:
 
 
 def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), layouts=("random",), key_types=("bf16",)) -> None:
-    """Issue 14's sparse against dense attention at 32k keys per request, at each batch size: one GLM-5 layer's
+    """Sparse against dense attention at 32k keys per request, at each batch size: one GLM-5 layer's
     DSA step (indexer scores + top-k + sparse MLA over the 2048 chosen rows) against dense MLA over all 32k keys,
     for each slot layout (DsaLayer) and index-key type (bf16; fp8 with a scale a slot, --indexer-cache-dtype, scored
     with q in fp8; fp8-m the same with the scores tile as [keys, heads], keys_m; fp8-f keys_m with fast_acc)."""
@@ -204,8 +205,8 @@ def dsa_batches(iters: int, batch_sizes=(1, 8, 32, 64), layouts=("random",), key
 
 
 def mla_keys_per_step(iters: int) -> None:
-    """The absorbed-MLA kernel at 64-head launches with 32 against 64 keys a step (BENCHMARKS §25.3 left it
-    half-measured), outputs checked equal; then one GLM-5 DSA step at batch 32 kernel by kernel."""
+    """The absorbed-MLA kernel at 64-head launches with 32 against 64 keys a step, outputs checked equal; then one
+    GLM-5 DSA step at batch 32 kernel by kernel."""
     h, c, r = 64, 512, 64
     print("\n=== MLA decode, GLM-5 shapes: default keys a step vs 64, graph replay us ===")
     for bs, w, kv in ((8, 1, 32768), (32, 1, 32768), (8, 4, 32768), (64, 4, 4096), (32, 1, 2048), (64, 4, 2048),
@@ -472,10 +473,12 @@ def _attend_layers(q, caches, table, rows, lens, width, splits, block_n):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--parts", nargs="*", default=["sampler", "dsa"])
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     a = p.parse_args()
+    tee_stdout_to(a.output_file)
     parts = {"sampler": sampler, "dsa": dsa, "dsa-batches": dsa_batches, "mla-n64": mla_keys_per_step,
              "scores-steps": scores_steps, "scores-options": scores_options, "dsa-first-pass": dsa_first_pass,
              "sparse-mla": sparse_mla_sweep,

@@ -14,10 +14,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.phase_setup import PRESETS, fake_requests, make_runners, random_models, random_token_map
 from specserve.bench.phases import phase_inputs
+from specserve.bench.tee import tee_stdout_to
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--phases", default="decode,target_verify")
     p.add_argument("--bs", type=int, default=1)
@@ -25,7 +26,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--token-map-size", type=int, default=0, help="the draft's head restricted to this many ids")
+    p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     args = p.parse_args()
+    tee_stdout_to(args.output_file)
     dev = torch.device("cuda")
     target, draft, cfg = random_models(args.preset, torch.bfloat16, dev, 4096)
     if args.token_map_size:
@@ -34,7 +37,7 @@ def main() -> None:
                         capture_bs=[args.bs])
     for phase in args.phases.split(","):
         mr = pair.plain if phase == "decode" else pair.spec
-        runner = (mr.runners if mr.spec is None else mr.spec.runners)[phase]
+        runner = {r.name: r for r in (mr.phases.all() if mr.spec is None else mr.spec.phases.all())}[phase]
         reqs = fake_requests(mr, args.bs, args.prefix_len)
         live = phase_inputs(mr, reqs, phase)
         for _ in range(3):

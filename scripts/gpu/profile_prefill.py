@@ -2,22 +2,32 @@
 with MTP N = 4 and context lookup also the draft extend) for prompts of several lengths, and the kernel count and
 kernel time of one eager 256-token step.
 
-    python3 scripts/gpu/profile_prefill.py /tmp/smollm2.gguf specserve/assets/smollm2-135m-mtp
+    python3 scripts/gpu/profile_prefill.py /tmp/smollm2.gguf specserve/assets/smollm2-135m-mtp [--output-file PATH]
+
+Printed: per engine (plain, MTP N=4) the eager 256-token step's kernel count and kernel time, then per prompt length
+the median prefill step in ms, eager and graphed, and their ratio (above 1: the graph is faster). Needs a CUDA GPU.
 """
 
+import argparse
 import statistics
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.engine.engine import EngineCore
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.server_args import ServerArgs
 
-model, draft = sys.argv[1], sys.argv[2]
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("model_path", help="the target (a GGUF file or a Hugging Face folder)")
+parser.add_argument("draft_path", help="the MTP draft head's folder")
+parser.add_argument("--output-file", default=None, help="also write what is printed to this file (text)")
+args = parser.parse_args()
+tee_stdout_to(args.output_file)
+model, draft = args.model_path, args.draft_path
 lengths = [64, 256, 1024, 2000]
 
 

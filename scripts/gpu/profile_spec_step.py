@@ -4,20 +4,31 @@ speculation's: the target alone, the draft's inputs kept): random SmolLM2-135M w
 timing) with the shipped draft head and context lookup. Greedy, and with --sampled at temperature 0.7, top-p 0.95
 (argmax drafts, and drafts drawn from the head).
 
-    python3 scripts/gpu/profile_spec_step.py [--sampled] [N ...]
+    python3 scripts/gpu/profile_spec_step.py [--sampled] [N ...] [--output-file PATH]
+
+Printed per step kind: wall ms per step (graph replay + reading the tokens back), kernels per step and kernel time
+per step, then the top kernels by device time per step (us/step, calls/step, us/call). Needs a CUDA GPU.
 """
 
-import sys
+import argparse
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specserve.bench.phase_setup import fake_requests, random_models
+from specserve.bench.tee import tee_stdout_to
 from specserve.engine.model_runner import ModelRunner
 from specserve.layers.sampler import GREEDY, SamplingBatch
 from specserve.models.loader import LoadedTarget, ModelSource, load_mtp_draft
 from specserve.server_args import ServerArgs
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("steps", nargs="*", type=int, help="draft steps N to profile (default: 3 4)")
+parser.add_argument("--sampled", action="store_true", help="also sampled (temperature 0.7, top-p 0.95)")
+parser.add_argument("--output-file", default=None, help="also write what is printed to this file (text)")
+args = parser.parse_args()
+tee_stdout_to(args.output_file)
 
 HEAD = "specserve/assets/smollm2-135m-mtp"
 dev, dtype, ctx_len = torch.device("cuda"), torch.bfloat16, 2048
@@ -65,8 +76,8 @@ def profile_plain(sb: SamplingBatch) -> None:
     mr = ModelRunner(ServerArgs(**common), target, cfg, None, dev, dtype, ctx_len)
     mr.capture_graphs()
     row = fake_requests(mr, 1, 512)[0].kv.row
-    assert mr.plain_step.covers(1, sb)
-    kernel_table(lambda: mr.plain_step.run([row], [512], [512], sb).tolist(), 20,
+    assert mr.decode_step_graph.covers(1, sb)
+    kernel_table(lambda: mr.decode_step_graph.run([row], [512], [512], sb).tolist(), 20,
                  f"plain engine's decode step (one graph, {'greedy' if sb.all_greedy else 'sampled'})")
 
 
@@ -77,7 +88,7 @@ def profile_spec(n: int, sb: SamplingBatch, draft_sampling: str) -> None:
     mr.capture_graphs()
     row = fake_requests(mr, 1, 512)[0].kv.row
     label = "greedy" if sb.all_greedy else f"sampled, {draft_sampling} drafts"
-    kernel_table(lambda: mr.spec.spec_step.run([row], [512], [512], sb).tolist(), 20,
+    kernel_table(lambda: mr.spec.spec_step_graph.run([row], [512], [512], sb).tolist(), 20,
                  f"spec step N={n} (one graph, {label})")
     if draft_sampling == "argmax":  # the speculating engine's plain step (the draft lags; no catch-up here)
         one = mr.spec.plain_step_graph
@@ -86,9 +97,8 @@ def profile_spec(n: int, sb: SamplingBatch, draft_sampling: str) -> None:
                      f"speculating engine's plain step N={n} ({'greedy' if sb.all_greedy else 'sampled'})")
 
 
-args = sys.argv[1:]
-sampled = "--sampled" in args
-steps = [int(x) for x in args if x != "--sampled"] or [3, 4]
+sampled = args.sampled
+steps = args.steps or [3, 4]
 batches = [GREEDY] + ([sampled_batch()] if sampled else [])
 for batch in batches:
     profile_plain(batch)

@@ -2,18 +2,22 @@
 states, chained loss forward, backward, optimiser) on synthetic 16k-token batches, then prints torch.profiler's top
 kernels and ops for one step. On a CPU it runs a small smoke batch.
 
-    python3 scripts/gpu/profile_train_step.py /tmp/smollm2.gguf specserve/assets/smollm2-135m-mtp
+    python3 scripts/gpu/profile_train_step.py /tmp/smollm2.gguf specserve/assets/smollm2-135m-mtp [--output-file PATH]
+
+Printed: seconds per part of a step (summed over the timed steps), then torch.profiler's tables sorted by device
+time (CPU time on a CPU).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specserve.bench.tee import tee_stdout_to
 from specserve.models.loader import ModelSource, load_hf_config, load_target
 from specserve.train.hidden import LiveTargetStates
 from specserve.train.objective import (
@@ -69,7 +73,13 @@ class Step:
 
 
 def main() -> None:
-    model_path, head = sys.argv[1], sys.argv[2]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_path", help="the target (a GGUF file or a Hugging Face folder)")
+    p.add_argument("head", help="the draft head's folder (its weights initialise the draft)")
+    p.add_argument("--output-file", default=None, help="also write what is printed to this file (text)")
+    args = p.parse_args()
+    tee_stdout_to(args.output_file)
+    model_path, head = args.model_path, args.head
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

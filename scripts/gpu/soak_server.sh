@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Issue 16 on the H200: `specserve serve` on SmolLM2-135M (the GGUF joined from its two parts, see env.sh) with the
-# shipped MTP head, a KV pool small enough to retract, then `specserve soak` against it (mixed routes, streaming,
-# aborts, bad inputs, greedy re-runs, pool back to idle, RSS). Needs .smollm2-parts/b and wheels carried, and
-# /tmp/keep/part00 left by an earlier call on the same warm machine.
-#   bash scripts/gpu/soak_server.sh [num-requests] [concurrency]
+# A soak test of the server on a GPU: `specserve serve` on SmolLM2-135M (the GGUF env.sh joins) with the shipped MTP
+# head and a KV pool small enough to retract, then `specserve soak` against it (mixed routes, streaming, aborts, bad
+# inputs, greedy re-runs, the pool back to idle, RSS). Needs the GGUF parts and wheels env.sh reads.
+#
+# Usage: bash scripts/gpu/soak_server.sh [num-requests (2000)] [concurrency (16)]
+#        bash scripts/gpu/soak_server.sh -h
+# Output: $OUT/soak.json (the soak's report) and $OUT/server.log; exit status: the soak's.
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0; fi
 . scripts/gpu/env.sh
 N=${1:-2000}
 C=${2:-16}

@@ -1,4 +1,4 @@
-"""Plain decode at batch 1, specserve against gpt-fast, side by side in one process (issue 17 item 2).
+"""Plain decode at batch 1, specserve against gpt-fast, side by side in one process.
 
     python3 scripts/gpu/vs_gpt_fast.py --gpt-fast /tmp/gpt-fast [--shapes llama-3.1-8b,smollm2-135m] \\
         [--prompt-len 512] [--tokens 256] [--repeats 3]

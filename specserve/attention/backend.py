@@ -1,9 +1,9 @@
 """The attention-backend interface.
 
-There is one backend per cache kind (DESIGN §4): this interface is the MHA kind's (paged K/V attention). One
-backend instance belongs to one runner (or to the eager path) and one model's pool of its kind. It owns its metadata
-buffers: a draft runner's backend can never write a target runner's metadata (DESIGN §3). A layer reaches it with
-`fb.backend(CacheKind.MHA)` and its cache with its `cache_index` among the model's MHA layers.
+There is one backend per cache kind (docs/architecture.md): this interface is the MHA kind's (paged K/V
+attention). One backend instance belongs to one runner (or to the eager path) and one model's pool of its kind. It
+owns its metadata buffers: a draft runner's backend can never write a target runner's metadata. A layer reaches it
+with `fb.backend(CacheKind.MHA)` and its cache with its `cache_index` among the model's MHA layers.
 """
 
 from __future__ import annotations

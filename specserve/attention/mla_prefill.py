@@ -31,8 +31,8 @@ MAX_KV_VALUES = 1 << 28
 
 def prefill_is_mha(choice: str) -> bool:
     """The one place that picks the form of an eager EXTEND batch's dense MLA attention: --mla-prefill absorbed or
-    mha as asked; auto is mha, measured faster on the H200 at every chunk (512 to 8192 tokens) and prefix (0 to 32k)
-    of scripts/gpu/bench_mla_prefill.py (BENCHMARKS.md §25); small chunks on a GPU mostly run as prefill graphs
+    mha as asked; auto is mha, measured faster on the H200 at every chunk and prefix length
+    scripts/gpu/bench_mla_prefill.py tries; small chunks on a GPU mostly run as prefill graphs
     (absorbed) anyway."""
     return choice in ("auto", "mha")
 

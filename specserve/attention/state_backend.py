@@ -1,4 +1,4 @@
-"""The recurrent-state backend (DESIGN §2, §3): the metadata a linear-attention layer needs to find its state.
+"""The recurrent-state backend (docs/architecture.md): the metadata a linear-attention layer needs to find its state.
 
 Per forward, for each request of the batch: its state row (gathered on the device from the page-table row through
 `StatePool.row_state`), the slot its step starts from (the row's current slot), and its tokens' range in the batch

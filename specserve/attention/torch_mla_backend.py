@@ -311,8 +311,8 @@ class TritonIndexBackend(_TokenRowsGraphs, TorchIndexBackend):
         self._store(iq, i, fb)
         pool = self.kv_pool
         # fp8 keys: fp8 queries too (_queries), rounded in the kernel, and the tile's dot as [keys, heads] (keys_m:
-        # the DSA step 1-3% faster than [heads, keys] over fp8 keys at batch 8-64, BENCHMARKS §32.2), its fp8 sums
-        # kept in the tensor core (fast_acc, DeepGEMM's precision: BENCHMARKS §32.4) on a GPU
+        # the DSA step measured faster than with [heads, keys] over fp8 keys at batches 8 to 64), its fp8 sums
+        # kept in the tensor core (fast_acc, DeepGEMM's precision) on a GPU
         fp8 = pool.scales is not None
         if isinstance(meta, TokenRows):  # [T, 1, table width] scores over each token's page-table row
             table = self.req_to_token.table if meta.width is None else self.req_to_token.table[:, :meta.width]

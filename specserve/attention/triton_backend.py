@@ -10,7 +10,7 @@ Metadata is built once per forward (`init_forward_metadata*`) and read by every 
     prefill graph from device tensors, with the batch's (padded, static) token count as the grid bound.
 
 The graph path copies the rows and KV lengths into this instance's own buffers with device ops only, so it is
-capturable and a draft runner's backend never shares metadata with a target runner's (DESIGN §3). Padded rows
+capturable and a draft runner's backend never shares metadata with a target runner's (docs/architecture.md). Padded rows
 (row 0, seq_len == width, slot 0) attend over dummy slot 0 only and stay finite.
 """
 
@@ -29,9 +29,6 @@ from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.req_to_token import ReqToTokenPool
 
 _CPU_NUM_SMS = 4  # stands in for the SM count on CPU (Triton interpreter) so the split heuristic is exercised
-# Fixed-width batches with a QKPrep the attention kernel can take (AttnPrep.fits): the q/k prep inside the attention
-# kernel instead of its own launch before it. On: faster or equal wherever it applies (BENCHMARKS §36.2).
-PREP_IN_ATTENTION = True
 
 
 def kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_kv_splits: int = 32,
@@ -68,10 +65,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, req_to_token: ReqToTokenPool, kv_pool: KVPool, max_kv_splits: int = 32,
                  min_split_keys: int = 256, num_sms: int | None = None, block_n: int = 64, block_m: int = 64,
-                 prep_in_attention: bool | None = None):
+                 prep_in_attention: bool = True):
         """max_kv_splits caps the split-KV fan-out; min_split_keys is the fewest keys worth a split of their own;
-        block_n / block_m: key / query tile sizes; prep_in_attention (default PREP_IN_ATTENTION): fixed-width
-        batches do the q/k prep in the attention kernel where it can."""
+        block_n / block_m: key / query tile sizes. prep_in_attention: fixed-width batches with a QKPrep the
+        attention kernel can take (AttnPrep.fits) do the q/k prep inside the attention kernel instead of its own
+        launch before it (measured faster or equal wherever it applies). False is a test seam only: the separate
+        prep launch, the oracle tests/test_attention_prep.py compares the fused path against."""
         super().__init__(req_to_token, kv_pool)
         dev = req_to_token.table.device
         if num_sms is None:
@@ -82,7 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.min_split_keys = min_split_keys
         self.block_n = block_n
         self.block_m = block_m
-        self.prep_in_attention = PREP_IN_ATTENTION if prep_in_attention is None else prep_in_attention
+        self.prep_in_attention = prep_in_attention
         self.meta: _FixedMeta | _VarlenMeta | None = None
 
     def num_kv_splits(self, batch_size: int, max_seq_len: int) -> int:

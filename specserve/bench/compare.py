@@ -23,6 +23,7 @@ import tempfile
 
 from specserve.bench import plot
 from specserve.bench.serving import main as bench_main
+from specserve.server_args import CommandParser
 
 
 def _ints(text: str) -> list[int]:
@@ -96,8 +97,8 @@ def plot_compare(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specserve bench-compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(prog="specserve bench-compare", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec-url", required=True, help="the speculating server")
     p.add_argument("--plain-url", required=True, help="the same model served without speculation")
     p.add_argument("--backend", default="specserve", choices=("openai", "openai-chat", "sglang", "specserve"))

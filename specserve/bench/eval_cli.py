@@ -12,6 +12,7 @@ import sys
 import time
 
 from specserve.bench import gsm8k, target
+from specserve.server_args import CommandParser
 
 MAX_ERRORS_SHOWN = 5
 
@@ -103,8 +104,8 @@ def run_gsm8k_cli(args, parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specserve eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="specserve eval", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="task", required=True)
     _add_gsm8k(sub)
     args = parser.parse_args(argv)

@@ -11,8 +11,8 @@ What a phase must move (weights once, whatever the batch; caches per request row
   fewer; this floor is the random-weight benchmarks' own.
 - token caches: every K/V, latent and index-key row up to the context, once per row (a DSA layer's attention only
   its `index_topk` chosen latent rows; its indexer every key).
-- recurrent state (DESIGN §2): a decode step reads a row's current slot and writes one; a verify of N + 1 tokens
-  reads one and writes N + 1 (the state after every verified position).
+- recurrent state (docs/architecture.md): a decode step reads a row's current slot and writes one; a verify of
+  N + 1 tokens reads one and writes N + 1 (the state after every verified position).
 - A speculative iteration (engine/spec_step.py) is a target verify of N + 1 tokens a row, a draft extend over the
   same N + 1 positions and N - 1 draft decode steps; a plain step is one target decode.
 
@@ -30,6 +30,7 @@ import torch
 
 from specserve.batch import CacheKind
 from specserve.kvcache.cache_spec import CacheSpec
+from specserve.server_args import CommandParser
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -154,15 +155,15 @@ def print_floors(rows: list[PhaseFloors], gbps: float, label: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from specserve.bench.phase_setup import PRESETS, meta_models
 
-    p = argparse.ArgumentParser(prog="specserve bench-floors", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(prog="specserve bench-floors", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--contexts", default="1024", help="cached tokens a request (comma-separated)")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--bandwidth-gbps", type=float, default=4200.0,
-                   help="the bandwidth the floors are timed at (the H200's measured copy bandwidth: ~4200)")
+                   help="the bandwidth the floors are timed at (default: about the H200's measured copy bandwidth)")
     p.add_argument("--output-file", default=None, help="append the floors as one JSON line")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)

@@ -15,7 +15,7 @@ from specserve.kvcache.manager import KVHandle
 from specserve.models.config import ModelConfig
 from specserve.models.loader import materialize
 from specserve.models.mtp import MTPDraftModel
-from specserve.models.registry import model_class
+from specserve.models.registry import config_from_hf, model_class
 from specserve.server_args import ServerArgs
 
 # Shapes of public checkpoints (random weights: only shapes matter for timing).
@@ -134,7 +134,7 @@ def preset_config(preset: str) -> ModelConfig:
         from transformers import PretrainedConfig
 
         hf = PretrainedConfig(**spec)
-    return ModelConfig.from_hf(hf)
+    return config_from_hf(hf)
 
 
 def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0):

@@ -25,9 +25,9 @@ from specserve.bench.phase_setup import (
     random_token_map,
     release,
 )
-from specserve.engine.steps import run_decode, run_spec_step
+from specserve.engine.steps import run_decode, run_plain_step, run_spec_step
 from specserve.graphs.padding import LiveInputs
-from specserve.server_args import ATTENTION_BACKENDS, DECODE_GEMV, INDEXER_CACHE_DTYPES
+from specserve.server_args import ATTENTION_BACKENDS, DECODE_GEMV, INDEXER_CACHE_DTYPES, CommandParser
 
 
 def timeit(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -88,7 +88,7 @@ def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
     out: dict = {"bs": bs}
     for mr, names in ((pair.plain, ["decode"]), (pair.spec, ["target_verify", "draft_decode", "draft_extend"])):
         reqs = fake_requests(mr, bs, prefix, seed=bs)
-        runners = mr.spec.runners if mr.spec is not None else mr.runners
+        runners = {r.name: r for r in (mr.spec.phases.all() if mr.spec is not None else mr.phases.all())}
         for name in names:
             if name not in runners:
                 continue
@@ -105,20 +105,20 @@ def bench_batch(pair, bs: int, prefix: int, iters: int) -> dict:
             # the step as run: one graph (greedy); then phase by phase (each phase's graph); then all eager
             out["spec_iter_ms"] = timeit(lambda mr=mr, reqs=reqs: run_spec_step(mr, reqs), dev, iters)
             switchable = list(runners.values())
-            if mr.spec.spec_step is not None:
-                mr.spec.spec_step.use_graphs = False
+            if mr.spec.spec_step_graph is not None:
+                mr.spec.spec_step_graph.use_graphs = False
                 out["spec_iter_phases_ms"] = timeit(lambda mr=mr, reqs=reqs: run_spec_step(mr, reqs), dev, iters)
-                switchable.append(mr.spec.spec_step)
+                switchable.append(mr.spec.spec_step_graph)
             for rr in runners.values():
                 rr.use_graphs = False
             out["spec_iter_eager_ms"] = timeit(lambda mr=mr, reqs=reqs: run_spec_step(mr, reqs), dev,
                                                max(3, iters // 4))
             for rr in switchable:
                 rr.use_graphs = bool(rr.graphs) or dev.type != "cuda"
-            if mr.spec.plain is not None:  # adaptive speculation's plain step (the draft lags; cleared each time)
+            if mr.spec.plain_step_ctx is not None:  # adaptive speculation's plain step (the draft lags; cleared)
                 rows = [r.kv.row for r in reqs]
                 out["spec_plain_step_ms"] = timeit(lambda mr=mr, reqs=reqs, rows=rows: (
-                    run_spec_step(mr, reqs, plain=True), mr.spec.lag.clear(rows)), dev, iters)
+                    run_plain_step(mr, reqs), mr.spec.lag.clear(rows)), dev, iters)
         release(mr, reqs)
     out["spec_iter_over_plain_step"] = out["spec_iter_ms"] / out["plain_step_ms"]
     if "spec_plain_step_ms" in out:
@@ -181,8 +181,8 @@ def idle_fraction(mr, prefix: int, steps: int, spec: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specserve bench-phases", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(prog="specserve bench-phases", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="random weights of these shapes")
     p.add_argument("--model-path", default=None)
     p.add_argument("--speculative-draft-model-path", default=None)

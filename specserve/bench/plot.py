@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
-MATPLOTLIB_HINT = "--plot needs matplotlib (pip install matplotlib)"
+MATPLOTLIB_HINT = "--plot needs matplotlib: pip install 'specserve[plot]'"
 
 
 def check_available() -> None:

@@ -18,6 +18,7 @@ from specserve.bench.backends import BACKENDS, RequestOutput
 from specserve.bench.datasets import BenchRequest, jsonl_requests, random_requests
 from specserve.bench.metrics import compute_metrics, format_summary
 from specserve.bench.runner import RunConfig, fill_missing_output_lens, run_benchmark, run_warmup
+from specserve.server_args import CommandParser
 
 MAX_ERRORS_SHOWN = 5
 
@@ -36,8 +37,8 @@ def parse_concurrency(text: str | None) -> list[int | None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specserve bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(prog="specserve bench", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="specserve",
                    help="specserve/sglang: native /generate; openai: /v1/completions; openai-chat: "
                         "/v1/chat/completions")

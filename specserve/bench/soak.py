@@ -24,6 +24,7 @@ import aiohttp
 
 from specserve.bench import target
 from specserve.bench.backends import REQUEST_ERRORS, NativeStream, OpenAIStream, RequestOutput, SSEDecoder
+from specserve.server_args import CommandParser
 
 ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "generate": "/generate"}
 VALID_KINDS = tuple(f"{r}{s}" for r in ROUTES for s in ("", "_stream"))
@@ -381,8 +382,8 @@ async def run_soak(cfg: SoakConfig) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specserve soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(prog="specserve soak", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(SoakConfig):  # one flag per config field, so the two cannot drift apart
         kind = int if f.default is None else type(f.default)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata.get("help"))

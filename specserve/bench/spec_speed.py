@@ -33,7 +33,7 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker
 from specserve.layers.quant import quantize_draft
 from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
-from specserve.server_args import DRAFT_SAMPLING, QUANTIZATIONS, ServerArgs, embedded_draft_quantization
+from specserve.server_args import DRAFT_SAMPLING, QUANTIZATIONS, CommandParser, ServerArgs, embedded_draft_quantization
 from specserve.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -183,8 +183,8 @@ def load_prompt_sets(b: Bench, files: list[str], per_file: int, max_new: int) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specserve bench-spec", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(prog="specserve bench-spec", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--speculative-draft-model-path", default=None, help="default: the shipped head")
     p.add_argument("--prompts", nargs="+", required=True, help="prompt files (JSON/JSONL)")
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["draft_quantization"] = "none" if cfg.float_draft else b.draft_quantization
                     row["spec_plain_steps"] = scheds[cfg].stats.spec_plain_steps  # adaptive: steps taken plain
                     row["draft_sampling"] = cfg.draft_sampling
-                    one = scheds[cfg].mr.spec.spec_step
+                    one = scheds[cfg].model_runner.spec.spec_step_graph
                     if one is not None:  # which one-graph steps ran (sampled ones at 0: phase by phase)
                         row["spec_step_replays"] = one.replays_by_kind
                 result["speed"].append(row)

@@ -91,7 +91,7 @@ TOPK_CHUNK = 1024  # values of a row per first-stage chunk of row_topk
 def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, V] -> (values [R, k] descending, indices [R, k]): torch.topk's result (equal values may come in another
     order). On CUDA a row of many values goes in two stages (topk_two_stage): torch's one-stage top-k walks a row
-    with one thread block, 89 us for one row of 49152 on the H200 (BENCHMARKS §22.5, the drawn drafts' step)."""
+    with one thread block, slow for a long row (the drawn drafts' step over a large vocabulary)."""
     if x.is_cuda and x.shape[-1] >= 4 * TOPK_CHUNK and 4 * k <= TOPK_CHUNK:
         return topk_two_stage(x, k)
     return x.topk(k, dim=-1)

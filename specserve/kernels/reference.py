@@ -149,7 +149,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Linear attention over slot-indexed recurrent state (gated delta net; layers/gdn.py, DESIGN §2).
+# Linear attention over slot-indexed recurrent state (gated delta net; layers/gdn.py, docs/architecture.md).
 #
 # Both ops take a batch of sequences laid out back to back in the token dimension: sequence b owns tokens
 # starts[b] .. starts[b] + lens[b] - 1 (lens[b] may be 0) and the state of (state_rows[b], start_slots[b]) in the

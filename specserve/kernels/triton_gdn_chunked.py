@@ -285,7 +285,7 @@ def gated_delta_rule_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
     is accepted for callers that have one and not needed: each program loops over its own length's chunks.
     chunk: tokens a chunk (16, 32 or 64; 32 by default: on the H200 with triton 3.6, chunk 64 at block_v 32 made
     an illegal memory access at Dk = Dv = 128 — a miscompile, every load being masked — while 16, 32 and 64 at
-    block_v 64 matched the reference; scripts/gpu/diag_gdn_prefill.py); block_v: value columns a program;
+    block_v 64 matched the reference); block_v: value columns a program;
     split: bfloat16 parts of a float32 operand against raw bfloat16 q / k; precision: tl.dot input precision of
     float32 products (GPU only: "tf32x3", or "bf16x3" / "tf32" for speed; the interpreter computes in float32). See
     the module docstring."""

@@ -15,10 +15,10 @@ in its epilogue), one launch; it also returns h (the new residual).
 caches) in its epilogue, so the prep launch goes (the epilogue: kernels/triton_gemv_rope.py).
 
 One row (a decode step at batch 1) runs the GEMV below. 2..16 rows (verify's N + 1, a small batch) run, for a
-weight shape with a measured row-GEMV config (`_TUNED_ROWS`, up to ROWS_GEMV_MAX rows), the same GEMV with the rows
-unrolled (each weight tile loaded once, one accumulator tile per row), else a skinny GEMM with the same fusions and
-rounding (`_rows_kernel`): each weight tile multiplied with every row on the tensor cores (tl.dot, rows padded to
-16), a [16, BLOCK_N] float32 accumulator, tiles of at least 16.
+weight shape with a measured row-GEMV config (`tuned_h200.GEMV_TUNED_ROWS`, up to ROWS_GEMV_MAX rows), the same
+GEMV with the rows unrolled (each weight tile loaded once, one accumulator tile per row), else a skinny GEMM with the
+same fusions and rounding (`_rows_kernel`): each weight tile multiplied with every row on the tensor cores (tl.dot,
+rows padded to 16), a [16, BLOCK_N] float32 accumulator, tiles of at least 16.
 
 Grid cdiv(N_out, BLOCK_N): each program owns BLOCK_N output columns (BLOCK_N weight rows, or with silu_mul BLOCK_N
 gate rows and the same BLOCK_N up rows) and loops over all of K in BLOCK_K steps (`tl.range`, pipelined by
@@ -41,8 +41,8 @@ gate and up are each rounded, then silu(gate) is rounded and its product with up
 conversion does, because Triton's interpreter (CPU tests) truncates instead. The sums differ from cuBLAS's only in
 the order of accumulation.
 
-LATE_RSTD (a launch config key of the row GEMV; on only in SmolLM2's tuned launches, slower on the larger K of 8B,
-Qwen3-8B and 30B: BENCHMARKS §35.1): W (h * w) / rms(h) computed as rstd * sum_k W_k (h_k w_k) in float32, the
+LATE_RSTD (a launch config key of the row GEMV; on only in SmolLM2's tuned launches, measured slower on the larger K
+of Llama-3.1-8B, Qwen3-8B and Qwen3-30B-A3B): W (h * w) / rms(h) computed as rstd * sum_k W_k (h_k w_k) in float32, the
 squares summed in the same K loop, so a program's first weight load waits for nothing. The normed activation is
 then never rounded to x's dtype (nor h * rstd before the weight multiply): outputs within the output rounding of the
 exact-rounding path (closer to the float32 result), not bit-equal to the unfused ops'.
@@ -64,46 +64,12 @@ from specserve.kernels.triton_gemv_rope import (
     _rope_flags,
     _rope_store_epilogue,
 )
+from specserve.kernels.tuned_h200 import GEMV_PDL_MAX_BYTES, GEMV_PDL_SHAPES, GEMV_TUNED, GEMV_TUNED_ROWS, SMS
 
 MAX_ROWS = 16  # rows a call takes: one (the GEMV) or up to a tl.dot tile of rows (the skinny GEMM)
 
-# ---------------------------------------------------------------------------------------------------------------
-# Tuned launch configurations at M = 1, keyed by the weight's (rows, K) (rows: 2I for silu_mul's gate_up weight).
-# TUNED ON: NVIDIA H200, triton 3.6, 2026-12-01 (`python3 scripts/gpu/bench_gemv.py --sweep --shapes llama-3.1-8b
-# smollm2-135m`, then `--shapes qwen3-30b-a3b`, which print this dict; BENCHMARKS.md). LATE_RSTD=1 (added by hand:
-# the sweep does not try it): SmolLM2's norm GEMVs, K = 576, measured faster with the statistics in the K loop
-# (`scripts/gpu/gemv_lab.py --late`, 2026-12-04, BENCHMARKS §35.1); the larger K of 8B, Qwen3-8B and 30B were slower.
-_TUNED: dict[tuple[int, int], dict[str, int]] = {
-    (6144, 4096): dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=2),
-    (4096, 4096): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3),
-    (28672, 4096): dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
-    (4096, 14336): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=3),
-    (960, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, LATE_RSTD=1),
-    (576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=2, num_stages=3),
-    (3072, 576): dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, num_stages=1, LATE_RSTD=1),
-    (576, 1536): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=8, num_stages=1),
-    (5120, 2048): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2),
-    (2048, 4096): dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, num_stages=4),
-}
-
-# Launch configurations of the row-unrolled GEMV for 2..ROWS_GEMV_MAX rows, keyed by the weight's (rows, K): shapes
-# where it was measured against cuBLAS at verify's rows (`python3 scripts/gpu/bench_gemv.py --rows 5 --sweep`, which
-# prints this dict; kernels/gemv_policy.py FASTER_ROWS says up to how many rows it won). Shapes not listed run the
-# skinny GEMM at more than one row.
-# TUNED ON: NVIDIA H200, triton 3.6, 2026-12-02 (`bench_gemv.py --rows 5 --sweep --shapes smollm2-135m llama-3.1-8b`,
-# BENCHMARKS.md §21.5): only SmolLM2's shapes, where it beat cuBLAS at some row counts; on Llama-3.1-8B's it lost at
-# every M from 2 to 5, so those shapes keep the skinny GEMM.
-_TUNED_ROWS: dict[tuple[int, int], dict[str, int]] = {
-    (960, 576): dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=1),
-    (576, 576): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
-    (3072, 576): dict(BLOCK_N=4, BLOCK_K=128, num_warps=4, num_stages=4),
-    (576, 1536): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, num_stages=1),
-}
 ROWS_GEMV_MAX = 8  # the unrolled GEMV keeps one [BLOCK_N, BLOCK_K] float32 tile a row: more rows would spill
-# ---------------------------------------------------------------------------------------------------------------
-
-_SMS = 132  # H200: the default config aims for several programs on every SM
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 4  # the heuristic launches aim for this many programs on each of tuned_h200.SMS
 
 
 @triton.jit
@@ -395,24 +361,24 @@ def _rows_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, n_out, K, 
 
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, silu_mul: bool = False) -> dict[str, int]:
     """Launch parameters (BLOCK_N, BLOCK_K, num_warps, num_stages) for x [m, k] and a weight [n, k] (silu_mul: n =
-    2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). One row (the GEMV): _TUNED (n, k)
+    2I rows, BLOCK_N counts output columns, each program reads 2 BLOCK_N rows). One row (the GEMV): GEMV_TUNED (n, k)
     first, else a heuristic: K steps of 1 kB of each weight row (16-byte loads, 512 bf16) unless that pads K by more
     than an eighth, and the most output columns a program (16 weight rows at most) that still gives
-    _PROGRAMS_PER_SM programs per SM, down to 2. 2..ROWS_GEMV_MAX rows: _TUNED_ROWS (n, k) (the row-unrolled GEMV,
+    _PROGRAMS_PER_SM programs per SM, down to 2. 2..ROWS_GEMV_MAX rows: GEMV_TUNED_ROWS (n, k) (the row-unrolled GEMV,
     marked GEMV=1) where listed; otherwise, and for more rows, the skinny GEMM (_rows_config)."""
     if m > 1:
-        if m <= ROWS_GEMV_MAX and (n, k) in _TUNED_ROWS:
-            return dict(_TUNED_ROWS[(n, k)], GEMV=1)
+        if m <= ROWS_GEMV_MAX and (n, k) in GEMV_TUNED_ROWS:
+            return dict(GEMV_TUNED_ROWS[(n, k)], GEMV=1)
         return _rows_config(n // 2 if silu_mul else n, k, dtype)
-    if (n, k) in _TUNED:
-        return dict(_TUNED[(n, k)])
+    if (n, k) in GEMV_TUNED:
+        return dict(GEMV_TUNED[(n, k)])
     return _default_config(n // 2 if silu_mul else n, k, dtype, silu_mul)
 
 
 def norm_block(k: int, block_k: int, num_warps: int) -> int:
     """Columns a step of the GEMV's RMSNorm statistics: all of K (to the next power of two) up to 32 a thread, at
     least BLOCK_K. Summing a row's squares in one wide step costs one round trip for x and the residual instead of
-    K / BLOCK_K dependent ones before the first weight is read (measured: BENCHMARKS §33)."""
+    K / BLOCK_K dependent ones before the first weight is read (measured faster on the H200)."""
     return max(block_k, min(triton.next_power_of_2(k), 32 * 32 * num_warps))
 
 
@@ -420,7 +386,7 @@ def _rows_config(cols: int, k: int, dtype: torch.dtype) -> dict[str, int]:
     """The skinny GEMM's tiles: 512 bytes of each weight row a K step, 32 output columns a program where that still
     gives two programs per SM, else 16 (tl.dot's smallest)."""
     block_k = min(512 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
-    block_n = 32 if triton.cdiv(cols, 32) >= 2 * _SMS else 16
+    block_n = 32 if triton.cdiv(cols, 32) >= 2 * SMS else 16
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                 num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
 
@@ -432,7 +398,7 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     w_rows = 2 if silu_mul else 1  # weight rows per output column
     block_n = 16 // w_rows
-    while block_n > 2 and triton.cdiv(cols, block_n) < _SMS * _PROGRAMS_PER_SM:
+    while block_n > 2 and triton.cdiv(cols, block_n) < SMS * _PROGRAMS_PER_SM:
         block_n //= 2
     tile = w_rows * block_n * block_k  # weight elements a K step
     num_warps = max(1, min(4, tile // (32 * 16)))  # 16 or more elements a thread, up to 4 warps
@@ -440,22 +406,15 @@ def _default_config(cols: int, k: int, dtype: torch.dtype, silu_mul: bool) -> di
                 num_stages=3 if triton.cdiv(k, block_k) >= 4 else 2)
 
 
-PDL_MAX_BYTES = 8 << 20  # weights up to which a GEMV is latency-bound enough for PDL to pay (BENCHMARKS.md §21)
-# larger weight shapes (rows, K) measured faster with PDL in the decode step: Llama-3.1-8B's o projection (33.5 MB;
-# the step -1.8%). A 40 MB bound instead would also take Qwen3-30B-A3B's qkv and o, whose step it slowed; 64 MB
-# (8B's qkv too) slowed 8B's (BENCHMARKS §35.2).
-PDL_SHAPES: frozenset[tuple[int, int]] = frozenset([(4096, 4096)])
-
-
 def pdl_mode(device: torch.device, programs: int, w: torch.Tensor) -> int:
     """How the GEMV with weight w launches (its kernel's PDL). Where PDL is supported (launch.pdl_supported) and the
-    weight is at most PDL_MAX_BYTES (SmolLM2's projections) or its shape is in PDL_SHAPES: with programmatic
-    dependent launch, letting the next kernel launch at once (1) when the grid fits in one wave of the GPU
-    (launch.one_wave_pdl: its waiting programs then take no SM the grid still needs), else only after the main loop
-    (2); otherwise (Llama-3.1-8B's other projections, where a layer measured no gain, BENCHMARKS.md §21), off (0).
-    A config's PDL key overrides it."""
-    small = w.numel() * w.element_size() <= PDL_MAX_BYTES
-    if not pdl_supported(device) or not (small or tuple(w.shape) in PDL_SHAPES):
+    weight is at most GEMV_PDL_MAX_BYTES (SmolLM2's projections) or its shape is in GEMV_PDL_SHAPES (both in
+    kernels/tuned_h200.py): with programmatic dependent launch, letting the next kernel launch at once (1) when the
+    grid fits in one wave of the GPU (launch.one_wave_pdl: its waiting programs then take no SM the grid still
+    needs), else only after the main loop (2); otherwise (Llama-3.1-8B's other projections, where a layer measured
+    no gain), off (0). A config's PDL key overrides it."""
+    small = w.numel() * w.element_size() <= GEMV_PDL_MAX_BYTES
+    if not pdl_supported(device) or not (small or tuple(w.shape) in GEMV_PDL_SHAPES):
         return 0
     return 1 if one_wave_pdl(device, programs) else 2
 
@@ -497,7 +456,7 @@ def _launch(x, residual, norm_w, w, bias, y, h, eps, weight_offset, silu_mul, co
             **flags, **_rope_flags(rope, cfg["BLOCK_N"]),
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"], PDL=pdl, GDC=gdc,
             NORM_BLOCK=cfg.get("NORM_BLOCK", norm_block(k, cfg["BLOCK_K"], cfg["num_warps"])), ROPE=rope is not None,
-            LATE_RSTD=norm_w is not None and bool(cfg.get("LATE_RSTD", 0)),  # (module doc; _TUNED's SmolLM2 launches)
+            LATE_RSTD=norm_w is not None and bool(cfg.get("LATE_RSTD", 0)),  # (module doc; tuned SmolLM2 launches)
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(gdc))
         return
     block_n, block_k = max(16, cfg["BLOCK_N"]), max(16, cfg["BLOCK_K"])  # tl.dot's smallest tiles

@@ -83,8 +83,8 @@ def _head_sum(qh, wh, k, F32_DOT: tl.constexpr, PRECISION: tl.constexpr, KEYS_M:
     """sum_h wh[h] * relu(qh[h] . k[n]) for a key tile k [BLOCK_N, BLOCK_D] and heads qh [BLOCK_H, BLOCK_D] ->
     [BLOCK_N] float32. KEYS_M: the dot as [keys, heads] (keys on tl.dot's M, the head sum along N, within a warp's
     lanes); else [heads, keys] (the head sum along M, across warps). With keys on M an fp8 x fp8 tile is a Hopper
-    warpgroup MMA, which Triton runs with imprecise fp8 accumulation by default on sm_90 (BENCHMARKS §31.5: 5% of
-    the scores off by more than 1e-3, up to 0.056); IMPRECISE = 0 (max_num_imprecise_acc) keeps every K step's sum
+    warpgroup MMA, which Triton runs with imprecise fp8 accumulation by default on sm_90 (measured: a share of
+    the scores visibly off the float32 sums); IMPRECISE = 0 (max_num_imprecise_acc) keeps every K step's sum
     in float32, IMPRECISE = BLOCK_D (fast_acc) sums the whole head dimension in the tensor core, promoting to float32
     once a tile, as DeepGEMM's fp8 kernels do every 128 elements."""
     if KEYS_M:
@@ -170,8 +170,8 @@ WALKS = (8, 4, 2)  # key blocks a program may walk (the kernel's STEPS), most fi
 def key_steps(num_tokens: int, blocks: int, target: int) -> int:
     """Key blocks a program walks: the most (of WALKS) that still leave about 4 * target programs (target: about
     two per SM), else 1. A batch of many queries over long contexts then runs fewer, longer programs that pipeline
-    their key loads and flush one histogram each (BENCHMARKS §27: the scores kernel at batch 32 over 32k keys took
-    183 us in 64-key programs); a decode at batch 1 keeps one block a program, for parallelism."""
+    their key loads and flush one histogram each (one key block a program measured slow for many queries over
+    long contexts); a decode at batch 1 keeps one block a program, for parallelism."""
     for s in WALKS:
         if num_tokens * triton.cdiv(blocks, s) >= 4 * target:
             return s
@@ -181,8 +181,8 @@ def key_steps(num_tokens: int, blocks: int, target: int) -> int:
 def fuse_first_pass(num_tokens: int, max_kv: int, device: torch.device, block_n: int = 64) -> bool:
     """Whether the scores kernel should also do the top-k's first histogram pass (pass it a `hist`): only where its
     programs walk one key block each (`key_steps` 1: a decode at batch 1 over long contexts), where it saves the
-    pass's launch. Bigger grids flush a histogram per program and gain from the top-k's own pass (BENCHMARKS §28:
-    one GLM-5 layer over 32k keys, fused / separate, 37.4 / 38.5 us at batch 1, 277.7 / 265.7 at 32)."""
+    pass's launch. Bigger grids flush a histogram per program and gain from the top-k's own pass (measured on a
+    GLM-5 layer over long contexts: fused faster at batch 1, slower at batch 32)."""
     return key_steps(num_tokens, triton.cdiv(max_kv, block_n), target_programs(device, cpu=1)) == 1
 
 
@@ -207,11 +207,11 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     walks (default `key_steps`: more once the grid has programs to spare); num_warps: default 4, 8 for large q tiles.
     q_fp8 (fp8 caches only): each head's q row rounded to e4m3 with its own scale (amax / 448) in the kernel and the
     dot run in fp8, the key tile never converted (reference: `quantise_rows_fp8` on q, then these scores): what the
-    DSA backend runs over fp8 index keys (1.2-1.3x the converted keys at batch 8-64, BENCHMARKS §31.4). keys_m: each
+    DSA backend runs over fp8 index keys (measured faster than the converted keys at batches 8 to 64). keys_m: each
     tile's dot as [keys, heads] rather than [heads, keys] (`_head_sum`): the DSA backend's choice over fp8 keys.
     fast_acc (with q_fp8 and keys_m): the fp8 tile's sums over the head dimension kept in the tensor core's own
-    accumulator and promoted to float32 once (DeepGEMM's fp8 precision; off: every K step promoted, §32.2), the
-    scores a little off the float32 sums (§31.5) but not dependent on the launch shape, so the phases choose alike
+    accumulator and promoted to float32 once (DeepGEMM's fp8 precision; off: every K step promoted), the
+    scores a little off the float32 sums but not dependent on the launch shape, so the phases choose alike
     (tests/test_triton_indexer.py)."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
@@ -233,7 +233,7 @@ def index_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tens
     assert out.shape == (bs, width, max_kv) and out.dtype == torch.float32 and out.stride(-1) == 1
     if num_tokens == 0 or max_kv == 0:
         return out
-    if block_n is None:  # without the first pass, 128-key tiles (BENCHMARKS §28: 32 x 32k keys 117.9 -> 86.4 us)
+    if block_n is None:  # without the first pass, 128-key tiles (measured faster for many queries, long contexts)
         block_n = 64 if hist is not None else 128
     block_d = max(32 if q_fp8 else 16, triton.next_power_of_2(dim))  # an fp8 tl.dot needs K >= 32 on the GPU
     if block_h is None:

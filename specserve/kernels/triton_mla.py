@@ -35,10 +35,10 @@ m = -1e30, l = 0 and adds nothing. The host picks NUM_SPLITS from shapes only: e
 SM (one per SM for 64-head programs, which run one to an SM), at most one split per 4 key blocks of max_kv (per
 key block up to 2048 keys); one split (no workspace, no second kernel) once the batch alone fills the GPU.
 
-Block sizes (defaults; each is a launch option, swept on the H200 in BENCHMARKS.md §12.2 and §25):
+Block sizes (defaults; each is a launch option, swept on the H200 with scripts/gpu/bench_mla.py):
 BLOCK_H from `default_block_h` (64 heads a program for 16-bit q once the launch has enough query rows, fewer heads
 are masked; 16 or 32 in small launches), BLOCK_N = 64 keys (32 when the row is wider than 256 and the program
-has fewer than 64 heads, to bound the c tile's registers; at 64 heads 64 keys measured faster, §27.5), num_warps
+has fewer than 64 heads, to bound the c tile's registers; at 64 heads 64 keys measured faster), num_warps
 4 (8 when BLOCK_C > 256 and the launch is not small or q is float32, where the [BLOCK_H, BLOCK_C] float32
 accumulator and the c tile dominate), num_stages 2. `F32_DOT` computes the products in
 float32: set for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9);
@@ -184,10 +184,9 @@ SHORT_KV = 2048  # up to this many keys (a DSA top-k's chosen rows) a split may 
 
 def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) -> int:
     """Key splits for a launch of `num_programs` (query token, head block) programs: as many as keep the launch
-    within `target` programs (never a partly filled extra wave: 5 splits at batch 32, 160 one-to-an-SM programs,
-    ran as slow as 8, BENCHMARKS §29.1), at most one per 4 key blocks of max_kv (one per key block up to SHORT_KV
-    keys: the sparse MLA over 2048 chosen rows at batch 1 ran fastest at 64 splits of one block, BENCHMARKS §27), at
-    least 1. Shapes only."""
+    within `target` programs (never a partly filled extra wave, which measured as slow as a whole one), at most one
+    per 4 key blocks of max_kv (one per key block up to SHORT_KV keys: the sparse MLA over a top-k's chosen rows at
+    batch 1 measured fastest with splits of one block), at least 1. Shapes only."""
     if num_programs >= target:
         return 1
     most = max(1, triton.cdiv(max_kv, (1 if max_kv <= SHORT_KV else 4) * block_n))
@@ -196,7 +195,7 @@ def num_key_splits(num_programs: int, max_kv: int, block_n: int, target: int) ->
 
 def split_target(device: torch.device, block_h: int) -> int:
     """Programs a launch's key splits aim for: about two per SM, one per SM for 64-head programs (a [64, C] float32
-    accumulator each: one program to an SM; at 2048 chosen rows 1.3-1.6x faster than two, BENCHMARKS §29.1). Under
+    accumulator each: one program to an SM, measured faster than two over a top-k's chosen rows). Under
     the interpreter 8 (4 for 64 heads): a few splits, so CPU tests run the split path too."""
     return target_programs(device, cpu=8) // (2 if block_h >= 64 else 1)
 
@@ -233,7 +232,7 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         block_h = default_block_h(num_tokens, num_heads, max_kv, q.dtype == torch.float32)
     block_c = max(16, triton.next_power_of_2(c))
     block_r = max(16, triton.next_power_of_2(rope)) if rope > 0 else 16
-    if block_n is None:  # 64 keys a step for narrow rows, and at 64-head programs (BENCHMARKS §27: 1.12-1.38x)
+    if block_n is None:  # 64 keys a step for narrow rows, and at 64-head programs (measured faster there)
         block_n = 64 if block_c + block_r <= 256 or block_h >= 64 else 32
     if selection is not None:
         assert selection.shape == (bs, 1, width, max_kv) and selection.dtype == torch.bool

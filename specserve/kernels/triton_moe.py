@@ -18,7 +18,8 @@ Capturable with fixed shapes: nothing is read back to the host and every buffer 
     expert-order float32 sum in the last bit).
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
 (One token as two plain GEMVs, gate/up per expert slot and down summing the slots in registers, was measured no
-faster than the direct path and removed: BENCHMARKS §35.5.)
+faster than the direct path and removed.)
+The GEMMs' tiles are tuned per rows a block: kernels/tuned_h200.py MOE_TILES.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.triton_dot import dot
+from specserve.kernels.tuned_h200 import MOE_TILES
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
 DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
@@ -257,8 +259,8 @@ def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr,
 def moe_block_m(n_pairs: int, num_experts: int) -> int:
     """Rows per block from shapes only: about twice the mean pairs per expert, 16..64, so a small batch pads each
     chosen expert to one 16-row block and a mid-size one reads each expert's weights about once; 128 from 128 pairs
-    per expert on, where the GEMMs turn compute-bound (Qwen3-30B-A3B shapes on the H200: T = 2048 took 524 us
-    against 637 us with 64 rows, T = 8192 1522 against 2077; T <= 1024 was no faster)."""
+    per expert on, where the GEMMs turn compute-bound (measured faster on the H200 at Qwen3-30B-A3B's shapes from
+    2048 tokens on, no faster up to 1024; re-tune with scripts/gpu/bench_moe.py)."""
     if n_pairs >= 128 * num_experts:
         return 128
     return min(64, max(16, triton.next_power_of_2(triton.cdiv(2 * n_pairs, num_experts))))
@@ -299,17 +301,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch
 
 
 def _gemm_configs(block_m: int) -> tuple[dict, dict]:
-    """(gate/up, down) tile sizes, warps and stages, by block_m. Up to 64 rows the GEMMs stream weights and a sweep
-    on the H200 found the tiles within a few percent of each other (see scripts/gpu/bench_moe.py); at 128 rows
-    (prefill) wide tiles with 8 warps were the fastest of those tried."""
-    if block_m <= 16:
-        return (dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-                dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4))
-    if block_m <= 64:
-        return (dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
-                dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4))
-    return (dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
-            dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3))
+    """(gate/up, down) tile sizes, warps and stages for blocks of block_m rows: tuned_h200.MOE_TILES's first entry
+    of at least block_m rows (its last beyond), as fresh dicts."""
+    most = next((rows for rows in MOE_TILES if block_m <= rows), max(MOE_TILES))
+    gate_up, down = MOE_TILES[most]
+    return dict(gate_up), dict(down)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -322,8 +318,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     read from topk_ids (a router's top-k experts of one token are distinct, so each is read once), and at one token
     the down GEMM's last program of each column block sums the k outputs (two launches in all instead of four). The
     result is the aligned path's at one token (a pair per 16-row block there too), bit for bit.
-    No programmatic dependent launch here: in a Qwen3-30B-A3B decode step at batch 1 it cost 6% (BENCHMARKS.md §23.3;
-    the next kernel's early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone.
+    No programmatic dependent launch here: it slowed a Qwen3-30B-A3B decode step at batch 1 (the next kernel's
+    early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone.
     tiles: (gate/up, down) launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of `_gemm_configs`'
     (scripts/gpu/bench_moe.py --sweep tries them)."""
     num_tokens, hidden = x.shape

@@ -24,6 +24,7 @@ from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_gemv import _rounded
 from specserve.kernels.triton_topk import score_keys
+from specserve.kernels.tuned_h200 import ROUTER
 
 
 @triton.jit
@@ -285,16 +286,19 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 def router_config(tokens: int, cols: int, hidden: int, num_experts: int, block_e: int | None = None,
                   t_block: int | None = None, num_warps: int = 4) -> dict[str, int]:
-    """Launch parameters from the shapes alone (unless given), as measured on an H200 (scripts/gpu/bench_router.py
-    --sweep, H 2048, T 1-16). Many small programs win: one weight row each up to 256 columns (E 128: 4 kB in bf16
-    a program), two from 3 tokens at E 512 + 1. T_BLOCK: one token a program where routing a token is costly
-    (E > 256: each token's top-k in its own program, in parallel) or up to 4 tokens; 4 tokens a program above that
-    at E <= 256, which saves GEMV programs. The K chunk fills a _GEMV_TILE-element tile."""
+    """Launch parameters from the shapes alone (unless given), by the rules tuned_h200.ROUTER tunes. Many small
+    programs win: one weight row each up to ROUTER.row_programs columns (row_programs_few at up to few_tokens
+    tokens), more rows a program beyond. T_BLOCK: one token a program where routing a token is costly (more padded
+    experts than one_token_experts_over: each token's top-k in its own program, in parallel) or up to
+    one_token_up_to tokens; token_block tokens a program above that, which saves GEMV programs. The K chunk fills a
+    _GEMV_TILE-element tile."""
     if block_e is None:
-        block_e = 1 << max(0, (cols // (512 if tokens <= 2 else 256)).bit_length() - 1)  # a power of two
+        per = ROUTER.row_programs_few if tokens <= ROUTER.few_tokens else ROUTER.row_programs
+        block_e = 1 << max(0, (cols // per).bit_length() - 1)  # a power of two
     e_pad = triton.next_power_of_2(num_experts)
     if t_block is None:
-        t_block = 1 if tokens <= 4 or e_pad > 256 else 4
+        one = tokens <= ROUTER.one_token_up_to or e_pad > ROUTER.one_token_experts_over
+        t_block = 1 if one else ROUTER.token_block
         # Very long batches (not what ops dispatches here): within ROUTER_TOKEN_BLOCK and the counters.
         t_block = min(max(t_block, triton.next_power_of_2(triton.cdiv(tokens, ROUTER_MAX_TOKEN_BLOCKS))),
                       ROUTER_TOKEN_BLOCK)
@@ -365,8 +369,8 @@ def _router(x, weight, top_k, renormalize, shared_gate, config, norm, grouped=No
     num_experts = cols - 1 if shared_gate and grouped is None else cols  # a gated shared expert: gate row E
     cfg = dict(config or router_config(t, cols, h, num_experts))
     # A config's PDL key launches it with programmatic dependent launch where its grid fits one wave; off by
-    # default: PDL on the router and every MoE kernel cost Qwen3-30B-A3B's step 6% (BENCHMARKS §23.3), the router
-    # alone, with and without PDL on the o GEMV before it, was no faster (§36.3).
+    # default: PDL on the router and every MoE kernel slowed Qwen3-30B-A3B's decode step, and the router alone,
+    # with and without PDL on the o GEMV before it, was no faster.
     pdl = cfg.pop("PDL", False)
     if triton.cdiv(t, cfg["T_BLOCK"]) > ROUTER_MAX_TOKEN_BLOCKS:  # prefill-sized: the GEMM path
         if grouped is not None:

@@ -22,7 +22,7 @@ workspaces depend on shapes only: the launches are CUDA-graph capturable.
 
 At a few rows every pass is latency-bound: a program's serial walk over its chunk is what a pass costs, so the
 chunk shrinks until the grid has about two programs per SM (`pick_chunk`: 4096 tokens at many rows, down to 1024
-at one row; BENCHMARKS.md has the sweep).
+at one row; re-tune with scripts/gpu/bench_sample.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from specserve.kernels.triton_accept import _key, _uniform
 CHUNK = 4096  # tokens per program, at most
 CHUNKS = (4096, 2048, 1024)  # pick_chunk's choices, largest first
 BLOCK = 1024  # tokens per step of a program
-BITS = 5  # key bits a level resolves (6: one launch fewer, each slower: 61.6 us of levels against 47.2, §36.1)
+BITS = 5  # key bits a level resolves (6: one launch fewer, but each slower: measured slower in all)
 BINS = 1 << BITS  # buckets per level
 KEY_BITS = 30  # e = exp(z - max z) <= 1: the float's sign and top exponent bit are 0
 LEVELS = KEY_BITS // BITS

@@ -2,11 +2,11 @@
 request, the softmax probability at it and the index mapped through a vocabulary table (a reduced draft
 vocabulary). Reference: kernels/reference.py `row_top1`.
 
-One program streaming a whole row is slow at small batch: the verify argmax over SmolLM2's 49152 columns took
-16 us at batch 1 on the H200, torch's argmax 13 us, and the draft head's (max, exp, sum, reciprocal, gather) about
-as long again per draft token (scripts/gpu/profile_spec_step.py). Here a row is cut into chunks of CHUNK columns:
-one program per (row, chunk) keeps (max, first argmax, sum of exp(x - max)), and one program per row merges its
-chunks, so any row count fills the GPU and a draft token costs two short kernels.
+One program streaming a whole row is slow at small batch: the verify argmax over a vocabulary-wide row at batch 1
+is a long serial walk on one SM (torch's argmax too), and the draft head's (max, exp, sum, reciprocal, gather)
+costs about as much again per draft token (scripts/gpu/profile_spec_step.py). Here a row is cut into chunks of
+CHUNK columns: one program per (row, chunk) keeps (max, first argmax, sum of exp(x - max)), and one program per row
+merges its chunks, so any row count fills the GPU and a draft token costs two short kernels.
 """
 
 from __future__ import annotations

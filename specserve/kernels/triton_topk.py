@@ -28,7 +28,7 @@ negative ones flipped), 8 bits a pass, most significant first:
 
 Grids and workspaces depend on shapes only (the causal lengths are read on the device), so the launches are CUDA-
 graph capturable; a chunk wholly past its query's length returns at once. At a few queries every launch is one
-program's walk over its chunk (16 programs of 2048 keys for one query over 32k: BENCHMARKS §19.5), so the chunk
+program's walk over its chunk (one query over a long context gives few programs), so the chunk
 shrinks until the grid has about two programs per SM (`pick_chunk`, as the sampler's).
 """
 
@@ -77,8 +77,7 @@ def first_pass_counts(s, ok):
     """The first histogram pass's counts [256] int32 over some of a query's scores s [N] float32 (ok: positions it
     sees): what _hist_kernel's pass 0 counts, from another kernel's registers (kernels/triton_indexer.py, as it
     writes the scores); sum them over blocks, then add_first_pass_counts. 256 bins, as _hist_kernel's: positions
-    not seen count as digit 0 and are taken off again (512 bins, a bin for them, cost twice as much: BENCHMARKS
-    §28)."""
+    not seen count as digit 0 and are taken off again (512 bins, with a bin for them, measured slower)."""
     digit = tl.where(ok, score_keys(s) >> 24, 0).to(tl.int32)
     unseen = tl.sum(tl.where(ok, 0, 1), 0)
     return tl.histogram(digit, 256) - tl.where(tl.arange(0, 256) == 0, unseen, 0)

@@ -4,9 +4,9 @@ It provides the one method of the attention-backend interface (specserve.attenti
 `forward(q, k, v, layer, fb, prep)`, so the target (no grad) and the draft (with grad) run their own model code
 unchanged. Paging, metadata and graph capture have no meaning here, so it does not derive from AttentionBackend.
 
-Chained drafting (DESIGN §1) runs the draft layer once per depth over the whole batch. To give each depth the keys
-inference would see, the backend can keep the keys and values of earlier depths (with their autograd history) and
-attend over the concatenation [depth 1 | depth 2 | ... | depth k] under `chain_mask(L, k)`.
+Chained drafting (docs/architecture.md) runs the draft layer once per depth over the whole batch. To give each
+depth the keys inference would see, the backend can keep the keys and values of earlier depths (with their autograd
+history) and attend over the concatenation [depth 1 | depth 2 | ... | depth k] under `chain_mask(L, k)`.
 
 Sequences are right-padded. Every real query only sees keys at indices <= its own, all real, so the masks need no
 per-sequence padding term; padded queries see real or padded keys and are masked out of the loss.

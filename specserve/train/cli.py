@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from specserve.server_args import CommandParser
 from specserve.train.objective import LOSSES
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ _MIN_RESPONSE_ROOM = 32  # a training prompt must leave at least this many token
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specserve train-mtp", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="specserve train-mtp", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--model-path", "--model", dest="model_path", default=None,
       help="target HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")

@@ -160,7 +160,7 @@ def generate_samples(engine, prompts: list[Prompt], gs: GenerationSettings) -> l
     # Feed the engine in waves: a request enters only when a quarter of the running slots is free, so each
     # prefill step batches many prompts (with one prompt per freed slot, nearly every graphed decode step of a long
     # generation run is followed by a small eager prefill step, which costs several decode steps).
-    cap = sched.mr.max_running
+    cap = sched.model_runner.max_running
     wave = max(1, cap // 4)
     queue = deque(reqs)
     pending: set[str] = set()

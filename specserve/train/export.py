@@ -1,6 +1,6 @@
 """Write a trained head as a draft checkpoint folder (`--speculative-draft-model-path`) and the training report.
 
-Layout (what specserve.models.loader.load_mtp_draft reads, DESIGN §5):
+Layout (what specserve.models.loader.load_mtp_draft reads, docs/architecture.md):
   config.json        the target's HF config with num_hidden_layers = 1, num_nextn_predict_layers = 1,
                      architectures = [<target architecture> + "NextN"]
                      (+ aux_hidden_state_layer_ids: the target layers an EAGLE-3 style head reads, models/mtp.py)

@@ -6,8 +6,8 @@ Two sources with one interface, `batch(idx, ids) -> (features [B, L, F], top1 [B
   * HiddenStore: computed once with our own target under no_grad over padded batches (training attention backend,
     causal mask) and kept per sequence, so training steps do not pay for the target's forward;
   * LiveTargetStates: the target's forward per training batch, for data whose features do not fit in memory
-    (17 M tokens x 4 x 576 bf16 features are 78 GB). On the H200 a whole 16k-token training step of the SmolLM2
-    head took 0.5 s this way (BENCHMARKS.md section 6).
+    (a large corpus's features of several target layers run to tens of GB); on a GPU the target's forward per
+    training step costs little next to the step itself.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class LiveTargetStates:
 
 def pad_multiple(device: torch.device) -> int:
     """Padded batch lengths are rounded up to this. On CUDA a handful of batch shapes instead of one per length:
-    attention and GEMM kernels plan (cuDNN) or tune (Triton) per new shape, which cost about 0.5 s each for the
-    SmolLM2 head's training step (BENCHMARKS.md section 7)."""
+    attention and GEMM kernels plan (cuDNN) or tune (Triton) per new shape, which costs as much as a training step
+    of a small head."""
     return 64 if device.type == "cuda" else 1
 
 
@@ -108,7 +108,7 @@ def greedy_tokens(target: torch.nn.Module, features: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def target_hidden(target: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Our target model over a right-padded batch ids [B, L] -> features [B, L, F] (final-norm hidden, then the aux
-    layers' outputs when the target has any: DenseForCausalLM.set_aux_layers)."""
+    layers' outputs when the target has any: models/base.py CausalLM.set_aux_layers)."""
     b, n = ids.shape
     backend = TrainAttentionBackend(b, n, causal_mask(n, ids.device))
     pos = torch.arange(n, device=ids.device).repeat(b)  # [B*L] rope position = index

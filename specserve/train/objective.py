@@ -3,10 +3,10 @@
 Notation for one sequence x_0 .. x_{n-1} with target final-norm hidden states h_i:
   depth 1 at index i:  (h_i, x_{i+1})            -> g_1,i   predicts x_{i+2}
   depth k at index i:  (g_{k-1,i-1}, x_{i+1})    -> g_k,i   predicts x_{i+2}
-which is what the engine does at inference (DESIGN §1): draft step k at index S+k-2 takes the draft's own hidden
-state from the step before at the index before, and the previous draft token, which equals the true token whenever
-the drafts are accepted. Each depth attends through `chain_mask` to exactly the keys inference would have in the
-draft KV cache; gradients flow through all depths.
+which is what the engine does at inference (docs/architecture.md): draft step k at index S+k-2 takes the draft's
+own hidden state from the step before at the index before, and the previous draft token, which equals the true token
+whenever the drafts are accepted. Each depth attends through `chain_mask` to exactly the keys inference would have in
+the draft KV cache; gradients flow through all depths.
 
 Labels: with loss "kl" the target's distribution softmax(lm_head(h_{i+1})) restricted to the draft vocabulary
 (forward KL); with "ce" the token x_{i+2}. Positions count when x_{i+2} is a response token (the target's own text),

@@ -7,7 +7,6 @@ most often, EOS and the tokenizer's special tokens always included (train/vocab.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -32,12 +31,13 @@ def read_texts(path: str, field: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from specserve.defaults import embedded_model_path
-    from specserve.models.config import ModelConfig
     from specserve.models.loader import ModelSource, load_hf_config
+    from specserve.models.registry import config_from_hf
+    from specserve.server_args import CommandParser
     from specserve.tokenizer import eos_token_ids, load_tokenizer
     from specserve.train.vocab import build_draft_vocab
 
-    p = argparse.ArgumentParser(prog="specserve token-map", description="Write a --speculative-token-map file.")
+    p = CommandParser(prog="specserve token-map", description="Write a --speculative-token-map file.")
     p.add_argument("--model-path", default=None, help="the target (its tokenizer and vocabulary); default embedded")
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--input", action="append", required=True,
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.output.endswith((".pt", ".json")):
         p.error("--output must end in .pt or .json")
     src = ModelSource.resolve(args.model_path or embedded_model_path())
-    cfg = ModelConfig.from_hf(load_hf_config(src))
+    cfg = config_from_hf(load_hf_config(src))
     if not 0 < args.size < cfg.vocab_size:
         p.error(f"--size must be in 1..{cfg.vocab_size - 1} (the vocabulary has {cfg.vocab_size} tokens)")
     tok = load_tokenizer(src, args.tokenizer_path)
