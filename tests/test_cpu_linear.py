@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve.layers.cpu_linear import PACKED_MAX_ROWS
 from specserve.layers.embedding import LMHead
-from specserve.layers.linear import PACKED_MAX_ROWS, Linear, MergedLinear
+from specserve.layers.linear import Linear, MergedLinear
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 IN = 100  # odd sizes, so oneDNN's blocked layout has ragged tails

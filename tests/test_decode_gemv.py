@@ -1,4 +1,4 @@
-"""--decode-gemv's layer wiring (models/dense.py PreNormDecoderLayer.set_decode_gemv): with the fused path on,
+"""--decode-gemv's layer wiring (models/decoder_layer.py PreNormDecoderLayer.set_decode_gemv): with the fused path on,
 decode rows go norm + the mixer's input projection -> the mixer -> its output-projection GEMV -> norm + gate/up +
 SiLU-mul -> down-proj GEMV (an MoE block with a softmax router: the norm inside the router's launch) and give the
 same greedy tokens as the unfused layers, plain and speculative, for Llama, Qwen2 (qkv bias), Qwen3 (q/k norms,
@@ -17,7 +17,8 @@ from hybrid_helpers import build_tiny_hybrid
 from spec_fixtures import build_scheduler, run_greedy
 
 from specserve.kernels import ops
-from specserve.models.dense import DenseDecoderLayer, PreNormDecoderLayer, _dense_mlp, _norm_linear, set_decode_gemv
+from specserve.models.decoder_layer import PreNormDecoderLayer, gated_mlp_projections, norm_linear, set_decode_gemv
+from specserve.models.dense import DenseDecoderLayer
 
 KW = dict(max_total_tokens=2048, max_running_requests=4, cuda_graph_bs=[1, 2, 4], context_length=256)
 
@@ -49,7 +50,7 @@ def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name,
     layers = [m for m in t.model.modules() if isinstance(m, PreNormDecoderLayer)]
     fused = set_decode_gemv(t.model, "triton")
     if spec:
-        assert set_decode_gemv(sched.mr.draft, "triton") >= 1  # the MTP block's layer
+        assert set_decode_gemv(sched.model_runner.draft, "triton") >= 1  # the MTP block's layer
     dense_mlps = mixers = moe_norms = preps = 0
     for layer in layers:
         projs = layer.mixer_projections()
@@ -58,7 +59,7 @@ def test_fused_decode_layers_give_the_unfused_tokens(tiny_models, hybrids, name,
         assert layer.fused_prep == (isinstance(layer, DenseDecoderLayer) and layer.fused_in)
         preps += layer.fused_prep
         mixers += projs is not None
-        gate_up, down = _dense_mlp(layer.mlp)
+        gate_up, down = gated_mlp_projections(layer.mlp)
         assert (gate_up is None) == hasattr(layer.mlp, "experts")  # MoE blocks keep their expert kernels
         assert layer.fused_mlp == (gate_up is not None) and (gate_up is None or down.decode_gemv)
         # softmax routers take the post-attention norm into their launch (DeepSeek's grouped sigmoid does not)
@@ -85,7 +86,7 @@ def test_fused_mlp_half_equals_unfused(tiny_models):
     for rows in (1, 4):
         h, residual = torch.randn((rows, hidden), generator=g), torch.randn((rows, hidden), generator=g)
         want_x, want_r = norm(h, residual)
-        act, r = _norm_linear(norm, mlp.gate_up_proj, h, residual, silu_mul=True)
+        act, r = norm_linear(norm, mlp.gate_up_proj, h, residual, silu_mul=True)
         assert torch.equal(r, want_r)
         set_decode_gemv(layer, "triton")
         try:
@@ -93,7 +94,7 @@ def test_fused_mlp_half_equals_unfused(tiny_models):
         finally:
             set_decode_gemv(layer, "cublas")
         torch.testing.assert_close(y, mlp(want_x), atol=1e-5, rtol=1e-5)
-        qkv, r0 = _norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, h, None)
+        qkv, r0 = norm_linear(layer.input_layernorm, layer.self_attn.qkv_proj, h, None)
         assert r0 is h
         torch.testing.assert_close(qkv, layer.self_attn.qkv_proj(layer.input_layernorm(h)), atol=1e-5, rtol=1e-5)
 

@@ -124,7 +124,7 @@ def test_dense_equivalent_logits_match_hf(dsa, arch):
     for _ in range(2):
         more = [torch.randint(3, 250, (4,), generator=g).tolist() for _ in prompts]
         s = torch.tensor([len(x) for x in seqs])
-        out = mr.spec.runners["target_verify"].run(LiveInputs(
+        out = mr.spec.phases.target_verify.run(LiveInputs(
             3, torch.tensor(sum(more, [])), (s[:, None] + torch.arange(4)).reshape(-1), rows, s + 4,
             int(s.max()) + 4))["logits"]
         for b, m in enumerate(more):
@@ -164,7 +164,7 @@ def test_sparse_logits_match_hf(dsa_tie_free, arch):
     torch.testing.assert_close(got, want[:24], rtol=1e-4, atol=1e-4)
     rows = torch.tensor([h.row])
     for p in range(24, 28):
-        out = mr.runners["decode"].run(LiveInputs(1, torch.tensor([ids[p]]), torch.tensor([p]), rows,
+        out = mr.phases.decode.run(LiveInputs(1, torch.tensor([ids[p]]), torch.tensor([p]), rows,
                                                   torch.tensor([p + 1]), p + 1))["logits"]  # [1, V]
         torch.testing.assert_close(out[0], want[p], rtol=1e-4, atol=1e-4, msg=f"decode at {p}")
 
@@ -200,7 +200,7 @@ def test_sparse_phases_agree(dsa, arch):
     for s0 in (28, 32, 36):
         live = LiveInputs(1, torch.tensor(prompt[s0:s0 + 4]), torch.arange(s0, s0 + 4), rows,
                           torch.tensor([s0 + 4]), s0 + 4)
-        out = mr.spec.runners["target_verify"].run(live)["logits"][0]
+        out = mr.spec.phases.target_verify.run(live)["logits"][0]
         torch.testing.assert_close(out, logits[40][s0:s0 + 4], rtol=1e-4, atol=1e-4, msg=f"verify at {s0}")
 
 
@@ -268,7 +268,7 @@ def test_spec_greedy_equals_plain(dsa, greedy_plain, key, n, page_size):
     prompts, ref = greedy_plain
     sched, _ = build_scheduler(dsa[key], page_size=page_size, max_total_tokens=4096, chunked_prefill_size=16,
                                speculative_algorithm="MTP", speculative_num_steps=n)
-    assert isinstance(sched.mr.draft.decoder.self_attn.indexer, DSAIndexer)  # the MTP block indexes too
+    assert isinstance(sched.model_runner.draft.decoder.self_attn.indexer, DSAIndexer)  # the MTP block indexes too
     reqs = run_greedy(sched, prompts, NEW)
     assert [r.output_ids for r in reqs] == ref[key]
     assert all(r.spec_verify_ct > 0 for r in reqs)
@@ -302,22 +302,22 @@ def test_all_tied_scores_select_the_earliest_tokens_in_every_phase(dsa):
         want[i, :min(i + 1, 5)] = True
     assert torch.equal(sel, want)
     _prefill(plain, tp, [prompt], [hp], chunk=20)
-    decode = plain.runners["decode"]
+    decode = plain.phases.decode
     decode.run(LiveInputs(1, torch.tensor([5]), torch.tensor([20]), torch.tensor([hp.row]), torch.tensor([21]), 21))
     dsel = decode.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [1, max_kv]
     assert dsel.shape[-1] >= 21 and first5(dsel), "decode"
     rows = torch.tensor([h.row])
-    verify = mr.spec.runners["target_verify"]
+    verify = mr.spec.phases.target_verify
     verify.run(LiveInputs(1, torch.tensor([5, 6, 7, 8]), torch.arange(20, 24), rows, torch.tensor([24]), 24))
     vsel = verify.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [4, max_kv]
     assert vsel.shape[-1] >= 24 and first5(vsel), "target verify"
     g = torch.Generator().manual_seed(0)
-    extend = mr.spec.runners["draft_extend"]
+    extend = mr.spec.phases.draft_extend
     extend.run(LiveInputs(1, torch.tensor([5, 6, 7, 8]), torch.arange(20, 24), rows, torch.tensor([24]), 24,
                           accept_len=torch.tensor([1]), hidden=torch.randn(4, mr.draft.feature_size, generator=g)))
     esel = extend.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [4, max_kv]
     assert esel.shape[-1] >= 24 and first5(esel), "draft extend"
-    dd = mr.spec.runners["draft_decode"]  # 2 steps, at positions 22 and 23 over 23 and 24 keys
+    dd = mr.spec.phases.draft_decode  # 2 steps, at positions 22 and 23 over 23 and 24 keys
     dd.run(LiveInputs(1, torch.tensor([9]), torch.tensor([22]), rows, torch.tensor([23]), 23 + 3,
                       hidden=torch.randn(1, mr.cfg.hidden_size, generator=g)))
     ddsel = dd.backends[CacheKind.INDEX_KEYS].last[0, 0]  # [1, max_kv] of the last step
@@ -350,7 +350,7 @@ def test_fp8_indexer_keys(dsa):
     outs = []
     for spec in ({}, {"speculative_algorithm": "MTP", "speculative_num_steps": 3}):
         sched, _ = build_scheduler(path, max_total_tokens=4096, indexer_cache_dtype="fp8_e4m3", **spec)
-        pool = sched.mr.caches.pools[CacheKind.INDEX_KEYS]
+        pool = sched.model_runner.caches.pools[CacheKind.INDEX_KEYS]
         assert pool.rows[0].dtype == torch.float8_e4m3fn and pool.scales is not None
         outs.append([r.output_ids for r in run_greedy(sched, prompts, NEW)])
         sched.check_idle_invariants()
@@ -358,7 +358,7 @@ def test_fp8_indexer_keys(dsa):
     # sizing: 16 fp8 values + a 4-byte scale per token for each of the 3 indexers (+ the MTP block's)
     from specserve.kvcache.cache_spec import bytes_per_token
 
-    specs = [s for s in sched.mr.target.cache_specs() if s.kind is CacheKind.INDEX_KEYS]
+    specs = [s for s in sched.model_runner.target.cache_specs() if s.kind is CacheKind.INDEX_KEYS]
     assert bytes_per_token(specs, torch.float32, {CacheKind.INDEX_KEYS: torch.float8_e4m3fn}) == 3 * (16 + 4)
     # dequantised keys against the keys as computed: within fp8 e4m3's relative step (2^-3) of each row's scale
     mr, t = _runner(path, n=0, indexer_cache_dtype="fp8_e4m3")
@@ -402,7 +402,7 @@ def test_fp8_indexer_triton_equals_the_reference(dsa):
         sched, _ = build_scheduler(dsa["deepseek_v32_sparse"], max_total_tokens=4096, attention_backend=backend,
                                    indexer_cache_dtype="fp8_e4m3", speculative_algorithm="MTP",
                                    speculative_num_steps=2)
-        kind = type(sched.mr.spec.runners["target_verify"].backends[CacheKind.INDEX_KEYS])
+        kind = type(sched.model_runner.spec.phases.target_verify.backends[CacheKind.INDEX_KEYS])
         assert (kind is TritonIndexBackend) == (backend == "triton")
         outs.append([r.output_ids for r in run_greedy(sched, _prompts()[:3], 8)])
         sched.check_idle_invariants()
@@ -421,7 +421,7 @@ def test_triton_mla_backend_equals_the_reference(dsa, greedy_plain, key):
     prompts, ref = greedy_plain
     sched, _ = build_scheduler(dsa[key], max_total_tokens=4096, attention_backend="triton",
                                speculative_algorithm="MTP", speculative_num_steps=2)
-    backends = sched.mr.spec.runners["target_verify"].backends
+    backends = sched.model_runner.spec.phases.target_verify.backends
     assert isinstance(backends[CacheKind.MLA], TritonMLABackend)
     assert isinstance(backends[CacheKind.INDEX_KEYS], TritonIndexBackend)
     reqs = run_greedy(sched, prompts[:3], 8)

@@ -79,11 +79,11 @@ def test_prefill_verify_logits_match_hf(deepseek, key):
             s = torch.tensor([len(x) for x in seqs])
             live = LiveInputs(3, torch.tensor(sum(more, [])), (s[:, None] + torch.arange(4)).reshape(-1), rows,
                               s + 4, int(s.max()) + 4)
-            out = mr.spec.runners["target_verify"].run(live)["logits"]
+            out = mr.spec.phases.target_verify.run(live)["logits"]
         else:  # decode steps
             more = [[int(x)] for x in torch.randint(3, 250, (3,), generator=g)]
             s = torch.tensor([len(x) for x in seqs])
-            out = mr.runners["decode"].run(LiveInputs(3, torch.tensor(sum(more, [])), s, rows, s + 1,
+            out = mr.phases.decode.run(LiveInputs(3, torch.tensor(sum(more, [])), s, rows, s + 1,
                                                       int(s.max()) + 1))["logits"][:, None]
         for b, m in enumerate(more):
             seqs[b] += m
@@ -110,7 +110,7 @@ def test_spec_greedy_mtp_matches_plain_and_hf(deepseek, greedy_ref, n, page_size
     reqs = run_greedy(sched, prompts, NEW)
     assert [r.output_ids for r in reqs] == ref
     if n:
-        assert isinstance(sched.mr.draft.decoder.self_attn, MLAAttention)
+        assert isinstance(sched.model_runner.draft.decoder.self_attn, MLAAttention)
         assert all(r.spec_verify_ct > 0 for r in reqs)
 
 
@@ -154,16 +154,16 @@ def test_mtp_chain_before_or_after_the_final_norm(deepseek, greedy_ref, page_siz
     for chain in ("normed", "prenorm"):
         sched, _ = build_scheduler(deepseek["mtp"], page_size=page_size, max_total_tokens=4096,
                                    speculative_algorithm="MTP", speculative_num_steps=3, speculative_mtp_chain=chain)
-        assert sched.mr.draft.chain_prenorm == (chain == "prenorm")
+        assert sched.model_runner.draft.chain_prenorm == (chain == "prenorm")
         reqs = run_greedy(sched, prompts, NEW)
         assert [r.output_ids for r in reqs] == ref
-    draft = sched.mr.draft
+    draft = sched.model_runner.draft
     h = torch.randn(3, 2 * draft.config.hidden_size)
     assert torch.equal(draft.chained(h), h[:, draft.config.hidden_size:])  # the pre-norm half chains
     # the same draft-extend inputs: the same drafts (logits read the normed half), another chained hidden state —
     # the pre-norm stream (with hnorm behind it, the two differ by the final norm's weight and scale)
     mr = _spec_runner(deepseek["mtp"], n=3)
-    runner = mr.spec.runners["draft_extend"]
+    runner = mr.spec.phases.draft_extend
     handles, live = _inputs(mr, "draft_extend", 8, seed=3)
     out = {}
     for prenorm in (False, True):
@@ -175,7 +175,7 @@ def test_mtp_chain_before_or_after_the_final_norm(deepseek, greedy_ref, page_siz
     rms = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mr.draft.config.rms_norm_eps)
     torch.testing.assert_close(normed, rms(stream) * mr.draft.final_norm.weight, rtol=1e-4, atol=1e-4)
     # chained on from there: draft decode's N - 1 = 2 steps from the same d1, each way -> different drafts
-    dd = mr.spec.runners["draft_decode"]
+    dd = mr.spec.phases.draft_decode
     last = live.seq_lens - 4 + live.accept_len + 1  # [8] committed tokens after the extend: d1 sits at `last`
     drafts = {}
     for prenorm in (False, True):

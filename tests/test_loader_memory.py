@@ -37,9 +37,8 @@ mode, folder, warm = sys.argv[1:4]
 torch.set_num_threads(1)
 cpu = torch.device("cpu")
 
-from specserve.models.config import ModelConfig
 from specserve.models.loader import ModelSource, load_hf_config, load_target
-from specserve.models.registry import model_class
+from specserve.models.registry import config_from_hf, model_class
 from specserve.weights.safetensors_loader import iter_safetensors
 
 
@@ -58,7 +57,7 @@ def ours(path):
 def old(path):
     # the previous loader: build, materialise in float32 on the host, load every tensor, then cast the model
     src = ModelSource.resolve(path)
-    cfg = ModelConfig.from_hf(load_hf_config(src))
+    cfg = config_from_hf(load_hf_config(src))
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, 512)
     model = model.to_empty(device="cpu")

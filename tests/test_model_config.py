@@ -1,6 +1,6 @@
 """Family-owned model configs and the lazy architecture registry (models/config.py, models/registry.py).
 
-ModelConfig.from_hf picks the family by `architectures` and lets it parse; the family's fields follow the
+config_from_hf picks the family by `architectures` and lets it parse; the family's fields follow the
 transformers config (biases, q/k norm, MoE shapes, head_dim default, eos ids); each family lists the
 architectures it parses with their fixed features (no name-prefix guessing). Both rope layouts (top-level
 rope_theta / rope_scaling and transformers 5's rope_parameters) give the same inverse frequencies, scaled ropes
@@ -22,7 +22,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.dense import DENSE_ARCHITECTURES, DenseConfig, DenseForCausalLM
 from specserve.models.qwen3_moe import Qwen3MoeConfig as OurQwen3MoeConfig
 from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
-from specserve.models.registry import MODEL_REGISTRY, architecture_of, model_class
+from specserve.models.registry import MODEL_REGISTRY, architecture_of, config_from_hf, model_class
 
 SHAPE = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
              vocab_size=300, max_position_embeddings=1024, rms_norm_eps=1e-5)
@@ -64,7 +64,7 @@ def _hf(arch: str, **kw):
 ])
 def test_from_hf_returns_the_family_config(arch, qkv_bias, o_bias, qk_norm):
     hf = _hf(arch, eos_token_id=[7, 9], tie_word_embeddings=True)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = config_from_hf(hf)
     family = OurQwen3MoeConfig if "Moe" in arch else DenseConfig
     assert type(cfg) is family
     assert cfg.architecture == arch and cfg.hf_config is hf
@@ -80,38 +80,38 @@ def test_from_hf_returns_the_family_config(arch, qkv_bias, o_bias, qk_norm):
 
 
 def test_moe_fields():
-    cfg = ModelConfig.from_hf(_hf("Qwen3MoeForCausalLM", eos_token_id=5))
+    cfg = config_from_hf(_hf("Qwen3MoeForCausalLM", eos_token_id=5))
     assert isinstance(cfg, OurQwen3MoeConfig) and isinstance(cfg, DenseConfig)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 40)
     assert cfg.norm_topk_prob is False and cfg.decoder_sparse_step == 2 and cfg.mlp_only_layers == [0]
     assert [cfg.is_sparse(i) for i in range(4)] == [False, True, False, True]  # step 2, layer 0 forced dense
     assert cfg.eos_token_ids == [5]
     with pytest.raises(ValueError, match="num_experts_per_tok"):
-        ModelConfig.from_hf(_hf("Qwen3MoeForCausalLM", num_experts_per_tok=9))
+        config_from_hf(_hf("Qwen3MoeForCausalLM", num_experts_per_tok=9))
 
 
 def test_attention_bias_switches():
     # Llama / Qwen3: attention_bias covers q, k, v and o; Qwen2 always has q/k/v biases and never an o bias
     for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-        cfg = ModelConfig.from_hf(_hf(arch, attention_bias=True))
+        cfg = config_from_hf(_hf(arch, attention_bias=True))
         assert cfg.qkv_bias and cfg.o_bias
-    cfg = ModelConfig.from_hf(_hf("Qwen2ForCausalLM", attention_bias=True))
+    cfg = config_from_hf(_hf("Qwen2ForCausalLM", attention_bias=True))
     assert cfg.qkv_bias and not cfg.o_bias
 
 
 def test_head_dim_defaults_to_hidden_over_heads():
     ns = _namespace("Qwen3ForCausalLM")
     del ns.head_dim
-    assert ModelConfig.from_hf(ns).head_dim == 96 // 6
+    assert config_from_hf(ns).head_dim == 96 // 6
     ns.head_dim = 40  # an explicit head_dim wins (Qwen3 checkpoints often have heads * head_dim != hidden)
-    assert ModelConfig.from_hf(ns).head_dim == 40
+    assert config_from_hf(ns).head_dim == 40
 
 
 @pytest.mark.parametrize("eos,expected", [(None, []), (3, [3]), ([4, 8], [4, 8]), ((1, 2), [1, 2])])
 def test_eos_ids_are_a_list(eos, expected):
     ns = _namespace("LlamaForCausalLM")
     ns.eos_token_id = eos
-    ids = ModelConfig.from_hf(ns).eos_token_ids
+    ids = config_from_hf(ns).eos_token_ids
     assert ids == expected and isinstance(ids, list)
 
 
@@ -120,7 +120,7 @@ def test_model_type_gives_the_architecture_without_architectures():
                              ("qwen3_moe", "Qwen3MoeForCausalLM")):
         hf = _HF[arch][0](**{**SHAPE, **_HF[arch][1]})
         assert not hf.architectures and hf.model_type == model_type
-        assert ModelConfig.from_hf(hf).architecture == arch
+        assert config_from_hf(hf).architecture == arch
     with pytest.raises(ValueError, match="architecture"):
         architecture_of(SimpleNamespace(model_type="gpt2"))
 
@@ -149,7 +149,7 @@ def test_default_rope_top_level_theta_and_rope_parameters_agree():
     torch.testing.assert_close(a, _closed_form(250000.0, 16).float(), rtol=1e-6, atol=0)
     assert not torch.allclose(a, inv_freq_from_config(_namespace("LlamaForCausalLM", rope_theta=1e4), 16)[0])
     # and through the family: the same rotary tables
-    tables = [DenseForCausalLM.make_rotary(ModelConfig.from_hf(x), 64).cos_sin_cache for x in (old, new)]
+    tables = [DenseForCausalLM.make_rotary(config_from_hf(x), 64).cos_sin_cache for x in (old, new)]
     assert torch.equal(tables[0], tables[1])
 
 
@@ -164,7 +164,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def test_scaled_rope_both_layouts_agree_with_transformers(arch, scaling, theta):
     old = _hf(arch, rope_theta=theta, rope_scaling=dict(scaling))
     new = _hf(arch, rope_parameters=dict(scaling, rope_theta=theta))
-    head_dim = ModelConfig.from_hf(old).head_dim
+    head_dim = config_from_hf(old).head_dim
     (a, sa), (b, sb) = inv_freq_from_config(old, head_dim), inv_freq_from_config(new, head_dim)
     assert torch.equal(a, b) and sa == sb
     unscaled = _closed_form(theta, head_dim).float()
@@ -194,7 +194,7 @@ def test_scaled_rope_from_a_plain_old_style_config(arch, scaling, theta):
     old = _namespace(arch, rope_theta=theta, rope_scaling=dict(scaling))
     params = {("rope_type" if k == "type" else k): v for k, v in scaling.items()}
     new = _hf(arch, rope_parameters=dict(params, rope_theta=theta))
-    head_dim = ModelConfig.from_hf(old).head_dim
+    head_dim = config_from_hf(old).head_dim
     (a, sa), (b, sb) = inv_freq_from_config(old, head_dim), inv_freq_from_config(new, head_dim)
     assert torch.equal(a, b) and sa == sb
     assert not torch.allclose(a, _closed_form(theta, head_dim).float())  # the scaling was applied
@@ -204,7 +204,7 @@ def test_scaled_rope_from_a_plain_old_style_config(arch, scaling, theta):
     torch.testing.assert_close(a, ref.float(), rtol=0, atol=0)
     assert sa == pytest.approx(ref_scale)
     family = model_class(arch)
-    tables = [family.make_rotary(ModelConfig.from_hf(x), 64).cos_sin_cache for x in (old, new)]
+    tables = [family.make_rotary(config_from_hf(x), 64).cos_sin_cache for x in (old, new)]
     assert torch.equal(tables[0], tables[1])
 
 
@@ -237,7 +237,7 @@ def test_an_unsupported_rope_type_is_a_value_error(rope_type, style):
     with pytest.raises(ValueError, match=f"rope type {rope_type!r}"):
         inv_freq_from_config(cfg, 16)
     with pytest.raises(ValueError, match="rope type"):
-        DenseForCausalLM.make_rotary(ModelConfig.from_hf(cfg), 64)
+        DenseForCausalLM.make_rotary(config_from_hf(cfg), 64)
 
 
 @pytest.mark.parametrize("scaling,missing", [({"type": "linear"}, "factor"),
@@ -270,7 +270,7 @@ def test_partial_rotary_is_rejected_with_a_value_error(arch, where):
         cfg = _namespace(arch, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                 "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="partial_rotary_factor"):
-        ModelConfig.from_hf(cfg)
+        config_from_hf(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -278,7 +278,7 @@ def test_unsupported_architecture_lists_the_supported_ones():
     hf = _hf("LlamaForCausalLM")
     hf.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError) as e:
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg
     assert all(arch in msg for arch in MODEL_REGISTRY)
@@ -295,34 +295,34 @@ MOE_REQUIRED = DENSE_REQUIRED + ["num_experts", "num_experts_per_tok", "moe_inte
                          + [("Qwen3MoeForCausalLM", n) for n in MOE_REQUIRED])
 def test_a_missing_required_field_is_a_value_error_naming_it(arch, name):
     ns = _namespace(arch)
-    ModelConfig.from_hf(ns)  # complete: parses
+    config_from_hf(ns)  # complete: parses
     delattr(ns, name)
     with pytest.raises(ValueError, match=repr(name)):
-        ModelConfig.from_hf(ns)
+        config_from_hf(ns)
     # the same with a transformers config object that lacks the field (a generic PreTrainedConfig: the family
     # classes fill in defaults for every field)
     hf = PretrainedConfig(**vars(ns))
     assert not hasattr(hf, name) and hf.architectures == [arch]
     with pytest.raises(ValueError, match=repr(name)):
-        ModelConfig.from_hf(hf)
+        config_from_hf(hf)
     setattr(hf, name, getattr(_namespace(arch), name))
-    assert ModelConfig.from_hf(hf).num_layers == 3
+    assert config_from_hf(hf).num_layers == 3
 
 
 def test_a_vision_language_config_reads_its_text_config():
     text = _namespace("Qwen3ForCausalLM", eos_token_id=None)
     outer = SimpleNamespace(architectures=["Qwen3ForCausalLM"], text_config=text, eos_token_id=11)
-    cfg = ModelConfig.from_hf(outer)
+    cfg = config_from_hf(outer)
     assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim) == (96, 6, 16) and cfg.eos_token_ids == [11]
     del text.num_attention_heads
     with pytest.raises(ValueError, match="'num_attention_heads'"):
-        ModelConfig.from_hf(outer)
+        config_from_hf(outer)
 
 
 def test_mlp_bias_is_rejected():
     with pytest.raises(ValueError, match="mlp_bias"):
-        ModelConfig.from_hf(_hf("LlamaForCausalLM", mlp_bias=True))
-    assert ModelConfig.from_hf(_hf("LlamaForCausalLM", mlp_bias=False)).intermediate_size == 160
+        config_from_hf(_hf("LlamaForCausalLM", mlp_bias=True))
+    assert config_from_hf(_hf("LlamaForCausalLM", mlp_bias=False)).intermediate_size == 160
 
 
 # ---------------------------------------------------------------------------------------------- drafts, registry
@@ -333,9 +333,9 @@ def test_a_nextn_draft_maps_to_its_targets_family(target, cls, family):
     assert model_class(target + "NextN") is model_class(target) is cls
     hf = _hf(target, num_hidden_layers=1)
     hf.architectures = [target + "NextN"]
-    cfg = ModelConfig.from_hf(hf)
+    cfg = config_from_hf(hf)
     assert type(cfg) is family and cfg.architecture == target + "NextN"
-    ref = ModelConfig.from_hf(_hf(target, num_hidden_layers=1))
+    ref = config_from_hf(_hf(target, num_hidden_layers=1))
     assert (cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == (ref.qkv_bias, ref.o_bias, ref.qk_norm)
     if family is OurQwen3MoeConfig:
         assert cfg.num_experts == ref.num_experts == 8
@@ -378,7 +378,7 @@ def test_every_dense_architecture_of_the_registry_has_its_features():
 
 
 def test_mistral_is_a_plain_dense_block():
-    cfg = ModelConfig.from_hf(_hf("MistralForCausalLM", attention_bias=False))
+    cfg = config_from_hf(_hf("MistralForCausalLM", attention_bias=False))
     assert type(cfg) is DenseConfig and (cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == (False, False, False)
 
 
@@ -396,13 +396,13 @@ ALL_DENSE = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 def test_hidden_act_other_than_silu_is_a_value_error(arch):
     for act in ("gelu", "relu"):
         with pytest.raises(ValueError, match=f"hidden_act={act!r}"):
-            ModelConfig.from_hf(_namespace(arch, hidden_act=act))
+            config_from_hf(_namespace(arch, hidden_act=act))
         hf = _hf(arch, num_hidden_layers=1, hidden_act=act)
         hf.architectures = [arch + "NextN"]  # a draft checkpoint too
         with pytest.raises(ValueError, match="hidden_act"):
-            ModelConfig.from_hf(hf)
+            config_from_hf(hf)
     for act in ("silu", "swish"):  # transformers' two names of SiLU
-        assert ModelConfig.from_hf(_namespace(arch, hidden_act=act)).num_layers == 3
+        assert config_from_hf(_namespace(arch, hidden_act=act)).num_layers == 3
 
 
 # ---------------------------------------------------------------------------------------------- sliding window
@@ -421,7 +421,7 @@ def test_a_sliding_window_bounds_the_context(arch, fields, window):
     """Attention here is full attention, which equals a sliding window's only while the context fits in it: the
     context defaults to the window, and a longer --context-length is a ValueError naming the field."""
     for hf in (_namespace(arch, **fields), _hf(arch, **fields)):  # a plain config object and a transformers one
-        cfg = ModelConfig.from_hf(hf)
+        cfg = config_from_hf(hf)
         assert cfg.sliding_window == window
         if window is None:
             assert cfg.context_len(None) == 1024 and cfg.context_len(5000) == 5000
@@ -432,7 +432,7 @@ def test_a_sliding_window_bounds_the_context(arch, fields, window):
 
 
 def test_a_window_longer_than_the_model_leaves_its_context():
-    cfg = ModelConfig.from_hf(_hf("MistralForCausalLM"))  # transformers' default window: 4096 > 1024 positions
+    cfg = config_from_hf(_hf("MistralForCausalLM"))  # transformers' default window: 4096 > 1024 positions
     assert cfg.sliding_window == 4096
     assert cfg.context_len(None) == 1024 and cfg.context_len(4096) == 4096
     with pytest.raises(ValueError, match="sliding_window=4096"):

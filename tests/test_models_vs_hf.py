@@ -66,7 +66,7 @@ def test_prefill_and_decode_logits_match_hf(tiny_models, arch, page_size):
             s.append(n)
         s_lens = torch.tensor([len(s) - 1 for s in seqs])
         live = LiveInputs(len(seqs), torch.tensor(nxt), s_lens, rows, s_lens + 1, int(s_lens.max()) + 1)
-        logits = mr.runners["decode"].run(live)["logits"]
+        logits = mr.phases.decode.run(live)["logits"]
         with torch.no_grad():
             refs = torch.stack([hf(torch.tensor([s])).logits[0, -1] for s in seqs])
         torch.testing.assert_close(logits, refs, rtol=1e-4, atol=1e-4)

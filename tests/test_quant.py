@@ -1,13 +1,15 @@
-"""Weight-only int8 drafts on CPU (`--speculative-draft-model-quantization int8`, layers/quant.py): the int8 linear
-against F.linear, when it steps aside, its rebuild after a weight edit, which modules get it, that a quantized
-draft mostly proposes the float draft's tokens, that speculation with it stays lossless, and the flag's checks."""
+"""Weight-only int8 drafts on CPU (`--speculative-draft-model-quantization int8`, layers/quant.py and
+layers/cpu_linear.py): the int8 linear against F.linear, when it steps aside, its rebuild after a weight edit, which
+modules get it, that a quantized draft mostly proposes the float draft's tokens, that speculation with it stays
+lossless, and the flag's checks."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve.layers.cpu_linear import Int8Weight, int8_cpu_linear
 from specserve.layers.linear import Linear
-from specserve.layers.quant import Int8Weight, int8_cpu_linear, quantize_draft, quantize_weights_int8
+from specserve.layers.quant import quantize_draft, quantize_weights_int8
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
 from specserve.server_args import ServerArgs
 

@@ -70,7 +70,7 @@ def test_verify_extend_logits_match_hf(tiny_models):
     rows = torch.tensor([h.row for h in handles])
     live = LiveInputs(3, torch.tensor(sum(more, [])), (s[:, None] + torch.arange(4)).reshape(-1), rows, s + 4,
                       int(s.max()) + 4)
-    out = mr.spec.runners["target_verify"].run(live)  # static replay at padded batch 4
+    out = mr.spec.phases.target_verify.run(live)  # static replay at padded batch 4
     for b, (p, m) in enumerate(zip(prompts, more)):
         with torch.no_grad():
             ref = hf(torch.tensor([p + m])).logits[0, -4:]
@@ -93,7 +93,7 @@ def test_spec_greedy_mtp_layer_in_checkpoint(tiny_models, reference, n, page_siz
     prompts, ref = reference
     sched, _ = build_scheduler(tiny_models["qwen3_moe_mtp"], page_size=page_size, max_total_tokens=4096,
                                speculative_algorithm="MTP", speculative_num_steps=n)
-    assert isinstance(sched.mr.draft.decoder.mlp, SparseMoEBlock)  # the block uses the target's MoE MLP
+    assert isinstance(sched.model_runner.draft.decoder.mlp, SparseMoEBlock)  # the block uses the target's MoE MLP
     reqs = run_greedy(sched, prompts, NEW)
     assert [r.output_ids for r in reqs] == ref["qwen3_moe_mtp"]
     assert all(r.spec_verify_ct > 0 for r in reqs)
@@ -106,7 +106,7 @@ def test_spec_greedy_draft_folder_chunked_prefill(tiny_models, reference, n):
     sched, _ = build_scheduler(tiny_models["qwen3_moe"], draft_path=tiny_models["qwen3_moe_draft"], page_size=4,
                                max_total_tokens=4096, chunked_prefill_size=8, speculative_algorithm="MTP",
                                speculative_num_steps=n)
-    assert isinstance(sched.mr.draft.decoder.mlp, SparseMoEBlock)
+    assert isinstance(sched.model_runner.draft.decoder.mlp, SparseMoEBlock)
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref["qwen3_moe"]
     assert sched.stats.num_prefill_steps > len(prompts)  # the longer prompts took several chunks
 
@@ -120,4 +120,4 @@ def test_phase_replay_equals_eager_shrinking_and_growing(tiny_models):
     mr = _spec_runner(tiny_models["qwen3_moe_mtp"], n=3)
     check_phase_replay(mr, tol=1e-5)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-5)
-    assert mr.spec.spec_step.capture_bs == CAPTURE
+    assert mr.spec.spec_step_graph.capture_bs == CAPTURE

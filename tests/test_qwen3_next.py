@@ -33,7 +33,7 @@ from specserve.kvcache.manager import KVHandle
 from specserve.layers.gdn import GatedDeltaNet
 from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target
-from specserve.models.qwen3_next import FULL, LINEAR, HybridConfig, HybridForCausalLM
+from specserve.models.qwen3_next import FULL, LINEAR, Qwen3NextConfig, Qwen3NextForCausalLM
 from specserve.server_args import ServerArgs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +70,7 @@ def _hf_greedy(hf, prompts, new):
 
 def test_family_layers_and_caches(hybrids):
     t = load_target(ModelSource.resolve(hybrids["qwen3_next"]), torch.float32, CPU, 600)
-    assert isinstance(t.model, HybridForCausalLM)
+    assert isinstance(t.model, Qwen3NextForCausalLM)
     layers = t.model.model.layers
     assert [lay.kind for lay in layers] == ["linear_attention"] * 3 + ["full_attention"]
     assert [type(lay.mlp) for lay in layers] == [SparseMoEBlock, GatedMLP, SparseMoEBlock, SparseMoEBlock]
@@ -137,7 +137,7 @@ def test_prefill_verify_commit_logits_match_hf(hybrids, kind):
     rows = torch.tensor([h.row for h in handles])
     state = mr.caches.state
     srows = torch.tensor([h.state_row for h in handles])
-    verify = mr.spec.runners["target_verify"]
+    verify = mr.spec.phases.target_verify
     for step, accept in enumerate(([0, 3, 1], [2, 0, 3], [1, 2, 0], [3, 1, 2])):
         more = [torch.randint(3, 250, (n + 1,), generator=g).tolist() for _ in prompts]
         s = torch.tensor([len(x) for x in seqs])
@@ -174,7 +174,7 @@ def test_decode_logits_match_hf(hybrids, kind):
     for _ in range(4):
         tok = torch.randint(3, 250, (2,), generator=g)
         s = torch.tensor([len(x) for x in seqs])
-        out = mr.runners["decode"].run(LiveInputs(2, tok, s, rows, s + 1, int(s.max()) + 1))
+        out = mr.phases.decode.run(LiveInputs(2, tok, s, rows, s + 1, int(s.max()) + 1))
         for b in range(2):
             seqs[b].append(int(tok[b]))
             torch.testing.assert_close(out["logits"][b], _hf_logits(hf, seqs[b])[-1], rtol=1e-4, atol=1e-4)
@@ -195,15 +195,15 @@ def _prefill_logits_match_hf(mr, t, hf, lens, chunk, atol=1e-4, rtol=1e-4):
 
 def test_full_attention_interval_in_place_of_layer_types(hybrids, tmp_path):
     """A config that names `full_attention_interval` and no `layer_types` (Qwen3-Next's own config.json) gets the
-    layer kinds of the equivalent `layer_types`: parsed by HybridConfig (4 by default), and as a checkpoint read
+    layer kinds of the equivalent `layer_types`: parsed by Qwen3NextConfig (4 by default), and as a checkpoint read
     through transformers, whose logits the engine's then match (two full-attention layers: MHA cache indices 0, 1)."""
     arch = "Qwen3NextForCausalLM"
     hf_cfg = load_hf_config(ModelSource.resolve(hybrids["qwen3_next"]))
-    assert HybridConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR] * 3 + [FULL]
+    assert Qwen3NextConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR] * 3 + [FULL]
     hf_cfg.layer_types = None
-    assert HybridConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR] * 3 + [FULL]  # no interval either: 4
+    assert Qwen3NextConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR] * 3 + [FULL]  # no interval either: 4
     hf_cfg.full_attention_interval = 2
-    assert HybridConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR, FULL] * 2
+    assert Qwen3NextConfig.from_hf(hf_cfg, arch).layer_types == [LINEAR, FULL] * 2
     path = build_tiny_hybrid(str(tmp_path / "m"), "qwen3_next", seed=3, layer_types=None, full_attention_interval=2)
     edit_config(path, drop=("layer_types",), full_attention_interval=2)
     mr, t = _runner(path, n=0)
@@ -226,11 +226,11 @@ def test_mamba_ssm_dtype_sets_state_pool_dtype(hybrids):
     for name, want in (("float16", torch.float16), ("torch.bfloat16", torch.bfloat16), (torch.float16, torch.float16),
                        ("float32", torch.float32)):
         hf_cfg.mamba_ssm_dtype = name
-        assert HybridConfig.from_hf(hf_cfg, arch).ssm_dtype == want, name
+        assert Qwen3NextConfig.from_hf(hf_cfg, arch).ssm_dtype == want, name
     for bad in ("int8", "bool", "float17", "auto", "float8_e4m3fn", torch.float64):
         hf_cfg.mamba_ssm_dtype = bad
         with pytest.raises(ValueError, match="mamba_ssm_dtype"):
-            HybridConfig.from_hf(hf_cfg, arch)
+            Qwen3NextConfig.from_hf(hf_cfg, arch)
     hf_cfg.mamba_ssm_dtype = "bfloat16"
     mr, t = _runner(hybrids["qwen3_5"], n=0, hf_config=hf_cfg)
     assert all(s.ssm_dtype == torch.bfloat16 for s in t.model.cache_specs() if s.kind.value == "recurrent")
@@ -287,7 +287,7 @@ def test_spec_greedy_mtp_matches_plain_and_hf(hybrids, greedy_ref, n, page_size)
     prompts, ref = greedy_ref
     sched, _ = build_scheduler(hybrids["qwen3_next"], page_size=page_size, max_total_tokens=4096,
                                chunked_prefill_size=16, speculative_algorithm="MTP", speculative_num_steps=n)
-    assert isinstance(sched.mr.draft.decoder.mlp, SparseMoEBlock)
+    assert isinstance(sched.model_runner.draft.decoder.mlp, SparseMoEBlock)
     reqs = run_greedy(sched, prompts, NEW)
     assert [r.output_ids for r in reqs] == ref["qwen3_next"]
     assert all(r.spec_verify_ct > 0 for r in reqs)
@@ -297,7 +297,7 @@ def test_spec_greedy_dense_qwen3_5(hybrids, greedy_ref):
     prompts, ref = greedy_ref
     sched, _ = build_scheduler(hybrids["qwen3_5"], max_total_tokens=4096, speculative_algorithm="MTP",
                                speculative_num_steps=3)
-    assert isinstance(sched.mr.draft.decoder.mlp, GatedMLP)
+    assert isinstance(sched.model_runner.draft.decoder.mlp, GatedMLP)
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref["qwen3_5"]
 
 
@@ -309,7 +309,7 @@ def test_spec_greedy_mtp_qwen3_5_moe_matches_plain_and_hf(hybrids, greedy_ref, p
     kw = dict(page_size=page_size, max_total_tokens=4096, chunked_prefill_size=16)
     plain, _ = build_scheduler(hybrids["qwen3_5_moe"], **kw)
     spec, _ = build_scheduler(hybrids["qwen3_5_moe"], speculative_algorithm="MTP", speculative_num_steps=2, **kw)
-    assert isinstance(spec.mr.draft.decoder.mlp, SparseMoEBlock)
+    assert isinstance(spec.model_runner.draft.decoder.mlp, SparseMoEBlock)
     want = [r.output_ids for r in run_greedy(plain, prompts, NEW)]
     reqs = run_greedy(spec, prompts, NEW)
     assert [r.output_ids for r in reqs] == want == ref["qwen3_5_moe"]
@@ -318,7 +318,7 @@ def test_spec_greedy_mtp_qwen3_5_moe_matches_plain_and_hf(hybrids, greedy_ref, p
 
 def test_phase_replay_equals_eager_and_isolation(hybrids):
     mr = _spec_runner(hybrids["qwen3_next"], n=3)
-    runner = mr.spec.runners["target_verify"]
+    runner = mr.spec.phases.target_verify
     state = mr.caches.state
     for i, bs in enumerate([7, 3, 1, 5, 8]):
         handles, live = _inputs(mr, "target_verify", bs, seed=10 * i)
@@ -338,7 +338,7 @@ def test_phase_replay_equals_eager_and_isolation(hybrids):
             mr.kv.release(h)
     check_isolation(mr)
     check_one_graph_step(mr, [7, 5, 3, 1, 2, 8, 6], 1e-4)
-    assert mr.spec.spec_step.capture_bs == CAPTURE
+    assert mr.spec.spec_step_graph.capture_bs == CAPTURE
 
 
 @pytest.mark.parametrize("spec", [None, 3])

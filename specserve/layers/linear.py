@@ -2,8 +2,9 @@
 
 Tensor-parallel variants (a rank's slice of each weight) are in layers/parallel.py.
 
-On CPU in float32, small row counts run through oneDNN with a prepacked copy of the weight (`PackedWeight`), see
-`packed_cpu_linear`; everything else (GPU, other dtypes, training, large row counts) is plain F.linear.
+On CPU in float32, small row counts run through oneDNN with a prepacked copy of the weight, and a drafter's layers
+through its weight-only int8 copy (layers/cpu_linear.py); everything else (GPU, other dtypes, training, large row
+counts) is plain F.linear.
 """
 
 from __future__ import annotations
@@ -13,59 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels import ops
-from specserve.layers.quant import Int8Weight, int8_cpu_linear
-
-# Row counts up to this take the prepacked oneDNN path on CPU (scripts/cpu/bench_linear.py, SmolLM2-135M shapes,
-# 2 threads, weights streamed from DRAM). MKL's sgemm with 2-6 rows costs 1.5-2.2x its 1-row call, although both
-# read the weight once; oneDNN on a prepacked weight costs 1.0-1.3x its own 1-row call, which is itself 0.5-1.0x
-# MKL's (gate_up 576->3072: 517 us at 1 row; 930 -> 330 us at 4 rows). It wins or ties up to 64 rows (gate_up
-# 1981 -> 1586 us) and loses from ~256 rows (qkv 1024 rows: 6.3 -> 7.1 ms), so prefill keeps F.linear.
-PACKED_MAX_ROWS = 64
-_ONEDNN = torch.backends.mkldnn.is_available()
-
-
-class PackedWeight:
-    """A oneDNN-prepacked copy of a float32 CPU weight [out, in], built lazily and rebuilt whenever the weight
-    changes: weights are loaded by in-place copies after construction, and tests edit them. A change is seen through
-    the weight's data_ptr and autograd version counter (bumped by every in-place op on it, though not by writes
-    through `.data`).
-
-    Memory: one more copy of the weight (SmolLM2-135M in fp32: ~0.43 GB for the decoder linears, ~0.11 GB for the
-    LM head). Modules hold it as a plain attribute, not a buffer, so state_dict and .to() never see it.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None  # (data_ptr, version, shape) of the weight it was packed from
-        self.packed: torch.Tensor | None = None  # opaque mkldnn tensor
-
-    def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version, weight.shape)
-        if key != self.key:
-            self.packed = None  # free the stale copy before packing the new one
-            with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            self.key = key
-        return self.packed
-
-    def __reduce__(self):
-        # deepcopy/pickle of a module: the opaque mkldnn tensor has no storage to copy, so the copy starts empty.
-        return PackedWeight, ()
-
-
-def packed_cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: PackedWeight,
-                      max_rows: int | None = PACKED_MAX_ROWS) -> torch.Tensor | None:
-    """x @ weight^T + bias through oneDNN on `pack`'s copy of the weight, or None where the caller should use
-    F.linear: not float32 CPU, no rows or more than `max_rows` (None: no limit), autograd recording (the op has
-    no backward), or a weight made under inference_mode (it has no version counter to key the cache on)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or not _ONEDNN:
-        return None
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows == 0 or (max_rows is not None and rows > max_rows) or weight.is_inference():
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
-        return None
-    return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
+from specserve.layers.cpu_linear import Int8Weight, PackedWeight, int8_cpu_linear, packed_cpu_linear
 
 
 class Linear(nn.Module):
@@ -76,9 +25,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [out, in]
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed = PackedWeight()  # CPU fp32 small-row path only (plain attribute, see PackedWeight)
-        self.int8: Int8Weight | None = None  # a drafter's weight-only int8 copy on CPU (layers/quant.py)
+        self.int8: Int8Weight | None = None  # a drafter's weight-only int8 copy on CPU (set by layers/quant.py)
         # calls of at most this many rows (0: none; at most ops.GEMV_MAX_ROWS) through the one-launch Triton GEMV
-        # (--decode-gemv, set by the layer that owns it: models/dense.py PreNormDecoderLayer.set_decode_gemv)
+        # (--decode-gemv, set by the layer that owns it: models/decoder_layer.py PreNormDecoderLayer.set_decode_gemv)
         self.decode_gemv = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

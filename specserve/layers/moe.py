@@ -37,11 +37,16 @@ class FusedMoE(nn.Module):
     Checkpoints arrive tensor by tensor, one expert projection at a time, so the module records which pieces were
     written (`loaded_param_names`): a name-based "was this parameter touched" check would pass a w13 of which only
     expert 0's gate rows were ever loaded.
+
+    tp: above one rank, each expert's intermediate features are split over the ranks (tensor-parallel MoE): this
+    rank keeps its slice of every expert's gate and up rows and down columns, and its output is a partial sum.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = TP1):
         super().__init__()
+        intermediate_size = tp.split(intermediate_size, "MoE intermediate size")  # this rank's slice
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.tp = tp
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
         # Pieces still unwritten per parameter (plain attribute: not state, survives to_empty()).
@@ -59,6 +64,8 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside the layer's {self.num_experts} experts")
         i = self.intermediate_size
+        if self.tp.size > 1 and proj in _EXPERT_PROJS:  # this rank's intermediate features: rows, or down's columns
+            tensor = self.tp.shard(tensor, 1 if proj == "down_proj" else 0, f"experts.{expert}.{proj}")
         if proj == "gate_proj":
             target, param = self.w13[expert, :i], "w13"
         elif proj == "up_proj":
@@ -80,6 +87,10 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"unknown fused expert tensor {name!r} (expected 'gate_up_proj' or 'down_proj')")
         n = tensor.shape[0]
+        if self.tp.size > 1:  # this rank's intermediate features: of the gate and of the up rows, down's columns
+            what = f"experts.{name}"
+            tensor = (self.tp.shard(tensor, 2, what) if name == "down_proj" else
+                      torch.cat([self.tp.shard(half, 1, what) for half in tensor.chunk(2, dim=1)], dim=1))
         copy_checked(getattr(self, param)[:n], tensor, f"experts.{name}")
         self.pending[param] -= {(i, p) for i in range(n) for p in projs}
 
@@ -127,9 +138,12 @@ class SparseMoEBlock(nn.Module):
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int, *,
                  renormalize: bool, router: str = "softmax", n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, shared_expert_intermediate_size: int = 0,
-                 shared_expert_gated: bool = False, ep: TPGroup = TP1):
-        """ep: the expert-parallel group; above one rank each rank keeps num_experts / size routed experts (the
-        router, and the shared expert on rank 0, whole) and the ranks' partial outputs are summed (all-reduce)."""
+                 shared_expert_gated: bool = False, tp: TPGroup = TP1, expert_parallel: bool = True):
+        """tp: the tensor-parallel group; above one rank the ranks' partial outputs are summed (all-reduce), and
+        the experts are split over the ranks one of two ways (SGLang's --ep-size): expert_parallel (--ep-size =
+        --tp-size), each rank keeps num_experts / size routed experts whole; else (--ep-size 1) each rank keeps
+        every expert's slice of the intermediate features. The router is whole on every rank; a shared expert
+        fused into the experts is split as they are, an unfused one runs whole on rank 0."""
         super().__init__()
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r} (expected one of {ROUTERS})")
@@ -145,13 +159,16 @@ class SparseMoEBlock(nn.Module):
         self.router, self.renormalize = router, renormalize
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.shared_expert_gated = shared_expert_gated
-        self.ep = ep
+        self.tp = tp
+        self.ep = ep = tp if expert_parallel else TP1  # the group the routed experts are partitioned over
+        expert_tp = TP1 if expert_parallel else tp  # the group each expert's intermediate features are split over
         local = ep.split(num_experts, "routed experts")  # this rank's experts: expert_start .. + local
         self.expert_start = ep.rank * local
         # A shared expert as wide as a routed one runs as one more expert, E, inside the grouped GEMM: one kernel
         # chain instead of two GEMMs, an activation and the add (and a gate GEMM and elementwise kernels) beside the
-        # routed experts (one rank only). Sigmoid-gated (Qwen3-Next, Qwen3.5-MoE): its gate is router row E and
-        # its weight sigmoid(gate); plain (DeepSeek-V3, GLM, beside the grouped router): weight 1.
+        # routed experts (unless the experts are partitioned over ranks). Sigmoid-gated (Qwen3-Next, Qwen3.5-MoE):
+        # its gate is router row E and its weight sigmoid(gate); plain (DeepSeek-V3, GLM, beside the grouped
+        # router): weight 1.
         self.fused_shared = (shared_expert_intermediate_size == moe_intermediate_size and ep.size == 1
                              and shared_expert_gated == (router == "softmax"))
         extra = int(self.fused_shared)
@@ -159,7 +176,7 @@ class SparseMoEBlock(nn.Module):
         self.gate = Linear(hidden_size, num_experts + gate_row)  # [E (+ 1), H] router (+ the shared expert's gate)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts)) if router == "grouped_sigmoid"
                                         else None)  # [E]; a Parameter so the loader's all-loaded check covers it
-        self.experts = FusedMoE(local + extra, hidden_size, moe_intermediate_size)
+        self.experts = FusedMoE(local + extra, hidden_size, moe_intermediate_size, expert_tp)
         self.shared_expert = (GatedMLP(hidden_size, shared_expert_intermediate_size)
                               if shared_expert_intermediate_size > 0 and not self.fused_shared else None)
         self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert_gated and not self.fused_shared else None
@@ -193,7 +210,7 @@ class SparseMoEBlock(nn.Module):
     def norm_fusable(self) -> bool:
         """Whether forward_with_norm can fold the norm before the block into the router's launch (softmax
         routers, one rank)."""
-        return self.router == "softmax" and self.ep.size == 1
+        return self.router == "softmax" and self.tp.size == 1
 
     def forward_with_norm(self, h: torch.Tensor, residual: torch.Tensor | None,
                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,12 +230,12 @@ class SparseMoEBlock(nn.Module):
             topk_weights = torch.where(inside, topk_weights, 0.0)
             topk_ids = torch.where(inside, local_ids, 0)
         out = self.experts(x, topk_weights, topk_ids)  # [T, H]
-        if self.shared_expert is not None and ep.rank == 0:
+        if self.shared_expert is not None and self.tp.rank == 0:
             shared = self.shared_expert(x)  # [T, H]
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # [T, 1] gate per token
             out = out + shared
-        return ep.all_reduce(out)
+        return self.tp.all_reduce(out)
 
     def load_weight(self, rest: str, tensor: torch.Tensor) -> bool:
         """Copy one HF tensor named below the block (`model.layers.N.mlp.` stripped); False for a name this block

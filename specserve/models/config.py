@@ -1,8 +1,9 @@
 """The core model config: the few numbers every family and the engine need, read from a transformers config.
 
-Each family extends it with its own fields and parsing (`<Family>Config.from_hf`, e.g. models/dense.py); the
-registry (models/registry.py) picks the family by the checkpoint's `architectures`. Reading goes through
-`require` / `optional`, so a config that lacks a field the family needs is a clear error, never an AttributeError.
+Each family extends it with its own fields and parsing (`<Family>Config.from_hf(hf_config, arch)`, e.g.
+models/dense.py); models/registry.py config_from_hf picks the family by the checkpoint's `architectures`. Reading
+goes through `require` / `optional`, so a config that lacks a field the family needs is a clear error, never an
+AttributeError.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class ModelConfig:
     sliding_window: int | None = None
     # the tensor-parallel group the model is built for (distributed/tp.py; size 1: one device)
     tp: TPGroup = field(default=TP1, repr=False, compare=False)
+    # MoE experts under tensor parallelism: partitioned over tp's ranks (--ep-size = --tp-size), or each expert
+    # split over them by its intermediate features (--ep-size 1; layers/moe.py SparseMoEBlock)
+    moe_expert_parallel: bool = field(default=True, repr=False, compare=False)
 
     @staticmethod
     def core_fields(hf_config, architecture: str) -> dict:
@@ -99,11 +103,3 @@ class ModelConfig:
                              f"{window}: attention here is full attention, which equals sliding-window attention "
                              f"only while the context fits in the window; pass --context-length {window} or less")
         return asked or min(self.max_position_embeddings, window)
-
-    @staticmethod
-    def from_hf(hf_config) -> ModelConfig:
-        """The config of the checkpoint's family (registry), parsed by that family."""
-        from specserve.models.registry import architecture_of, model_class
-
-        arch = architecture_of(hf_config)
-        return model_class(arch).config_class.from_hf(hf_config, arch)

@@ -6,7 +6,8 @@ block — sigmoid scores with the correction bias used for the choice only, grou
 weights renormalised (norm_topk_prob) and scaled by routed_scaling_factor, plus n_shared_experts always-on experts
 (layers/moe.py). The MTP layer sits at model.layers.{num_hidden_layers} in the DeepSeek layout (models/mtp.py); its
 block is this family's MLA + MoE layer with its own latent cache. transformers' DeepseekV3ForCausalLM is the oracle
-in tests. The sparse-attention members (DeepSeek-V3.2, GLM-5) build on this file.
+in tests. The sparse-attention family (models/deepseek_v32.py: DeepSeek-V3.2, GLM-5) uses this file's layer, rotary
+and weight names.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from specserve.layers.mla import MLAAttention
 from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config, rope_parameters, rope_type_of
+from specserve.models.base import CausalLM
 from specserve.models.config import ModelConfig, optional, require, text_config
-from specserve.models.dense import PreNormDecoderLayer, load_param
-from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from specserve.models.decoder_layer import PreNormDecoderLayer
+from specserve.models.tensor_loading import load_checkpoint_tensor, load_param
 
 _SELF_ATTN = ".self_attn."
 
@@ -90,20 +92,20 @@ class DeepseekV3Config(ModelConfig):
         return layer_id >= self.first_k_dense_replace
 
 
-def _moe(cfg: DeepseekV3Config) -> SparseMoEBlock:
+def moe_block(cfg: DeepseekV3Config) -> SparseMoEBlock:
     return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
                           renormalize=cfg.norm_topk_prob, router="grouped_sigmoid", n_group=cfg.n_group,
                           topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                           shared_expert_intermediate_size=cfg.n_shared_experts * cfg.moe_intermediate_size,
-                          ep=cfg.tp)
+                          tp=cfg.tp, expert_parallel=cfg.moe_expert_parallel)
 
 
-class MLADecoderLayer(PreNormDecoderLayer):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: MLA + (dense or MoE) MLP."""
 
     def __init__(self, cfg: DeepseekV3Config, cache_index: int, rotary: RotaryEmbedding, sparse: bool,
                  indexer: nn.Module | None = None, shared_index: bool = False):
-        """indexer / shared_index: the sparse-attention members' DSA indexer (models/deepseek_v32.py)."""
+        """indexer / shared_index: the sparse-attention family's DSA indexer (models/deepseek_v32.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
@@ -111,38 +113,48 @@ class MLADecoderLayer(PreNormDecoderLayer):
                                       cfg.attn_scaling, cfg.rope_interleave, cfg.attention_bias, cache_index, rotary,
                                       indexer=indexer, shared_index=shared_index, tp=cfg.tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = _moe(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.tp)
+        self.mlp = moe_block(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.tp)
 
     def cache_specs(self) -> list[CacheSpec]:
         return self.self_attn.cache_specs()
 
-    def mix(self, positions, h, fb: ForwardBatch):
-        return self.self_attn(positions, h, fb)
+    def mix(self, positions, hidden, fb: ForwardBatch):
+        return self.self_attn(positions, hidden, fb)
 
 
-class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
-    """The family's model class (hooks of models/dense.py DenseForCausalLM; MoE loading from models/qwen3_moe.py)."""
+def mla_rotary(cfg: DeepseekV3Config, max_positions: int) -> RotaryEmbedding:
+    """Rotary on the qk_rope_head_dim dims of each head (MLA's decoupled rope)."""
+    inv_freq, scale = inv_freq_from_config(text_config(cfg.hf_config), cfg.qk_rope_head_dim)
+    return RotaryEmbedding(cfg.qk_rope_head_dim, max_positions, inv_freq, scale)
+
+
+def load_mla_tensor(root: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+    """MLA projections are copied by name (a q_proj without q-LoRA is not a fused q/k/v shard); the rest as every
+    family's (models/tensor_loading.py)."""
+    if _SELF_ATTN in name:
+        return load_param(root, params, name, tensor)
+    return load_checkpoint_tensor(root, params, name, tensor)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """The family's model class (the hooks of models/base.py CausalLM)."""
 
     config_class = DeepseekV3Config
     tensor_parallel = True  # MLA heads and dense MLPs split, experts over the same ranks (latent and indexer whole)
 
     @classmethod
     def make_layer(cls, cfg: DeepseekV3Config, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
-        return MLADecoderLayer(cfg, layer_id, rotary, cfg.is_sparse(layer_id))  # every layer keeps a latent
+        return DeepseekV3DecoderLayer(cfg, layer_id, rotary, cfg.is_sparse(layer_id))  # every layer keeps a latent
 
     @classmethod
     def mtp_block(cls, cfg: DeepseekV3Config, rotary: RotaryEmbedding) -> nn.Module:
-        return MLADecoderLayer(cfg, 0, rotary, cfg.is_sparse(cfg.num_layers))
+        return DeepseekV3DecoderLayer(cfg, 0, rotary, cfg.is_sparse(cfg.num_layers))
 
     @classmethod
     def make_rotary(cls, cfg: DeepseekV3Config, max_positions: int) -> RotaryEmbedding:
-        inv_freq, scale = inv_freq_from_config(text_config(cfg.hf_config), cfg.qk_rope_head_dim)
-        return RotaryEmbedding(cfg.qk_rope_head_dim, max_positions, inv_freq, scale)
+        return mla_rotary(cfg, max_positions)
 
     @classmethod
     def load_tensor(cls, root: nn.Module, params: dict[str, nn.Parameter], name: str,
                     tensor: torch.Tensor) -> str | None:
-        """MLA projections are copied by name (not the dense family's fused q/k/v shards); the rest as Qwen3-MoE."""
-        if _SELF_ATTN in name:
-            return load_param(root, params, name, tensor)
-        return super().load_tensor(root, params, name, tensor)
+        return load_mla_tensor(root, params, name, tensor)

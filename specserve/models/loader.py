@@ -17,9 +17,12 @@ import torch
 from tqdm import tqdm
 
 from specserve.distributed.tp import TP1, TPGroup
+from specserve.layers.dsa_indexer import DSAIndexer
+from specserve.layers.moe import SparseMoEBlock
+from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
-from specserve.models.registry import model_class
+from specserve.models.registry import config_from_hf, model_class
 from specserve.weights.fp8 import Fp8Format, dequantize_stream, fp8_format
 from specserve.weights.gguf_loader import iter_gguf
 from specserve.weights.safetensors_loader import iter_safetensors, tensor_names
@@ -95,8 +98,8 @@ class LoadedTarget:
 
 
 def _is_mtp(name: str, num_layers: int) -> bool:
-    m = _MTP_NAME.match(name)
-    return bool(m) and (m.group(2) is None or int(m.group(2)) >= num_layers)
+    match = _MTP_NAME.match(name)
+    return bool(match) and (match.group(2) is None or int(match.group(2)) >= num_layers)
 
 
 def materialize(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -105,9 +108,6 @@ def materialize(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, de
     their dtype), with the rotary tables rebuilt in float32 (accurate angles at long positions)."""
     model = model.to(dtype=dtype).to_empty(device=device)
     keep_float32_params(model)
-    from specserve.layers.rotary import RotaryEmbedding
-    from specserve.models.registry import model_class
-
     fresh = model_class(cfg.architecture).make_rotary(cfg, max_positions).cos_sin_cache.to(device)
     for mod in model.modules():
         if isinstance(mod, RotaryEmbedding):
@@ -119,9 +119,6 @@ def keep_float32_params(model: torch.nn.Module) -> None:
     """Parameters a family keeps in float32 whatever the model dtype, as transformers does: the grouped sigmoid
     router's gate and correction bias (rounded to bfloat16 the bias moves expert choices) and the DSA indexer's
     head weights. Replaced by uninitialised float32 parameters, before loading."""
-    from specserve.layers.dsa_indexer import DSAIndexer
-    from specserve.layers.moe import SparseMoEBlock
-
     for block in model.modules():
         if isinstance(block, DSAIndexer):
             names = ("weights_proj.weight",)  # transformers' _keep_in_fp32_modules
@@ -132,10 +129,11 @@ def keep_float32_params(model: torch.nn.Module) -> None:
         for name in names:
             owner_name, _, attr = name.rpartition(".")
             owner = block.get_submodule(owner_name) if owner_name else block
-            p = getattr(owner, attr)
-            if p is not None and p.dtype != torch.float32:
-                setattr(owner, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device=p.device),
-                                                        requires_grad=p.requires_grad))
+            param = getattr(owner, attr)
+            if param is not None and param.dtype != torch.float32:
+                setattr(owner, attr, torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=torch.float32, device=param.device),
+                    requires_grad=param.requires_grad))
 
 
 def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, desc: str = "Loading weights"):
@@ -157,11 +155,13 @@ def _dequantized(tensors, fp8: Fp8Format | None, device: torch.device):
 
 
 def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
-                hf_config=None, tp: TPGroup = TP1) -> LoadedTarget:
-    """tp: the tensor-parallel group this rank belongs to (its slice of each weight is loaded)."""
+                hf_config=None, tp: TPGroup = TP1, expert_parallel: bool = True) -> LoadedTarget:
+    """tp: the tensor-parallel group this rank belongs to (its slice of each weight is loaded); expert_parallel: MoE
+    experts partitioned over its ranks, else each expert split over them (ModelConfig.moe_expert_parallel)."""
     hf_config = hf_config or load_hf_config(src)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     cfg.tp = tp
+    cfg.moe_expert_parallel = expert_parallel
     fp8 = fp8_format(hf_config)
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
@@ -171,11 +171,11 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
     mtp: list[str] = []
 
     def target_only():
-        for name, t in _stream(src, cfg):
+        for name, tensor in _stream(src, cfg):
             if _is_mtp(name, cfg.num_layers):
                 mtp.append(name)  # read again by load_mtp_draft, only if speculating (FP8 scales included)
                 continue
-            yield name, t
+            yield name, tensor
 
     with torch.no_grad():
         loaded = model.load_weights(_dequantized(target_only(), fp8, device))
@@ -191,38 +191,39 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
     """The MTP drafter: from a separate draft folder when given, else from the target checkpoint's MTP layer.
     token_map [Vd] int64 ascending (models/token_map.py): the only tokens it may propose (its head restricted)."""
     if draft_path:
-        dsrc = ModelSource.resolve(draft_path)
-        if dsrc.is_gguf:
+        draft_src = ModelSource.resolve(draft_path)
+        if draft_src.is_gguf:
             raise ValueError("a GGUF draft checkpoint is not supported; give a folder with config.json")
-        dhf = load_hf_config(dsrc)
-        dcfg = ModelConfig.from_hf(dhf)
-        fp8 = fp8_format(dhf)
-        names = set(tensor_names(dsrc.folder))
+        draft_hf_config = load_hf_config(draft_src)
+        draft_cfg = config_from_hf(draft_hf_config)
+        fp8 = fp8_format(draft_hf_config)
+        names = set(tensor_names(draft_src.folder))
         layer_index = None
-        _check_draft_matches(dcfg, target.config)
+        _check_draft_matches(draft_cfg, target.config)
     else:
         if not target.mtp_names:
             raise ValueError(
                 f"{target.config.architecture} checkpoint has no MTP layer (num_nextn_predict_layers="
                 f"{target.config.num_nextn_predict_layers}); pass --speculative-draft-model-path"
             )
-        dsrc, dcfg, names, fp8 = target.source, target.config, set(target.mtp_names), target.fp8
+        draft_src, draft_cfg, names, fp8 = target.source, target.config, set(target.mtp_names), target.fp8
         layer_index = target.config.num_layers
     own_embed = any(n.endswith("embed_tokens.weight") for n in names)
     own_head = any(n.endswith("shared_head.head.weight") or n == "lm_head.weight" for n in names)
     vocab_name = next((n for n in ("draft_vocab", "d2t_ids") if n in names), None)
-    vocab = next(iter_safetensors(dsrc.folder, {vocab_name}))[1] if vocab_name else None
+    vocab = next(iter_safetensors(draft_src.folder, {vocab_name}))[1] if vocab_name else None
     # A reduced vocabulary without its own head rows is the target's lm-head rows of those tokens: restrict_vocab
     # after loading, as a --speculative-token-map is.
     head_from_target = vocab is not None and not own_head
     with torch.device("meta"):
-        draft = MTPDraftModel(dcfg, max_positions, own_embed=own_embed, own_head=own_head,
+        draft = MTPDraftModel(draft_cfg, max_positions, own_embed=own_embed, own_head=own_head,
                               draft_vocab_size=None if vocab is None or head_from_target else int(vocab.shape[0]))
-    draft = materialize(draft, dcfg, dtype, device, max_positions)
+    draft = materialize(draft, draft_cfg, dtype, device, max_positions)
     if head_from_target:
         names = names - {vocab_name}
     with torch.no_grad():
-        draft.load_weights(_dequantized(_stream(dsrc, dcfg, names, "Loading MTP weights"), fp8, device), layer_index)
+        tensors = _stream(draft_src, draft_cfg, names, "Loading MTP weights")
+        draft.load_weights(_dequantized(tensors, fp8, device), layer_index)
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
     if head_from_target:
         draft.restrict_vocab(vocab.to(torch.int64))
@@ -232,8 +233,8 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
     return draft
 
 
-def _check_draft_matches(d: ModelConfig, t: ModelConfig) -> None:
+def _check_draft_matches(draft: ModelConfig, target: ModelConfig) -> None:
     for field_name in ("hidden_size", "vocab_size"):
-        if getattr(d, field_name) != getattr(t, field_name):
-            raise ValueError(f"draft {field_name}={getattr(d, field_name)} does not match the target's "
-                             f"{getattr(t, field_name)}")
+        if getattr(draft, field_name) != getattr(target, field_name):
+            raise ValueError(f"draft {field_name}={getattr(draft, field_name)} does not match the target's "
+                             f"{getattr(target, field_name)}")

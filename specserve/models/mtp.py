@@ -1,5 +1,6 @@
-"""NextN / MTP draft layer (DESIGN §5), for every family: its decoder block is the family's own (`mtp_block`: the
-family's attention and MLP kind, e.g. the MoE MLP of an MoE target), its weight names the family's.
+"""NextN / MTP draft layer (docs/architecture.md), for every family: its decoder block is the family's own
+(`mtp_block`: the family's attention and MLP kind, e.g. the MoE MLP of an MoE target), its weight names the
+family's (the hooks of models/base.py CausalLM).
 
     e = enorm(embed(token_{p+1}))         h = hnorm(hidden_p)        (hidden_p: target's final-norm hidden,
     x = eh_proj([e ; h])                                              or the draft's own output when chaining)
@@ -55,25 +56,26 @@ class MTPDraftModel(nn.Module):
                  draft_vocab_size: int | None = None):
         super().__init__()
         self.config = cfg
-        self.family = model_class(cfg.architecture)  # the target's family: its block, rotary and weight names
-        h = cfg.hidden_size
-        self.enorm = self.family.make_norm(cfg, h)
-        self.hnorm = self.family.make_norm(cfg, h)
-        self.eh_proj = Linear(2 * h, h)
+        # the target's family (models/base.py CausalLM hooks): its block, norms, rotary and weight names
+        self.family = model_class(cfg.architecture)
+        hidden_size = cfg.hidden_size
+        self.enorm = self.family.make_norm(cfg, hidden_size)
+        self.hnorm = self.family.make_norm(cfg, hidden_size)
+        self.eh_proj = Linear(2 * hidden_size, hidden_size)
         self.rotary = self.family.make_rotary(cfg, max_positions)
         self.decoder = self.family.mtp_block(cfg, self.rotary)
-        self.final_norm = self.family.make_norm(cfg, h)
+        self.final_norm = self.family.make_norm(cfg, hidden_size)
         self.aux_layers = list(cfg.aux_hidden_layers)
         if self.aux_layers != sorted(set(self.aux_layers)) or any(i < 0 for i in self.aux_layers):
             raise ValueError(f"aux_hidden_state_layer_ids must be increasing layer indices, got {self.aux_layers}")
         # [(1 + k) H] target features -> [H]; None: the draft reads the final hidden state only
-        self.aux_fc = Linear((1 + len(self.aux_layers)) * h, h) if self.aux_layers else None
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, h) if own_embed else None
-        vd = draft_vocab_size or cfg.vocab_size
-        self.lm_head = LMHead(vd, h) if (own_head or draft_vocab_size) else None
+        self.aux_fc = Linear((1 + len(self.aux_layers)) * hidden_size, hidden_size) if self.aux_layers else None
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, hidden_size) if own_embed else None
+        head_rows = draft_vocab_size or cfg.vocab_size
+        self.lm_head = LMHead(head_rows, hidden_size) if (own_head or draft_vocab_size) else None
         if draft_vocab_size:
             # draft index -> target token id; a buffer so it moves with .to(device)
-            self.register_buffer("draft_vocab", torch.arange(vd, dtype=torch.int64))
+            self.register_buffer("draft_vocab", torch.arange(head_rows, dtype=torch.int64))
         else:
             self.draft_vocab = None
         self._shared: tuple[VocabEmbedding, LMHead] | None = None
@@ -114,24 +116,24 @@ class MTPDraftModel(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """fb.input_ids [T] (token at p+1), fb.hidden_in (at p): target features [T, feature_size] in DRAFT_EXTEND,
         the draft's own output [T, H] in DRAFT_DECODE -> draft hidden [T, H]."""
-        e = self.enorm(self.embed(fb.input_ids))
-        hidden = fb.hidden_in.to(e.dtype)
+        embedded = self.enorm(self.embed(fb.input_ids))
+        hidden = fb.hidden_in.to(embedded.dtype)
         if self.aux_fc is not None and fb.mode is ForwardMode.DRAFT_EXTEND:
-            t, hs = hidden.shape[0], self.config.hidden_size
-            blocks = F.rms_norm(hidden.view(t, -1, hs), (hs,), eps=self.config.rms_norm_eps)  # [T, 1 + k, H]
-            hidden = self.aux_fc(blocks.reshape(t, -1))  # [T, H]
-        h = self.hnorm(hidden)
-        x = self.eh_proj(torch.cat((e, h), dim=-1))
-        x, residual = self.decoder(fb.positions, x, None, fb)
-        normed, stream = self.final_norm(x, residual)  # stream: the residual sum the norm reads
+            num_tokens, hidden_size = hidden.shape[0], self.config.hidden_size
+            blocks = F.rms_norm(hidden.view(num_tokens, -1, hidden_size), (hidden_size,),
+                                eps=self.config.rms_norm_eps)  # [T, 1 + k, H]
+            hidden = self.aux_fc(blocks.reshape(num_tokens, -1))  # [T, H]
+        hidden = self.eh_proj(torch.cat((embedded, self.hnorm(hidden)), dim=-1))
+        hidden, residual = self.decoder(fb.positions, hidden, None, fb)
+        normed, stream = self.final_norm(hidden, residual)  # stream: the residual sum the norm reads
         return torch.cat((normed, stream), dim=-1) if self.chain_prenorm else normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] (or forward()'s [T, 2H] with chain_prenorm: its normed half) -> [T, Vd] float32 (Vd = the draft
         vocabulary, the target's unless reduced)."""
-        h = self.config.hidden_size
-        if hidden.shape[-1] != h:
-            hidden = hidden[..., :h].contiguous()
+        hidden_size = self.config.hidden_size
+        if hidden.shape[-1] != hidden_size:
+            hidden = hidden[..., :hidden_size].contiguous()
         return self.head(hidden)
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
@@ -141,13 +143,14 @@ class MTPDraftModel(nn.Module):
         if self.draft_vocab is not None:
             raise ValueError(f"the draft head already has a reduced vocabulary of {self.draft_vocab.numel()} tokens "
                              "(its checkpoint's draft_vocab); a token map cannot replace it")
-        src = self.head
-        if type(src) is not LMHead:  # a vocab-parallel head holds 1 / tp of the rows
-            raise ValueError(f"a token map needs the whole lm-head on this rank, not a {type(src).__name__}")
-        ids = ids.to(device=src.weight.device, dtype=torch.int64)
-        head = LMHead(ids.numel(), self.config.hidden_size).to(device=src.weight.device, dtype=src.weight.dtype)
+        source = self.head
+        if type(source) is not LMHead:  # a vocab-parallel head holds 1 / tp of the rows
+            raise ValueError(f"a token map needs the whole lm-head on this rank, not a {type(source).__name__}")
+        weight = source.weight
+        ids = ids.to(device=weight.device, dtype=torch.int64)
+        head = LMHead(ids.numel(), self.config.hidden_size).to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
-            head.weight.copy_(src.weight[ids])
+            head.weight.copy_(weight[ids])
         self.lm_head = head.requires_grad_(False)
         del self.draft_vocab  # the plain None attribute, replaced by a buffer that moves with the module
         self.register_buffer("draft_vocab", ids)
@@ -166,7 +169,7 @@ class MTPDraftModel(nn.Module):
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft token ids (target vocabulary) for hidden [T, H] -> [T]. Drafts are deterministic: the
-        verifier treats the draft distribution as one-hot (DESIGN §1)."""
+        verifier treats the draft distribution as one-hot (docs/architecture.md)."""
         return ops.row_top1(self.compute_logits(hidden), self.draft_vocab)[0]
 
     def draft_tokens_and_confidence(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,18 +203,17 @@ class MTPDraftModel(nn.Module):
     def _map_name(self, name: str, layer_index: int | None) -> str | None:
         if name in ("draft_vocab", "d2t_ids"):
             return "draft_vocab"
-        m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
-        if m:
-            idx, rest = int(m.group(1)), m.group(2)
-            if layer_index is not None and idx != layer_index:
+        match = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
+        if match:
+            if layer_index is not None and int(match.group(1)) != layer_index:
                 return None
-            return self._map_rest(rest, _DEEPSEEK_HEAD)
-        m = re.match(r"mtp\.layers\.0\.(.+)$", name)
-        if m:
-            return self._map_rest(m.group(1), {})
-        m = re.match(r"mtp\.(.+)$", name)
-        if m:
-            return self._map_rest(m.group(1), _QWEN_NEXT_HEAD)
+            return self._map_rest(match.group(2), _DEEPSEEK_HEAD)
+        match = re.match(r"mtp\.layers\.0\.(.+)$", name)
+        if match:
+            return self._map_rest(match.group(1), {})
+        match = re.match(r"mtp\.(.+)$", name)
+        if match:
+            return self._map_rest(match.group(1), _QWEN_NEXT_HEAD)
         if layer_index is None and name == "model.embed_tokens.weight":
             return "embed_tokens.weight"
         if layer_index is None and name == "lm_head.weight":

@@ -5,7 +5,7 @@ expert) on layers i with (i + 1) % decoder_sparse_step == 0 and i not in mlp_onl
 the same attention with the MoE MLP. transformers' Qwen3MoeForCausalLM is the oracle in tests.
 
 Checkpoints store experts per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`); they are stacked into the
-block's [E, ...] tensors as they stream in (layers/moe.py).
+block's [E, ...] tensors as they stream in (layers/moe.py, models/tensor_loading.py).
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from specserve.layers.moe import SparseMoEBlock
 from specserve.layers.rotary import RotaryEmbedding
+from specserve.models.base import CausalLM
 from specserve.models.config import ModelConfig, optional, require, text_config
-from specserve.models.dense import DenseConfig, DenseDecoderLayer, DenseForCausalLM, load_dense_tensor
+from specserve.models.dense import DenseConfig, DenseDecoderLayer, dense_rotary
 from specserve.models.dense_arch import DenseArch, with_drafts
-
-_MLP = ".mlp."
 
 
 @dataclass
 class Qwen3MoeConfig(DenseConfig):
+    """The dense block's fields (Qwen3's attention) plus the MoE MLP's."""
+
     # the attention of Qwen3 (per-head q/k RMSNorm; a sliding window only with use_sliding_window)
     arch_features: ClassVar[dict[str, DenseArch]] = with_drafts({
         "Qwen3MoeForCausalLM": DenseArch(qk_norm=True, window_switch="use_sliding_window")})
@@ -60,10 +60,14 @@ class Qwen3MoeConfig(DenseConfig):
 
 def moe_block(cfg: Qwen3MoeConfig) -> SparseMoEBlock:
     return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                          renormalize=cfg.norm_topk_prob, router="softmax", ep=cfg.tp)
+                          renormalize=cfg.norm_topk_prob, router="softmax", tp=cfg.tp,
+                          expert_parallel=cfg.moe_expert_parallel)
 
 
-class Qwen3MoeForCausalLM(DenseForCausalLM):
+class Qwen3MoeForCausalLM(CausalLM):
+    """The family's model class (the hooks of models/base.py CausalLM): the dense family's layer (models/dense.py
+    DenseDecoderLayer) with the MoE block as its MLP on sparse layers."""
+
     config_class = Qwen3MoeConfig
     tensor_parallel = True  # attention and dense MLPs split as dense models, experts split over the same ranks
 
@@ -76,24 +80,5 @@ class Qwen3MoeForCausalLM(DenseForCausalLM):
         return DenseDecoderLayer(cfg, 0, rotary, moe_block(cfg))
 
     @classmethod
-    def load_tensor(cls, root: nn.Module, params: dict[str, nn.Parameter], name: str,
-                    tensor: torch.Tensor) -> str | None:
-        """MoE MLP tensors go to their block (per-expert names stacked as they arrive); the rest as dense."""
-        at = name.find(_MLP)
-        if at >= 0:
-            prefix = name[:at + len(_MLP) - 1]  # "model.layers.3.mlp" (or "decoder.mlp" in an MTP layer)
-            block = root.get_submodule(prefix)
-            if isinstance(block, SparseMoEBlock):
-                if not block.load_weight(name[at + len(_MLP):], tensor):
-                    return None
-                return name  # counted by finish_loading, once every piece of the parameter is in
-        return load_dense_tensor(root, params, name, tensor)
-
-    @classmethod
-    def finish_loading(cls, root: nn.Module, loaded: set[str]) -> set[str]:
-        """Replace the MoE blocks' names by the parameters whose every piece was written."""
-        blocks = {n: m for n, m in root.named_modules() if isinstance(m, SparseMoEBlock)}
-        out = {n for n in loaded if not any(n.startswith(p + ".") for p in blocks)}
-        for prefix, block in blocks.items():
-            out |= {f"{prefix}.{n}" for n in block.loaded_param_names()}
-        return out
+    def make_rotary(cls, cfg: Qwen3MoeConfig, max_positions: int) -> RotaryEmbedding:
+        return dense_rotary(cfg, max_positions)

@@ -11,6 +11,9 @@ mlp_only_layers. MoE: softmax top-k (renormalised per norm_topk_prob; always for
 behind a sigmoid gate. The MTP layer ships in the checkpoint as `mtp.*` (models/mtp.py): one gated full-attention
 layer with the target's MLP kind. transformers' implementations are the oracle in tests.
 
+The family's classes are named after its first member (Qwen3NextConfig, Qwen3NextForCausalLM); every architecture
+above maps to them (models/registry.py).
+
 Text only for now: a vision-language checkpoint's `model.language_model.*` is read as `model.*`, its vision tower
 is skipped, and positions are 1-D (text tokens have equal mRoPE rows, so interleaved mRoPE reduces to 1-D rope).
 """
@@ -31,9 +34,9 @@ from specserve.layers.moe import GatedMLP, SparseMoEBlock
 from specserve.layers.norm import RMSNorm
 from specserve.layers.parallel import MergedColumnParallelLinear, RowParallelLinear
 from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
+from specserve.models.base import CausalLM
 from specserve.models.config import ModelConfig, optional, require, text_config
-from specserve.models.dense import PreNormDecoderLayer
-from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from specserve.models.decoder_layer import PreNormDecoderLayer
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _LINEAR_ATTN = ".linear_attn."
@@ -42,7 +45,9 @@ _VISION_PREFIXES = ("model.visual.", "visual.")
 
 
 @dataclass
-class HybridConfig(ModelConfig):
+class Qwen3NextConfig(ModelConfig):
+    """The core fields plus the gated attention's, the gated delta net's and the MLP's (dense and/or MoE)."""
+
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -64,21 +69,22 @@ class HybridConfig(ModelConfig):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, hf_config, arch: str) -> HybridConfig:
+    def from_hf(cls, hf_config, arch: str) -> Qwen3NextConfig:
         text = text_config(hf_config)
         core = ModelConfig.core_fields(hf_config, arch)
         core["mrope_section"] = None  # text only (module docstring)
         core["num_nextn_predict_layers"] = int(optional(text, "mtp_num_hidden_layers",
                                                         core["num_nextn_predict_layers"]))
-        n = core["num_layers"]
+        num_layers = core["num_layers"]
         types = getattr(text, "layer_types", None)
         if not types:
             every = int(optional(text, "full_attention_interval", 4))
-            types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
-        types = list(types)[:n]
+            types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(num_layers)]
+        types = list(types)[:num_layers]
         bad = sorted(set(types) - {LINEAR, FULL})
-        if len(types) != n or bad:
-            raise ValueError(f"{arch}: layer_types must name {n} layers as {LINEAR!r} or {FULL!r} (got {bad or types})")
+        if len(types) != num_layers or bad:
+            raise ValueError(f"{arch}: layer_types must name {num_layers} layers as {LINEAR!r} or {FULL!r} "
+                             f"(got {bad or types})")
         if optional(text, "hidden_act", "silu") != "silu":
             raise ValueError(f"{arch}: hidden_act={text.hidden_act!r} is not supported (silu only)")
         num_heads = require(text, "num_attention_heads")
@@ -111,7 +117,7 @@ class HybridConfig(ModelConfig):
         if cfg.num_experts and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
             raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be in 1..num_experts="
                              f"{cfg.num_experts}")
-        if any(not cfg.is_sparse(i) for i in range(n)) and cfg.intermediate_size <= 0:
+        if any(not cfg.is_sparse(i) for i in range(num_layers)) and cfg.intermediate_size <= 0:
             raise ValueError(f"{arch}: dense layers need intermediate_size")
         return cfg
 
@@ -135,32 +141,33 @@ def _dtype(name) -> torch.dtype:
     return _SSM_DTYPES[key]
 
 
-def _norm(cfg: HybridConfig, size: int) -> RMSNorm:
+def _norm(cfg: Qwen3NextConfig, size: int) -> RMSNorm:
     return RMSNorm(size, cfg.rms_norm_eps, zero_centered=True)
 
 
 class GatedAttention(nn.Module):
     """Full attention with an output gate, per-head zero-centred q/k norms and partial rotary."""
 
-    def __init__(self, cfg: HybridConfig, cache_index: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: Qwen3NextConfig, cache_index: int, rotary: RotaryEmbedding):
         """Under tensor parallelism (cfg.tp) this rank keeps its query heads (with their gates) and KV heads."""
         super().__init__()
-        tp, d = cfg.tp, cfg.head_dim
-        self.head_dim = d
+        tp, head_dim = cfg.tp, cfg.head_dim
+        self.head_dim = head_dim
+        q_rows, kv_rows = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
         # q_proj: per head, the query's head_dim rows then the gate's (checkpoint order), 2 q_size in all
         if tp.size == 1:
             self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-            self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * cfg.num_heads * d, "k": cfg.num_kv_heads * d,
-                                                           "v": cfg.num_kv_heads * d}, bias=cfg.attention_bias)
-            self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.attention_bias)
+            self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": 2 * q_rows, "k": kv_rows, "v": kv_rows},
+                                         bias=cfg.attention_bias)
+            self.o_proj = Linear(q_rows, cfg.hidden_size, bias=cfg.attention_bias)
         else:
             self.num_heads = tp.split(cfg.num_heads, "attention heads")
             self.qkv_proj = MergedColumnParallelLinear(
-                cfg.hidden_size, {"q": (2 * cfg.num_heads * d, 2 * d), "k": (cfg.num_kv_heads * d, d),
-                                  "v": (cfg.num_kv_heads * d, d)}, tp, bias=cfg.attention_bias)
-            self.num_kv_heads = self.qkv_proj.shard_offsets["k"][1] // d
-            self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, bias=cfg.attention_bias)
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+                cfg.hidden_size, {"q": (2 * q_rows, 2 * head_dim), "k": (kv_rows, head_dim),
+                                  "v": (kv_rows, head_dim)}, tp, bias=cfg.attention_bias)
+            self.num_kv_heads = self.qkv_proj.shard_offsets["k"][1] // head_dim
+            self.o_proj = RowParallelLinear(q_rows, cfg.hidden_size, tp, bias=cfg.attention_bias)
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.q_norm = _norm(cfg, self.head_dim)
         self.k_norm = _norm(cfg, self.head_dim)
         self.rotary = rotary  # shared module
@@ -170,35 +177,37 @@ class GatedAttention(nn.Module):
     def cache_spec(self) -> MHACacheSpec:
         return MHACacheSpec(self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(h), fb)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(hidden), fb)
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """qkv [T, 2q + 2kv] (the projection's output) -> the block's output [T, hidden]."""
-        t, d = qkv.shape[0], self.head_dim
-        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
-        qg = qg.view(t, self.num_heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(t, self.q_size)  # [T, Hq, D], [T, Hq * D]
-        k = k.view(t, self.num_kv_heads, d)
-        v = v.reshape(t, self.num_kv_heads, d)
+        num_tokens, head_dim = qkv.shape[0], self.head_dim
+        query_gate, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query_gate = query_gate.view(num_tokens, self.num_heads, 2 * head_dim)
+        # [T, Hq, D], [T, Hq * D]
+        q, gate = query_gate[..., :head_dim], query_gate[..., head_dim:].reshape(num_tokens, self.q_size)
+        k = k.view(num_tokens, self.num_kv_heads, head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, head_dim)
         # per-head norms and partial rotary on the [T, heads, D] views of the projection, fused with the K/V store
         out = self.attn(q, k, v, fb, QKPrep(self.rotary, positions, self.q_norm, self.k_norm))  # [T, Hq * D]
         return self.o_proj(out * torch.sigmoid(gate))
 
 
-def _mlp(cfg: HybridConfig, sparse: bool) -> nn.Module:
+def _mlp(cfg: Qwen3NextConfig, sparse: bool) -> nn.Module:
     if not sparse:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.tp)
     return SparseMoEBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                           renormalize=cfg.norm_topk_prob, router="softmax",
                           shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-                          shared_expert_gated=cfg.shared_expert_intermediate_size > 0, ep=cfg.tp)
+                          shared_expert_gated=cfg.shared_expert_intermediate_size > 0, tp=cfg.tp,
+                          expert_parallel=cfg.moe_expert_parallel)
 
 
-class HybridDecoderLayer(PreNormDecoderLayer):
+class Qwen3NextDecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: (GDN or gated attention) + MLP."""
 
-    def __init__(self, cfg: HybridConfig, kind: str, cache_index: int, rotary: RotaryEmbedding, sparse: bool):
+    def __init__(self, cfg: Qwen3NextConfig, kind: str, cache_index: int, rotary: RotaryEmbedding, sparse: bool):
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
@@ -215,8 +224,8 @@ class HybridDecoderLayer(PreNormDecoderLayer):
     def cache_specs(self) -> list[CacheSpec]:
         return [self.linear_attn.cache_spec() if self.kind == LINEAR else self.self_attn.cache_spec()]
 
-    def mix(self, positions, h, fb: ForwardBatch):
-        return self.linear_attn(h, fb) if self.kind == LINEAR else self.self_attn(positions, h, fb)
+    def mix(self, positions, hidden, fb: ForwardBatch):
+        return self.linear_attn(hidden, fb) if self.kind == LINEAR else self.self_attn(positions, hidden, fb)
 
     def mixer_projections(self):
         if self.kind == LINEAR:
@@ -229,29 +238,29 @@ class HybridDecoderLayer(PreNormDecoderLayer):
         return self.self_attn.attend(positions, proj, fb)
 
 
-class HybridForCausalLM(Qwen3MoeForCausalLM):
-    """The family's model class (hooks of models/dense.py DenseForCausalLM; MoE loading from models/qwen3_moe.py)."""
+class Qwen3NextForCausalLM(CausalLM):
+    """The family's model class (the hooks of models/base.py CausalLM)."""
 
-    config_class = HybridConfig
+    config_class = Qwen3NextConfig
     tensor_parallel = True  # GDN and attention heads, dense MLPs split; experts split over the same ranks
 
     @classmethod
-    def make_layer(cls, cfg: HybridConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+    def make_layer(cls, cfg: Qwen3NextConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
         kind = cfg.layer_types[layer_id]
         cache_index = cfg.layer_types[:layer_id].count(kind)  # its index among the layers of its cache kind
-        return HybridDecoderLayer(cfg, kind, cache_index, rotary, cfg.is_sparse(layer_id))
+        return Qwen3NextDecoderLayer(cfg, kind, cache_index, rotary, cfg.is_sparse(layer_id))
 
     @classmethod
-    def mtp_block(cls, cfg: HybridConfig, rotary: RotaryEmbedding) -> nn.Module:
-        return HybridDecoderLayer(cfg, FULL, 0, rotary, cfg.num_experts > 0)
+    def mtp_block(cls, cfg: Qwen3NextConfig, rotary: RotaryEmbedding) -> nn.Module:
+        return Qwen3NextDecoderLayer(cfg, FULL, 0, rotary, cfg.num_experts > 0)
 
     @classmethod
-    def make_rotary(cls, cfg: HybridConfig, max_positions: int) -> RotaryEmbedding:
+    def make_rotary(cls, cfg: Qwen3NextConfig, max_positions: int) -> RotaryEmbedding:
         inv_freq, scale = inv_freq_from_config(text_config(cfg.hf_config), cfg.rotary_dim)
         return RotaryEmbedding(cfg.rotary_dim, max_positions, inv_freq, scale)
 
     @classmethod
-    def make_norm(cls, cfg: HybridConfig, size: int) -> RMSNorm:
+    def make_norm(cls, cfg: Qwen3NextConfig, size: int) -> RMSNorm:
         return _norm(cfg, size)
 
     @classmethod
@@ -265,9 +274,10 @@ class HybridForCausalLM(Qwen3MoeForCausalLM):
     @classmethod
     def load_tensor(cls, root: nn.Module, params: dict[str, nn.Parameter], name: str,
                     tensor: torch.Tensor) -> str | None:
-        at = name.find(_LINEAR_ATTN)
-        if at >= 0:
-            prefix = name[:at + len(_LINEAR_ATTN) - 1]
-            ours = root.get_submodule(prefix).load_tensor(name[at + len(_LINEAR_ATTN):], tensor)
+        """The gated delta net's tensors go to its module (layers/gdn.py); the rest as every family's."""
+        offset = name.find(_LINEAR_ATTN)
+        if offset >= 0:
+            prefix = name[:offset + len(_LINEAR_ATTN) - 1]
+            ours = root.get_submodule(prefix).load_tensor(name[offset + len(_LINEAR_ATTN):], tensor)
             return None if ours is None else f"{prefix}.{ours}"
         return super().load_tensor(root, params, name, tensor)

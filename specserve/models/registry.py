@@ -1,12 +1,17 @@
-"""Architecture registry: HF `architectures` name -> the family's model class, imported only when asked for.
+"""Architecture registry: HF `architectures` name -> the family's model class, imported only when asked for, and
+the config parsed by that family (config_from_hf).
 
-A draft checkpoint names its target's architecture with a "NextN" suffix (e.g. "LlamaForCausalLMNextN"); its
-family is the target's.
+One family per file, the classes named after it: models/<family>.py holds <Family>Config and <Family>ForCausalLM
+(dense.py: DenseConfig, DenseForCausalLM; qwen3_next.py: Qwen3NextConfig, Qwen3NextForCausalLM). A draft
+checkpoint names its target's architecture with a "NextN" suffix (e.g. "LlamaForCausalLMNextN"); its family is the
+target's.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from specserve.models.config import ModelConfig
 
 _MODEL_TYPE_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -34,14 +39,14 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     # multi-head latent attention + MoE
     "DeepseekV3ForCausalLM": ("specserve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     # + DeepSeek sparse attention (the DSA indexer)
-    "DeepseekV32ForCausalLM": ("specserve.models.deepseek_v32", "DSAForCausalLM"),
-    "GlmMoeDsaForCausalLM": ("specserve.models.deepseek_v32", "DSAForCausalLM"),
+    "DeepseekV32ForCausalLM": ("specserve.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("specserve.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     # hybrid linear attention (gated delta net + gated attention); the vision-language ones as text only
-    "Qwen3NextForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
-    "Qwen3_5ForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
-    "Qwen3_5MoeForCausalLM": ("specserve.models.qwen3_next", "HybridForCausalLM"),
-    "Qwen3_5ForConditionalGeneration": ("specserve.models.qwen3_next", "HybridForCausalLM"),
-    "Qwen3_5MoeForConditionalGeneration": ("specserve.models.qwen3_next", "HybridForCausalLM"),
+    "Qwen3NextForCausalLM": ("specserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("specserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("specserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("specserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("specserve.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 _DRAFT_SUFFIX = "NextN"
@@ -64,3 +69,9 @@ def model_class(arch: str) -> type:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}")
     module, name = MODEL_REGISTRY[family]
     return getattr(importlib.import_module(module), name)
+
+
+def config_from_hf(hf_config) -> ModelConfig:
+    """The config of the checkpoint's family (by its architecture), parsed by that family's config class."""
+    arch = architecture_of(hf_config)
+    return model_class(arch).config_class.from_hf(hf_config, arch)

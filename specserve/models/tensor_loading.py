@@ -1,0 +1,87 @@
+"""One checkpoint tensor -> our parameter: the mapping every family's `load_tensor` starts from (models/base.py).
+
+Our parameter names are the HF checkpoint's, except where we fuse projections: q/k/v into `qkv_proj` and
+gate/up into `gate_up_proj` (each checkpoint tensor is copied into its slice), and an MoE block's per-expert
+tensors, which the block stacks into its [E, ...] tensors as they stream in (layers/moe.py). Under tensor
+parallelism each layer keeps its rank's slice (layers/parallel.py `load_full` / `load_shard`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.layers.moe import SparseMoEBlock
+
+# checkpoint projection -> (our fused projection, its shard)
+_SHARDS = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+_MLP = ".mlp."
+
+
+def load_checkpoint_tensor(root: nn.Module, params: dict[str, nn.Parameter], name: str,
+                           tensor: torch.Tensor) -> str | None:
+    """Copy one HF-named tensor into root's parameters; returns our parameter's name (None: no match). An MoE
+    block's tensors go to the block (a name it reports once the parameter is complete: finish_loading); fused
+    projections take theirs into their slice; any other tensor goes to the parameter of its name."""
+    offset = name.find(_MLP)
+    if offset >= 0:
+        prefix = name[:offset + len(_MLP) - 1]  # "model.layers.3.mlp" (or "decoder.mlp" in an MTP layer)
+        try:
+            block = root.get_submodule(prefix)
+        except AttributeError:  # no such module: the name matches no parameter (reported by the caller)
+            block = None
+        if isinstance(block, SparseMoEBlock):
+            return name if block.load_weight(name[offset + len(_MLP):], tensor) else None
+    return load_fused_or_param(root, params, name, tensor)
+
+
+def finish_loading(root: nn.Module, loaded: set[str]) -> set[str]:
+    """The parameters of root that are now completely loaded, of the names load_checkpoint_tensor returned: an
+    MoE block's names are replaced by its parameters whose every piece was written."""
+    blocks = {prefix: m for prefix, m in root.named_modules() if isinstance(m, SparseMoEBlock)}
+    if not blocks:
+        return loaded
+    out = {n for n in loaded if not any(n.startswith(prefix + ".") for prefix in blocks)}
+    for prefix, block in blocks.items():
+        out |= {f"{prefix}.{n}" for n in block.loaded_param_names()}
+    return out
+
+
+def load_fused_or_param(root: nn.Module, params: dict[str, nn.Parameter], name: str,
+                        tensor: torch.Tensor) -> str | None:
+    """Copy one HF-named tensor into `root`'s parameters, a q/k/v or gate/up projection into its slice of the fused
+    projection; returns our parameter's name."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _SHARDS:
+        fused, shard = _SHARDS[parts[-2]]
+        module_name = ".".join(parts[:-2] + [fused])
+        module = root.get_submodule(module_name)
+        module.load_shard(shard, tensor, is_bias=parts[-1] == "bias")
+        return f"{module_name}.{parts[-1]}"
+    return load_param(root, params, name, tensor)
+
+
+def load_param(root: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+    """copy_param, except that a tensor-parallel layer (layers/parallel.py) keeps only its rank's slice."""
+    parts = name.split(".")
+    if len(parts) >= 2 and name in params:
+        module = root.get_submodule(".".join(parts[:-1]))
+        if hasattr(module, "load_full"):
+            module.load_full(tensor, is_bias=parts[-1] == "bias")
+            return name
+    return copy_param(params, name, tensor)
+
+
+def copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+    """Copy a tensor into the parameter of the same name (shape checked); None when there is none."""
+    if name not in params:
+        return None
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: parameter shape {tuple(param.shape)} != checkpoint shape {tuple(tensor.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+    return name
