@@ -1,5 +1,5 @@
-"""The plain types every floor shares (DESIGN §4): ForwardBatch (everything one forward of one model needs), its
-modes, the cache kinds, and index helpers for fixed-width and variable-length batches."""
+"""The plain types every floor shares (docs/architecture.md): ForwardBatch (everything one forward of one model
+needs), its modes, the cache kinds, and index helpers for fixed-width and variable-length batches."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 
 class CacheKind(enum.Enum):
-    """What a layer keeps between forwards (DESIGN §2). Token-indexed kinds share the one page table; the recurrent
-    kind is row-indexed (state slots per request row)."""
+    """What a layer keeps between forwards (docs/architecture.md). Token-indexed kinds share the one page table; the
+    recurrent kind is row-indexed (state slots per request row)."""
 
     MHA = "mha"  # K and V per token (MHA / GQA)
     MLA = "mla"  # one latent row per token (kv_lora_rank + rope dim; no separate V)

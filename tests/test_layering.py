@@ -1,8 +1,11 @@
-"""Layering: a module of specserve imports its own floor or a lower one, never a higher one.
+"""Layering: a module of specserve imports its own floor or a lower one, never a higher one; and no module imports
+itself back through others (no import cycle).
 
 The modules are read with `ast`, never imported. Counted: `import specserve.x`, `from specserve.x import y` and
-relative imports, wherever they stand (inside functions too); not counted: imports under `if TYPE_CHECKING:`, which
-only annotations see. Dynamic imports (importlib.import_module with a string) are not seen.
+relative imports, wherever they stand (inside functions too); for the floors not counted: imports under
+`if TYPE_CHECKING:`, which only annotations see; for cycles counted too (a cycle hidden from the interpreter is still
+two modules that each need the other to be read). Dynamic imports (importlib.import_module with a string) are not
+seen.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 class _Collector(ast.NodeVisitor):
-    def __init__(self, this_module: str, is_package: bool, pkg_dir: Path, package: str):
+    def __init__(self, this_module: str, is_package: bool, pkg_dir: Path, package: str, type_checking: bool = False):
+        self.type_checking = type_checking  # also count the imports under `if TYPE_CHECKING:`
         self.this_module = this_module
         self.is_package = is_package
         self.pkg_dir = pkg_dir
@@ -111,7 +115,7 @@ class _Collector(ast.NodeVisitor):
         return module == self.package or module.startswith(self.package + ".")
 
     def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
+        if _is_type_checking(node.test) and not self.type_checking:
             for stmt in node.orelse:  # the else branch runs
                 self.visit(stmt)
             return
@@ -146,13 +150,14 @@ class _Collector(ast.NodeVisitor):
             self.found.append(Import(node.lineno, target))
 
 
-def imports_of(path: Path, pkg_dir: Path, package: str = PACKAGE) -> list[Import]:
+def imports_of(path: Path, pkg_dir: Path, package: str = PACKAGE, type_checking: bool = False) -> list[Import]:
+    """The package's modules that the file at `path` imports; type_checking: also those under `if TYPE_CHECKING:`."""
     rel = path.relative_to(pkg_dir).with_suffix("")
     parts = [package, *rel.parts]
     is_package = parts[-1] == "__init__"
     if is_package:
         parts = parts[:-1]
-    collector = _Collector(".".join(parts), is_package, pkg_dir, package)
+    collector = _Collector(".".join(parts), is_package, pkg_dir, package, type_checking)
     collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
     return collector.found
 
@@ -192,6 +197,67 @@ def test_no_upward_imports():
     problems = check_layering(PACKAGE_DIR, FLOORS)
     assert not problems, (f"{len(problems)} layering problem(s) in {PACKAGE}/ (floors: 0 = top, a module may import "
                           f"only its own floor or a higher number):\n" + "\n".join(problems))
+
+
+def import_graph(pkg_dir: Path, package: str = PACKAGE) -> dict[str, set[str]]:
+    """Module (path relative to the package folder) -> the modules it imports, TYPE_CHECKING imports included."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(pkg_dir.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(pkg_dir).as_posix()
+        targets = {_module_path(imp.module, pkg_dir) for imp in imports_of(path, pkg_dir, package, type_checking=True)}
+        graph[rel] = targets - {rel}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of a graph, each as a path [a, b, ..., a]: for every module that lies on a cycle, the
+    shortest cycle through it (cycles found twice, from different modules, reported once)."""
+    cycles: set[tuple[str, ...]] = set()
+    for start in sorted(graph):
+        parent: dict[str, str] = {}
+        queue, seen, found = [start], {start}, None
+        while queue and found is None:  # breadth first: the shortest way back to start
+            here = queue.pop(0)
+            for there in sorted(graph.get(here, ())):
+                if there == start:
+                    found = here
+                    break
+                if there not in seen and there in graph:
+                    seen.add(there)
+                    parent[there] = here
+                    queue.append(there)
+        if found is None:
+            continue
+        path = [found]
+        while path[-1] != start:
+            path.append(parent[path[-1]])
+        cycle = path[::-1]  # start ... found
+        first = cycle.index(min(cycle))  # one rotation per cycle
+        cycles.add(tuple(cycle[first:] + cycle[:first]))
+    return [[*c, c[0]] for c in sorted(cycles)]
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph(PACKAGE_DIR))
+    assert not cycles, (f"{len(cycles)} import cycle(s) in {PACKAGE}/ (imports inside functions and under "
+                        "TYPE_CHECKING counted): move the shared piece down into a module both import\n"
+                        + "\n".join(" -> ".join(c) for c in cycles))
+
+
+def test_cycle_finder_on_synthetic_tree(tmp_path):
+    pkg = tmp_path / PACKAGE
+    _write(pkg, "__init__.py", "")
+    _write(pkg, "a.py", "from specserve import b\n")
+    _write(pkg, "b.py", "def f():\n    from specserve.c import x\n")  # inside a function: counted
+    _write(pkg, "c.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from specserve.a import y\n")
+    _write(pkg, "d.py", "import specserve.e\n")
+    _write(pkg, "e.py", "from . import d\n")
+    _write(pkg, "f.py", "from specserve import a\n")  # imports a cycle, on none
+    graph = import_graph(pkg)
+    assert graph["c.py"] == {"a.py"} and graph["f.py"] == {"a.py"}
+    assert import_cycles(graph) == [["a.py", "b.py", "c.py", "a.py"], ["d.py", "e.py", "d.py"]]
 
 
 def test_floor_table_prefixes_exist():

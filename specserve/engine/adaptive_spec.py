@@ -7,8 +7,8 @@ Estimates, per batch-size bucket (the batch size rounded up to a power of two):
   measures around each step, host sync included: the real cost, graphs or not), from steady steps only: steps that
   followed a decode step of their own kind. The first steps after a switch pay for it (a drain of the overlap
   schedule, whose switches run synchronously with the host work in plain sight; the draft's catch-up): under the
-  overlap schedule an isolated plain probe between overlapped speculative steps measured slower than a plain step
-  of a run, and the policy kept speculating below plain's throughput (BENCHMARKS §30.2). So a probe is a run of
+  overlap schedule an isolated plain probe between overlapped speculative steps costs more than a plain step of a
+  run, and a policy that averaged such probes kept speculating below plain's throughput. So a probe is a run of
   `probe_len` steps of the other mode, and its transition steps count for nothing but acceptance;
 - tokens per speculative step per request (accepted drafts + 1), one moving average over all buckets (acceptance
   depends on the text, not the batch size) in which every request of a step counts as one sample: at batch 1 one
@@ -26,7 +26,7 @@ A bucket measures speculation first, then plain steps until one of them is stead
 `probe_len` steps of every probe period there take the mode not chosen, so both estimates follow load, contexts and
 acceptance as they change. A period is `probe_every` steps and doubles, up to `max_period`, each time a probe leaves
 the choice as it was: a probe costs two switches and, while plain steps are chosen, a catch-up of the draft, which
-at batch 1 on small models cost plain decoding a tenth of its speed at a period of 32 (BENCHMARKS §30.2). Greedy
+at batch 1 on small models takes a visible share of plain decoding's speed when probes come often. Greedy
 outputs do not depend on the choice (both modes are lossless); sampled outputs are samples of the same distribution.
 """
 

@@ -27,7 +27,7 @@ RETRACT_RATIO_STEP = 0.2  # added after a retraction
 
 @dataclass
 class Admission:
-    mr: ModelRunner
+    model_runner: ModelRunner
     num_steps: int  # N: a step may add N + 1 positions
     chunk_budget: int  # prompt tokens a prefill step takes at most
     conservativeness: float
@@ -48,16 +48,16 @@ class Admission:
         admitted (default its current one)."""
         seq_len = req.seq_len if seq_len is None else seq_len
         left = max(req.sampling.max_new_tokens - len(req.output_ids), 0)
-        left = min(left, max(self.mr.context_len - seq_len, 0))
+        left = min(left, max(self.model_runner.context_len - seq_len, 0))
         want = seq_len + self.num_steps + 2 + int(self.new_token_ratio * left)
-        return self.mr.kv.pages_needed(req.kv, want)
+        return self.model_runner.kv.pages_needed(req.kv, want)
 
     def schedule(self, waiting: deque[Req], prefilling: Req | None,
                  running: list[Req]) -> tuple[list[Chunk], Req | None]:
         """The next prefill step's chunks (the half-prefilled request first, then waiting ones in FIFO order), with
         their KV ensured and new requests given a page-table row and taken off `waiting`; and the request left half
         prefilled after it (None: none). At most max_running requests run, the half-prefilled one counted."""
-        mr = self.mr
+        model_runner = self.model_runner
         budget = self.chunk_budget
         chunks: list[Chunk] = []
         candidates: list[Req] = []
@@ -73,25 +73,25 @@ class Admission:
             if budget <= 0:
                 break
             new = req.state == ReqState.WAITING
-            if new and len(running) + (prefilling is not None) + len(chunks) >= mr.max_running:
+            if new and len(running) + (prefilling is not None) + len(chunks) >= model_runner.max_running:
                 break
             start = req.seq_len
             end = min(req.prefill_len, start + budget)
             final = end == req.prefill_len
             need_positions = end + (self.num_steps + 1 if final else 0)
-            extra = mr.kv.pages_needed(req.kv, need_positions)
+            extra = model_runner.kv.pages_needed(req.kv, need_positions)
             alone = not running and not chunks  # nothing else would run: admit if the prompt fits
             growth = self.expected_pages(req, end) - extra if final and not alone else 0  # beyond its prompt
-            if extra + growth + reserve > mr.allocator.num_free_pages:
+            if extra + growth + reserve > model_runner.allocator.num_free_pages:
                 # A new request: FIFO, later ones wait behind it. The half-prefilled one: decodes run meanwhile
                 # (they may finish and free pages).
                 break
             if new:
-                if not mr.kv.assign_row(req.kv):
+                if not model_runner.kv.assign_row(req.kv):
                     break
                 waiting.remove(req)
                 req.state = ReqState.PREFILLING
-            ok = mr.kv.ensure([req.kv], [need_positions])
+            ok = model_runner.kv.ensure([req.kv], [need_positions])
             assert ok
             chunks.append(Chunk(req, start, end))
             reserve += growth

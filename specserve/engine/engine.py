@@ -13,84 +13,23 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from specserve.defaults import EMBEDDED_GENERATION_CONFIG, embedded_draft_path, embedded_model_path
-from specserve.distributed.tp import TP1, TPGroup
+from specserve.distributed.tp import TP1
+from specserve.engine.loading import load_models, resolve_device
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker, output_text
 from specserve.engine.tp_ranks import TPLeader
-from specserve.layers.quant import quantize_draft
-from specserve.models.config import ModelConfig
-from specserve.models.loader import (
-    LoadedTarget,
-    ModelSource,
-    load_hf_config,
-    load_mtp_draft,
-    load_target,
-    resolve_dtype,
-)
-from specserve.models.token_map import load_token_map
+from specserve.models.loader import ModelSource
 from specserve.server_args import ServerArgs
 from specserve.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-@dataclass
-class LoadedModels:
-    src: ModelSource
-    target: LoadedTarget
-    draft: torch.nn.Module | None
-    dtype: torch.dtype
-    context_len: int
-
-
-def load_models(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> LoadedModels:
-    """The target (and draft, when speculating) of resolved args, this rank's slice under tensor parallelism."""
-    model_path = args.model_path or embedded_model_path()
-    draft_path = args.speculative_draft_model_path
-    if args.spec_enabled and draft_path is None and args.model_path is None:
-        draft_path = embedded_draft_path()
-        if draft_path is None:
-            raise ValueError("this build ships no MTP head for the embedded model; pass "
-                             "--speculative-draft-model-path")
-    src = ModelSource.resolve(model_path)
-    hf_config = load_hf_config(src)
-    dtype = resolve_dtype(args.dtype, hf_config, device)
-    model_cfg = ModelConfig.from_hf(hf_config)
-    context_len = model_cfg.context_len(args.context_length)  # within a sliding window
-    max_positions = max(context_len, model_cfg.max_position_embeddings) + args.num_draft_steps + 2
-    # a bad token map fails here, before any weight loads
-    token_map = load_token_map(args.speculative_token_map, model_cfg.vocab_size) if args.speculative_token_map else None
-    torch.manual_seed(args.random_seed)
-    target = load_target(src, dtype, device, max_positions, hf_config, tp=tp)
-    draft = None
-    if args.spec_enabled:
-        draft = load_mtp_draft(target, draft_path, dtype, device, max_positions, token_map)
-        quantize_draft(draft, args.speculative_draft_model_quantization, device)
-    return LoadedModels(src, target, draft, dtype, context_len)
-
-
-def build_model_runner(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> ModelRunner:
-    """Models, pools and captured graphs of resolved args (a tensor-parallel follower rank's whole engine)."""
-    m = load_models(args, device, tp)
-    mr = ModelRunner(args, m.target.model, m.target.config, m.draft, device, m.dtype, m.context_len)
-    mr.capture_graphs()
-    return mr
 
 
 class EngineCore:
@@ -105,8 +44,9 @@ class EngineCore:
         self.model_path = args.model_path or embedded_model_path()
         self.tp_leader = TPLeader(args, self.device) if args.tp_size > 1 else None
         try:
-            m = load_models(args, self.device, self.tp_leader.tp if self.tp_leader else TP1)
-            src, target, draft, self.dtype, self.context_len = m.src, m.target, m.draft, m.dtype, m.context_len
+            models = load_models(args, self.device, self.tp_leader.tp if self.tp_leader else TP1)
+            src, target, draft = models.src, models.target, models.draft
+            self.dtype, self.context_len = models.dtype, models.context_len
             self.model_config = target.config
             self.tokenizer = load_tokenizer(src, args.tokenizer_path, args.chat_template)
             self.generation_config = _generation_config(src, embedded=args.model_path is None)
@@ -120,7 +60,7 @@ class EngineCore:
             self.close()
             raise
         self.scheduler = Scheduler(self.model_runner, StopChecker(self.tokenizer, eos), args.chunked_prefill_size)
-        self.scheduler.mirror = self.tp_leader
+        self.scheduler.tp_leader = self.tp_leader
         self.default_sampling = self._default_sampling()
         self._rng = random.Random(args.random_seed)
         self.load_time = time.perf_counter() - t_start
@@ -233,6 +173,7 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None) -> dict | list[dict]:
+        self._check_running()
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -256,11 +197,16 @@ class Engine:
         return out[0] if single else out
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        self._check_running()
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
+
+    def _check_running(self) -> None:
+        if self.core is None:
+            raise RuntimeError("the engine is shut down")
 
     def shutdown(self) -> None:
         """Abort what is in flight and release the model, the pools and the graphs (device memory included), so

@@ -28,13 +28,13 @@ from specserve.batch import CacheKind, ForwardMode
 from specserve.engine.sampling_cache import SamplingCache
 from specserve.graphs.phase_runners import (
     DecodeRunner,
-    PhaseRunner,
+    PlainVerifyRunner,
     RunnerContext,
-    TargetDecodeRunner,
+    TargetPhases,
     TargetVerifyRunner,
 )
 from specserve.graphs.prefill import PrefillRunner
-from specserve.graphs.step_graph import PlainStepRunner
+from specserve.graphs.step_graph import DecodeStepGraph
 from specserve.kvcache.allocator import PageAllocator
 from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token
 from specserve.kvcache.caches import ModelCaches
@@ -42,7 +42,7 @@ from specserve.kvcache.manager import KVManager
 from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.layers.sampler import check_sampling_kernels
 from specserve.models.config import ModelConfig
-from specserve.models.dense import set_decode_gemv
+from specserve.models.decoder_layer import set_decode_gemv
 from specserve.server_args import ServerArgs
 from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.worker import SpecWorker, WorkerSettings
@@ -142,24 +142,26 @@ class ModelRunner:
         capture = [b for b in capture if b <= self.max_running] or [1]
         self.capture_bs = capture
         mrope = cfg.mrope_section is not None
-        tctx = RunnerContext(target, self.req_to_token, self.backend_factory(self.caches), device, cfg.hidden_size,
-                             dtype, mrope, self.row_width)
-        self.runners: dict[str, PhaseRunner] = {}
+        target_ctx = RunnerContext(target, self.req_to_token, self.backend_factory(self.caches), device,
+                                   cfg.hidden_size, dtype, mrope, self.row_width)
+        self.phases = TargetPhases()  # the target's phase runners
         max_prefill = self._max_prefill_graph_tokens()
         prefill_rows = min(self.max_running, _PREFILL_GRAPH_ROWS)
         self.spec: SpecWorker | None = None  # the speculative worker: draft model, pools, runners, state
-        self.plain_step: PlainStepRunner | None = None  # a plain decode step as one graph (graphs/step_graph.py)
+        # a plain engine's decode step as one graph (graphs/step_graph.py)
+        self.decode_step_graph: DecodeStepGraph | None = None
         self.decode_sampling = SamplingCache(cfg.vocab_size, device)  # the running batch's, per composition
         if draft is None:
-            self.runners["decode"] = DecodeRunner(tctx, 1, capture, self.use_graphs)
-            self.plain_step = PlainStepRunner(self.runners["decode"], self.last_token, capture, self.use_graphs)
+            self.phases.decode = DecodeRunner(target_ctx, 1, capture, self.use_graphs)
+            self.decode_step_graph = DecodeStepGraph(self.phases.decode, self.last_token, capture, self.use_graphs)
         else:
             n = self.num_steps
-            self.runners["target_verify"] = TargetVerifyRunner(tctx, n + 1, capture, self.use_graphs)
+            self.phases.target_verify = TargetVerifyRunner(target_ctx, n + 1, capture, self.use_graphs)
             if self.adaptive_spec:  # plain steps in a speculating engine (engine/adaptive_spec.py)
-                self.runners["target_decode"] = TargetDecodeRunner(tctx, 1, capture, self.use_graphs)
-            self.spec = SpecWorker(draft, tctx, self.runners["target_verify"], self.last_token, self.caches.state,
-                                   self.num_slots, kv_dtype, self.backend_factory, WorkerSettings(
+                self.phases.plain_verify = PlainVerifyRunner(target_ctx, 1, capture, self.use_graphs)
+            self.spec = SpecWorker(draft, target_ctx, self.phases.target_verify, self.last_token, self.caches.state,
+                                   self.num_slots, kv_dtype,
+                                   lambda caches: self.backend_factory(caches, draft=True), WorkerSettings(
                                        num_steps=n, capture_bs=capture, use_graphs=self.use_graphs,
                                        spec_step_graph=not args.disable_spec_step_graph,
                                        ngram_lookup=args.speculative_ngram_lookup,
@@ -168,14 +170,17 @@ class ModelRunner:
                                        prefill_graph_attended=self._prefill_graph_attended(),
                                        kind_dtypes=self.kind_dtypes,
                                        draft_sampling=args.speculative_draft_sampling == "sample"),
-                                   self.runners.get("target_decode"))
+                                   self.phases.plain_verify)
         # prefill: the target's extend (the draft's over the same positions is the worker's)
-        self.prefill = PrefillRunner(tctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs,
+        self.prefill = PrefillRunner(target_ctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs,
                                      max_attended=self._prefill_graph_attended())
 
     # ------------------------------------------------------------------ setup
-    def _backend_class(self) -> type:
+    def _backend_class(self, draft: bool = False) -> type:
+        """draft: the draft model's (--speculative-draft-attention-backend; auto: the target's)."""
         choice = self.args.attention_backend
+        if draft and self.args.speculative_draft_attention_backend != "auto":
+            choice = self.args.speculative_draft_attention_backend
         if choice == "auto":
             choice = "triton" if self.device.type == "cuda" else "torch"
         if choice == "triton":
@@ -184,21 +189,21 @@ class ModelRunner:
             return TritonAttentionBackend
         return TorchAttentionBackend
 
-    def _token_backend_classes(self) -> dict[CacheKind, type]:
+    def _token_backend_classes(self, draft: bool = False) -> dict[CacheKind, type]:
         """The backend class of each token-indexed cache kind: the Triton kernels where --attention-backend is
-        triton, or auto on CUDA (MLA and index keys too: measured on the H200, BENCHMARKS.md); else the torch
-        reference."""
-        mha = self._backend_class()
+        triton, or auto on CUDA (MLA and index keys too: faster than the torch reference there); else the torch
+        reference. draft: the draft model's."""
+        mha = self._backend_class(draft)
         triton = mha is not TorchAttentionBackend
         return {CacheKind.MHA: mha,
                 CacheKind.MLA: TritonMLABackend if triton else TorchMLABackend,
                 CacheKind.INDEX_KEYS: TritonIndexBackend if triton else TorchIndexBackend}
 
-    def backend_factory(self, caches: ModelCaches):
+    def backend_factory(self, caches: ModelCaches, draft: bool = False):
         """A function that makes a fresh set of backends over `caches`, one per cache kind (each runner calls it
-        twice: for its graph metadata and for its eager path)."""
+        twice: for its graph metadata and for its eager path). draft: the draft model's backends."""
         chunked = self.args.linear_attn_prefill == "chunked"
-        token = self._token_backend_classes()
+        token = self._token_backend_classes(draft)
         mla, mla_prefill = token[CacheKind.MLA], self.args.mla_prefill
         classes = {**token, CacheKind.MLA: lambda table, pool: mla(table, pool, mla_prefill),
                    CacheKind.RECURRENT: lambda table, pool: RecurrentStateBackend(table, pool, chunked)}
@@ -223,9 +228,11 @@ class ModelRunner:
         asked = self.args.cuda_graph_max_prefill_tokens
         if self.device.type == "cuda":
             # every token-indexed kind must capture variable-length attention (the MLA reference cannot yet)
-            kinds = self._token_kinds()
-            classes = self._token_backend_classes()
-            if not all(classes[k].captures_varlen for k in kinds if k in classes):
+            # (the draft's with its own backends: --speculative-draft-attention-backend)
+            draft_kinds = {s.kind for s in self.draft.cache_specs()} if self.draft else set()
+            pairs = ((self.caches.kinds, self._token_backend_classes()),
+                     (draft_kinds, self._token_backend_classes(draft=True)))
+            if not all(classes[k].captures_varlen for kinds, classes in pairs for k in kinds if k in classes):
                 if asked:
                     raise ValueError("--cuda-graph-max-prefill-tokens needs an attention backend that captures "
                                      "variable-length batches (--attention-backend triton)")
@@ -270,16 +277,16 @@ class ModelRunner:
 
     def _plain_step_runners(self) -> list:
         """The width-1 runners of a speculating engine's plain steps (none when adaptive speculation is off)."""
-        if not self.adaptive_spec or self.spec is None or self.spec.plain is None:
+        if not self.adaptive_spec or self.spec is None or self.spec.plain_step_ctx is None:
             return []
-        one = [self.spec.plain_step_graph] if self.spec.plain_step_graph is not None else []
-        return [self.runners["target_decode"]] + one
+        graph = [self.spec.plain_step_graph] if self.spec.plain_step_graph is not None else []
+        return [self.phases.plain_verify] + graph
 
     def _drop_plain_steps(self) -> None:
         self.adaptive_spec = False
-        self.runners.pop("target_decode", None)
+        self.phases.plain_verify = None
         if self.spec is not None:
-            self.spec.plain = None
+            self.spec.plain_step_ctx = None
             self.spec.plain_step_graph = None
 
     def capture_graphs(self) -> None:
@@ -289,7 +296,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(self.device)[0]
         pool = None
-        items = (list(self.runners.values()) + ([self.plain_step] if self.plain_step is not None else [])
+        items = (self.phases.all() + ([self.decode_step_graph] if self.decode_step_graph is not None else [])
                  + [self.prefill] + (self.spec.graph_runners() if self.spec else []))
         plain = {id(r) for r in self._plain_step_runners()}
         # No garbage collection during capture: a collected cycle that frees CUDA tensors of an earlier runner

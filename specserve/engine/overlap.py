@@ -1,6 +1,6 @@
 """The overlap schedule's one step in flight: step k+1 is launched before step k's output is read.
 
-A plain decode step needs nothing from the host that the host does not already know: its tokens stay on the device
+A decode step needs nothing from the host that the host does not already know: its tokens stay on the device
 (the target's last-token rows, written by the step itself) and every running request grows by exactly one position.
 So the scheduler launches step k+1 first and then waits for step k's tokens, and the host's work between steps
 (stop checks, streaming, admission, the next step's staging and launches) runs while the device computes. A
@@ -9,7 +9,7 @@ Requests that step k finishes by length are left out of step k+1, which the host
 
 A speculative step run as one graph keeps its state on the device too (drafts, hidden states, last tokens, the
 recurrent commit), but each request grows by its accept length + 1, which only the step's output tells. The graph
-therefore also leaves each row's next S on the device (speculative/spec_step.py SpecStepRunner.row_s), and step k+1
+therefore also leaves each row's next S on the device (speculative/spec_step.py SpecStepGraph.row_s), and step k+1
 takes S from there for the rows continuing from step k; the host reserves pages for the longest outcome of both
 steps (S + 2(N + 1) positions) and learns the lengths when it reads step k. Requests that step k may bring within
 N + 1 positions of the context wait for that read; those it may finish by max_new_tokens run on, their tokens

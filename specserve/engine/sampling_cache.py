@@ -19,15 +19,15 @@ class SamplingCache:
         self.vocab_size = vocab_size
         self.device = device
         self._reqs: list[Req] = []
-        self._sb: SamplingBatch | None = None
+        self._batch: SamplingBatch | None = None
         self.builds = 0  # batches built (the rest of the calls reused one)
 
     def get(self, reqs: list[Req]) -> SamplingBatch:
-        if (self._sb is not None and len(reqs) == len(self._reqs)
+        if (self._batch is not None and len(reqs) == len(self._reqs)
                 and all(a is b for a, b in zip(reqs, self._reqs))):
-            return self._sb
-        self._sb = SamplingBatch.build([r.sampling for r in reqs], [r.seed for r in reqs], self.vocab_size,
+            return self._batch
+        self._batch = SamplingBatch.build([r.sampling for r in reqs], [r.seed for r in reqs], self.vocab_size,
                                        self.device)
         self._reqs = list(reqs)
         self.builds += 1
-        return self._sb
+        return self._batch

@@ -1,11 +1,13 @@
-"""Continuous-batching scheduler: admission by KV budget, chunked prefill, decode or spec steps, retraction.
+"""Continuous-batching scheduler: admission by KV budget, chunked prefill, decode steps, retraction.
 
 Policy, per step: if a prompt is waiting (or half prefilled) and fits, run one prefill batch of at most
-`--chunked-prefill-size` tokens; otherwise run one decode (or speculative) step for every running request.
-When the pool cannot hold the next step, the newest running requests are retracted (KV freed, re-queued at the
-front with their outputs kept, re-prefilled later). Nothing is dropped and the engine never crashes on memory.
+`--chunked-prefill-size` tokens; otherwise run one decode step for every running request, of the kind and in the
+way engine/decode_plan.py decides. When the pool cannot hold the next step, the newest running requests are retracted
+(KV freed, re-queued at the front with their outputs kept, re-prefilled later). Nothing is dropped and the engine
+never crashes on memory. Admission is growth-aware (engine/admission.py), so that retraction stays the exception.
 
-Admission is growth-aware (engine/admission.py), so that retraction stays the exception.
+The names of the steps and their parts (decode step, speculative step, plain step, phase, step graph, S) are
+defined once, in engine/decode_plan.py's glossary; the scheduler's invariant is the comment above `Scheduler`.
 """
 
 from __future__ import annotations
@@ -17,15 +19,26 @@ from dataclasses import dataclass, field
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation
 from specserve.engine.admission import Admission
+from specserve.engine.decode_plan import DecodePlan, StepKind, plan_decode, step_kind
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.overlap import InFlightDecode, TokenReadback
 from specserve.engine.request import Req, ReqState
-from specserve.engine.steps import Chunk, launch_decode, launch_prefill, run_decode, run_prefill, run_spec_step
+from specserve.engine.steps import (
+    Chunk,
+    launch_decode,
+    launch_prefill,
+    run_decode,
+    run_plain_step,
+    run_prefill,
+    run_spec_step,
+)
 from specserve.engine.stop import StopChecker
 from specserve.engine.tp_ranks import TPLeader, decode_message, prefill_message
+from specserve.layers.sampler import SamplingBatch
 from specserve.speculative.worker import SpecStepResult
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class SchedulerStats:
@@ -49,38 +62,62 @@ class SchedulerStats:
         return (self.spec_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct
 
 
+@dataclass
+class OverlapBatch:
+    """The running requests an overlapped decode step takes (those the step in flight cannot finish by length),
+    with, for a speculating engine's step, their page-table rows and sampling."""
+
+    reqs: list[Req]
+    rows: list[int] = field(default_factory=list)
+    sampling: SamplingBatch | None = None
+
+
+# The scheduler's invariant, true between two step() calls:
+# - A running request's seq_len (S) counts its committed tokens, whose KV is written (the draft's: but for the
+#   positions plain steps left it behind on, speculative/draft_lag.py); output_ids holds every token the host has
+#   read, no more. With no step in flight, the model runner's last_token row holds the token at index S.
+# - At most one step is in flight (self._inflight, under the overlap schedule only), its output copy queued; the
+#   device is then ahead of the host. A decode or plain step in flight has already advanced its requests' seq_len
+#   by one (their tokens unread); a speculative step in flight has not (its accept lengths are unread; its rows'
+#   next S waits on the device, SpecStepGraph.row_s); a prefill in flight has made its final chunks' requests
+#   running, their t0 unread. A request that a token read later finishes drops the tokens of steps launched since.
+# - A running request holds the pages of its committed tokens and of the step in flight; each step reserves its own
+#   pages before it runs, and only a synchronous step (every token read) may retract a request to find them.
 class Scheduler:
-    def __init__(self, mr: ModelRunner, stop_checker: StopChecker, chunked_prefill_size: int,
+    def __init__(self, model_runner: ModelRunner, stop_checker: StopChecker, chunked_prefill_size: int,
                  overlap: bool | None = None):
         """overlap: launch each decode step before reading the previous one's output (engine/overlap.py); None: on
         a GPU unless --disable-overlap-schedule, on a CPU (which computes as it launches: nothing to hide) with
         --enable-overlap-schedule, and on one rank only (a tensor-parallel engine steps synchronously)."""
-        self.mr = mr
+        self.model_runner = model_runner
         self.stop = stop_checker
-        self.n = mr.num_steps
+        self.n = model_runner.num_steps  # N drafts a speculative step (0: a plain engine)
         self.waiting: deque[Req] = deque()
         self.prefilling: Req | None = None  # at most one request is half prefilled
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
+        spec = model_runner.spec
         # speculate or take a plain step, per step (engine/adaptive_spec.py); any object with choose_plain(bs) and
         # record(bs, plain, seconds, tokens_per_request, catch_up, steady) may stand in (tests force patterns)
-        self.adaptive = (AdaptiveSpeculation(max_period=mr.spec.lag.capacity)
-                         if mr.spec is not None and mr.adaptive_spec else None)
+        self.adaptive = (AdaptiveSpeculation(max_period=spec.lag.capacity)
+                         if spec is not None and model_runner.adaptive_spec else None)
         if self.adaptive is not None:
-            mr.spec.time_catch_ups = True
+            spec.time_catch_ups = True
         # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
-        self.mirror: TPLeader | None = None
-        self.initial_free_pages = mr.allocator.num_free_pages
-        self.admission = Admission(mr, self.n, chunked_prefill_size if chunked_prefill_size > 0 else mr.context_len,
-                                   mr.args.schedule_conservativeness)
+        self.tp_leader: TPLeader | None = None
+        self.initial_free_pages = model_runner.allocator.num_free_pages
+        self.admission = Admission(model_runner, self.n,
+                                   chunked_prefill_size if chunked_prefill_size > 0 else model_runner.context_len,
+                                   model_runner.args.schedule_conservativeness)
         self._touched: dict[str, Req] = {}  # requests changed since the last step() returned
         if overlap is None:
-            a = mr.args
-            overlap = ((mr.device.type == "cuda" or a.enable_overlap_schedule) and not a.disable_overlap_schedule
-                       and a.tp_size == 1)
+            args = model_runner.args
+            overlap = ((model_runner.device.type == "cuda" or args.enable_overlap_schedule)
+                       and not args.disable_overlap_schedule and args.tp_size == 1)
         self.overlap = overlap
-        self._readback = TokenReadback(mr.max_running * (self.n + 2), mr.device) if overlap else None
+        self._readback = (TokenReadback(model_runner.max_running * (self.n + 2), model_runner.device) if overlap
+                          else None)
         self._inflight: InFlightDecode | None = None
         self._last_read = 0.0  # when the last speculative step's output was read
         self._sync_kind: bool | None = None  # the last decode step's kind (plain: True) if it ran synchronously
@@ -116,12 +153,18 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running) + (1 if self.prefilling else 0)
 
+    @property
+    def _overlapping(self) -> bool:
+        """Whether steps launch before the step in flight is read (one rank: a tensor-parallel leader broadcasts
+        each step first)."""
+        return self.overlap and self.tp_leader is None
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[Req]:
         """Run one forward step; returns the requests that changed (new tokens or finished). Under the overlap
-        schedule a plain decode step's tokens come with the next step() (engine/overlap.py)."""
+        schedule a step's tokens come with the next step() (engine/overlap.py)."""
         chunks = self._schedule_prefill()
-        if chunks and self.overlap and self.mirror is None:
+        if chunks and self._overlapping:
             # launched before the step in flight is read, which is read at once after (its tokens are not held
             # through a chunked prefill); the prefill's t0 come with the next step
             self._launch_prefill(chunks)
@@ -129,7 +172,7 @@ class Scheduler:
             self._drain()
             self._run_prefill(chunks)
         elif self.running:
-            self._run_decode()
+            self._decode()
         elif self._inflight is not None:
             self._drain()
         out = list(self._touched.values())
@@ -145,9 +188,9 @@ class Scheduler:
         return chunks
 
     def _run_prefill(self, chunks: list[Chunk]) -> None:
-        if self.mirror is not None:
-            self.mirror.send(prefill_message(self.mr, chunks))
-        t0s = run_prefill(self.mr, chunks)
+        if self.tp_leader is not None:
+            self.tp_leader.send(prefill_message(self.model_runner, chunks))
+        t0s = run_prefill(self.model_runner, chunks)
         now = time.perf_counter()
         for req, tok in zip(self._prefilled(chunks), [t for t in t0s if t is not None]):
             if req.first_token_time is None:
@@ -158,7 +201,7 @@ class Scheduler:
         """The overlap schedule's prefill: launched and its requests advanced (_prefilled), then the step in flight
         read; the prefill stays in flight until the next step reads its t0."""
         prev = self._inflight
-        t0 = launch_prefill(self.mr, chunks)
+        t0 = launch_prefill(self.model_runner, chunks)
         final = self._prefilled(chunks)
         self._inflight = None
         if t0 is not None:
@@ -184,12 +227,94 @@ class Scheduler:
         return final
 
     # ------------------------------------------------------------------ decode
-    def _run_decode(self) -> None:
-        # a speculating engine's step: speculative, or adaptive speculation's plain step (decided once a step)
-        plain = self.n > 0 and self.adaptive is not None and self.adaptive.choose_plain(len(self.running))
-        if self.overlap and self.mirror is None and self._launch_overlapped(plain):
+    def _decode(self) -> None:
+        """One decode step for the running requests: its kind and whether it overlaps as plan_decode decides
+        (engine/decode_plan.py), then the plan followed."""
+        plain = self.adaptive is not None and self.adaptive.choose_plain(len(self.running))  # once a step
+        plan, batch = self._plan(step_kind(self.n > 0, plain))
+        if plan.overlapped and not self._launch(plan.kind, batch):
+            plan = plan.fall_back("the step's pages need a retraction, which needs every token read")
+        if plan.overlapped:
             self.admission.after_decode_step(retracted=False)
-            return
+        else:
+            self._step_synchronously(plan.kind)
+
+    def _plan(self, kind: StepKind) -> tuple[DecodePlan, OverlapBatch | None]:
+        """plan_decode over this step's facts, and the batch an overlapped launch would take."""
+        if not self._overlapping:
+            return plan_decode(kind, overlap=False), None
+        prev = self._inflight
+        spec_in_flight = prev is not None and prev.spec
+        pending = set(prev.reqs) if prev is not None else set()
+        reqs = [r for r in self.running if not self._ends_by_length(r, 1 if r in pending else 0)]
+        if kind is StepKind.DECODE:
+            return plan_decode(kind, overlap=True), OverlapBatch(reqs)
+        if spec_in_flight:  # rows the speculative step in flight may bring within reach of the context wait for it
+            reqs = [r for r in reqs if r not in pending
+                    or len(r.origin_input_ids) + len(r.output_ids) + self.n < self.model_runner.context_len]
+        batch = OverlapBatch(reqs)
+        one_graph = False
+        if reqs:
+            spec = self.model_runner.spec
+            batch.rows, batch.sampling = [r.kv.row for r in reqs], self.model_runner.decode_sampling.get(reqs)
+            one_graph = (spec.can_launch_plain if kind is StepKind.PLAIN else spec.can_launch)(batch.rows,
+                                                                                               batch.sampling)
+        return plan_decode(kind, overlap=True, batch=bool(reqs), spec_in_flight=spec_in_flight,
+                           one_graph=one_graph), batch
+
+    def _launch(self, kind: StepKind, batch: OverlapBatch) -> bool:
+        """An overlapped plan followed: the step's pages reserved, the step launched for the batch, then the step in
+        flight (if any) read and applied. False (nothing done) when the pages need a retraction."""
+        prev = self._inflight
+        reqs = batch.reqs
+        if not reqs:  # (a plain engine's: every running request ends with the step in flight)
+            self._inflight = None
+        elif kind is StepKind.DECODE:
+            if not self.model_runner.kv.ensure([r.kv for r in reqs], [r.seq_len + 1 for r in reqs]):
+                return False
+            tokens = self._readback.start(launch_decode(self.model_runner, reqs))
+            for r in reqs:
+                r.seq_len += 1
+            self._inflight = InFlightDecode(reqs, tokens)
+        elif not self._launch_spec(kind, batch, prev):
+            return False
+        if self._inflight is not None and self._inflight is not prev:
+            self.stats.num_decode_steps += 1
+            self.stats.num_overlapped_steps += prev is not None
+            # steady (adaptive speculation averages only such steps' times): launched behind a decode step of its kind
+            self._inflight.steady = prev is not None and not prev.prefill and prev.spec == self._inflight.spec
+        self._sync_kind = None
+        if prev is not None:
+            self._apply(prev)
+        return True
+
+    def _launch_spec(self, kind: StepKind, batch: OverlapBatch, prev: InFlightDecode | None) -> bool:
+        """A speculating engine's step (SPEC or PLAIN) as one graph, without a read first: a speculative step (rows
+        continuing from the speculative step in flight take their S from the device) or a plain step (after a plain
+        step or none: every S is the host's). False when its pages need a retraction."""
+        spec = self.model_runner.spec
+        reqs, width = batch.reqs, self.n + 1
+        in_flight = set(prev.reqs) if prev is not None and prev.spec else set()
+        cont = [r in in_flight for r in reqs]
+        seq_lens = [r.seq_len + (width if c else 0) for r, c in zip(reqs, cont)]  # continuing rows: a bound of S
+        pos0 = [x + r.mrope_delta for x, r in zip(seq_lens, reqs)]
+        if not self.model_runner.kv.ensure([r.kv for r in reqs], [x + width for x in seq_lens]):
+            return False
+        now = time.perf_counter()
+        if kind is StepKind.PLAIN:
+            tokens = self._readback.start(spec.launch_plain(batch.rows, seq_lens, pos0, batch.sampling))
+            for r in reqs:
+                r.seq_len += 1
+            self.stats.spec_plain_steps += 1
+            self._inflight = InFlightDecode(reqs, tokens, launched=now)
+        else:
+            out = spec.launch(batch.rows, seq_lens, pos0, batch.sampling, cont)
+            self._inflight = InFlightDecode(reqs, self._readback.start(out), spec=True, launched=now)
+        return True
+
+    def _step_synchronously(self, kind: StepKind) -> None:
+        """A synchronous plan followed: the step in flight read, pages made (retracting if need be), the step run
+        and read at once."""
         self._drain()  # retraction and the synchronous steps see every token
         retracted = self.stats.num_retractions
         self._ensure_decode_capacity()
@@ -198,27 +323,30 @@ class Scheduler:
             return
         self.stats.num_decode_steps += 1
         reqs = list(self.running)
-        if self.n == 0:
-            if self.mirror is not None:
-                self.mirror.send(decode_message(self.mr, "decode", reqs))
-            toks = run_decode(self.mr, reqs)
-            for req, t in zip(reqs, toks):
+        if kind is StepKind.DECODE:
+            self._broadcast(kind, reqs)
+            for req, t in zip(reqs, run_decode(self.model_runner, reqs)):
                 req.seq_len += 1
                 self._append(req, [t])
             return
+        plain = kind is StepKind.PLAIN
         t0 = time.perf_counter()
-        if self.mirror is not None:
-            self.mirror.send(decode_message(self.mr, "plain" if plain else "spec", reqs))
-        res = run_spec_step(self.mr, reqs, plain)
+        self._broadcast(kind, reqs)
+        res = (run_plain_step if plain else run_spec_step)(self.model_runner, reqs)
         now = time.perf_counter()
         if self.adaptive is not None:
-            caught = self.mr.spec.take_catch_up()  # the draft's catch-up inside this step, timed apart
+            caught = self.model_runner.spec.take_catch_up()  # the draft's catch-up inside this step, timed apart
             # steady: the synchronous step before was of the same kind (not a switch, nor the end of overlapped steps)
             self.adaptive.record(len(reqs), plain, now - t0 - (caught[0] if caught else 0.0),
                                  1 + sum(res.accept_len) / len(reqs), caught, steady=self._sync_kind == plain)
         self._sync_kind = plain
         self._last_read = now
         self._apply_spec(reqs, res, plain)
+
+    def _broadcast(self, kind: StepKind, reqs: list[Req]) -> None:
+        """A tensor-parallel leader's step, sent to the other ranks before it runs (engine/tp_ranks.py)."""
+        if self.tp_leader is not None:
+            self.tp_leader.send(decode_message(self.model_runner, kind.value, reqs))
 
     def _apply_spec(self, reqs: list[Req], res: SpecStepResult, plain: bool) -> None:
         """A read speculative (or, plain, adaptive speculation's plain) step's tokens; requests finished meanwhile
@@ -237,75 +365,10 @@ class Scheduler:
                 self.stats.recent_accept.append(k + 1)
             self._append(req, toks)
 
-    def _launch_overlapped(self, plain: bool) -> bool:
-        """Launch a decode step for the running requests that the step in flight (if any) does not finish by
-        length (engine/overlap.py), then read and apply the step in flight. False (nothing done) when the step
-        cannot go without a read first (pages only a retraction frees; for speculation: a switch between plain
-        (`plain`: adaptive speculation's choice) and speculative steps, a row lagging, a batch outside the one-step
-        graphs): the caller drains and steps synchronously, taking the same choice."""
-        prev = self._inflight
-        pending = set(prev.reqs) if prev is not None else set()
-        reqs = [r for r in self.running if not self._ends_by_length(r, 1 if r in pending else 0)]
-        if self.n:
-            if prev is not None and prev.spec:
-                # rows the speculative step in flight may bring within reach of the context wait for its read
-                reqs = [r for r in reqs if r not in pending
-                        or len(r.origin_input_ids) + len(r.output_ids) + self.n < self.mr.context_len]
-            cont = pending if prev is not None and prev.spec else set()
-            if not reqs or not self._launch_spec(reqs, cont, prev, plain):
-                return False
-        elif reqs:
-            if not self.mr.kv.ensure([r.kv for r in reqs], [r.seq_len + 1 for r in reqs]):
-                return False
-            tokens = self._readback.start(launch_decode(self.mr, reqs))
-            for r in reqs:
-                r.seq_len += 1
-            self._inflight = InFlightDecode(reqs, tokens)
-        else:
-            self._inflight = None
-        if self._inflight is not None and self._inflight is not prev:
-            self.stats.num_decode_steps += 1
-            self.stats.num_overlapped_steps += prev is not None
-            # steady (adaptive speculation averages only such steps' times): launched behind a decode step of its kind
-            self._inflight.steady = prev is not None and not prev.prefill and prev.spec == self._inflight.spec
-        self._sync_kind = None
-        if prev is not None:
-            self._apply(prev)
-        return True
-
-    def _launch_spec(self, reqs: list[Req], cont_reqs: set[Req], prev: InFlightDecode | None, plain: bool) -> bool:
-        """A speculating engine's next step for reqs, as one graph, without a read first: speculative (those in
-        cont_reqs continuing from the speculative step in flight, their S on the device) or adaptive speculation's
-        plain step (after a plain step or none: every S is the host's). False when it cannot go so."""
-        spec = self.mr.spec
-        sb = self.mr.decode_sampling.get(reqs)
-        rows = [r.kv.row for r in reqs]
-        n1 = self.n + 1
-        cont = [r in cont_reqs for r in reqs]
-        s = [r.seq_len + (n1 if c else 0) for r, c in zip(reqs, cont)]  # continuing rows: a bound of S
-        pos = [x + r.mrope_delta for x, r in zip(s, reqs)]
-        if plain:
-            ok = (prev is None or not prev.spec) and spec.can_launch_plain(rows, sb)
-        else:
-            ok = spec.can_launch(rows, sb)
-        if not ok or not self.mr.kv.ensure([r.kv for r in reqs], [x + n1 for x in s]):
-            return False
-        now = time.perf_counter()
-        if plain:
-            tokens = self._readback.start(spec.launch_plain(rows, s, pos, sb))
-            for r in reqs:
-                r.seq_len += 1
-            self.stats.spec_plain_steps += 1
-            self._inflight = InFlightDecode(reqs, tokens, launched=now)
-        else:
-            out = spec.launch(rows, s, pos, sb, cont)
-            self._inflight = InFlightDecode(reqs, self._readback.start(out), spec=True, launched=now)
-        return True
-
     def _ends_by_length(self, req: Req, pending: int) -> bool:
         """Whether `req` is finished by length once its `pending` tokens in flight are read (at least)."""
         n = len(req.output_ids) + pending
-        return n >= req.sampling.max_new_tokens or len(req.origin_input_ids) + n >= self.mr.context_len
+        return n >= req.sampling.max_new_tokens or len(req.origin_input_ids) + n >= self.model_runner.context_len
 
     def _drain(self) -> None:
         """Read and apply the step in flight, if any."""
@@ -337,10 +400,10 @@ class Scheduler:
             self._inflight = None
 
     def _ensure_decode_capacity(self) -> None:
-        mr = self.mr
+        model_runner = self.model_runner
         while self.running:
             need = [r.seq_len + self.n + 1 for r in self.running]
-            if mr.kv.ensure([r.kv for r in self.running], need):
+            if model_runner.kv.ensure([r.kv for r in self.running], need):
                 return
             # Out of pages: retract a half-prefilled request first, then the newest running ones.
             if self.prefilling is not None:
@@ -351,7 +414,7 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.arrival_time))
 
     def _retract(self, req: Req) -> None:
-        self.mr.kv.release(req.kv)
+        self.model_runner.kv.release(req.kv)
         if req in self.running:
             self.running.remove(req)
         if self.prefilling is req:
@@ -369,7 +432,7 @@ class Scheduler:
         for t in tokens:
             req.output_ids.append(t)
             self.stats.num_generated_tokens += 1
-            reason = self.stop.check(req, self.mr.context_len)
+            reason = self.stop.check(req, self.model_runner.context_len)
             if reason is not None:
                 self._finish(req, reason)
                 break
@@ -379,7 +442,7 @@ class Scheduler:
         req.finished_reason = reason
         req.finish_time = time.perf_counter()
         req.state = ReqState.FINISHED
-        self.mr.kv.release(req.kv)
+        self.model_runner.kv.release(req.kv)
         if req in self.running:
             self.running.remove(req)
         if self.prefilling is req:
@@ -393,11 +456,11 @@ class Scheduler:
         """When idle, every page and row is back (tests call this)."""
         if self.has_work:
             raise AssertionError("scheduler is not idle")
-        free = self.mr.allocator.num_free_pages
+        free = self.model_runner.allocator.num_free_pages
         if free != self.initial_free_pages:
             raise AssertionError(f"KV leak: {self.initial_free_pages - free} pages still held")
-        if self.mr.req_to_token.num_free_rows != self.mr.req_to_token.max_reqs:
+        if self.model_runner.req_to_token.num_free_rows != self.model_runner.req_to_token.max_reqs:
             raise AssertionError("page-table row leak")
-        state = self.mr.caches.state
+        state = self.model_runner.caches.state
         if state is not None and state.num_free_rows != state.max_rows:
             raise AssertionError(f"state row leak: {state.max_rows - state.num_free_rows} rows still held")

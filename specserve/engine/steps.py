@@ -1,5 +1,6 @@
-"""The forward steps the scheduler runs: prefill (target extend, + the worker's draft extend when speculating),
-plain decode, and the speculative step (the worker's).
+"""The forward steps the scheduler runs: prefill (target extend, + the worker's draft extend when speculating), a
+plain engine's decode step, and a speculating engine's speculative or plain step (the worker's). Which decode step
+runs, and whether overlapped, is engine/decode_plan.py's choice.
 
 Each step takes requests whose KV capacity the scheduler has already ensured, runs on the device, and returns the
 new tokens as host lists (the one host sync of a step), or, launched (`launch_*`), as device tensors for the overlap
@@ -30,14 +31,15 @@ class Chunk:
         return self.end == self.req.prefill_len
 
 
-def sampling_batch(mr: ModelRunner, reqs: list[Req]) -> SamplingBatch:
-    return SamplingBatch.build([r.sampling for r in reqs], [r.seed for r in reqs], mr.cfg.vocab_size, mr.device)
+def sampling_batch(model_runner: ModelRunner, reqs: list[Req]) -> SamplingBatch:
+    return SamplingBatch.build([r.sampling for r in reqs], [r.seed for r in reqs], model_runner.cfg.vocab_size,
+                               model_runner.device)
 
 
 @torch.inference_mode()
-def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
+def run_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
     """launch_prefill, read back at once (the step's host sync): t0 per chunk (None for non-final chunks)."""
-    t0 = launch_prefill(mr, chunks)
+    t0 = launch_prefill(model_runner, chunks)
     out: list[int | None] = [None] * len(chunks)
     if t0 is not None:
         final = [i for i, c in enumerate(chunks) if c.is_final]
@@ -47,13 +49,13 @@ def run_prefill(mr: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
 
 
 @torch.inference_mode()
-def launch_prefill(mr: ModelRunner, chunks: list[Chunk]) -> torch.Tensor | None:
+def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> torch.Tensor | None:
     """Target extend over the chunks; for final chunks sample t0 (left on the device as the rows' last tokens); with
     a drafter, the worker's draft extend over the same positions (prompt shifted left by one, t0 appended) fills the
     draft KV and produces d1 and its hidden state. Returns t0 [F] of the final chunks in chunk order on the device,
     without waiting for it (None when no chunk is final)."""
-    dev = mr.device
-    table = mr.req_to_token.table
+    dev = model_runner.device
+    table = model_runner.req_to_token.table
     ids_host, pos_host, rows, seq_lens, ext = [], [], [], [], []
     loc_rows, loc_cols = [], []
     for c in chunks:
@@ -69,23 +71,23 @@ def launch_prefill(mr: ModelRunner, chunks: list[Chunk]) -> torch.Tensor | None:
     positions = torch.tensor(pos_host, dtype=torch.int64).to(dev, non_blocking=True)
     loc_r, loc_c = torch.tensor(loc_rows, device=dev), torch.tensor(loc_cols, device=dev)
     out_loc = table[loc_r, loc_c]
-    spec = mr.spec
+    spec = model_runner.spec
     if spec is not None:
         spec.record_tokens(loc_r, loc_c, input_ids)  # the token history of context lookup drafting
     batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext)
-    hidden = mr.prefill.run(batch)  # [T, F] (a graph's output: used before the next prefill)
+    hidden = model_runner.prefill.run(batch)  # [T, F] (a graph's output: used before the next prefill)
 
     ends = torch.tensor(ext, device=dev).cumsum(0) - 1  # last token of each chunk
     final = [i for i, c in enumerate(chunks) if c.is_final]
     t0 = fidx = frows = new_pos = None
     if final:
         fidx = ends[torch.tensor(final, device=dev)]
-        logits = mr.target.compute_logits(hidden[fidx])  # [F, V]
+        logits = model_runner.target.compute_logits(hidden[fidx])  # [F, V]
         freqs = [chunks[i].req for i in final]
         new_pos = torch.tensor([chunks[i].end for i in final], dtype=torch.int64, device=dev)
-        t0 = sample(logits, sampling_batch(mr, freqs), new_pos)  # [F]
+        t0 = sample(logits, sampling_batch(model_runner, freqs), new_pos)  # [F]
         frows = torch.tensor([chunks[i].req.kv.row for i in final], device=dev)
-        mr.last_token[frows] = t0
+        model_runner.last_token[frows] = t0
         if spec is not None:
             spec.record_tokens(frows, new_pos, t0)
 
@@ -105,40 +107,48 @@ def launch_prefill(mr: ModelRunner, chunks: list[Chunk]) -> torch.Tensor | None:
 
 
 @torch.inference_mode()
-def run_decode(mr: ModelRunner, reqs: list[Req]) -> list[int]:
-    """Plain decode, read back at once (the step's host sync)."""
-    return launch_decode(mr, reqs).tolist()
+def run_decode(model_runner: ModelRunner, reqs: list[Req]) -> list[int]:
+    """A plain engine's decode step, read back at once (the step's host sync)."""
+    return launch_decode(model_runner, reqs).tolist()
 
 
 @torch.inference_mode()
-def launch_decode(mr: ModelRunner, reqs: list[Req]) -> torch.Tensor:
-    """Plain decode: one token per request — as one graph (decode, sampling, last-token update) when the batch fits
-    the plain-step graphs, else through the decode runner (graph), then sampling. Returns the tokens [bs] on the
-    device without waiting for them (a graph's static output: read or copy it before the next step)."""
-    sb = mr.decode_sampling.get(reqs)
-    one = mr.plain_step
-    if one is not None and one.covers(len(reqs), sb):
-        return one.run([r.kv.row for r in reqs], [r.seq_len for r in reqs],
-                       [r.seq_len + r.mrope_delta for r in reqs], sb)
-    dev = mr.device
+def launch_decode(model_runner: ModelRunner, reqs: list[Req]) -> torch.Tensor:
+    """A plain engine's decode step: one token per request — as one graph (decode, sampling, last-token update) when
+    the batch fits the decode-step graphs, else through the decode runner (graph), then sampling. Returns the tokens
+    [bs] on the device without waiting for them (a graph's static output: read or copy it before the next step)."""
+    sampling = model_runner.decode_sampling.get(reqs)
+    graph = model_runner.decode_step_graph
+    if graph is not None and graph.covers(len(reqs), sampling):
+        return graph.run([r.kv.row for r in reqs], [r.seq_len for r in reqs],
+                         [r.seq_len + r.mrope_delta for r in reqs], sampling)
+    dev = model_runner.device
     rows = torch.tensor([r.kv.row for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
-    s_host = [r.seq_len for r in reqs]
-    s = torch.tensor(s_host, dtype=torch.int64).to(dev, non_blocking=True)
-    live = LiveInputs(batch_size=len(reqs), input_ids=mr.last_token[rows], positions=s + rope_offsets(reqs, dev),
-                      req_pool_indices=rows, seq_lens=s + 1, max_seq_len=max(s_host) + 1)
-    logits = mr.runners["decode"].run(live)["logits"]
-    tokens = sample(logits, sb, s + 1)
-    mr.last_token[rows] = tokens
+    seq_lens_host = [r.seq_len for r in reqs]
+    seq_lens = torch.tensor(seq_lens_host, dtype=torch.int64).to(dev, non_blocking=True)
+    live = LiveInputs(batch_size=len(reqs), input_ids=model_runner.last_token[rows],
+                      positions=seq_lens + rope_offsets(reqs, dev), req_pool_indices=rows, seq_lens=seq_lens + 1,
+                      max_seq_len=max(seq_lens_host) + 1)
+    logits = model_runner.phases.decode.run(live)["logits"]
+    tokens = sample(logits, sampling, seq_lens + 1)
+    model_runner.last_token[rows] = tokens
     return tokens
 
 
 @torch.inference_mode()
-def run_spec_step(mr: ModelRunner, reqs: list[Req], plain: bool = False) -> SpecStepResult:
-    """One speculative step for every running request, by the worker (DESIGN §1); plain: the worker's plain step
-    instead (one token each, the draft kept in step; adaptive speculation)."""
-    step = mr.spec.plain_step if plain else mr.spec.step
-    return step([r.kv.row for r in reqs], [r.seq_len for r in reqs], [r.seq_len + r.mrope_delta for r in reqs],
-                mr.decode_sampling.get(reqs))
+def run_spec_step(model_runner: ModelRunner, reqs: list[Req]) -> SpecStepResult:
+    """One speculative step for every running request, by the worker (speculative/worker.py SpecWorker.step)."""
+    return model_runner.spec.step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
+                                  [r.seq_len + r.mrope_delta for r in reqs], model_runner.decode_sampling.get(reqs))
+
+
+@torch.inference_mode()
+def run_plain_step(model_runner: ModelRunner, reqs: list[Req]) -> SpecStepResult:
+    """Adaptive speculation's plain step for every running request (one token each, no draft forward: the draft
+    lags), by the worker (SpecWorker.plain_step)."""
+    return model_runner.spec.plain_step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
+                                        [r.seq_len + r.mrope_delta for r in reqs],
+                                        model_runner.decode_sampling.get(reqs))
 
 
 def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:

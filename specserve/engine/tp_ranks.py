@@ -6,7 +6,7 @@ Rank 0 (`TPLeader`, owned by the EngineCore) starts the other ranks of its machi
 ranks, which join node 0's rendezvous at `--dist-init-addr`); under torchrun every rank is torchrun's process
 (rank 0 serves, the others follow: server/launch.py). Rank 0 joins all of them in one
 torch.distributed group (NCCL on GPUs, gloo on CPUs; distributed/tp.py), and before every forward step broadcasts a
-`StepMessage` over a gloo control group: what the step runs (prefill chunks, a plain decode, a speculative or an
+`StepMessage` over a gloo control group: what the step runs (prefill chunks, a decode step, a speculative or an
 adaptive plain step) with the requests' host data, and the page-table entries the step writes. A follower (`follow`)
 has the same model runner over its slice of every weight, but no scheduler and no allocator: it writes those table
 entries (and, for a request's first prefill chunk, zeroes and binds the recurrent-state row rank 0 gave it) and runs
@@ -35,8 +35,10 @@ import torch
 import torch.distributed as dist
 
 from specserve.distributed.tp import TPGroup, init_tp
+from specserve.engine.loading import build_model_runner
+from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
-from specserve.engine.steps import Chunk, run_decode, run_prefill, run_spec_step
+from specserve.engine.steps import Chunk, run_decode, run_plain_step, run_prefill, run_spec_step
 from specserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -59,9 +61,9 @@ def _slots(req: Req, cols: range, page_size: int) -> list[int]:
     return [pages[c // page_size] * page_size + c % page_size for c in cols]
 
 
-def prefill_message(mr, chunks: list[Chunk]) -> StepMessage:
+def prefill_message(model_runner: ModelRunner, chunks: list[Chunk]) -> StepMessage:
     rows, cols, slots, items = [], [], [], []
-    ps = mr.page_size
+    ps = model_runner.page_size
     for c in chunks:
         r = c.req
         rows += [r.kv.row] * (c.end - c.start)
@@ -75,12 +77,12 @@ def prefill_message(mr, chunks: list[Chunk]) -> StepMessage:
     return StepMessage("prefill", rows, cols, slots, items)
 
 
-def decode_message(mr, kind: str, reqs: list[Req]) -> StepMessage:
+def decode_message(model_runner: ModelRunner, kind: str, reqs: list[Req]) -> StepMessage:
     """kind: "decode" (one new position a request), "spec" (N + 1) or "plain" (one)."""
-    width = mr.num_steps + 1 if kind == "spec" else 1
+    width = model_runner.num_steps + 1 if kind == "spec" else 1
     rows = [r.kv.row for r in reqs for _ in range(width)]
     cols = [r.seq_len + j for r in reqs for j in range(width)]
-    slots = [x for r in reqs for x in _slots(r, range(r.seq_len, r.seq_len + width), mr.page_size)]
+    slots = [x for r in reqs for x in _slots(r, range(r.seq_len, r.seq_len + width), model_runner.page_size)]
     items = [dict(row=r.kv.row, seq_len=r.seq_len, mrope_delta=r.mrope_delta, sampling=r.sampling, seed=r.seed)
              for r in reqs]
     return StepMessage(kind, rows, cols, slots, items)
@@ -96,24 +98,26 @@ def _request(item: dict) -> Req:
     return r
 
 
-def apply(mr, msg: StepMessage) -> None:
+def apply(model_runner: ModelRunner, msg: StepMessage) -> None:
     """Run on a follower the step rank 0 runs."""
     if msg.rows:
-        table = mr.req_to_token.table
+        table = model_runner.req_to_token.table
         dev = table.device
         table[torch.tensor(msg.rows, device=dev), torch.tensor(msg.cols, device=dev)] = torch.tensor(
             msg.slots, dtype=table.dtype, device=dev)
     if msg.kind == "prefill":
-        pool = mr.caches.state
+        pool = model_runner.caches.state
         for i in msg.items:
             if pool is not None and i["state_row"]:
                 pool.reset(i["state_row"])
                 pool.bind(i["row"], i["state_row"])
-        run_prefill(mr, [Chunk(_request(i), i["start"], i["end"]) for i in msg.items])
+        run_prefill(model_runner, [Chunk(_request(i), i["start"], i["end"]) for i in msg.items])
     elif msg.kind == "decode":
-        run_decode(mr, [_request(i) for i in msg.items])
-    elif msg.kind in ("spec", "plain"):
-        run_spec_step(mr, [_request(i) for i in msg.items], plain=msg.kind == "plain")
+        run_decode(model_runner, [_request(i) for i in msg.items])
+    elif msg.kind == "spec":
+        run_spec_step(model_runner, [_request(i) for i in msg.items])
+    elif msg.kind == "plain":
+        run_plain_step(model_runner, [_request(i) for i in msg.items])
     else:
         raise ValueError(f"unknown step {msg.kind!r}")
 
@@ -190,9 +194,9 @@ class TPLeader:
         self.check_alive()
         dist.broadcast_object_list([msg], src=0, group=self.ctrl)
 
-    def check_same_pools(self, mr) -> None:
+    def check_same_pools(self, model_runner: ModelRunner) -> None:
         """Every rank must have sized its pools alike (rank 0 allocates the slots all ranks write)."""
-        mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
+        mine = torch.tensor([model_runner.num_slots, model_runner.max_running], dtype=torch.int64)
         seen = [torch.zeros_like(mine) for _ in range(self.tp.size)]
         dist.all_gather(seen, mine, group=self.ctrl)
         if any(not torch.equal(s, mine) for s in seen):
@@ -221,7 +225,7 @@ class TPLeader:
                 p.kill()
 
 
-def follow(mr, ctrl) -> None:
+def follow(model_runner: ModelRunner, ctrl) -> None:
     """A follower's loop: receive each step and run it, until "stop"."""
     while True:
         box = [None]
@@ -229,7 +233,7 @@ def follow(mr, ctrl) -> None:
         msg = box[0]
         if msg.kind == "stop":
             return
-        apply(mr, msg)
+        apply(model_runner, msg)
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -252,14 +256,12 @@ def run_follower(rank: int, local_rank: int, size: int, init_method: str, device
     else:
         torch.set_num_threads(max(1, torch.get_num_threads() // (size // args.nnodes)))
         device = torch.device("cpu")
-    from specserve.engine.engine import build_model_runner
-
     tp = init_tp(rank, size, init_method, timeout=TIMEOUT)
     ctrl = _control_group()
-    mr = build_model_runner(args, device, tp)
-    mine = torch.tensor([mr.num_slots, mr.max_running], dtype=torch.int64)
+    model_runner = build_model_runner(args, device, tp)
+    mine = torch.tensor([model_runner.num_slots, model_runner.max_running], dtype=torch.int64)
     dist.all_gather([torch.zeros_like(mine) for _ in range(size)], mine, group=ctrl)
-    follow(mr, ctrl)
+    follow(model_runner, ctrl)
     dist.barrier(group=ctrl)
     return 0
 

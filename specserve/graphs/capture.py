@@ -1,5 +1,5 @@
-"""The one capture/replay skeleton (DESIGN §3), used by every runner: the phase runners, the prefill runners and
-the whole-step spec runner.
+"""The one capture/replay skeleton (docs/architecture.md), used by every runner: the phase runners, the prefill
+runners and the step graphs.
 
 A `GraphLadder` holds one function over a runner's static buffers, captured as a CUDA graph per size of a ladder
 (batch sizes, or token counts for prefill) into one memory pool shared by all runners and passed explicitly from

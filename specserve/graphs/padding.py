@@ -1,4 +1,4 @@
-"""The padding contract, in one place, used by every runner (DESIGN §3).
+"""The padding contract, in one place, used by every runner (docs/architecture.md).
 
 Fixed-width batches (decode, verify, the draft phases). A runner's static buffers are sized for `max_bs` requests
 of `width` tokens. Before a replay at padded batch size `pbs` >= the live batch size `bs`, `stage` copies the live

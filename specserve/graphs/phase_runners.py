@@ -1,4 +1,4 @@
-"""Phase runners: static buffers, padding, CUDA-graph capture/replay and CPU "static replay" (DESIGN §3).
+"""Phase runners: static buffers, padding, CUDA-graph capture/replay and CPU "static replay" (docs/architecture.md).
 
 A runner owns its static input buffers and its own backends, one per cache kind of its model (and so its own
 metadata buffers). `run()`:
@@ -7,8 +7,12 @@ metadata buffers). `run()`:
     the buffers (graphs/capture.py);
   * otherwise: run the same function eagerly on the live, unpadded tensors, with the runner's eager backends.
 The function is `forward_phase` of the subclass; it is identical in all three paths, so CPU tests of the static
-replay exercise exactly what the GPU graphs run. The target's runners are here; the draft's are in
-speculative/draft_runners.py, over the same base.
+replay exercise exactly what the GPU graphs run. The target's runners are here (and `TargetPhases`, the model
+runner's typed handles to them); the draft's are in speculative/draft_runners.py, over the same base.
+
+A step that chains phases (speculative/spec_step.py, speculative/plain_step.py) calls each phase through a `PhaseCall`:
+`replay_phase` (the phase's own graph, or eager beyond its sizes), `inline_phase` (its function inlined into an
+enclosing step graph) or `eager_phase` (tests' reference).
 """
 
 from __future__ import annotations
@@ -163,9 +167,41 @@ class TargetVerifyRunner(PhaseRunner):
         return {"logits": logits.view(-1, w, logits.shape[-1]), "hidden": hidden.view(-1, w, hidden.shape[-1])}
 
 
-class TargetDecodeRunner(TargetVerifyRunner):
-    """A speculative engine's plain step on the target: the verify pass at width 1 (the last token alone) ->
-    logits [bs, 1, V] and the features [bs, 1, F] the draft needs to stay in step (speculative/worker.py)."""
+class PlainVerifyRunner(TargetVerifyRunner):
+    """A speculating engine's plain step on the target: the verify pass at width 1 (the last token alone) ->
+    logits [bs, 1, V] and the features [bs, 1, F] the draft needs to catch up later (speculative/plain_step.py)."""
 
-    name = "target_decode"
+    name = "plain_verify"
+
+
+@dataclass
+class TargetPhases:
+    """The target's phase runners of one model runner, by what they run. A plain engine has `decode`; a speculating
+    one has `target_verify`, and `plain_verify` when adaptive speculation may take plain steps."""
+
+    decode: DecodeRunner | None = None  # a plain engine's decode step: one token per request
+    target_verify: TargetVerifyRunner | None = None  # the speculative step's verify: N + 1 tokens per request
+    plain_verify: PlainVerifyRunner | None = None  # the plain step's verify at width 1
+
+    def all(self) -> list[PhaseRunner]:
+        """The runners that exist, in capture order."""
+        return [r for r in (self.decode, self.target_verify, self.plain_verify) if r is not None]
+
+
+PhaseCall = Callable[[PhaseRunner, LiveInputs], dict[str, torch.Tensor]]  # how a step runs one of its phases
+
+
+def replay_phase(runner: PhaseRunner, live: LiveInputs) -> dict[str, torch.Tensor]:
+    """The phase on its own graph (or eagerly beyond its captured sizes): a step run phase by phase."""
+    return runner.run(live)
+
+
+def inline_phase(runner: PhaseRunner, live: LiveInputs) -> dict[str, torch.Tensor]:
+    """The phase's function with its graph-mode backends, inlined into an enclosing step graph."""
+    return runner.forward_phase(live, runner.backends, graph_mode=True)
+
+
+def eager_phase(runner: PhaseRunner, live: LiveInputs) -> dict[str, torch.Tensor]:
+    """The phase's function eagerly on the live tensors (the reference the graphs are tested against)."""
+    return runner.forward_phase(live, runner.eager_backends, graph_mode=False)
 

@@ -1,12 +1,11 @@
 """Prefill as CUDA graphs: the target's extend over prompt chunks and the draft's extend over the same positions,
 each captured for a ladder of padded token counts.
 
-An eager prefill of a small model is host-launch bound like any other phase: SmolLM2-135M on the H200 spent
-15-30 ms of host time on ~1 ms of kernels for one 64..1024-token prompt, a fifth of a speculative request's wall
-time at batch 1 (BENCHMARKS.md section 8). A `PrefillRunner` owns static token buffers of `max_tokens` tokens and
-request metadata for `max_rows` requests, and captures the model's variable-length forward once per token count
-of `token_ladder(max_tokens)`. A live batch of T tokens is padded to the next count T' by the padding contract
-for variable-length batches (graphs/padding.py stage_extend); every padded buffer is rewritten on each replay.
+An eager prefill of a small model is host-launch bound like any other phase: its host time is many times its kernels'
+time, a visible share of a short request's wall time at batch 1. A `PrefillRunner` owns static token buffers of
+`max_tokens` tokens and request metadata for `max_rows` requests, and captures the model's variable-length forward once
+per token count of `token_ladder(max_tokens)`. A live batch of T tokens is padded to the next count T' by the padding
+contract for variable-length batches (graphs/padding.py stage_extend); every padded buffer is rewritten on each replay.
 Batches with more tokens or requests than the graphs hold run eagerly, over the same model function.
 
 On CPU there are no graphs; there the runner pads and runs the captured function over its buffers ("static

@@ -1,5 +1,6 @@
-"""A whole decode step as one CUDA graph per padded batch size and sampling kind (DESIGN §3): the skeleton shared by
-the speculative step (speculative/spec_step.py SpecStepRunner) and the plain step (PlainStepRunner below).
+"""A whole decode step as one CUDA graph per padded batch size and sampling kind: the skeleton (`StepGraph`) shared
+by the speculative step (speculative/spec_step.py SpecStepGraph), a speculating engine's plain step
+(speculative/plain_step.py PlainStepGraph) and a plain engine's decode step (DecodeStepGraph below).
 
 The host uploads one small tensor (page-table rows, committed lengths S, rope positions of S) and, for sampled
 batches, the rows' sampling parameters into static buffers, replays, and reads the result: no host work inside the
@@ -18,13 +19,13 @@ import torch
 
 from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import LiveInputs, stage_step
-from specserve.graphs.phase_runners import PhaseRunner
+from specserve.graphs.phase_runners import DecodeRunner, inline_phase
 from specserve.layers.sampler import GREEDY, SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
 
 
-class StepGraphRunner(LadderRunner, abc.ABC):
+class StepGraph(LadderRunner, abc.ABC):
     """A step function over static inputs [4, pbs] (rows, S, rope position of S, continuing-row flags: graphs/padding.py
     stage_step) and a sampling batch, captured per
     batch size of `capture_bs` and sampling kind. `ladder` holds the greedy graphs; `sampled` and `filtered` the
@@ -36,7 +37,7 @@ class StepGraphRunner(LadderRunner, abc.ABC):
         self.max_bs = self.capture_bs[-1] if self.capture_bs else 0
         self.use_graphs = use_graphs and self.max_bs > 0
         # the key-length bound of every phase is then the graph bound, as in the phase runners' own graphs
-        self.capture_max_s = graph_max_seq_len - lookahead
+        self.capture_max_seq_len = graph_max_seq_len - lookahead
         self.ladder = GraphLadder(self.capture_bs, device, self.use_graphs)
         self.sampled = GraphLadder(self.capture_bs, device, self.use_graphs)
         self.filtered = GraphLadder(self.capture_bs, device, self.use_graphs)
@@ -44,8 +45,8 @@ class StepGraphRunner(LadderRunner, abc.ABC):
         self.sampling = SamplingBuffers(max(self.max_bs, 1), vocab_size, device)
 
     @abc.abstractmethod
-    def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
-        """inputs [4, pbs] (rows, S, rope position of S, continuing flags); max_s bounds S -> the step's output
+    def forward(self, inputs: torch.Tensor, max_seq_len: int, sampling: SamplingBatch = GREEDY) -> torch.Tensor:
+        """inputs [4, pbs] (rows, S, rope position of S, continuing flags); max_seq_len bounds S -> the step's output
         [pbs, ...]."""
 
     @property
@@ -64,18 +65,18 @@ class StepGraphRunner(LadderRunner, abc.ABC):
         phase (its capture failed: logged once at start)."""
         return {"greedy": self.ladder.replays, "sampled": self.sampled.replays, "filtered": self.filtered.replays}
 
-    def covers(self, bs: int, sb: SamplingBatch = GREEDY) -> bool:
+    def covers(self, bs: int, sampling: SamplingBatch = GREEDY) -> bool:
         """Whether a batch of bs requests with this sampling runs as one graph (on CPU: one static replay)."""
         if not (self.use_graphs and bs <= self.max_bs):
             return False
-        ladder = self._ladder(sb)
+        ladder = self._ladder(sampling)
         return ladder.enabled or not ladder.on_cuda
 
     def padded_bs(self, bs: int) -> int:
         return self.ladder.padded(bs)
 
-    def _ladder(self, sb: SamplingBatch) -> GraphLadder:
-        return self.ladder if sb.all_greedy else (self.filtered if sb.need_filter else self.sampled)
+    def _ladder(self, sampling: SamplingBatch) -> GraphLadder:
+        return self.ladder if sampling.all_greedy else (self.filtered if sampling.need_filter else self.sampled)
 
     @torch.inference_mode()
     def capture(self, pool):
@@ -84,8 +85,8 @@ class StepGraphRunner(LadderRunner, abc.ABC):
                 stage_step(self.inputs, [], [], [], pbs)  # every row padded
                 self.sampling.stage(None, pbs)
                 inputs = self.inputs[:, :pbs]
-                sb = GREEDY if kind is None else self.sampling.batch(pbs, need_filter=kind)
-                return lambda: self.forward(inputs, self.capture_max_s, sb)
+                sampling = GREEDY if kind is None else self.sampling.batch(pbs, need_filter=kind)
+                return lambda: self.forward(inputs, self.capture_max_seq_len, sampling)
 
             ladder = self.ladder if kind is None else (self.filtered if kind else self.sampled)
             try:
@@ -100,29 +101,30 @@ class StepGraphRunner(LadderRunner, abc.ABC):
         return pool
 
     @torch.inference_mode()
-    def run(self, rows: list[int], seq_lens: list[int], pos0: list[int], sb: SamplingBatch = GREEDY,
+    def run(self, rows: list[int], seq_lens: list[int], pos0: list[int], sampling: SamplingBatch = GREEDY,
             cont: list[bool] | None = None) -> torch.Tensor:
         """Host lists of the running requests (bs <= max_bs) and their sampling batch -> [bs, ...] on the device.
         cont: the rows whose S the runner's previous steps advanced on the device (runners that keep it)."""
         bs = len(rows)
         pbs = self.padded_bs(bs)
         stage_step(self.inputs, rows, seq_lens, pos0, pbs, cont)
-        static_sb = GREEDY
-        if not sb.all_greedy:
-            self.sampling.stage(sb, pbs)
-            static_sb = self.sampling.batch(pbs, sb.need_filter)
-        out = self._ladder(sb).replay(pbs, lambda: self.forward(self.inputs[:, :pbs], max(seq_lens), static_sb))
+        static_sampling = GREEDY
+        if not sampling.all_greedy:
+            self.sampling.stage(sampling, pbs)
+            static_sampling = self.sampling.batch(pbs, sampling.need_filter)
+        out = self._ladder(sampling).replay(pbs, lambda: self.forward(self.inputs[:, :pbs], max(seq_lens),
+                                                                      static_sampling))
         return out[:bs]
 
 
-class PlainStepRunner(StepGraphRunner):
-    """A plain decode step as one graph: the target decode over each row's last token, sampling, and the last-token
-    update -> tokens [pbs]. Replaces, for batches it covers, the decode runner's graph plus the eager sampling and
-    bookkeeping around it (host launches that were ~11% of a SmolLM2 step on the H200, BENCHMARKS §2 / issue 17)."""
+class DecodeStepGraph(StepGraph):
+    """A plain engine's decode step as one graph: the target decode over each row's last token, sampling, and the
+    last-token update -> tokens [pbs]. Replaces, for batches it covers, the decode runner's graph plus the eager
+    sampling and bookkeeping around it, whose host launches are a visible share of a small model's step."""
 
-    name = "plain_step"
+    name = "decode_step"
 
-    def __init__(self, decode: PhaseRunner, last_token: torch.Tensor, capture_bs: list[int], use_graphs: bool):
+    def __init__(self, decode: DecodeRunner, last_token: torch.Tensor, capture_bs: list[int], use_graphs: bool):
         """decode: the target's decode runner (its backends and graph metadata are used); last_token [rows]: the
         target's per-row newest token (read and written)."""
         ctx = decode.ctx
@@ -130,12 +132,12 @@ class PlainStepRunner(StepGraphRunner):
         self.decode = decode
         self.last_token = last_token
 
-    def forward(self, inputs: torch.Tensor, max_s: int, sb: SamplingBatch = GREEDY) -> torch.Tensor:
-        rows, s, pos = inputs[0], inputs[1], inputs[2]
+    def forward(self, inputs: torch.Tensor, max_seq_len: int, sampling: SamplingBatch = GREEDY) -> torch.Tensor:
+        rows, seq_lens, pos0 = inputs[0], inputs[1], inputs[2]
         # 1-D text positions also for mRoPE models, which read them as three equal rows (as the spec step does)
-        live = LiveInputs(rows.shape[0], self.last_token[rows], pos, rows, s + 1, max_s + 1)
-        logits = self.decode.forward_phase(live, self.decode.backends, graph_mode=True)["logits"]  # [pbs, V]
-        tokens = sample(logits, sb, s + 1)  # the token at index S + 1
+        live = LiveInputs(rows.shape[0], self.last_token[rows], pos0, rows, seq_lens + 1, max_seq_len + 1)
+        logits = inline_phase(self.decode, live)["logits"]  # [pbs, V]
+        tokens = sample(logits, sampling, seq_lens + 1)  # the token at index S + 1
         self.last_token[rows] = tokens
         return tokens
 
@@ -154,17 +156,17 @@ class SamplingBuffers:
         self._staged: SamplingBatch | None = None  # the batch staged last, and its padded size
         self._staged_pbs = 0
 
-    def stage(self, sb: SamplingBatch | None, pbs: int) -> None:
+    def stage(self, sampling: SamplingBatch | None, pbs: int) -> None:
         """Copy a live batch's rows in (None: none) and reset rows bs..pbs-1 to the padding values. The batch staged
         last is not copied again (the engine reuses one SamplingBatch while the running requests stay the same:
         engine/sampling_cache.py), which saves a sampled step twelve small launches."""
-        if sb is not None and sb is self._staged and pbs == self._staged_pbs:
+        if sampling is not None and sampling is self._staged and pbs == self._staged_pbs:
             return
-        self._staged, self._staged_pbs = sb, pbs
-        bs = 0 if sb is None else sb.temperature.shape[0]
-        if sb is not None:
+        self._staged, self._staged_pbs = sampling, pbs
+        bs = 0 if sampling is None else sampling.temperature.shape[0]
+        if sampling is not None:
             for name in ("temperature", "top_p", "top_k", "min_p", "seeds", "greedy"):
-                getattr(self, name)[:bs].copy_(getattr(sb, name))
+                getattr(self, name)[:bs].copy_(getattr(sampling, name))
         self.temperature[bs:pbs].fill_(1.0)
         self.top_p[bs:pbs].fill_(1.0)
         self.min_p[bs:pbs].fill_(0.0)

@@ -1,7 +1,7 @@
 """Page allocator for the KV slots shared by target and draft.
 
 Slots are grouped in pages of `page_size` tokens; slot = page * page_size + offset. Page 0 (slots 0..page_size-1)
-is the reserved dummy that padded graph rows read and write, so it is never handed out (DESIGN §2-3).
+is the reserved dummy that padded graph rows read and write, so it is never handed out (docs/architecture.md).
 """
 
 from __future__ import annotations

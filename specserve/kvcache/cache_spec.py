@@ -1,4 +1,4 @@
-"""Per-layer cache specs (DESIGN §2): what each layer of a model keeps between forwards.
+"""Per-layer cache specs (docs/architecture.md): what each layer of a model keeps between forwards.
 
 A model declares `cache_specs()`: one spec per layer that keeps a cache, in layer order. A layer finds its cache
 through its index among the specs of its own kind (`cache_index`), never through its global layer number: in a

@@ -1,4 +1,4 @@
-"""One model's caches, one pool per kind, built from its per-layer cache specs (DESIGN §2).
+"""One model's caches, one pool per kind, built from its per-layer cache specs (docs/architecture.md).
 
 Token-indexed pools (MHA K/V, MLA latents, indexer keys) all have `num_slots` slots and are addressed through the
 one shared page table; the recurrent-state pool has a row per running request. The model runner sizes both from

@@ -1,7 +1,7 @@
 """Per-request KV ownership: which pages a request holds and the page-table rows that point at them.
 
-A running request always owns slots for positions [0, seq_len + N + 1) (DESIGN §2): draft and verify write into
-them and rejected positions are overwritten by the next step, so nothing is freed on rejection. Everything is
+A running request always owns slots for positions [0, seq_len + N + 1) (docs/architecture.md): draft and verify
+write into them and rejected positions are overwritten by the next step, so nothing is freed on rejection. Everything is
 returned when the request finishes, is aborted or is retracted. A model with recurrent layers also gives each
 request a state row (kvcache/state_pool.py), taken with its page-table row and returned with it.
 """

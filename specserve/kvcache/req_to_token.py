@@ -1,4 +1,4 @@
-"""The page table: req_to_token[req_row, position] -> KV slot, shared by target and draft (DESIGN §2)."""
+"""The page table: req_to_token[req_row, position] -> KV slot, shared by target and draft (docs/architecture.md)."""
 
 from __future__ import annotations
 

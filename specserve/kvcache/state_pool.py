@@ -1,4 +1,4 @@
-"""Recurrent state of the linear-attention layers, row-indexed (DESIGN §2).
+"""Recurrent state of the linear-attention layers, row-indexed (docs/architecture.md).
 
 Each running request owns one state row with `slots_per_row` = N + 1 slots (N = draft steps; 1 without
 speculation). Target verify writes the state after verified position i into slot i; the accept commit records the

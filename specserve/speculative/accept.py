@@ -1,10 +1,10 @@
 """Verification: which drafts the target accepts, and the token that follows them (torch reference).
 
-Drafts chosen deterministically (the head's argmax, a context-lookup continuation) have a one-hot draft
-distribution (DESIGN §1): accept draft d at a position with probability p(d); on the first rejection draw from p
-with d removed and renormalised; if all N are accepted draw a bonus token from the last position's p. The output
-tokens are then distributed exactly as plain sampling from p. Greedy rows use one-hot p, which reduces to "accept
-while draft == argmax".
+Drafts chosen deterministically (the head's argmax, a context-lookup continuation) have a one-hot draft distribution
+(docs/architecture.md): accept draft d at a position with probability p(d); on the first rejection draw from p with d
+removed and renormalised; if all N are accepted draw a bonus token from the last position's p. The output tokens are
+then distributed exactly as plain sampling from p. Greedy rows use one-hot p, which reduces to "accept while draft ==
+argmax".
 
 Drafts sampled from the draft's own distribution q (`--speculative-draft-sampling sample`) use the standard rule
 (`accept_sampling_q`): accept d with probability min(1, p(d) / q(d)), on the first rejection draw from

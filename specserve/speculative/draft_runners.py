@@ -1,4 +1,4 @@
-"""The draft's phase runners (DESIGN §1, §3), over the same base as the target's (graphs/phase_runners.py): the
+"""The draft's phase runners (docs/architecture.md), over the same base as the target's (graphs/phase_runners.py): the
 whole N - 1 step draft-decode loop as one function, and the draft extend over the N + 1 verified positions."""
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ class DraftDecodeRunner(PhaseRunner):
         if hist is not None:
             p2, p1, _ = history_tail(hist, last)
             pattern = (p2, p1, ids)  # (x_{S-1}, x_S, d1): the next draft continues it
-        sb = t.draft_sampling
+        sampling = t.draft_sampling
         tokens, dists = [], []
         for i in range(self.num_steps):
             fb = self.make_batch(self.mode, t, ids, t.positions + i, t.seq_lens + i, hidden, backends, graph_mode,
                                  t.max_seq_len)
             out = self.ctx.model(fb)
-            if sb is None:
+            if sampling is None:
                 ids = self.chooser.draft_tokens(out, hist, last, pattern)
             else:  # the draft at sequence index S + 2 + i, drawn from the head's distribution
-                ids, dist = self.chooser.sample_drafts(out, hist, last, sb, t.seq_lens + 1 + i, pattern)
+                ids, dist = self.chooser.sample_drafts(out, hist, last, sampling, t.seq_lens + 1 + i, pattern)
                 dists.append(dist)
             hidden = self.ctx.model.chained(out)  # [bs, H] into the next step
             if pattern is not None:

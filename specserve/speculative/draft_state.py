@@ -89,8 +89,9 @@ class DraftChooser:
         pattern = pattern if pattern is not None else history_tail(hist, last)
         return lookup_drafts(hist, last, *pattern, head, conf, self.lookup_confidence)
 
-    def sample_drafts(self, hidden: torch.Tensor, hist: torch.Tensor | None, last: torch.Tensor, sb: SamplingBatch,
-                      positions: torch.Tensor, pattern: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    def sample_drafts(self, hidden: torch.Tensor, hist: torch.Tensor | None, last: torch.Tensor,
+                      sampling: SamplingBatch, positions: torch.Tensor,
+                      pattern: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Draft tokens drawn from the head's own distribution for hidden [B, H] -> (tokens [B], (ids, probs)
         [B, K]: the distribution each was drawn from).
@@ -100,7 +101,7 @@ class DraftChooser:
         with its own noise (SALT_DRAFT). With context lookup, a row whose continuation wins (the same test as
         draft_tokens: the head's top probability below the confidence) takes it with a one-hot distribution."""
         vals, ids, lse = self.model.draft_candidates(hidden, self.candidates)  # [B, K] descending, [B]
-        tokens, q = draw_candidate(vals, ids, sb, positions)  # [B], [B, K]
+        tokens, q = draw_candidate(vals, ids, sampling, positions)  # [B], [B, K]
         if hist is None:
             return tokens, (ids, q)
         conf = torch.exp(vals[:, 0] - lse)  # the head's top probability, as draft_tokens uses
@@ -112,27 +113,28 @@ class DraftChooser:
         return tokens, (torch.where(chosen[:, None], oh_ids, ids), torch.where(chosen[:, None], oh_probs, q))
 
 
-def draw_candidate(vals: torch.Tensor, ids: torch.Tensor, sb: SamplingBatch,
+def draw_candidate(vals: torch.Tensor, ids: torch.Tensor, sampling: SamplingBatch,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A sampled draft from its K candidates: vals [B, K] the head's candidate logits (descending), ids [B, K] ->
     (tokens [B], q [B, K] = candidate_probs) drawn with SALT_DRAFT's noise at positions [B]: one Triton launch on
     CUDA (kernels/triton_candidates.py), the torch reference otherwise."""
     if vals.is_cuda and (tk := triton_kernels()) is not None:
-        tokens, q, _ = tk.sample_candidates_triton(vals, ids, sb.temperature, sb.greedy, sb.top_k, sb.top_p, sb.min_p,
-                                                   sb.seeds, positions, SALT_DRAFT)
+        tokens, q, _ = tk.sample_candidates_triton(vals, ids, sampling.temperature, sampling.greedy, sampling.top_k,
+                                                   sampling.top_p, sampling.min_p, sampling.seeds, positions,
+                                                   SALT_DRAFT)
         return tokens, q
-    q = candidate_probs(vals, sb)  # [B, K]
-    return ids.gather(1, sample_from_probs(q, sb.seeds, positions, SALT_DRAFT)[:, None]).squeeze(1), q
+    q = candidate_probs(vals, sampling)  # [B, K]
+    return ids.gather(1, sample_from_probs(q, sampling.seeds, positions, SALT_DRAFT)[:, None]).squeeze(1), q
 
 
-def candidate_probs(vals: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def candidate_probs(vals: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
     """A sampled draft's distribution over its K candidates: vals [B, K] the head's candidate logits in descending
     order -> probs [B, K] summing to 1: softmax at the row's temperature, then the row's top-k, top-p and min-p
     among the candidates (layers/sampler.py filter_sorted, the sampler's own rule); one-hot at candidate 0 for
     greedy rows."""
-    temp = torch.where(sb.greedy, torch.ones_like(sb.temperature), sb.temperature)
-    p = filter_sorted(torch.softmax(vals / temp[:, None], dim=-1), sb)  # [B, K], descending like vals
+    temp = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    p = filter_sorted(torch.softmax(vals / temp[:, None], dim=-1), sampling)  # [B, K], descending like vals
     p = p / p.sum(dim=-1, keepdim=True)
     first = torch.zeros_like(p)
     first[:, 0] = 1.0
-    return torch.where(sb.greedy[:, None], first, p)
+    return torch.where(sampling.greedy[:, None], first, p)

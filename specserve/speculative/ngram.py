@@ -2,9 +2,9 @@
 tokens can replace the head's draft token.
 
 A one-layer MTP head sees the target's last hidden state, which carries little of the current token, so it copies
-poorly from the context: on SmolLM2's summaries its first draft matched the target 22% of the time where the
-continuation of the last earlier occurrence of the current bigram matched 61% of the times one existed (measured
-teacher-forced on held-out prompts; BENCHMARKS.md). So each draft token is chosen as:
+poorly from the context: on text that repeats its context (summaries, code edits) the continuation of the last
+earlier occurrence of the current n-gram matches the target far more often than the head's own first draft. So
+each draft token is chosen as:
 
     the continuation of the newest earlier occurrence of the last three tokens (else of the last two), when one
     exists in the committed context and the head's own top probability is below --speculative-ngram-confidence;

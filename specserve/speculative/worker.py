@@ -1,4 +1,4 @@
-"""The speculative worker: the one owner of speculation (DESIGN §1, §4).
+"""The speculative worker: the one owner of speculation (docs/architecture.md).
 
 It owns the draft model, the draft's caches (its own pools on the shared page table), the draft runners (draft
 decode, draft extend, the draft's prefill), the draft state (d1, draft hidden, token history, context lookup) and
@@ -10,16 +10,15 @@ Per step, for the whole running batch:
     draft decode (N-1 steps, one graph) -> target verify (N+1 tokens, one graph) -> accept (device, no sync)
     -> draft extend (fixed width N+1, one graph) -> one host sync to read the accepted tokens.
 
-Batches that fit the captured sizes, greedy, sampled or mixed, run all of it as one graph (spec_step.SpecStepRunner);
-larger ones run the phases' own graphs with the glue in between (spec_step_device).
+Batches that fit the captured sizes, greedy, sampled or mixed, run all of it as one graph (spec_step.SpecStepGraph,
+`spec_step_graph`); larger ones run the phases' own graphs (`phases`) with the glue in between (spec_step_device).
 
-With adaptive speculation (engine/adaptive_spec.py) the worker also takes plain steps (spec_step.plain_step_device):
+With adaptive speculation (engine/adaptive_spec.py) the worker also takes plain steps (speculative/plain_step.py):
 the target alone over the last token (its width-1 verify pass, features kept), plain sampling: a plain engine's
-step, as one graph (`plain_step_graph`). The draft runs no forward in a plain step; it lags one position per plain
-step, the target's features and the sampled token kept for it (speculative/draft_lag.py), and catches up over all of
-them in one prefill forward before the next speculative step (`catch_up`): the same draft KV, d1 and draft hidden
-state as if it had followed every plain step. (BENCHMARKS §22 measured the plain step that ran the draft's extend
-each time at 0.88-0.94x a plain engine's throughput when adaptive speculation chose plain steps.)
+step, as one graph (`plain_step_graph`). The draft runs no forward in a plain step, so that a plain step costs what a
+plain engine's does; it lags one position per plain step, the target's features and the sampled token kept for it
+(speculative/draft_lag.py), and catches up over all of them in one prefill forward before the next speculative step
+(`catch_up`): the same draft KV, d1 and draft hidden state as if it had followed every plain step.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import torch
 
 from specserve.batch import CacheKind, ForwardMode
 from specserve.graphs.padding import ExtendBatch
-from specserve.graphs.phase_runners import PhaseRunner, RunnerContext
+from specserve.graphs.phase_runners import PlainVerifyRunner, RunnerContext, TargetVerifyRunner, replay_phase
 from specserve.graphs.prefill import PrefillRunner
 from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.state_pool import StatePool
@@ -40,7 +39,8 @@ from specserve.layers.sampler import SamplingBatch
 from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
 from specserve.speculative.draft_state import DRAFT_CANDIDATES, DraftChooser, DraftState
-from specserve.speculative.spec_step import PlainSpecStepRunner, SpecStepRunner, plain_step_device, spec_step_device
+from specserve.speculative.plain_step import PlainStepContext, PlainStepGraph, plain_step_device
+from specserve.speculative.spec_step import SpecPhases, SpecStepGraph, spec_step_device
 
 
 @dataclass
@@ -52,18 +52,6 @@ class SpecStepResult:
     def parse(res: list[list[int]]) -> SpecStepResult:
         """A step's output rows [accept_len, verified N + 1 tokens] read back."""
         return SpecStepResult([r[0] for r in res], [r[1:r[0] + 2] for r in res])
-
-
-@dataclass
-class PlainStepView:
-    """What plain_step_device reads of a worker: the worker's row state, last tokens, target state and the draft's
-    lag, with the target's width-1 runner under the verify phase's name."""
-
-    state: DraftState
-    last_token: torch.Tensor
-    target_state: StatePool | None
-    runners: dict[str, PhaseRunner]  # "target_verify": the target at width 1
-    lag: DraftLag
 
 
 @dataclass(kw_only=True)
@@ -84,45 +72,44 @@ class WorkerSettings:
 
 
 class SpecWorker:
-    def __init__(self, draft: torch.nn.Module, target_ctx: RunnerContext, target_verify: PhaseRunner,
+    def __init__(self, draft: torch.nn.Module, target_ctx: RunnerContext, target_verify: TargetVerifyRunner,
                  last_token: torch.Tensor, target_state: StatePool | None, num_slots: int, kv_dtype: torch.dtype,
-                 make_backends: Callable[[ModelCaches], Callable[[], dict]], s: WorkerSettings,
-                 target_decode: PhaseRunner | None = None):
+                 make_backends: Callable[[ModelCaches], Callable[[], dict]], settings: WorkerSettings,
+                 plain_verify: PlainVerifyRunner | None = None):
         """draft: the MTP/EAGLE model; target_ctx, target_verify: the target's runner context and verify runner
         (owned by the model runner); last_token [rows]: the target's per-row newest token (shared); target_state:
         the target's recurrent-state pool (None without recurrent layers), whose current slots the accept commit
         sets; num_slots: token slots of each draft pool (sized with the target's from one budget);
-        make_backends(caches): the backend factory over a set of caches; target_decode: the target's width-1 verify
+        make_backends(caches): the backend factory over a set of caches; plain_verify: the target's width-1 verify
         runner (owned by the model runner) for plain steps, or None when the worker always speculates."""
         self.draft = draft
-        self.num_steps = s.num_steps
+        self.num_steps = settings.num_steps
         self.device = target_ctx.device
         self.last_token = last_token
         self.target_state = target_state
         specs = draft.cache_specs()
         if any(spec.kind is CacheKind.RECURRENT for spec in specs):
             raise ValueError("draft models with recurrent layers are not supported (the MTP block is attention)")
-        self.caches = ModelCaches(specs, num_slots, kv_dtype, self.device, kind_dtypes=s.kind_dtypes)
+        self.caches = ModelCaches(specs, num_slots, kv_dtype, self.device, kind_dtypes=settings.kind_dtypes)
         rows = target_ctx.req_to_token.table.shape[0]
         row_width = target_ctx.req_to_token.width
         # a spec step writes its N + 1 verified tokens at S+1..S+N+1: one column beyond the page-table row
         # candidates of a sampled draft's distribution (None: drafts are deterministic)
-        k = min(DRAFT_CANDIDATES, draft.draft_vocab_size()) if s.draft_sampling else None
+        k = min(DRAFT_CANDIDATES, draft.draft_vocab_size()) if settings.draft_sampling else None
         self.state = DraftState.allocate(rows, target_ctx.hidden_size, target_ctx.dtype, self.device,
-                                         row_width + 1 if s.ngram_lookup else None, k)
-        self.chooser = DraftChooser(draft, self.state.tokens, s.lookup_confidence, k or DRAFT_CANDIDATES)
+                                         row_width + 1 if settings.ngram_lookup else None, k)
+        self.chooser = DraftChooser(draft, self.state.tokens, settings.lookup_confidence, k or DRAFT_CANDIDATES)
         self.ctx = RunnerContext(draft, target_ctx.req_to_token, make_backends(self.caches), self.device,
                                  target_ctx.hidden_size, target_ctx.dtype, target_ctx.mrope,
                                  target_ctx.graph_max_seq_len)
-        n = s.num_steps
-        self.runners: dict[str, PhaseRunner] = {}
-        if n > 1:
-            self.runners["draft_decode"] = DraftDecodeRunner(self.ctx, self.chooser, n - 1, s.capture_bs,
-                                                             s.use_graphs)
-        self.runners["target_verify"] = target_verify
-        self.runners["draft_extend"] = DraftExtendRunner(self.ctx, self.chooser, n + 1, s.capture_bs, s.use_graphs)
-        self.spec_step = SpecStepRunner(self, s.capture_bs, s.use_graphs) if s.spec_step_graph else None
-        self.plain: PlainStepView | None = None
+        n = settings.num_steps
+        capture_bs, use_graphs = settings.capture_bs, settings.use_graphs
+        self.phases = SpecPhases(
+            draft_decode=DraftDecodeRunner(self.ctx, self.chooser, n - 1, capture_bs, use_graphs) if n > 1 else None,
+            target_verify=target_verify,
+            draft_extend=DraftExtendRunner(self.ctx, self.chooser, n + 1, capture_bs, use_graphs))
+        self.spec_step_graph = SpecStepGraph(self, capture_bs, use_graphs) if settings.spec_step_graph else None
+        self.plain_step_ctx: PlainStepContext | None = None  # None: this worker always speculates
         self.lag: DraftLag | None = None  # the draft's pending positions after plain steps
         # catch-up forwards (before a spec step, or forced by a full lag) and the positions they extended over
         self.catch_ups = {"before_spec": 0, "forced": 0, "positions": 0}
@@ -131,23 +118,21 @@ class SpecWorker:
         self._caught: tuple[float, int, int] | None = None
         self._caught_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.time_catch_ups = False  # set by a scheduler whose adaptive speculation takes them (take_catch_up)
-        self.plain_step_graph: PlainSpecStepRunner | None = None
-        if target_decode is not None:
+        self.plain_step_graph: PlainStepGraph | None = None
+        if plain_verify is not None:
             self.lag = DraftLag.allocate(rows, draft.feature_size, target_ctx.dtype, self.device)
-            self.plain = PlainStepView(self.state, last_token, target_state, {"target_verify": target_decode},
-                                       self.lag)
-            if s.spec_step_graph:
-                self.plain_step_graph = PlainSpecStepRunner(self.plain, s.capture_bs, s.use_graphs)
-        self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, s.prefill_graph_tokens,
-                                     s.prefill_graph_rows, s.use_graphs, hidden_width=draft.feature_size,
-                                     max_attended=s.prefill_graph_attended)
+            self.plain_step_ctx = PlainStepContext(self.state, last_token, target_state, plain_verify, self.lag)
+            if settings.spec_step_graph:
+                self.plain_step_graph = PlainStepGraph(self.plain_step_ctx, capture_bs, use_graphs)
+        self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, settings.prefill_graph_tokens,
+                                     settings.prefill_graph_rows, use_graphs, hidden_width=draft.feature_size,
+                                     max_attended=settings.prefill_graph_attended)
 
     # ------------------------------------------------------------------ graphs
     def graph_runners(self) -> list:
         """The runners this worker captures (the target's verify runner is the model runner's to capture)."""
-        own = [r for name, r in self.runners.items() if name != "target_verify"]
-        steps = [g for g in (self.spec_step, self.plain_step_graph) if g is not None]
-        return own + steps + [self.prefill]
+        steps = [g for g in (self.spec_step_graph, self.plain_step_graph) if g is not None]
+        return self.phases.draft_runners() + steps + [self.prefill]
 
     # ------------------------------------------------------------------ prefill
     def record_tokens(self, rows: torch.Tensor, cols: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -177,76 +162,76 @@ class SpecWorker:
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
-    def step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
-             sb: SamplingBatch) -> SpecStepResult:
+    def step(self, rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int],
+             sampling: SamplingBatch) -> SpecStepResult:
         """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S);
         rows that plain steps left the draft behind on catch up first."""
-        self.catch_up(rows_host, s_host, pos0_host, "before_spec")
-        one_graph = self.spec_step
-        if one_graph is not None and one_graph.covers(len(rows_host), sb):
-            out = one_graph.run(rows_host, s_host, pos0_host, sb)
+        self.catch_up(rows_host, seq_lens_host, pos0_host, "before_spec")
+        graph = self.spec_step_graph
+        if graph is not None and graph.covers(len(rows_host), sampling):
+            out = graph.run(rows_host, seq_lens_host, pos0_host, sampling)
         else:
-            rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
-            accept_len, verified = spec_step_device(self, lambda name, live: self.runners[name].run(live), rows, s,
-                                                    pos0, max(s_host), sb)
+            rows, seq_lens, pos0 = _step_inputs(rows_host, seq_lens_host, pos0_host, self.device)
+            accept_len, verified = spec_step_device(self, replay_phase, rows, seq_lens, pos0, max(seq_lens_host),
+                                                    sampling)
             out = torch.cat((accept_len[:, None], verified), dim=1)
         # the one host sync of the step: accept lengths and verified tokens in one copy
         return SpecStepResult.parse(out.tolist())
 
-    def can_launch(self, rows_host: list[int], sb: SamplingBatch) -> bool:
+    def can_launch(self, rows_host: list[int], sampling: SamplingBatch) -> bool:
         """Whether a step for these rows can be launched without reading anything back first (launch): it runs as
         the one graph, and no row lags behind (a catch-up needs the host's S)."""
-        one_graph = self.spec_step
-        return (one_graph is not None and one_graph.covers(len(rows_host), sb)
+        graph = self.spec_step_graph
+        return (graph is not None and graph.covers(len(rows_host), sampling)
                 and (self.lag is None or not self.lag.lagging(rows_host)))
 
     @torch.inference_mode()
-    def launch(self, rows_host: list[int], s_host: list[int], pos0_host: list[int], sb: SamplingBatch,
+    def launch(self, rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int], sampling: SamplingBatch,
                cont: list[bool]) -> torch.Tensor:
         """The one-graph step of `step` for rows that can_launch, left on the device: -> [bs, 1 + N + 1] (accept
         lengths, verified tokens; the graph's output: copy it before the next step). Rows flagged in cont take S and
-        its rope position from their previous one-graph step on the device (their s_host: a bound, S + N + 1)."""
-        return self.spec_step.run(rows_host, s_host, pos0_host, sb, cont)
+        its rope position from their previous one-graph step on the device (their seq_lens_host: a bound,
+        S + N + 1)."""
+        return self.spec_step_graph.run(rows_host, seq_lens_host, pos0_host, sampling, cont)
 
-    def can_launch_plain(self, rows_host: list[int], sb: SamplingBatch) -> bool:
+    def can_launch_plain(self, rows_host: list[int], sampling: SamplingBatch) -> bool:
         """Whether a plain step for these rows can be launched without reading anything back first (launch_plain):
         it runs as the one graph, and no row's lag is full (a forced catch-up needs the host's S)."""
-        one_graph = self.plain_step_graph
-        return (one_graph is not None and one_graph.covers(len(rows_host), sb) and self.plain is not None
-                and not self.plain.lag.full(rows_host))
+        graph = self.plain_step_graph
+        return (graph is not None and graph.covers(len(rows_host), sampling) and self.plain_step_ctx is not None
+                and not self.plain_step_ctx.lag.full(rows_host))
 
     @torch.inference_mode()
-    def launch_plain(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
-                     sb: SamplingBatch) -> torch.Tensor:
+    def launch_plain(self, rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int],
+                     sampling: SamplingBatch) -> torch.Tensor:
         """The one-graph plain step of `plain_step` for rows that can_launch_plain, left on the device: -> tokens
         [bs] (the graph's output: copy it before the next step). The draft lags one more position."""
-        tokens = self.plain_step_graph.run(rows_host, s_host, pos0_host, sb)
-        self.plain.lag.advance(rows_host)
+        tokens = self.plain_step_graph.run(rows_host, seq_lens_host, pos0_host, sampling)
+        self.plain_step_ctx.lag.advance(rows_host)
         return tokens
 
     @torch.inference_mode()
-    def plain_step(self, rows_host: list[int], s_host: list[int], pos0_host: list[int],
-                   sb: SamplingBatch) -> SpecStepResult:
-        """One plain decode step for the running rows (accept_len 0, one token each): the token is the one plain
-        decoding samples (same noise), so a plain step is lossless by construction. The draft lags one more
-        position (a row at the lag's capacity catches up first)."""
-        view = self.plain
-        if view is None:
+    def plain_step(self, rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int],
+                   sampling: SamplingBatch) -> SpecStepResult:
+        """One plain step for the running rows (accept_len 0, one token each): the token is the one plain decoding
+        samples (same noise), so a plain step is lossless by construction. The draft lags one more position (a row
+        at the lag's capacity catches up first)."""
+        ctx = self.plain_step_ctx
+        if ctx is None:
             raise RuntimeError("plain steps need the target's width-1 runner (adaptive speculation is off)")
-        if view.lag.full(rows_host):
-            self.catch_up(rows_host, s_host, pos0_host, "forced")
-        if self.can_launch_plain(rows_host, sb):
-            tokens = self.launch_plain(rows_host, s_host, pos0_host, sb)  # [bs]
+        if ctx.lag.full(rows_host):
+            self.catch_up(rows_host, seq_lens_host, pos0_host, "forced")
+        if self.can_launch_plain(rows_host, sampling):
+            tokens = self.launch_plain(rows_host, seq_lens_host, pos0_host, sampling)  # [bs]
         else:
-            rows, s, pos0 = _step_inputs(rows_host, s_host, pos0_host, self.device)
-            tokens = plain_step_device(view, lambda name, live: view.runners[name].run(live), rows, s, pos0,
-                                       max(s_host), sb)
-            view.lag.advance(rows_host)
-        toks = tokens.tolist()  # the step's one host sync
-        return SpecStepResult([0] * len(toks), [[t] for t in toks])
+            rows, seq_lens, pos0 = _step_inputs(rows_host, seq_lens_host, pos0_host, self.device)
+            tokens = plain_step_device(ctx, replay_phase, rows, seq_lens, pos0, max(seq_lens_host), sampling)
+            ctx.lag.advance(rows_host)
+        new_tokens = tokens.tolist()  # the step's one host sync
+        return SpecStepResult([0] * len(new_tokens), [[t] for t in new_tokens])
 
     @torch.inference_mode()
-    def catch_up(self, rows_host: list[int], s_host: list[int], pos0_host: list[int], why: str = "before_spec"
+    def catch_up(self, rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int], why: str = "before_spec"
                  ) -> None:
         """The draft's extend over the positions plain steps left it behind on, for the rows that lag (page-table
         rows, committed lengths S, rope positions of S): a row L behind gets positions S-L..S-1, each with the
@@ -267,7 +252,8 @@ class SpecWorker:
         self.catch_ups[why] += 1
         self.catch_ups["positions"] += sum(lens)
         for group in catch_up_groups(lens, self.prefill.max_tokens, self.prefill.max_rows):
-            self._catch_up_rows([picked[j] for j in group], [lens[j] for j in group], rows_host, s_host, pos0_host)
+            self._catch_up_rows([picked[j] for j in group], [lens[j] for j in group], rows_host, seq_lens_host,
+                                pos0_host)
         # timed apart for adaptive speculation (take_catch_up): by events on CUDA (no sync), by the clock on a CPU
         # (which computes as it launches)
         secs = 0.0
@@ -279,17 +265,17 @@ class SpecWorker:
         prev = self._caught or (0.0, 0, 0)
         self._caught = (prev[0] + secs, prev[1] + len(rows), prev[2] + sum(lens))
 
-    def _catch_up_rows(self, picked: list[int], lens: list[int], rows_host: list[int], s_host: list[int],
+    def _catch_up_rows(self, picked: list[int], lens: list[int], rows_host: list[int], seq_lens_host: list[int],
                        pos0_host: list[int]) -> None:
         """One prefill forward of the draft over the lagging positions of the rows picked (indices into the step's
         rows), lens[j] positions each."""
         lag = self.lag
         rows = [rows_host[i] for i in picked]
-        ends = [s_host[i] for i in picked]
+        ends = [seq_lens_host[i] for i in picked]
         flat_rows, seq_idx, pos = [], [], []
         for i, r, n in zip(picked, rows, lens):
             flat_rows += [r] * n
-            seq_idx += range(s_host[i] - n, s_host[i])
+            seq_idx += range(seq_lens_host[i] - n, seq_lens_host[i])
             pos += range(pos0_host[i] - n, pos0_host[i])
         idx = torch.tensor([flat_rows, seq_idx, pos], dtype=torch.int64).to(self.device, non_blocking=True)
         flat_r, col = idx[0], idx[1] % lag.capacity
@@ -331,8 +317,9 @@ def catch_up_groups(lens: list[int], max_tokens: int, max_rows: int) -> list[lis
     return groups
 
 
-def _step_inputs(rows_host: list[int], s_host: list[int], pos0_host: list[int],
+def _step_inputs(rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int],
                  dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A step's page-table rows, committed lengths S and rope positions of S [bs] each, on the device in one copy."""
-    rows, s, pos0 = torch.tensor([rows_host, s_host, pos0_host], dtype=torch.int64).to(dev, non_blocking=True)
-    return rows, s, pos0
+    rows, seq_lens, pos0 = torch.tensor([rows_host, seq_lens_host, pos0_host], dtype=torch.int64).to(
+        dev, non_blocking=True)
+    return rows, seq_lens, pos0
