@@ -23,9 +23,10 @@ from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.graphs.padding import LiveInputs
+from specserve.graphs.phase_runners import eager_phase
 from specserve.layers.sampler import GREEDY
 from specserve.speculative.draft_lag import DraftLag
-from specserve.speculative.spec_step import plain_step_device
+from specserve.speculative.plain_step import plain_step_device
 from specserve.speculative.worker import catch_up_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,15 +80,15 @@ def test_plain_steps_keep_greedy_lossless(models, plain_ref, key, pattern):
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
     assert sched.stats.spec_plain_steps > 0
     assert (sched.stats.spec_verify_ct > 0) == (False in pattern)
-    one = sched.mr.spec.plain_step_graph  # the plain steps ran as one (static) replay each
-    assert one in sched.mr.spec.graph_runners() and one.replays_by_kind["greedy"] > 0
+    one = sched.model_runner.spec.plain_step_graph  # the plain steps ran as one (static) replay each
+    assert one in sched.model_runner.spec.graph_runners() and one.replays_by_kind["greedy"] > 0
     sched.check_idle_invariants()
 
 
 def test_plain_runners_replay_equals_eager(models):
     """The target's width-1 verify runner: padded static replay == eager."""
-    mr = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)[0].mr
-    runners = [mr.runners["target_decode"]]
+    mr = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)[0].model_runner
+    runners = [mr.phases.plain_verify]
     assert runners[0].width == 1 and mr.spec.plain_step_graph in mr.spec.graph_runners()
     for runner in runners:
         for i, bs in enumerate([7, 3, 1, 5, 8, 2]):
@@ -106,19 +107,17 @@ def test_plain_runners_replay_equals_eager(models):
 
 
 def test_plain_step_graph_replay_equals_eager(models):
-    """The speculating engine's plain step as one graph (PlainSpecStepRunner, static replay on CPU) == its eager
+    """The speculating engine's plain step as one graph (PlainStepGraph, static replay on CPU) == its eager
     function over the phase's eager backends, with shrinking and growing batches: the tokens, the last-token rows,
     the token history and the lag's kept features and tokens."""
-    mr = build_scheduler(models["llama"], max_total_tokens=4096, speculative_ngram_lookup=True, **SPEC)[0].mr
+    mr = build_scheduler(models["llama"], max_total_tokens=4096, speculative_ngram_lookup=True, **SPEC)[0].model_runner
     w = mr.spec
-    one, view = w.plain_step_graph, w.plain
-    r = view.runners["target_verify"]
+    one, ctx = w.plain_step_graph, w.plain_step_ctx
     for i, bs in enumerate([7, 3, 1, 5, 8, 2]):
         handles, rows, s = _requests(mr, bs, 3, seed=i)
         mr.last_token[rows] = torch.randint(0, 256, (bs,), generator=torch.Generator().manual_seed(i))
         before = mr.last_token.clone()
-        eager = plain_step_device(view, lambda name, live: r.forward_phase(live, r.eager_backends, False), rows, s, s,
-                                  int(s.max()), GREEDY)
+        eager = plain_step_device(ctx, eager_phase, rows, s, s, int(s.max()), GREEDY)
         kept = [t[rows, s % w.lag.capacity].clone() for t in (w.lag.hidden, w.lag.tokens)]
         hist = w.state.tokens[rows, s + 1].clone()
         mr.last_token.copy_(before)
@@ -139,7 +138,7 @@ def test_the_lag_counted_in_the_budget_is_what_it_allocates(models):
     """The engine takes the lag's buffers out of its memory budget by DraftLag.bytes_per_row (model_runner.py):
     that is what they take, for every page-table row; without adaptive speculation there is none."""
     on, off = (build_scheduler(models["llama"], speculative_algorithm="MTP", speculative_num_steps=3,
-                               speculative_adaptive=a)[0].mr for a in (True, False))
+                               speculative_adaptive=a)[0].model_runner for a in (True, False))
     lag = on.spec.lag
     rows = on.req_to_token.table.shape[0]
     assert off.spec.lag is None and lag.tokens.shape[0] == rows and lag.hidden.shape[2] == on.draft.feature_size
@@ -150,9 +149,10 @@ def test_the_lag_counted_in_the_budget_is_what_it_allocates(models):
 def test_off_by_default_on_cpu(models):
     sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, speculative_algorithm="MTP",
                                speculative_num_steps=3)
-    assert sched.adaptive is None and not sched.mr.adaptive_spec and "target_decode" not in sched.mr.runners
+    assert sched.adaptive is None and not sched.model_runner.adaptive_spec
+    assert sched.model_runner.phases.plain_verify is None
     with pytest.raises(RuntimeError, match="adaptive speculation is off"):
-        sched.mr.spec.plain_step([1], [4], [4], None)
+        sched.model_runner.spec.plain_step([1], [4], [4], None)
 
 
 def test_the_policy_in_the_engine(models, plain_ref):
@@ -179,9 +179,9 @@ def test_plain_steps_keep_the_draft_in_step(models, capacity):
 
     def start(ids, until):
         sched, _ = build_scheduler(path, max_total_tokens=4096, **SPEC)
-        w = sched.mr.spec
+        w = sched.model_runner.spec
         if capacity is not None:
-            w.lag = w.plain.lag = DraftLag.allocate(w.lag.tokens.shape[0], w.draft.feature_size,
+            w.lag = w.plain_step_ctx.lag = DraftLag.allocate(w.lag.tokens.shape[0], w.draft.feature_size,
                                                     w.lag.hidden.dtype, w.device, capacity=capacity)
         sched.adaptive = ForcedSteps([True])
         r = Req("r", list(ids), SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True), seed=0)
@@ -211,9 +211,9 @@ def test_a_full_lag_catches_up_before_the_next_plain_step(models, plain_ref, key
     prompts, ref = plain_ref
     for capacity in (3, None):
         sched, _ = build_scheduler(models[key], max_total_tokens=4096, **SPEC)
-        w = sched.mr.spec
+        w = sched.model_runner.spec
         if capacity is not None:
-            w.lag = w.plain.lag = DraftLag.allocate(w.lag.tokens.shape[0], w.draft.feature_size,
+            w.lag = w.plain_step_ctx.lag = DraftLag.allocate(w.lag.tokens.shape[0], w.draft.feature_size,
                                                     w.lag.hidden.dtype, w.device, capacity=capacity)
         sched.adaptive = ForcedSteps([True] * 7 + [False])
         assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
@@ -238,7 +238,7 @@ def test_catch_ups_replay_prefill_graphs(models, plain_ref):
     sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, cuda_graph_max_prefill_tokens=16,
                                chunked_prefill_size=16, **SPEC)
     sched.adaptive = ForcedSteps([True] * 7 + [False])
-    w = sched.mr.spec
+    w = sched.model_runner.spec
     assert w.prefill.max_tokens == 16 and len(prompts) * 7 > 16
     before = w.prefill.eager_runs
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref["llama"]
@@ -256,7 +256,7 @@ def test_lagging_rows_under_retraction(models, plain_ref, key):
                                context_length=64, **SPEC)
     sched.adaptive = ForcedSteps([True, True, True, False])
     assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == ref[key]
-    assert sched.stats.num_retractions > 0 and sched.mr.spec.catch_ups["before_spec"] > 0
+    assert sched.stats.num_retractions > 0 and sched.model_runner.spec.catch_ups["before_spec"] > 0
     sched.check_idle_invariants()
 
 
@@ -264,7 +264,7 @@ def test_a_step_read_behind_a_prefill_launch_is_not_steady(models):
     """Under the overlap schedule a prefill is launched before the decode step in flight is read, so that step's
     time holds the prefill's host work: the scheduler hands it over as not steady."""
     sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)
-    sched = Scheduler(sched.mr, sched.stop, 0, overlap=True)
+    sched = Scheduler(sched.model_runner, sched.stop, 0, overlap=True)
 
     class Counting(ForcedSteps):
         def record(self, *a, **kw):
@@ -347,7 +347,7 @@ def test_the_scheduler_marks_switches_unsteady(models):
     for overlap in (False, True):
         sched, _ = build_scheduler(models["llama"], max_total_tokens=4096, **SPEC)
         if overlap:
-            sched = Scheduler(sched.mr, sched.stop, 0, overlap=True)
+            sched = Scheduler(sched.model_runner, sched.stop, 0, overlap=True)
         sched.adaptive = forced = ForcedSteps([True] * 4 + [False] * 4)
         run_greedy(sched, prompts, NEW)
         kinds = [plain for _, plain, _ in forced.recorded]
@@ -371,7 +371,7 @@ def test_the_scheduler_times_catch_ups_apart(models):
     caught = [(plain, c) for (_, plain, _), c in zip(forced.recorded, forced.caught) if c is not None]
     assert caught and all(not plain for plain, _ in caught)  # catch-ups only before speculative steps here
     assert all(secs > 0 and 0 < rows <= positions <= 3 * rows for _, (secs, rows, positions) in caught)
-    assert sum(p for _, (_, _, p) in caught) == sched.mr.spec.catch_ups["positions"]
+    assert sum(p for _, (_, _, p) in caught) == sched.model_runner.spec.catch_ups["positions"]
 
 
 def test_accept_average_weighs_requests_not_steps():

@@ -26,10 +26,10 @@ def test_bench_batch_rows_and_runner_state(tiny_models, capsys):
             assert b[name]["eager_ms"] > 0, name
     assert not pair.spec.spec.lag.pending  # the timed plain steps left no lag behind
     spec = pair.spec.spec
-    assert spec.spec_step.use_graphs and all(r.use_graphs for r in spec.runners.values())
-    replays = spec.spec_step.replays
+    assert spec.spec_step_graph.use_graphs and all(r.use_graphs for r in spec.phases.all())
+    replays = spec.spec_step_graph.replays
     bench_batch(pair, 2, 16, 2)
-    assert spec.spec_step.replays > replays  # the step as run is the one-graph step again
+    assert spec.spec_step_graph.replays > replays  # the step as run is the one-graph step again
     print_table({"model": "tiny", "device": "cpu", "N": 2, "prefix_len": 16, "batches": batches})
     text = capsys.readouterr().out
     assert "spec phases" in text and "spec iter / plain step" in text and "plain (spec)" in text

@@ -57,8 +57,9 @@ def test_graph_replay_equals_eager_every_phase(tiny_models, n, page_size, models
 
 def check_phase_replay_gpu(mr, seed: int = 0, sizes=(13, 9, 5, 3, 1, 2, 7, 16), tol: float = 2e-4) -> None:
     """Every speculative phase captured; each one's graph replay == its eager forward, shrinking then growing."""
-    assert all(r.graphs for r in mr.spec.runners.values()), "every phase must be captured"
-    for name, runner in mr.spec.runners.items():
+    assert all(r.graphs for r in mr.spec.phases.all()), "every phase must be captured"
+    for runner in mr.spec.phases.all():
+        name = runner.name
         for i, bs in enumerate(sizes):
             handles, live = _inputs(mr, name, bs, seed=100 * i + seed)
             live = _to(live, mr.device)
@@ -78,7 +79,7 @@ def test_one_graph_spec_step_equals_eager_phases_gpu(tiny_models, n, page_size, 
     target, draft = models
     mr = _cuda_spec_runner(tiny_models[target], n, page_size, draft_path=draft and tiny_models[draft],
                            lookup=lookup)
-    assert mr.spec.spec_step.graphs
+    assert mr.spec.spec_step_graph.graphs
     check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
 
 
@@ -109,8 +110,9 @@ def test_spec_greedy_equals_plain_fp32(tiny_models, n):
     reqs = _run(spec, prompts)
     assert [r.output_ids for r in reqs] == ref
     assert spec.stats.spec_accept_length > 1.0 + 0.4 * min(n, 3)
-    assert all(r.graphs for r in spec.mr.spec.runners.values())
-    assert spec.mr.spec.spec_step.graphs and spec.mr.spec.spec_step.replays > 0  # greedy steps: the one-graph step
+    assert all(r.graphs for r in spec.model_runner.spec.phases.all())
+    graph = spec.model_runner.spec.spec_step_graph
+    assert graph.graphs and graph.replays > 0  # greedy steps: the one-graph step
 
 
 def test_spec_greedy_bf16_match_rate(tiny_models, capsys):
@@ -158,7 +160,7 @@ def test_graphs_on_and_off_give_same_tokens(tiny_models):
         eng = Engine(model_path=tiny_models["llama_mtp"], max_total_tokens=4096, speculative_algorithm="MTP",
                      speculative_num_steps=3, disable_cuda_graph=off, cuda_graph_bs=CAPTURE)
         outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)])
-        runners = eng.core.model_runner.spec.runners.values()
+        runners = eng.core.model_runner.spec.phases.all()
         assert all(bool(r.graphs) != off for r in runners)
     assert outs[0] == outs[1]
 
@@ -172,8 +174,8 @@ def test_adaptive_plain_steps_gpu(tiny_models, pattern):
     ref = _hf_greedy(tiny_models["llama_mtp"], prompts)
     spec, _ = build_scheduler(tiny_models["llama_mtp"], device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE,
                               speculative_algorithm="MTP", speculative_num_steps=3)
-    mr = spec.mr
-    assert mr.adaptive_spec and mr.runners["target_decode"].graphs and mr.spec.prefill.graphs
+    mr = spec.model_runner
+    assert mr.adaptive_spec and mr.phases.plain_verify.graphs and mr.spec.prefill.graphs
     spec.adaptive = ForcedSteps(pattern)
     assert [r.output_ids for r in _run(spec, prompts)] == ref
     one = mr.spec.plain_step_graph
@@ -198,7 +200,7 @@ def test_plain_step_graph_gpu(tiny_models, temperature):
         eng = Engine(model_path=tiny_models["llama"], max_total_tokens=4096, disable_cuda_graph=off,
                      cuda_graph_bs=CAPTURE, dtype="float32")
         outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)])
-        one = eng.core.model_runner.plain_step
+        one = eng.core.model_runner.decode_step_graph
         assert bool(one.graphs) != off and (one.replays > 0) != off
         eng.core.scheduler.check_idle_invariants()
     assert outs[0] == outs[1]
@@ -228,7 +230,7 @@ def test_overlap_schedule_matches_synchronous_gpu(tiny_models, total, spec):
     assert st.num_overlapped_steps > st.num_decode_steps // 3 and (st.num_retractions > 0) == (total == 160)
     assert st.num_overlapped_prefills > 0  # prompts admitted while a step was in flight: their t0 read later
     mr = eng.core.model_runner
-    assert (mr.spec.spec_step if spec else mr.plain_step).replays > 0
+    assert (mr.spec.spec_step_graph if spec else mr.decode_step_graph).replays > 0
     eng.scheduler.check_idle_invariants()
     outs = []
     for e in (sync, eng):
@@ -251,7 +253,7 @@ def test_spec_overlap_long_accepts_gpu(tiny_models, n):
         sched, prompts, ref = _oracle_scheduler(tiny_models, n, overlap, device="cuda", cuda_graph_bs=CAPTURE)
         reqs = run_greedy(sched, prompts, len(ref[0]))
         outs.append([r.output_ids for r in reqs])
-        assert sched.mr.spec.spec_step.replays > 0 and (sched.stats.num_overlapped_steps > 0) == overlap
+        assert sched.model_runner.spec.spec_step_graph.replays > 0 and (sched.stats.num_overlapped_steps > 0) == overlap
         assert max(sched.stats.recent_accept) == n + 1
     assert outs[0] == outs[1]
 
@@ -264,7 +266,7 @@ def test_qkv_prep_in_the_gemv_epilogue_gpu(tiny_models):
     none, and the layer the separate prep), so plain decode and the draft's steps run it; the target's verify rows
     do not."""
     from specserve import Engine
-    from specserve.models.dense import PreNormDecoderLayer
+    from specserve.models.decoder_layer import PreNormDecoderLayer
 
     prompts = _prompts(3)
     sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}

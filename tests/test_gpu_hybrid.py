@@ -37,7 +37,7 @@ def _state(mr):
 def _phase_inputs(mr, name, bs, seed):
     """test_runners._inputs, plus the width-1 target decode (a plain decode, or a speculating engine's plain
     step): one token per request at position S."""
-    if name not in ("decode", "target_decode"):
+    if name not in ("decode", "plain_verify"):
         return _inputs(mr, name, bs, seed)
     handles, rows, s = _requests(mr, bs, mr.num_steps, seed)
     ids = torch.randint(0, 256, (bs,), generator=torch.Generator().manual_seed(seed + 1))
@@ -70,18 +70,18 @@ def test_graph_replay_equals_eager_every_phase(hybrid, page_size):
     mr = _cuda_spec_runner(hybrid, 3, page_size)
     # the target's runners (verify, and decode for the plain steps of adaptive speculation, on by default on a GPU)
     # and the draft's; the target verify is in both
-    runners = {**mr.runners, **mr.spec.runners}
-    assert sorted(runners) == ["draft_decode", "draft_extend", "target_decode", "target_verify"]
+    runners = {r.name: r for r in mr.phases.all() + mr.spec.phases.all()}
+    assert sorted(runners) == ["draft_decode", "draft_extend", "plain_verify", "target_verify"]
     _check_replay_equals_eager(mr, runners, page_size)
     check_one_graph_step(mr, [13, 9, 5, 3, 1, 2, 7, 16], 2e-4)
     # a plain engine's target decode
     plain = build_scheduler(hybrid, device="cuda", page_size=page_size, max_total_tokens=16384,
-                            max_running_requests=32, cuda_graph_bs=CAPTURE)[0].mr
+                            max_running_requests=32, cuda_graph_bs=CAPTURE)[0].model_runner
     g = torch.Generator(device=plain.device).manual_seed(0)
     for cache in token_caches(plain.caches):  # non-trivial K/V, so attention over the prefix matters
         cache.copy_(torch.randn(cache.shape, generator=g, device=plain.device))
-    assert sorted(plain.runners) == ["decode"]
-    _check_replay_equals_eager(plain, plain.runners, page_size)
+    assert plain.phases.all() == [plain.phases.decode]
+    _check_replay_equals_eager(plain, {"decode": plain.phases.decode}, page_size)
 
 
 def test_prefill_graphs_equal_eager_gpu(hybrid):
@@ -100,9 +100,9 @@ def test_spec_greedy_equals_plain_and_hf_fp32_all_phases_graphed(hybrid, n):
     assert [r.output_ids for r in run_greedy(plain, prompts, NEW)] == ref
     spec, _ = build_scheduler(hybrid, speculative_algorithm="MTP", speculative_num_steps=n, **kw)
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
-    mr = spec.mr
-    assert all(r.graphs for r in mr.spec.runners.values())  # every phase captured
-    assert mr.spec.spec_step.graphs and mr.spec.spec_step.replays > 0  # greedy steps ran as one graph
+    mr = spec.model_runner
+    assert all(r.graphs for r in mr.spec.phases.all())  # every phase captured
+    assert mr.spec.spec_step_graph.graphs and mr.spec.spec_step_graph.replays > 0  # greedy steps ran as one graph
     for r in (mr.prefill, mr.spec.prefill):  # 32-token chunks: every prefill forward replayed a graph
         assert r.graphs and r.replays > 0 and r.eager_runs == 0, (r.name, r.replays, r.eager_runs)
     spec.check_idle_invariants()

@@ -60,7 +60,7 @@ def test_spec_greedy_equals_plain_fp32(models, key):
         assert plain == _hf_greedy(hf, prompts, NEW)
     spec, _ = build_scheduler(models[key], speculative_algorithm="MTP", speculative_num_steps=3, **kw)
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
-    assert spec.mr.spec.spec_step.replays > 0
+    assert spec.model_runner.spec.spec_step_graph.replays > 0
     spec.check_idle_invariants()
 
 
@@ -94,10 +94,10 @@ def test_triton_mla_backend_equals_reference_gpu(models, key):
     assert [r.output_ids for r in run_greedy(plain, prompts, NEW)] == ref
     spec, _ = build_scheduler(models[key], attention_backend="triton", speculative_algorithm="MTP",
                               speculative_num_steps=3, **kw)
-    assert any(isinstance(b, TritonMLABackend) for b in spec.mr.spec.runners["target_verify"].backends.values())
-    assert all(r.graphs for r in spec.mr.spec.runners.values())
+    assert any(isinstance(b, TritonMLABackend) for b in spec.model_runner.spec.phases.target_verify.backends.values())
+    assert all(r.graphs for r in spec.model_runner.spec.phases.all())
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
-    assert spec.mr.spec.spec_step.replays > 0
+    assert spec.model_runner.spec.spec_step_graph.replays > 0
     spec.check_idle_invariants()
 
 
@@ -107,10 +107,10 @@ def test_adaptive_plain_steps_gpu(models):
     kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32)
     ref = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], **kw)[0], prompts, NEW)]
     spec, _ = build_scheduler(models["glm"], speculative_algorithm="MTP", speculative_num_steps=3, **kw)
-    assert spec.mr.runners["target_decode"].graphs
+    assert spec.model_runner.phases.plain_verify.graphs
     spec.adaptive = ForcedSteps([True, False, False])
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == ref
-    assert spec.stats.spec_plain_steps > 0 and spec.mr.spec.catch_ups["before_spec"] > 0
+    assert spec.stats.spec_plain_steps > 0 and spec.model_runner.spec.catch_ups["before_spec"] > 0
     spec.check_idle_invariants()
 
 
@@ -131,7 +131,7 @@ def test_fp8_indexer_triton_gpu(models):
     assert same >= len(prompts) - 2, f"only {same} of {len(prompts)} prompts equal to the reference"
     spec, _ = build_scheduler(models["glm"], attention_backend="triton", speculative_algorithm="MTP",
                               speculative_num_steps=3, **kw)
-    assert spec.mr.spec.runners["target_verify"].backends[CacheKind.INDEX_KEYS].kv_pool.scales is not None
+    assert spec.model_runner.spec.phases.target_verify.backends[CacheKind.INDEX_KEYS].kv_pool.scales is not None
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
-    assert spec.mr.spec.spec_step.replays > 0
+    assert spec.model_runner.spec.spec_step_graph.replays > 0
     spec.check_idle_invariants()

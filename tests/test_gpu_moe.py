@@ -72,12 +72,12 @@ def test_spec_greedy_equals_plain_and_hf_fp32_all_phases_graphed(moe, key, n):
     reqs = run_greedy(spec, prompts, NEW)
     assert [r.output_ids for r in reqs] == ref
     assert all(r.spec_verify_ct > 0 for r in reqs)
-    mr = spec.mr
+    mr = spec.model_runner
     assert isinstance(mr.draft.decoder.mlp, SparseMoEBlock)
-    assert mr.spec.spec_step.replays > 0  # greedy steps ran as one graph
-    runners = _ladder_runners(plain.mr) + _ladder_runners(mr, mr.spec)
+    assert mr.spec.spec_step_graph.replays > 0  # greedy steps ran as one graph
+    runners = _ladder_runners(plain.model_runner) + _ladder_runners(mr, mr.spec)
     assert len(runners) >= 8
     for r in runners:  # every runner captured; nothing ran eagerly (32-token prefill chunks fit the graphs)
         assert r.graphs and r.eager_runs == 0, (type(r).__name__, r.replays, r.eager_runs)
-    assert all(r.replays > 0 for r in (plain.mr.prefill, mr.prefill, mr.spec.prefill))
+    assert all(r.replays > 0 for r in (plain.model_runner.prefill, mr.prefill, mr.spec.prefill))
     spec.check_idle_invariants()

@@ -220,8 +220,11 @@ def test_pdl_dsa_chain_equals_eager_over_replays():
 
 
 def test_pdl_mode_by_size_and_measured_shapes():
-    """PDL on the GEMVs of at most PDL_MAX_BYTES and on the larger shapes of PDL_SHAPES (8B's o), not on 8B's qkv."""
-    from specserve.kernels.triton_gemv import PDL_MAX_BYTES, PDL_SHAPES, pdl_mode
+    """PDL on the GEMVs of at most GEMV_PDL_MAX_BYTES and on the larger shapes of GEMV_PDL_SHAPES (8B's o), not on
+    8B's qkv."""
+    from specserve.kernels.triton_gemv import pdl_mode
+    from specserve.kernels.tuned_h200 import GEMV_PDL_MAX_BYTES as PDL_MAX_BYTES
+    from specserve.kernels.tuned_h200 import GEMV_PDL_SHAPES as PDL_SHAPES
 
     def w(rows, k):
         return torch.empty(rows, k, dtype=BF16, device=DEV)

@@ -44,10 +44,10 @@ def test_pool_returns_to_start_after_mixed_workload_with_retractions(tiny_models
     expected = roomy.generate(input_ids=prompts, sampling_params=params)
     tight = Engine(model_path=path, max_total_tokens=160, **kw)
     sched = tight.scheduler
-    start_free = sched.mr.allocator.num_free_pages
+    start_free = sched.model_runner.allocator.num_free_pages
     got = tight.generate(input_ids=prompts, sampling_params=params)
     assert sched.stats.num_retractions > 0, "the pool was not tight enough to force a retraction"
-    assert sched.mr.allocator.num_free_pages == start_free
+    assert sched.model_runner.allocator.num_free_pages == start_free
     sched.check_idle_invariants()
     for e, o in zip(expected, got):
         assert o["output_ids"] == e["output_ids"]
@@ -69,14 +69,14 @@ def test_abort_frees_kv(tiny_models, key="llama_mtp"):
     eng = Engine(model_path=tiny_models[key], max_total_tokens=4096, speculative_algorithm="MTP",
                  speculative_num_steps=3)
     sched = eng.scheduler
-    start = sched.mr.allocator.num_free_pages
+    start = sched.model_runner.allocator.num_free_pages
     reqs = [Req(f"a{i}", list(range(3, 3 + 10 * (i + 1))), SamplingParams(max_new_tokens=50, ignore_eos=True), 0)
             for i in range(4)]
     for r in reqs:
         sched.add_request(r)
     for _ in range(3):
         sched.step()
-    assert sched.mr.allocator.num_free_pages < start
+    assert sched.model_runner.allocator.num_free_pages < start
     for r in reqs:
         sched.abort(r.rid)
     assert all(r.finished_reason["type"] == "abort" for r in reqs)

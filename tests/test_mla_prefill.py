@@ -105,10 +105,10 @@ def test_greedy_mtp_equals_plain_with_mha_prefill(models):
                                    mla_prefill="mha", **kw)
         reqs = run_greedy(sched, prompts, NEW)
         assert [r.output_ids for r in reqs] == ref, f"N = {n}"
-        assert sched.mr.prefill.eager_backends[CacheKind.MLA].prefill_mha
+        assert sched.model_runner.prefill.eager_backends[CacheKind.MLA].prefill_mha
         if n:
             assert all(r.spec_verify_ct > 0 for r in reqs)
-            assert not sched.mr.spec.prefill.eager_backends[CacheKind.MLA].prefill_mha
+            assert not sched.model_runner.spec.prefill.eager_backends[CacheKind.MLA].prefill_mha
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -240,7 +240,7 @@ def _oracle_scheduler(tiny_models, n: int, overlap: bool, device: str = "cpu", *
     oracle = OracleDraft(64, {i + 1: p + o for i, (p, o) in enumerate(zip(prompts, ref))}, wrong_every=5, vocab=256)
     sched, _ = build_scheduler(tiny_models["llama"], draft=oracle, device=device, max_total_tokens=4096,
                                speculative_algorithm="MTP", speculative_num_steps=n, **kw)
-    mr = sched.mr
+    mr = sched.model_runner
     return Scheduler(mr, sched.stop, mr.args.chunked_prefill_size, overlap=overlap), prompts, ref
 
 
@@ -274,7 +274,7 @@ def test_spec_overlap_with_forced_plain_steps(tiny_models, pattern):
     if pattern == [True]:  # plain steps only, after each prompt's draft prefill: all but the first overlapped
         assert st.spec_verify_ct == 0 and st.num_overlapped_steps >= st.num_decode_steps - 2
     else:
-        assert sched.mr.spec.catch_ups["before_spec"] > 0
+        assert sched.model_runner.spec.catch_ups["before_spec"] > 0
     assert len(sched.adaptive.recorded) == st.num_decode_steps  # every step's cost reported once
 
 

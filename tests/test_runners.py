@@ -17,7 +17,7 @@ from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.batch import CacheKind, ForwardBatch
 from specserve.engine.model_runner import ModelRunner
 from specserve.graphs.padding import LiveInputs
-from specserve.graphs.phase_runners import RunnerContext
+from specserve.graphs.phase_runners import RunnerContext, eager_phase
 from specserve.kernels import reference as ref
 from specserve.kvcache.kv_pool import KVPool
 from specserve.kvcache.manager import KVHandle
@@ -99,7 +99,8 @@ def test_replay_equals_eager_shrinking_and_growing(tiny_models, page_size, model
     target, draft = models
     mr = _spec_runner(tiny_models[target], n=3, page_size=page_size,
                       draft_path=draft and tiny_models[draft])
-    for name, runner in mr.spec.runners.items():
+    for runner in mr.spec.phases.all():
+        name = runner.name
         for i, bs in enumerate([7, 5, 3, 1, 2, 8, 6]):  # shrinking, then growing
             handles, live = _inputs(mr, name, bs, seed=100 * i + len(name))
             eager = runner.forward_phase(live, runner.eager_backends, graph_mode=False)
@@ -135,7 +136,8 @@ def test_draft_replay_leaves_target_buffers_untouched(tiny_models):
 def check_phase_replay(mr, sizes=(7, 3, 1, 5, 8), tol=1e-4):
     """Every speculative phase runner's static replay (padded to a captured size) against its eager forward, with
     shrinking and growing batch sizes."""
-    for name, runner in mr.spec.runners.items():
+    for runner in mr.spec.phases.all():
+        name = runner.name
         for i, bs in enumerate(sizes):
             handles, live = _inputs(mr, name, bs, seed=10 * i + len(name))
             eager = {k: v.clone() for k, v in runner.forward_phase(live, runner.eager_backends, False).items()}
@@ -148,8 +150,8 @@ def check_phase_replay(mr, sizes=(7, 3, 1, 5, 8), tol=1e-4):
 
 def check_isolation(mr):
     """Draft replays leave the target runners' buffers and every kind's metadata untouched, and back."""
-    runners = mr.spec.runners
-    target, drafts = runners["target_verify"], [runners["draft_decode"], runners["draft_extend"]]
+    phases = mr.spec.phases
+    target, drafts = phases.target_verify, [phases.draft_decode, phases.draft_extend]
     def run(r, bs, seed):
         handles, live = _inputs(mr, r.name, bs, seed=seed)
         r.run(live)
@@ -270,8 +272,8 @@ def test_mrope_model_text_positions_match_1d_model(tiny_models):
         mr = ModelRunner(args, model, cfg3 if mrope else t.config, None, torch.device("cpu"), torch.float32, 512)
         _, rows, s = _requests(mr, 3, 0, seed=4)
         live = LiveInputs(3, torch.tensor([5, 6, 7]), s, rows, s + 1, int(s.max()) + 1)
-        outs.append(mr.runners["decode"].run(live)["logits"].clone())
-        assert mr.runners["decode"].buffers.positions.dim() == (2 if mrope else 1)
+        outs.append(mr.phases.decode.run(live)["logits"].clone())
+        assert mr.phases.decode.buffers.positions.dim() == (2 if mrope else 1)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
@@ -292,14 +294,10 @@ def _state(mr):
 
 
 def check_one_graph_step(mr, sizes, tol):
-    """The whole greedy step as one captured function (SpecStepRunner: a CUDA graph, or static replay on CPU)
+    """The whole greedy step as one captured function (SpecStepGraph: a CUDA graph, or static replay on CPU)
     against the same step run phase by phase eagerly: accept lengths, tokens, per-row state and both KV pools
     (padded rows must not touch any live row)."""
-    one, runners, dev = mr.spec.spec_step, mr.spec.runners, mr.device
-
-    def eager_phase(name, live):
-        return runners[name].forward_phase(live, runners[name].eager_backends, graph_mode=False)
-
+    one, dev = mr.spec.spec_step_graph, mr.device
     for i, bs in enumerate(sizes):
         handles, rows, s = _requests(mr, bs, mr.num_steps, seed=50 + i)
         rows, s = rows.to(dev), s.to(dev)
@@ -351,7 +349,7 @@ def test_one_graph_spec_step_mrope_text(tiny_models):
     args = ServerArgs(model_path=tiny_models["llama"], max_total_tokens=8192, max_running_requests=16,
                       speculative_algorithm="MTP", speculative_num_steps=2, cuda_graph_bs=CAPTURE)
     mr = ModelRunner(args, m3, cfg3, draft, torch.device("cpu"), torch.float32, 512)
-    assert mr.spec.runners["target_verify"].ctx.mrope and mr.spec.runners["draft_extend"].ctx.mrope
+    assert mr.spec.phases.target_verify.ctx.mrope and mr.spec.phases.draft_extend.ctx.mrope
     check_one_graph_step(mr, [3, 1, 4], 1e-5)
 
 
@@ -378,12 +376,12 @@ def _sampling(bs: int, vocab: int, seed: int) -> SamplingBatch:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_plain_step_graph_equals_eager_decode(tiny_models, page_size, sampled):
-    """The plain decode step as one captured function (graphs/step_graph.py PlainStepRunner: a CUDA graph, or
+def test_decode_step_graph_equals_eager_decode(tiny_models, page_size, sampled):
+    """A plain engine's decode step as one captured function (graphs/step_graph.py DecodeStepGraph: a CUDA graph, or
     static replay on CPU) against the decode runner run eagerly plus sampling: tokens, last tokens and the KV pool
     (padded rows must not touch a live row), over shrinking then growing batch sizes, greedy or mixed sampling."""
     mr = _plain_runner(tiny_models["qwen3"], page_size)
-    one, decode = mr.plain_step, mr.runners["decode"]
+    one, decode = mr.decode_step_graph, mr.phases.decode
     vocab = mr.cfg.vocab_size
     for i, bs in enumerate([7, 5, 3, 1, 2, 8, 6]):
         handles, rows, s = _requests(mr, bs, 0, seed=70 + i)

@@ -74,7 +74,7 @@ def test_scheduler_builds_one_sampling_batch_per_composition(tiny_models):
     kw = dict(max_total_tokens=2048, max_running_requests=2, cuda_graph_bs=[1, 2], context_length=256)
     sched, _ = build_scheduler(tiny_models["llama"], **kw)
     together, steps = run(sched, reqs(range(4)))
-    builds = sched.mr.decode_sampling.builds
+    builds = sched.model_runner.decode_sampling.builds
     assert steps >= 30 and 3 <= builds <= 8
     alone_sched, _ = build_scheduler(tiny_models["llama"], **kw)
     alone = [run(alone_sched, reqs([i]))[0][0] for i in range(4)]

@@ -108,7 +108,7 @@ def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu
     if force_plain is not None:
         sched.adaptive = ForcedSteps(force_plain)
     if batch_mix is not None:
-        _record_batch_mix(sched.mr.spec.spec_step, batch_mix)
+        _record_batch_mix(sched.model_runner.spec.spec_step_graph, batch_mix)
     reqs = [Req(f"r{i}", list(PROMPT), _sampling(groups[i % len(groups)]), seed=1000 + i) for i in range(num)]
     for r in reqs:
         sched.add_request(r)
@@ -120,8 +120,9 @@ def _samples(path, params, graphed_steps: list | None = None, device: str = "cpu
         assert acc > 1.3, f"drafts are rarely accepted ({acc}); the test would not exercise acceptance"
     if drafts_drawn is not None:
         drafts_drawn.append(draft.logit_calls)
-    if graphed_steps is not None and sched.mr.spec is not None and sched.mr.spec.spec_step is not None:
-        one = sched.mr.spec.spec_step
+    worker = sched.model_runner.spec
+    if graphed_steps is not None and worker is not None and worker.spec_step_graph is not None:
+        one = worker.spec_step_graph
         graphed_steps += list(one.replays_by_kind.values()) + [sched.stats.num_decode_steps]
     return np.array([r.output_ids for r in reqs])
 

@@ -72,7 +72,7 @@ def test_spec_greedy_with_separate_draft_folder(tiny_models, reference, n, page_
     if draft == "llama_draft_aux":
         h = t.config.hidden_size
         assert t.model.feature_size == 3 * h
-        assert sched.mr.spec.runners["draft_extend"].buffers.hidden.shape[-1] == 3 * h
+        assert sched.model_runner.spec.phases.draft_extend.buffers.hidden.shape[-1] == 3 * h
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])

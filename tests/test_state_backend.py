@@ -11,6 +11,7 @@ from test_runners import _snapshot, check_isolation
 from test_state_pool import _scheduler_with_state_rows
 
 from specserve.batch import CacheKind, ForwardBatch, ForwardMode
+from specserve.graphs.phase_runners import replay_phase
 from specserve.kvcache.manager import KVHandle
 from specserve.layers.sampler import GREEDY
 from specserve.speculative.spec_step import spec_step_device
@@ -19,7 +20,7 @@ from specserve.speculative.spec_step import spec_step_device
 def _runner(tiny_models, n=3):
     sched = _scheduler_with_state_rows(tiny_models["llama_mtp"], n, max_total_tokens=4096, max_running_requests=12,
                                        cuda_graph_bs=[1, 2, 4, 8], context_length=512)
-    return sched.mr
+    return sched.model_runner
 
 
 def _take(mr, n):
@@ -37,7 +38,7 @@ def test_row_state_binding_and_metadata(tiny_models):
     hs = _take(mr, 3)
     assert [int(pool.row_state[h.row]) for h in hs] == [h.state_row for h in hs]
     pool.current[torch.tensor([h.state_row for h in hs])] = torch.tensor([2, 0, 3])
-    runner = mr.spec.runners["target_verify"]
+    runner = mr.spec.phases.target_verify
     backend = runner.backends[CacheKind.RECURRENT]
     eager = runner.eager_backends[CacheKind.RECURRENT]
     assert backend is not eager and backend.pool is pool
@@ -65,10 +66,9 @@ def test_row_state_binding_and_metadata(tiny_models):
 def test_accept_commit_sets_current_slot(tiny_models):
     mr = _runner(tiny_models)
     pool = mr.caches.state
-    runners = mr.spec.runners
 
     def phases(rows, s):
-        return spec_step_device(mr.spec, lambda name, live: runners[name].run(live), rows, s, s, int(s.max()), GREEDY)
+        return spec_step_device(mr.spec, replay_phase, rows, s, s, int(s.max()), GREEDY)
 
     for one_graph in (False, True):
         hs = _take(mr, 5)
@@ -84,7 +84,7 @@ def test_accept_commit_sets_current_slot(tiny_models):
         mr.spec.state.draft_token[rows] = verified[:, 0]  # so d1 is accepted in every row
         pool.current[srows] = 0  # stale slots: the commit must overwrite every row's
         if one_graph:
-            accept = mr.spec.spec_step.run(rows.tolist(), s.tolist(), s.tolist())[:, 0]
+            accept = mr.spec.spec_step_graph.run(rows.tolist(), s.tolist(), s.tolist())[:, 0]
         else:
             accept, _ = phases(rows, s)
         assert bool((accept >= 1).all()), accept
@@ -95,7 +95,7 @@ def test_accept_commit_sets_current_slot(tiny_models):
 
 def test_isolation_covers_every_kind(tiny_models):
     mr = _runner(tiny_models)
-    target = mr.spec.runners["target_verify"]
+    target = mr.spec.phases.target_verify
     assert set(target.backends) == {CacheKind.MHA, CacheKind.RECURRENT}
     assert any(k.startswith("backend.recurrent.") for k in _snapshot(target))
     check_isolation(mr)

@@ -339,7 +339,7 @@ def _requests(seed: int) -> list[Req]:
 def test_state_rows_come_back_after_finish_abort_and_retraction(tiny_models, spec_steps, page_size):
     sched = _scheduler_with_state_rows(tiny_models["llama_mtp"], spec_steps, context_length=128, page_size=page_size,
                                        chunked_prefill_size=32, max_total_tokens=160, max_running_requests=6)
-    mr = sched.mr
+    mr = sched.model_runner
     pool = mr.caches.state
     # the runner built the state pool from the target's specs and handed it to the KV manager
     assert pool is not None and mr.kv.state_pool is pool
@@ -396,8 +396,8 @@ def test_idle_invariants_catch_a_leaked_state_row(tiny_models):
     sched = _scheduler_with_state_rows(tiny_models["llama"], None, context_length=64, max_total_tokens=256,
                                        max_running_requests=4)
     sched.check_idle_invariants()
-    row = sched.mr.caches.state.alloc()
+    row = sched.model_runner.caches.state.alloc()
     with pytest.raises(AssertionError, match="state row leak"):
         sched.check_idle_invariants()
-    sched.mr.caches.state.free(row)
+    sched.model_runner.caches.state.free(row)
     sched.check_idle_invariants()

@@ -113,9 +113,9 @@ def test_greedy_mtp_with_token_map_equals_plain(tiny_models, plain_outputs, tmp_
         sched, _ = build_scheduler(tiny_models["llama_mtp"], max_total_tokens=4096, page_size=page_size,
                                    speculative_algorithm="MTP", speculative_num_steps=3,
                                    speculative_token_map=path, cuda_graph_bs=[1, 2, 4, 8])
-        assert torch.equal(sched.mr.draft.draft_vocab, torch.tensor(ids))
+        assert torch.equal(sched.model_runner.draft.draft_vocab, torch.tensor(ids))
         assert [r.output_ids for r in run_greedy(sched, prompts, NEW)] == plain, name
-        assert sched.mr.spec.spec_step.replays > 0
+        assert sched.model_runner.spec.spec_step_graph.replays > 0
         accepted[name] = sched.stats.spec_accepted_drafts
     assert accepted["none"] == 0 and accepted["emitted"] > 0, accepted
 

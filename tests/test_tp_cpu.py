@@ -90,14 +90,14 @@ def test_tp_tied_embeddings(tied_llama, tmp_path):
 def test_tp_refuses_undeclared_families_and_bad_sizes(tiny_models):
     """A family class that does not declare tensor_parallel itself (here a subclass of the dense one) refuses a
     group of more than one rank; sizes that do not divide are refused with the size named."""
-    from specserve.models.config import ModelConfig
     from specserve.models.dense import DenseForCausalLM
     from specserve.models.loader import ModelSource, load_hf_config, load_target
+    from specserve.models.registry import config_from_hf
 
     class Undeclared(DenseForCausalLM):
         pass
 
-    cfg = ModelConfig.from_hf(load_hf_config(ModelSource.resolve(tiny_models["llama"])))
+    cfg = config_from_hf(load_hf_config(ModelSource.resolve(tiny_models["llama"])))
     cfg.tp = TPGroup(0, 2)
     with torch.device("meta"), pytest.raises(ValueError, match="declares no tensor-parallel layers"):
         Undeclared(cfg, 64)

@@ -25,18 +25,18 @@ def _generate(path: str, backend: str, **kw) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in PROMPT_LENS]
     reqs = _run(sched, prompts, new=NEW)  # greedy, ignore_eos; checks the pool is back to its start
-    spec = sched.mr.spec
-    runners = (spec.runners if spec is not None else sched.mr.runners).values()
+    spec = sched.model_runner.spec
+    runners = spec.phases.all() if spec is not None else sched.model_runner.phases.all()
     # the graph-metadata path ran (static replay on CPU): greedy spec steps run every phase inside the one-graph
     # step, plain decode steps inside the one-graph plain step
     if spec is None:
-        replayed = [sched.mr.plain_step]
+        replayed = [sched.model_runner.decode_step_graph]
     else:
-        replayed = [spec.spec_step] if spec.spec_step is not None else list(runners)
+        replayed = [spec.spec_step_graph] if spec.spec_step_graph is not None else list(runners)
     assert all(r.replays > 0 for r in replayed)
     if backend == "triton":
         assert all(isinstance(r.backends[CacheKind.MHA], TritonAttentionBackend) for r in runners)
-        prefill = [sched.mr.prefill] + ([spec.prefill] if spec is not None else [])
+        prefill = [sched.model_runner.prefill] + ([spec.prefill] if spec is not None else [])
         assert all(isinstance(r.eager_backends[CacheKind.MHA], TritonAttentionBackend) for r in prefill)
     return [r.output_ids for r in reqs]
 

@@ -40,6 +40,7 @@ from exact_inputs import (  # noqa: E402  (tests/exact_inputs.py)
 from specserve.kernels import reference as ref  # noqa: E402
 from specserve.kernels import triton_gemv  # noqa: E402
 from specserve.kernels.triton_gemv import gemv, gemv_config, norm_gemv  # noqa: E402
+from specserve.kernels.tuned_h200 import GEMV_TUNED, GEMV_TUNED_ROWS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -341,8 +342,8 @@ def test_gemv_config_defaults_and_tuned_table():
         assert set(cfg) - {"LATE_RSTD"} == {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
         assert all(v > 0 and v & (v - 1) == 0 for v in (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]))
         assert 2 <= cfg["BLOCK_N"] <= 16 and cfg["BLOCK_K"] <= max(16, triton.next_power_of_2(k))
-        if (n, k) in triton_gemv._TUNED:
-            assert cfg == triton_gemv._TUNED[(n, k)]  # the swept M = 1 config, whatever it holds
+        if (n, k) in GEMV_TUNED:
+            assert cfg == GEMV_TUNED[(n, k)]  # the swept M = 1 config, whatever it holds
             continue
         rows = 2 if silu else 1
         assert rows * cfg["BLOCK_N"] * cfg["BLOCK_K"] <= 64 * 32 * cfg["num_warps"]  # accumulators fit
@@ -447,17 +448,17 @@ def test_row_gemv_norm_exact_inputs_equal_reference(m, residual, offset, silu_mu
 
 def test_row_gemv_configs_and_policy_agree():
     """gemv_config gives the row-unrolled GEMV (GEMV=1) at 2..ROWS_GEMV_MAX rows exactly for the shapes of
-    _TUNED_ROWS, the skinny GEMM otherwise; gemv_policy fuses more than one row only where a row config exists and
-    the shape is measured faster at one row too; fused_rows takes the least over a layer's shapes."""
+    GEMV_TUNED_ROWS, the skinny GEMM otherwise; gemv_policy fuses more than one row only where a row config exists
+    and the shape is measured faster at one row too; fused_rows takes the least over a layer's shapes."""
     from specserve.kernels.gemv_policy import FASTER, FASTER_ROWS, fused_rows
 
-    for (n, k) in triton_gemv._TUNED_ROWS:
+    for (n, k) in GEMV_TUNED_ROWS:
         assert all(gemv_config(m, n, k, BF16).get("GEMV") == 1 for m in range(2, triton_gemv.ROWS_GEMV_MAX + 1))
         assert "GEMV" not in gemv_config(triton_gemv.ROWS_GEMV_MAX + 1, n, k, BF16)
         assert "GEMV" not in gemv_config(1, n, k, BF16)  # one row: the GEMV anyway, its own (M = 1) config
     assert "GEMV" not in gemv_config(4, 7, 3, BF16)  # an unmeasured shape: the skinny GEMM
     for shape, most in FASTER_ROWS.items():
-        assert shape in triton_gemv._TUNED_ROWS and shape in FASTER and 2 <= most <= triton_gemv.ROWS_GEMV_MAX
+        assert shape in GEMV_TUNED_ROWS and shape in FASTER and 2 <= most <= triton_gemv.ROWS_GEMV_MAX
     one_row = next(s for s in sorted(FASTER) if s not in FASTER_ROWS)
     assert fused_rows([]) == 0 and fused_rows([(7, 3)]) == 0 and fused_rows([one_row, (7, 3)]) == 0
     assert fused_rows([one_row]) == 1

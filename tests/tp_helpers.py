@@ -13,13 +13,15 @@ from specserve.models.loader import ModelSource, load_target
 from specserve.server_args import ServerArgs
 
 
-def run_model(path: str, tp: TPGroup, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """[prefill logits [T, V], then one [bs, V] per greedy decode step] for `prompts`, on this rank."""
+def run_model(path: str, tp: TPGroup, prompts: list[list[int]], steps: int,
+              expert_parallel: bool = True) -> list[torch.Tensor]:
+    """[prefill logits [T, V], then one [bs, V] per greedy decode step] for `prompts`, on this rank.
+    expert_parallel: MoE experts partitioned over the ranks (--ep-size = --tp-size), else each split (--ep-size 1)."""
     from specserve.engine.model_runner import ModelRunner
     from specserve.kvcache.manager import KVHandle
 
     cpu = torch.device("cpu")
-    t = load_target(ModelSource.resolve(path), torch.float32, cpu, 600, tp=tp)
+    t = load_target(ModelSource.resolve(path), torch.float32, cpu, 600, tp=tp, expert_parallel=expert_parallel)
     args = ServerArgs(model_path=path, max_total_tokens=2048, max_running_requests=8)
     mr = ModelRunner(args, t.model, t.config, None, cpu, torch.float32, 512)
     handles = [KVHandle() for _ in prompts]
@@ -39,7 +41,7 @@ def run_model(path: str, tp: TPGroup, prompts: list[list[int]], steps: int) -> l
         s = torch.tensor(lens)
         for _ in range(steps):
             live = LiveInputs(len(prompts), nxt, s, rows, s + 1, int(s.max()) + 1)
-            logits = mr.runners["decode"].run(live)["logits"]
+            logits = mr.phases.decode.run(live)["logits"]
             out.append(logits)
             nxt = logits.argmax(-1)
             s = s + 1
@@ -47,12 +49,12 @@ def run_model(path: str, tp: TPGroup, prompts: list[list[int]], steps: int) -> l
 
 
 def rank_main(rank: int, size: int, rendezvous: str, path: str, prompts: list[list[int]], steps: int,
-              out: str) -> None:
+              out: str, expert_parallel: bool = True) -> None:
     """rendezvous: a file:// init method (no store server in rank 0 that could go away before another rank's
     teardown)."""
     torch.set_num_threads(1)
     tp = init_tp(rank, size, rendezvous, "gloo")
-    logits = run_model(path, tp, prompts, steps)
+    logits = run_model(path, tp, prompts, steps, expert_parallel)
     if rank == 0:
         torch.save(logits, out)
     torch.distributed.barrier()
