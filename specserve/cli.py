@@ -14,9 +14,9 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_generate(argv: list[str]) -> int:
-    from specserve.server_args import ServerArgs
+    from specserve.server_args import CommandParser, ServerArgs
 
-    p = argparse.ArgumentParser(prog="specserve generate", description="Generate text offline with the engine.")
+    p = CommandParser(prog="specserve generate", description="Generate text offline with the engine.")
     ServerArgs.add_cli_args(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 SPEC_ALGORITHMS = ("MTP", "EAGLE", "NEXTN")
 SPEC_OFF = "NONE"  # explicit "no speculation" (the embedded default model speculates unless told not to)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPE_ALIASES = {"bf16": "bfloat16"}  # SGLang's spelling
+NOT_YET_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")  # SGLang's quantised KV caches (not implemented yet)
 QUANTIZATIONS = ("none", "int8")  # of a draft's weights (layers/quant.py)
 DRAFT_SAMPLING = ("argmax", "sample")  # how sampled requests' drafts are chosen (speculative/draft_state.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+CUDA_GRAPH_BACKENDS_DECODE = ("full",)  # SGLang's other values (breakable, disabled, ...) are refused by name
 DECODE_GEMV = ("auto", "triton", "cublas")  # dense layers' decode-row projections (kernels/gemv_policy.py)
 LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-attention layers (layers/gdn.py)
 INDEXER_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the sparse-attention indexer's key cache (auto: --kv-cache-dtype)
@@ -37,6 +42,9 @@ class ServerArgs:
     trust_remote_code: bool = False
     # memory and scheduling
     tp_size: int = 1
+    # MoE experts over the tp_size ranks: 1 = each expert's weights sharded by its intermediate features (tensor-
+    # parallel MoE), tp_size = the experts partitioned (expert parallelism); None: tp_size (layers/moe.py)
+    ep_size: int | None = None
     nnodes: int = 1  # machines the tp_size ranks spread over (tp_size / nnodes each)
     node_rank: int = 0  # this machine's index; 0 runs the scheduler and the HTTP server
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous (needed when nnodes > 1)
@@ -50,6 +58,8 @@ class ServerArgs:
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
     schedule_conservativeness: float = 1.0  # scales the growth reserved at admission (engine/scheduler.py)
+    disable_radix_cache: bool = False  # SGLang's flag; specserve has no prefix cache yet, so it changes nothing
+    model_loader_extra_config: str | None = None  # SGLang's online quantisation (JSON); refused unless empty
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -67,6 +77,9 @@ class ServerArgs:
     speculative_adaptive: bool | None = None
     # graphs and kernels
     cuda_graph_max_bs: int | None = None
+    cuda_graph_max_bs_decode: int | None = None  # SGLang's name of the same setting (all specserve's step graphs
+    # are decode-phase graphs; prefill graphs have cuda_graph_max_prefill_tokens)
+    cuda_graph_backend_decode: str = "full"  # full CUDA graphs, the only kind specserve captures
     cuda_graph_bs: list[int] | None = None
     disable_cuda_graph: bool = False
     disable_spec_step_graph: bool = False  # greedy spec steps phase by phase instead of as one graph
@@ -74,6 +87,7 @@ class ServerArgs:
     enable_overlap_schedule: bool = False  # overlap also where it is off by default (a CPU)
     cuda_graph_max_prefill_tokens: int | None = None  # prefill graphs up to this many tokens (graphs/prefill.py)
     attention_backend: str = "auto"
+    speculative_draft_attention_backend: str = "auto"  # the draft's own; auto: attention_backend's
     linear_attn_prefill: str = "chunked"
     decode_gemv: str = "auto"
     indexer_cache_dtype: str = "auto"
@@ -179,10 +193,22 @@ class ServerArgs:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        self.kv_cache_dtype = _flag_value("--kv-cache-dtype", kv_cache_dtype_name, self.kv_cache_dtype)
+        for flag in ("--attention-backend", "--speculative-draft-attention-backend"):
+            name = flag[2:].replace("-", "_")
+            setattr(self, name, _flag_value(flag, attention_backend_name, getattr(self, name)))
+        _flag_value("--cuda-graph-backend-decode", cuda_graph_backend_decode_name, self.cuda_graph_backend_decode)
+        _flag_value("--model-loader-extra-config", model_loader_extra_config, self.model_loader_extra_config)
+        if self.cuda_graph_max_bs_decode is not None:
+            if self.cuda_graph_max_bs not in (None, self.cuda_graph_max_bs_decode):
+                raise ValueError(f"--cuda-graph-max-bs {self.cuda_graph_max_bs} and --cuda-graph-max-bs-decode "
+                                 f"{self.cuda_graph_max_bs_decode} differ (they name one setting; give one)")
+            self.cuda_graph_max_bs = self.cuda_graph_max_bs_decode
+        if self.ep_size is None:
+            self.ep_size = self.tp_size
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size {self.ep_size} must be 1 (each MoE expert sharded over the --tp-size "
+                             f"{self.tp_size} ranks) or {self.tp_size} (the experts partitioned over them)")
         if self.speculative_mtp_chain not in ("normed", "prenorm"):
             raise ValueError(f"--speculative-mtp-chain must be normed or prenorm, got {self.speculative_mtp_chain!r}")
         if self.indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
@@ -224,6 +250,12 @@ class ServerArgs:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
+    @property
+    def moe_expert_parallel(self) -> bool:
+        """MoE experts partitioned over the tensor-parallel ranks (--ep-size = --tp-size), rather than each expert
+        sharded over them (--ep-size 1); the same thing at one rank."""
+        return self.ep_size == self.tp_size
+
     def _validate_embedded_spec_flags(self) -> None:
         """The embedded model speculates by default (with_embedded_defaults): speculative flags given without
         --speculative-algorithm tune that, and are checked here, before any model loads."""
@@ -239,12 +271,22 @@ class ServerArgs:
                              f"drafting (got {t} with {n} steps)")
 
     # ------------------------------------------------------------------ CLI
+    # help group -> its description (docs/flags.md has one table per group)
+    HELP_GROUPS = {"model": None, "parallelism": None, "memory and scheduling": None, "speculative decoding": None,
+                   "CUDA graphs and kernels": None, "sampling": None, "HTTP server": None,
+                   "advanced": "specserve's own tuning and experiment switches (not SGLang flags): leave them at "
+                               "their defaults unless tuning"}
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """The flags, in help groups: SGLang's flags (and specserve's features) in the ordinary groups, specserve's
+        own tuning and experiment switches under "advanced"."""
         d = ServerArgs.__dataclass_fields__
-        a = parser.add_argument
+        g = {name: parser.add_argument_group(name, text) for name, text in ServerArgs.HELP_GROUPS.items()}
+
+        a = g["model"].add_argument
         a("--model-path", "--model", dest="model_path", default=None,
-          help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+          help="HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
         a("--tokenizer-path", default=None, help="tokenizer folder (default: the model's own)")
         a("--served-model-name", default=None, help="the model name clients send and /v1/models lists (default: the "
                "folder or file name)")
@@ -255,15 +297,28 @@ class ServerArgs:
         a("--context-length", type=int, default=None,
           help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
         a("--trust-remote-code", action="store_true", help="let transformers run a checkpoint's own config code")
+        a("--model-loader-extra-config", type=_cli_type(model_loader_extra_config), default=None,
+          help="SGLang's loader options as JSON; online quantisation is not supported yet, so only an empty "
+               "object is accepted")
+
+        a = g["parallelism"].add_argument
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1,
           help="tensor-parallel ranks (one process each; GPUs 0..N-1, or CPU over gloo): attention heads, MLPs, "
-               "vocabulary and MoE experts split over them (dense and Qwen3-MoE families)")
+               "vocabulary and MoE experts split over them (dense, Qwen3-MoE, Qwen3-Next and DeepSeek families)")
+        a("--ep-size", "--ep", "--expert-parallel-size", dest="ep_size", type=int, default=None,
+          help="expert-parallel size over the --tp-size ranks: 1 shards each MoE expert's weights by its "
+               "intermediate features over the ranks (tensor-parallel MoE); equal to --tp-size partitions the "
+               "experts over the ranks, each keeping its share whole (default: --tp-size)")
         a("--nnodes", type=int, default=1, help="machines the --tp-size ranks spread over (tp-size / nnodes each)")
         a("--node-rank", type=int, default=0,
           help="this machine's index (0: the scheduler and the HTTP server; others only run their ranks)")
         a("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous (needed with --nnodes > 1)")
+
+        a = g["memory and scheduling"].add_argument
         a("--page-size", type=int, default=d["page_size"].default, help="KV tokens per page of the page table")
-        a("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache dtype (auto: --dtype's)")
+        a("--kv-cache-dtype", type=_cli_type(kv_cache_dtype_name), default="auto", choices=KV_CACHE_DTYPES,
+          help="KV cache dtype (auto: --dtype's; bf16 is accepted for bfloat16); FP8 KV caches are not supported "
+               "yet")
         a("--mem-fraction-static", type=float, default=None,
           help="share of the GPU's memory for weights and caches (default 0.85)")
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
@@ -282,6 +337,11 @@ class ServerArgs:
         a("--schedule-conservativeness", type=float, default=d["schedule_conservativeness"].default,
           help="how much of running requests' remaining max_new_tokens admission keeps room for (scales an "
                "adaptive estimate; 0: only their next step, more retractions; higher: fewer admitted at once)")
+        a("--disable-radix-cache", action="store_true",
+          help="accepted for SGLang compatibility: specserve has no prefix (radix) cache yet, so this changes "
+               "nothing")
+
+        a = g["speculative decoding"].add_argument
         a("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGORITHMS + (SPEC_OFF,),
           help="MTP/EAGLE/NEXTN: chain drafting with an MTP head; NONE: plain decoding (the embedded default "
                "model speculates with its shipped head unless NONE is given)")
@@ -292,60 +352,86 @@ class ServerArgs:
         a("--speculative-eagle-topk", type=int, default=None, help="draft branches per step (1 only: chain drafting)")
         a("--speculative-num-draft-tokens", type=int, default=None,
           help="tokens verified per step (must be --speculative-num-steps + 1)")
+        a("--speculative-draft-attention-backend", type=_cli_type(attention_backend_name), default="auto",
+          choices=ATTENTION_BACKENDS, help="the draft model's attention backend (auto: --attention-backend's)")
         a("--speculative-ngram-lookup", action="store_true",
           help="MTP: a draft token may come from the context instead of the head: the continuation of the newest "
                "earlier occurrence of the last 3 (else 2) tokens, when the head's top probability is below "
                "--speculative-ngram-confidence (lossless; helps copy-heavy text: summaries, code, quoting)")
-        a("--speculative-ngram-confidence", type=float, default=d["speculative_ngram_confidence"].default,
-          help="context lookup replaces the head's draft token when the head's top probability is below this")
+        a("--speculative-token-map", default=None,
+          help="a .pt or .json file of the target token ids the draft may propose (FR-Spec's hot vocabulary; "
+               "`specserve token-map` writes one): the draft's lm-head keeps only those rows, so each draft step "
+               "reads less; output unchanged, acceptance bounded by the map's coverage")
         a("--speculative-draft-model-quantization", choices=QUANTIZATIONS, default=None,
           help="int8: the draft's weights as weight-only int8 on CPU, a quarter of the bytes each draft step "
                "streams (lossless: verification is unchanged); default none, int8 for the embedded model on a CPU")
+        a("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
+          help="per decode step, speculate or take a plain step (no drafts; the draft kept in step) from the "
+               "measured step times per batch size and the running accept length, so that speculation is not "
+               "slower than plain decoding at any concurrency (default: on on a GPU, off on a CPU)")
+
+        a = g["CUDA graphs and kernels"].add_argument
+        a("--attention-backend", type=_cli_type(attention_backend_name), default="auto", choices=ATTENTION_BACKENDS,
+          help="auto: Triton kernels on a GPU, the torch reference on a CPU")
+        a("--cuda-graph-max-bs", type=int, default=None,
+          help="largest batch captured as CUDA graphs (default 64 on a GPU, bounded by --max-running-requests)")
+        a("--cuda-graph-max-bs-decode", type=int, default=None,
+          help="SGLang's name of --cuda-graph-max-bs: every captured step (plain, speculative) is a decode-phase "
+               "graph; prefill graphs are bounded by --cuda-graph-max-prefill-tokens")
+        a("--cuda-graph-bs", "--cuda-graph-bs-decode", dest="cuda_graph_bs", type=int, nargs="+", default=None,
+          help="the batch sizes to capture (default: a ladder)")
+        a("--cuda-graph-backend-decode", type=_cli_type(cuda_graph_backend_decode_name), default="full",
+          choices=CUDA_GRAPH_BACKENDS_DECODE,
+          help="full: each decode step one CUDA graph (the only kind specserve captures)")
+        a("--disable-cuda-graph", action="store_true", help="run every phase eagerly (no CUDA graphs at all)")
+        a("--cuda-graph-max-prefill-tokens", type=int, default=None,
+          help="run prefill batches of up to this many tokens (and 16 requests) as CUDA graphs, padded up a ladder "
+               "of token counts; larger ones run eagerly. 0: eager prefill. Default 2048 on a GPU; on a CPU 0 (a "
+               "positive value pads and runs the captured function eagerly: for tests)")
+        a("--disable-overlap-schedule", action="store_true",
+          help="read each decode step's output before launching the next (default on a GPU: the next step, plain or "
+               "speculative, is launched first, so the host's work between steps runs while the device computes; a "
+               "CPU computes as it launches, and a tensor-parallel engine, always step synchronously)")
+
+        a = g["sampling"].add_argument
+        a("--random-seed", type=int, default=0, help="seed of requests that give none")
+        a("--sampling-defaults", default="model", choices=("model", "openai"),
+          help="model: unset sampling options come from the model's generation config; openai: OpenAI's defaults")
+
+        a = g["HTTP server"].add_argument
+        a("--host", default=d["host"].default, help="address to listen on")
+        a("--port", type=int, default=d["port"].default, help="port to listen on")
+        a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"), help="logging")
+        a("--skip-warmup", action="store_true", help="serve without the warm-up generation")
+        a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
+          help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
+
+        a = g["advanced"].add_argument  # specserve's own tuning and experiment switches
+        a("--speculative-ngram-confidence", type=float, default=d["speculative_ngram_confidence"].default,
+          help="context lookup replaces the head's draft token when the head's top probability is below this")
         a("--speculative-draft-sampling", choices=DRAFT_SAMPLING, default=d["speculative_draft_sampling"].default,
           help="drafts of sampled requests: argmax (the head's greedy token, verified as a one-hot draft: accepted "
                "with probability p(d)) or sample (drawn from the head's distribution over its 32 most likely "
                "tokens under the request's temperature and filters, accepted with probability min(1, p/q)); both "
                "lossless. Greedy requests always take the argmax")
-        a("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
-          help="per decode step, speculate or take a plain step (no drafts; the draft kept in step) from the "
-               "measured step times per batch size and the running accept length, so that speculation is not "
-               "slower than plain decoding at any concurrency (default: on on a GPU, off on a CPU)")
-        a("--cuda-graph-max-bs", type=int, default=None,
-          help="largest batch captured as CUDA graphs (default 64 on a GPU, bounded by --max-running-requests)")
-        a("--cuda-graph-bs", type=int, nargs="+", default=None, help="the batch sizes to capture (default: a ladder)")
-        a("--disable-cuda-graph", action="store_true", help="run every phase eagerly (no CUDA graphs at all)")
+        a("--speculative-mtp-chain", default="normed", choices=("normed", "prenorm"),
+          help="the MTP draft's hidden state chained into its next step: after its final norm (shared_head.norm) "
+               "or before it")
         a("--disable-spec-step-graph", action="store_true",
           help="run speculative steps phase by phase (each phase its own graph, host glue between) instead of as "
                "one CUDA graph per batch size")
-        a("--disable-overlap-schedule", action="store_true",
-          help="read each decode step's output before launching the next (default on a GPU: the next step, plain or "
-               "speculative, is launched first, so the host's work between steps runs while the device computes; a "
-               "CPU computes as it launches, and a tensor-parallel engine, always step synchronously)")
         a("--enable-overlap-schedule", action="store_true",
           help="the overlap schedule also on a CPU (where it gains nothing: for testing the GPU's schedule); "
                "a tensor-parallel engine still steps synchronously")
-        a("--cuda-graph-max-prefill-tokens", type=int, default=None,
-          help="run prefill batches of up to this many tokens (and 16 requests) as CUDA graphs, padded up a ladder "
-               "of token counts; larger ones run eagerly. 0: eager prefill. Default 2048 on a GPU; on a CPU 0 (a "
-               "positive value pads and runs the captured function eagerly: for tests)")
-        a("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-          help="auto: Triton kernels on a GPU, the torch reference on a CPU")
-        a("--linear-attn-prefill", default="chunked", choices=LINEAR_ATTN_PREFILL,
-          help="prefill kernels of linear-attention (gated delta net) layers: chunked (chunk-parallel, tensor "
-               "cores) or recurrent (token by token, the decode kernels)")
         a("--decode-gemv", default="auto", choices=DECODE_GEMV,
           help="dense layers' projections for decode rows (at most 4 a forward) on a GPU: triton (each RMSNorm fused "
                "into the projection after it, SiLU-mul into gate/up, no split-K reduce, and in dense attention layers "
                "the q/k prep (q/k norms, rotary, K/V store) in the qkv projection's epilogue: kernels/triton_gemv.py), "
                "cublas (separate launches), auto (triton for the shapes it was measured faster on, "
                "kernels/gemv_policy.py)")
-        a("--speculative-token-map", default=None,
-          help="a .pt or .json file of the target token ids the draft may propose (FR-Spec's hot vocabulary; "
-               "`specserve token-map` writes one): the draft's lm-head keeps only those rows, so each draft step "
-               "reads less; output unchanged, acceptance bounded by the map's coverage")
-        a("--speculative-mtp-chain", default="normed", choices=("normed", "prenorm"),
-          help="the MTP draft's hidden state chained into its next step: after its final norm (shared_head.norm) "
-               "or before it")
+        a("--linear-attn-prefill", default="chunked", choices=LINEAR_ATTN_PREFILL,
+          help="prefill kernels of linear-attention (gated delta net) layers: chunked (chunk-parallel, tensor "
+               "cores) or recurrent (token by token, the decode kernels)")
         a("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
           help="the sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): auto (the KV cache's dtype) or "
                "fp8_e4m3 with a float32 scale per token (the index queries then rounded to e4m3 per head too, as "
@@ -355,15 +441,6 @@ class ServerArgs:
                "mha (each request's latent rows decompressed into per-head keys and values by kv_b_proj, then "
                "ordinary causal attention) or auto (mha). Prefill graphs, decode, verify, the draft "
                "phases and sparse-attention (DSA) layers attend absorbed in every mode")
-        a("--random-seed", type=int, default=0, help="seed of requests that give none")
-        a("--sampling-defaults", default="model", choices=("model", "openai"),
-          help="model: unset sampling options come from the model's generation config; openai: OpenAI's defaults")
-        a("--host", default=d["host"].default, help="address to listen on")
-        a("--port", type=int, default=d["port"].default, help="port to listen on")
-        a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"), help="logging")
-        a("--skip-warmup", action="store_true", help="serve without the warm-up generation")
-        a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
-          help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
 
     @staticmethod
     def from_cli_args(args: argparse.Namespace) -> ServerArgs:
@@ -372,8 +449,7 @@ class ServerArgs:
 
     def with_embedded_defaults(self, draft_path: str | None, device_type: str) -> ServerArgs:
         """The embedded SmolLM2 target speculates by default with the shipped MTP head and context lookup, N = 4
-        draft steps on a GPU and 2 on a CPU (the fastest measured on each, BENCHMARKS.md sections 6 to 8; at batch
-        1 the H200 ran 2.04-2.10x plain at N = 4, the 2-core CPU 1.42-1.52x at N = 2), and on a CPU int8 draft
+        draft steps on a GPU and 2 on a CPU (the fastest measured on each: BENCHMARKS.md), and on a CPU int8 draft
         weights."""
         if self.model_path is not None or self.speculative_algorithm is not None or draft_path is None:
             return self
@@ -396,7 +472,77 @@ class ServerArgs:
 
 
 def embedded_draft_quantization(device_type: str) -> str:
-    """The shipped head's weights: int8 on a CPU (1.45x plain against 1.35x for the float head at batch 1, N = 2,
-    the same accept length; ahead in two side-by-side runs of three, BENCHMARKS.md section 7.4), as trained on a
-    GPU."""
+    """The shipped head's weights: int8 on a CPU (faster than the float head there at the same accept length:
+    BENCHMARKS.md), as trained on a GPU."""
     return "int8" if device_type == "cpu" else "none"
+
+
+# ---------------------------------------------------------------------- values SGLang's flags take
+def kv_cache_dtype_name(value: str) -> str:
+    """A --kv-cache-dtype value by its canonical name (SGLang's bf16 is bfloat16); quantised caches are refused by
+    name rather than as an unknown choice."""
+    name = KV_CACHE_DTYPE_ALIASES.get(value, value)
+    if name in NOT_YET_KV_CACHE_DTYPES:
+        raise ValueError(f"{value}: quantised (FP8/FP4) KV caches are not supported yet; use one of "
+                         f"{', '.join(KV_CACHE_DTYPES)} (or bf16)")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"{value!r} is not one of {', '.join(KV_CACHE_DTYPES)} (or bf16)")
+    return name
+
+
+def attention_backend_name(value: str) -> str:
+    if value == "aiter":
+        raise ValueError("aiter is AMD ROCm's kernel library; on NVIDIA GPUs and CPUs use auto, triton or torch")
+    if value not in ATTENTION_BACKENDS:
+        raise ValueError(f"{value!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    return value
+
+
+def cuda_graph_backend_decode_name(value: str) -> str:
+    if value not in CUDA_GRAPH_BACKENDS_DECODE:
+        raise ValueError(f"{value} is not supported: specserve captures full CUDA graphs only (--disable-cuda-graph "
+                         "runs every phase eagerly)")
+    return value
+
+
+def model_loader_extra_config(value: str | None) -> str | None:
+    """SGLang's loader options (online quantisation among them): only an empty one is accepted."""
+    if value is None:
+        return None
+    try:
+        config = json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if config:
+        raise ValueError("online quantisation (loader options) is not supported yet")
+    return value
+
+
+def _flag_value(flag: str, check, value):
+    """check(value) with the flag named in its error (Engine(**kwargs) reaches validate() without argparse)."""
+    try:
+        return check(value)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+
+
+def _cli_type(check):
+    """An argparse type from a check above: its message becomes argparse's one-line error (a ValueError would be
+    reported as a bare 'invalid value')."""
+
+    def parse(value: str):
+        try:
+            return check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = check.__name__
+    return parse
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of a `specserve` command: a parse error prints one line and where to look (`--help`), exit code
+    2, instead of the whole usage block before the line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")

@@ -12,7 +12,6 @@ does not), and the process exits 0.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -25,12 +24,11 @@ import uvicorn
 import specserve
 from specserve.defaults import embedded_model_path, is_embedded
 from specserve.server.errors import APIError
-from specserve.server.tokenizer_manager import GenRequest, TokenizerManager
-from specserve.server_args import ServerArgs
+from specserve.server.tokenizer_manager import EMBEDDED_SERVED_NAME, GenRequest, TokenizerManager
+from specserve.server_args import CommandParser, ServerArgs
 
 logger = logging.getLogger("specserve.server")
 
-EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
 WARMUP_PROMPT = "The capital of France is"
 WARMUP_TOKENS = 8
 GRACEFUL_SHUTDOWN_S = 30
@@ -63,14 +61,20 @@ def served_model_name(args: ServerArgs, model_path: str) -> str:
     return base[:-len(".gguf")] if base.endswith(".gguf") else base
 
 
+def build_parser() -> CommandParser:
+    """`specserve serve`'s flags (docs/flags.md is generated from this parser: scripts/gen_flags_doc.py)."""
+    p = CommandParser(prog="specserve serve", allow_abbrev=False,
+                      description="OpenAI-compatible and SGLang-native HTTP server (SGLang flag names).")
+    ServerArgs.add_cli_args(p)
+    return p
+
+
 def parse_args(argv: list[str] | None) -> ServerArgs:
     """ServerArgs from the command line; unknown flags and invalid values exit with code 2 and a clear message."""
-    p = argparse.ArgumentParser(prog="specserve serve", allow_abbrev=False,
-                                description="OpenAI-compatible and SGLang-native HTTP server (SGLang flag names).")
-    ServerArgs.add_cli_args(p)
+    p = build_parser()
     ns, unknown = p.parse_known_args(argv)
     if unknown:
-        p.error(f"unrecognized or unsupported argument(s): {' '.join(unknown)} (see 'specserve serve --help')")
+        p.error(f"unrecognized or unsupported argument(s): {' '.join(unknown)}")
     try:
         return ServerArgs.from_cli_args(ns)
     except ValueError as e:

@@ -126,6 +126,7 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
     async def get_server_info() -> dict:
         args = dataclasses.asdict(tm.args)
         args.pop("extra", None)
+        args["model_path"] = tm.shown_model_path
         runtime = tm.runtime_info()
         return {**args, "version": specserve.__version__, "served_model_name": tm.served_model_name, **runtime,
                 "internal_states": [runtime]}

@@ -96,11 +96,19 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
     spec = tm.info.spec_enabled
 
+    def model_card() -> dict:
+        return {"id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
+                "root": tm.shown_model_path, "max_model_len": tm.info.context_len}
+
     @router.get("/v1/models")
     async def models() -> dict:
-        card = {"id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
-                "root": tm.info.model_path, "max_model_len": tm.info.context_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        """One model (the openai client's models.retrieve): this server's, under any name a request may use."""
+        tm.check_model(model_id)
+        return model_card()
 
     # ------------------------------------------------------------------ chat
     @router.post("/v1/chat/completions")

@@ -29,6 +29,8 @@ from specserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's name (no --model-path)
+
 # chat_template_kwargs may not set apply_chat_template's own arguments; `chat_template` would let a client run a
 # template of its own on the server's tokenizer thread (a loop in it stalls every text route).
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_tensors", "return_dict",
@@ -167,6 +169,12 @@ class TokenizerManager:
             raise bad_request(
                 f"the prompt has {len(input_ids)} tokens; the context length is {self.info.context_len} "
                 "(the prompt must leave room for at least one new token)", param="prompt")
+
+    @property
+    def shown_model_path(self) -> str:
+        """The model path the info routes show: --model-path, or the embedded default by name (not the path of an
+        installed package file)."""
+        return self.args.model_path if self.args.model_path is not None else f"embedded:{EMBEDDED_SERVED_NAME}"
 
     def check_model(self, name: str | None) -> None:
         if name is None:
