@@ -95,6 +95,8 @@ class ServerArgs:
     speculative_mtp_chain: str = "normed"
     # sampling
     random_seed: int = 0
+    # /generate may ask for the target's hidden states (SGLang's return_hidden_states): each decode step keeps them
+    enable_return_hidden_states: bool = False
     sampling_defaults: str = "model"
     # server
     host: str = "127.0.0.1"
@@ -397,6 +399,10 @@ class ServerArgs:
         a("--random-seed", type=int, default=0, help="seed of requests that give none")
         a("--sampling-defaults", default="model", choices=("model", "openai"),
           help="model: unset sampling options come from the model's generation config; openai: OpenAI's defaults")
+        a("--enable-return-hidden-states", action="store_true",
+          help="let /generate and Engine.generate return the target's final-norm hidden state at every position "
+               "(return_hidden_states; meta_info.hidden_states, as SGLang). Decode steps of such requests run "
+               "synchronously")
 
         a = g["HTTP server"].add_argument
         a("--host", default=d["host"].default, help="address to listen on")

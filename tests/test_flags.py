@@ -42,8 +42,6 @@ REFUSED = {
     ("--model-loader-extra-config", '{"quantization": "fp8"}'): "online quantisation (loader options) is not "
                                                                  "supported yet",
 }
-# Added with its implementation (returning hidden states from /generate), not here.
-LATER = "--enable-return-hidden-states"
 
 
 def _pairs(argv: list[str]) -> set[tuple[str, str]]:
@@ -51,12 +49,10 @@ def _pairs(argv: list[str]) -> set[tuple[str, str]]:
 
 
 def _without(argv: list[str], pairs: set[tuple[str, str]]) -> list[str]:
-    """argv less LATER and the given (flag, value) pairs."""
+    """argv less the given (flag, value) pairs."""
     out, i = [], 0
     while i < len(argv):
-        if argv[i] == LATER:
-            i += 1
-        elif tuple(argv[i:i + 2]) in pairs:
+        if tuple(argv[i:i + 2]) in pairs:
             i += 2
         else:
             out.append(argv[i])
@@ -93,6 +89,7 @@ def test_reference_launch_commands(cmd, capsys):
         assert (a.speculative_algorithm, a.speculative_num_steps, a.speculative_num_draft_tokens) == ("EAGLE", 4, 5)
     else:
         assert (a.tp_size, a.ep_size, a.max_running_requests, a.port) == (4, 4, 128, 8016)
+        assert a.enable_return_hidden_states
         assert (a.speculative_num_steps, a.speculative_num_draft_tokens) == (3, 4)
 
 

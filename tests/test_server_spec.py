@@ -24,7 +24,8 @@ def spec_server(tmp_path_factory) -> LiveServer:
     draft = build_draft_folder(str(root / "draft"), model, seed=9)
     srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--speculative-algorithm", "MTP",
                         "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
-                        "--served-model-name", "tiny-mtp", "--enable-overlap-schedule"],  # the GPU's schedule
+                        "--served-model-name", "tiny-mtp", "--enable-overlap-schedule",  # the GPU's schedule
+                        "--enable-return-hidden-states"],
                        str(root / "server.log"))
     yield srv
     srv.terminate()
@@ -65,6 +66,29 @@ def test_usage_reports_accept_length(spec_server):
     metrics = httpx.get(spec_server.url + "/metrics").text
     line = next(x for x in metrics.splitlines() if x.startswith("specserve:spec_accept_length{"))
     assert float(line.split()[-1]) >= 1.0
+
+
+def test_generate_returns_hidden_states(spec_server):
+    """return_hidden_states on /generate: SGLang's meta_info.hidden_states (the prompt's [P, H], then one [H] per
+    output token but the last), streamed in the final event; a request that does not ask gets none."""
+    body = {"input_ids": [[5, 6, 7, 8], [9, 10]], "return_hidden_states": [True, False],
+            "sampling_params": {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True}}
+    asked, plain = httpx.post(spec_server.url + "/generate", json=body, timeout=60).json()
+    hidden = asked["meta_info"]["hidden_states"]
+    assert len(hidden) == 7 and len(hidden[0]) == 4 and all(len(h) == len(hidden[0][0]) for h in hidden[1:])
+    assert "hidden_states" not in plain["meta_info"]
+    events = []
+    with httpx.stream("POST", spec_server.url + "/generate", timeout=60,
+                      json={**body, "input_ids": [5, 6, 7, 8], "return_hidden_states": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    streamed = events[-1]["meta_info"]["hidden_states"]  # greedy: the same positions (batch-size rounding apart)
+    assert len(streamed) == len(hidden) and all(
+        abs(x - y) < 1e-4 for a, b in zip(streamed[1:], hidden[1:]) for x, y in zip(a, b))
+    assert all(abs(x - y) < 1e-4 for a, b in zip(streamed[0], hidden[0]) for x, y in zip(a, b))
+    assert all("hidden_states" not in e["meta_info"] for e in events[:-1])
+    spec_server.wait_idle()
 
 
 def test_sigterm_with_a_stream_in_flight_exits_0(spec_server):

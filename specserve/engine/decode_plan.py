@@ -17,7 +17,8 @@ run and read at once):
             else its verify runner's graph + sampling)                    covers the batch and no row's lag is full
 
 Every kind runs synchronously when the overlap schedule is off (--disable-overlap-schedule, a CPU without
---enable-overlap-schedule, a tensor-parallel engine, whose steps are broadcast to the other ranks first), when no
+--enable-overlap-schedule, a tensor-parallel engine, whose steps are broadcast to the other ranks first), while a
+running request returns hidden states (the step's buffer is read before a later step writes it), when no
 running request may join the launch (a speculating engine's rows all wait for the read of the step in flight), or
 when the step's pages cannot be had without a retraction, which needs every token read (the scheduler finds that
 when it reserves them, after the plan: `DecodePlan.fall_back`). The kind is a speculating engine's choice, made once
@@ -78,13 +79,16 @@ def step_kind(speculating: bool, plain_chosen: bool) -> StepKind:
 
 
 def plan_decode(kind: StepKind, *, overlap: bool, batch: bool = True, spec_in_flight: bool = False,
-                one_graph: bool = True) -> DecodePlan:
+                one_graph: bool = True, reads_hidden: bool = False) -> DecodePlan:
     """The next decode step's plan (the module docstring's table). overlap: the overlap schedule is on (one rank);
     batch: some running request may join an overlapped launch; spec_in_flight: the step in flight is speculative;
     one_graph: the worker can launch this kind for the batch as one graph (SpecWorker.can_launch /
-    can_launch_plain; not asked for DECODE)."""
+    can_launch_plain; not asked for DECODE); reads_hidden: a running request returns hidden states
+    (graphs/step_hidden.py)."""
     if not overlap:
         return DecodePlan(kind, False, "the overlap schedule is off")
+    if reads_hidden:
+        return DecodePlan(kind, False, "a request returns hidden states: each step is read before the next")
     if kind is StepKind.DECODE:
         return DecodePlan(kind, True, "a decode step needs nothing the host has not read")
     if not batch:

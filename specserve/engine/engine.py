@@ -18,6 +18,7 @@ import torch
 
 from specserve.defaults import EMBEDDED_GENERATION_CONFIG, embedded_draft_path, embedded_model_path
 from specserve.distributed.tp import TP1
+from specserve.engine.hidden_states import hidden_states_output
 from specserve.engine.loading import load_models, resolve_device
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
@@ -96,8 +97,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def make_request(self, input_ids: list[int], sampling: dict | SamplingParams | None,
-                     rid: str | None = None) -> Req:
-        """Validate and build a request (raises ValueError; nothing is queued on error)."""
+                     rid: str | None = None, return_hidden_states: bool = False) -> Req:
+        """Validate and build a request (raises ValueError; nothing is queued on error). return_hidden_states: the
+        result carries the target's hidden states (engine/hidden_states.py; needs --enable-return-hidden-states)."""
+        if return_hidden_states and not self.args.enable_return_hidden_states:
+            raise ValueError("this server does not return hidden states: start it with --enable-return-hidden-states")
         if isinstance(sampling, SamplingParams):
             sp = sampling
             sp.validate()
@@ -116,7 +120,8 @@ class EngineCore:
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
-        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=list(input_ids), sampling=sp, seed=seed)
+        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=list(input_ids), sampling=sp, seed=seed,
+                   return_hidden_states=return_hidden_states)
 
     def tokenize(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -136,8 +141,15 @@ class EngineCore:
         if self.args.spec_enabled:
             meta["spec_verify_ct"] = req.spec_verify_ct
             meta["spec_accept_length"] = req.spec_accept_length
+        if req.return_hidden_states:
+            meta["hidden_states"] = hidden_states_output(req)
         return {"text": output_text(self.tokenizer, req) if self.tokenizer else "",
                 "output_ids": list(req.output_ids), "meta_info": meta}
+
+    @staticmethod
+    def hidden_states(req: Req) -> list:
+        """A finished request's meta_info.hidden_states (engine/hidden_states.py), for the HTTP process."""
+        return hidden_states_output(req)
 
     def run_until_done(self, reqs: list[Req]) -> None:
         for r in reqs:
@@ -172,7 +184,10 @@ class Engine:
         self.tokenizer = self.core.tokenizer
 
     def generate(self, prompt: str | Sequence[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None) -> dict | list[dict]:
+                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 return_hidden_states: bool = False) -> dict | list[dict]:
+        """Generate for a prompt, a list of prompts, or input ids; return_hidden_states (with
+        --enable-return-hidden-states): meta_info.hidden_states, as SGLang's (engine/hidden_states.py)."""
         self._check_running()
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -191,7 +206,8 @@ class Engine:
             sps = sampling_params
         else:
             sps = [sampling_params] * len(ids)
-        reqs = [self.core.make_request(i, sp) for i, sp in zip(ids, sps)]  # validates all before queueing any
+        # validates all before queueing any
+        reqs = [self.core.make_request(i, sp, return_hidden_states=return_hidden_states) for i, sp in zip(ids, sps)]
         self.core.run_until_done(reqs)
         out = [self.core.result(r) for r in reqs]
         return out[0] if single else out

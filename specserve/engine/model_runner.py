@@ -35,6 +35,7 @@ from specserve.graphs.phase_runners import (
 )
 from specserve.graphs.prefill import PrefillRunner
 from specserve.graphs.step_graph import DecodeStepGraph
+from specserve.graphs.step_hidden import StepHidden
 from specserve.kvcache.allocator import PageAllocator
 from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token
 from specserve.kvcache.caches import ModelCaches
@@ -134,6 +135,9 @@ class ModelRunner:
                                   state_slots=self.num_steps + 1, kind_dtypes=self.kind_dtypes)
         self.kv = KVManager(self.allocator, self.req_to_token, self.caches.state)
         self.last_token = torch.zeros(self.max_running + 1, dtype=torch.int64, device=device)  # [rows]
+        # each decode step's hidden states, for requests that return them (graphs/step_hidden.py)
+        self.step_hidden = (StepHidden.allocate(self.req_to_token.table.shape[0], self.num_steps + 1, cfg.hidden_size,
+                                                dtype, device) if args.enable_return_hidden_states else None)
 
         # ---- phase runners
         self.use_graphs = not args.disable_cuda_graph
@@ -153,7 +157,8 @@ class ModelRunner:
         self.decode_sampling = SamplingCache(cfg.vocab_size, device)  # the running batch's, per composition
         if draft is None:
             self.phases.decode = DecodeRunner(target_ctx, 1, capture, self.use_graphs)
-            self.decode_step_graph = DecodeStepGraph(self.phases.decode, self.last_token, capture, self.use_graphs)
+            self.decode_step_graph = DecodeStepGraph(self.phases.decode, self.last_token, capture, self.use_graphs,
+                                                     self.step_hidden)
         else:
             n = self.num_steps
             self.phases.target_verify = TargetVerifyRunner(target_ctx, n + 1, capture, self.use_graphs)
@@ -169,7 +174,8 @@ class ModelRunner:
                                        prefill_graph_tokens=max_prefill, prefill_graph_rows=prefill_rows,
                                        prefill_graph_attended=self._prefill_graph_attended(),
                                        kind_dtypes=self.kind_dtypes,
-                                       draft_sampling=args.speculative_draft_sampling == "sample"),
+                                       draft_sampling=args.speculative_draft_sampling == "sample",
+                                       step_hidden=self.step_hidden),
                                    self.phases.plain_verify)
         # prefill: the target's extend (the draft's over the same positions is the worker's)
         self.prefill = PrefillRunner(target_ctx, ForwardMode.EXTEND, max_prefill, prefill_rows, self.use_graphs,

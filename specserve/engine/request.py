@@ -40,6 +40,9 @@ class Req:
     retractions: int = 0
     # streaming cursor for incremental outputs
     sent_output_len: int = 0
+    # the target's hidden state at each position it ran, for a request that returns them (engine/hidden_states.py)
+    return_hidden_states: bool = False
+    hidden_states: list = field(default_factory=list)  # [H] float32 host tensors, by position
 
     @property
     def fill_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from specserve.engine.adaptive_spec import AdaptiveSpeculation
 from specserve.engine.admission import Admission
 from specserve.engine.decode_plan import DecodePlan, StepKind, plan_decode, step_kind
+from specserve.engine.hidden_states import record_hidden
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.overlap import InFlightDecode, TokenReadback
 from specserve.engine.request import Req, ReqState
@@ -243,6 +244,8 @@ class Scheduler:
         """plan_decode over this step's facts, and the batch an overlapped launch would take."""
         if not self._overlapping:
             return plan_decode(kind, overlap=False), None
+        if any(r.return_hidden_states for r in self.running):
+            return plan_decode(kind, overlap=True, reads_hidden=True), None
         prev = self._inflight
         spec_in_flight = prev is not None and prev.spec
         pending = set(prev.reqs) if prev is not None else set()
@@ -325,7 +328,9 @@ class Scheduler:
         reqs = list(self.running)
         if kind is StepKind.DECODE:
             self._broadcast(kind, reqs)
-            for req, t in zip(reqs, run_decode(self.model_runner, reqs)):
+            tokens = run_decode(self.model_runner, reqs)
+            self._keep_hidden(reqs, [1] * len(reqs))
+            for req, t in zip(reqs, tokens):
                 req.seq_len += 1
                 self._append(req, [t])
             return
@@ -341,7 +346,16 @@ class Scheduler:
                                  1 + sum(res.accept_len) / len(reqs), caught, steady=self._sync_kind == plain)
         self._sync_kind = plain
         self._last_read = now
+        self._keep_hidden(reqs, [k + 1 for k in res.accept_len])
         self._apply_spec(reqs, res, plain)
+
+    def _keep_hidden(self, reqs: list[Req], counts: list[int]) -> None:
+        """A synchronous step's hidden states at its `counts` committed positions from each row's S, kept for the
+        requests that return them (engine/hidden_states.py); called before S advances."""
+        step_hidden = self.model_runner.step_hidden
+        for req, count in zip(reqs, counts):
+            if req.return_hidden_states and not req.finished:
+                record_hidden(req, req.seq_len, step_hidden.read(req.kv.row, count))
 
     def _broadcast(self, kind: StepKind, reqs: list[Req]) -> None:
         """A tensor-parallel leader's step, sent to the other ranks before it runs (engine/tp_ranks.py)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.hidden_states import record_hidden
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.graphs.padding import ExtendBatch, LiveInputs
@@ -76,6 +77,7 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> torch.Tens
         spec.record_tokens(loc_r, loc_c, input_ids)  # the token history of context lookup drafting
     batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext)
     hidden = model_runner.prefill.run(batch)  # [T, F] (a graph's output: used before the next prefill)
+    _keep_prefill_hidden(chunks, hidden, model_runner.cfg.hidden_size)
 
     ends = torch.tensor(ext, device=dev).cumsum(0) - 1  # last token of each chunk
     final = [i for i, c in enumerate(chunks) if c.is_final]
@@ -106,6 +108,18 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> torch.Tens
     return t0
 
 
+def _keep_prefill_hidden(chunks: list[Chunk], hidden: torch.Tensor, hidden_size: int) -> None:
+    """The prefill's hidden states [T, F] of the chunks whose requests return them, kept on the host now (the
+    graph's output is gone at the next replay): one device sync, only when such a request is in the batch."""
+    start = 0
+    for c in chunks:
+        n = c.end - c.start
+        if c.req.return_hidden_states:
+            # a copy (on a CPU too: the prefill graph's output is rewritten by the next prefill)
+            record_hidden(c.req, c.start, hidden[start:start + n, :hidden_size].to("cpu", torch.float32, copy=True))
+        start += n
+
+
 @torch.inference_mode()
 def run_decode(model_runner: ModelRunner, reqs: list[Req]) -> list[int]:
     """A plain engine's decode step, read back at once (the step's host sync)."""
@@ -129,8 +143,10 @@ def launch_decode(model_runner: ModelRunner, reqs: list[Req]) -> torch.Tensor:
     live = LiveInputs(batch_size=len(reqs), input_ids=model_runner.last_token[rows],
                       positions=seq_lens + rope_offsets(reqs, dev), req_pool_indices=rows, seq_lens=seq_lens + 1,
                       max_seq_len=max(seq_lens_host) + 1)
-    logits = model_runner.phases.decode.run(live)["logits"]
-    tokens = sample(logits, sampling, seq_lens + 1)
+    out = model_runner.phases.decode.run(live)
+    if model_runner.step_hidden is not None:
+        model_runner.step_hidden.write(rows, out["hidden"])
+    tokens = sample(out["logits"], sampling, seq_lens + 1)
     model_runner.last_token[rows] = tokens
     return tokens
 

@@ -139,7 +139,7 @@ class PhaseRunner(LadderRunner):
 
 
 class DecodeRunner(PhaseRunner):
-    """Target decode: one token per request -> logits [bs, V]."""
+    """Target decode: one token per request -> logits [bs, V] and the final-norm hidden state [bs, H]."""
 
     name = "decode"
     mode = ForwardMode.DECODE
@@ -148,7 +148,7 @@ class DecodeRunner(PhaseRunner):
         fb = self.make_batch(self.mode, t, t.input_ids, t.positions, t.seq_lens, None, backends, graph_mode,
                              t.max_seq_len)
         hidden = self.ctx.model(fb)
-        return {"logits": self.ctx.model.compute_logits(hidden)}
+        return {"logits": self.ctx.model.compute_logits(hidden), "hidden": hidden}
 
 
 class TargetVerifyRunner(PhaseRunner):

@@ -20,6 +20,7 @@ import torch
 from specserve.graphs.capture import GraphLadder, LadderRunner
 from specserve.graphs.padding import LiveInputs, stage_step
 from specserve.graphs.phase_runners import DecodeRunner, inline_phase
+from specserve.graphs.step_hidden import StepHidden
 from specserve.layers.sampler import GREEDY, SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -124,20 +125,25 @@ class DecodeStepGraph(StepGraph):
 
     name = "decode_step"
 
-    def __init__(self, decode: DecodeRunner, last_token: torch.Tensor, capture_bs: list[int], use_graphs: bool):
+    def __init__(self, decode: DecodeRunner, last_token: torch.Tensor, capture_bs: list[int], use_graphs: bool,
+                 step_hidden: StepHidden | None = None):
         """decode: the target's decode runner (its backends and graph metadata are used); last_token [rows]: the
-        target's per-row newest token (read and written)."""
+        target's per-row newest token (read and written); step_hidden: where the step keeps its hidden states
+        (graphs/step_hidden.py; None: nowhere)."""
         ctx = decode.ctx
         super().__init__(capture_bs, use_graphs, ctx.device, ctx.model.config.vocab_size, ctx.graph_max_seq_len, 1)
         self.decode = decode
         self.last_token = last_token
+        self.step_hidden = step_hidden
 
     def forward(self, inputs: torch.Tensor, max_seq_len: int, sampling: SamplingBatch = GREEDY) -> torch.Tensor:
         rows, seq_lens, pos0 = inputs[0], inputs[1], inputs[2]
         # 1-D text positions also for mRoPE models, which read them as three equal rows (as the spec step does)
         live = LiveInputs(rows.shape[0], self.last_token[rows], pos0, rows, seq_lens + 1, max_seq_len + 1)
-        logits = inline_phase(self.decode, live)["logits"]  # [pbs, V]
-        tokens = sample(logits, sampling, seq_lens + 1)  # the token at index S + 1
+        out = inline_phase(self.decode, live)
+        if self.step_hidden is not None:
+            self.step_hidden.write(rows, out["hidden"])
+        tokens = sample(out["logits"], sampling, seq_lens + 1)  # [pbs] the token at index S + 1
         self.last_token[rows] = tokens
         return tokens
 

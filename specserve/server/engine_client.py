@@ -72,8 +72,8 @@ class EngineClient:
         self._receiver.start()
 
     # ------------------------------------------------------------------ messages
-    def add(self, rid: str, input_ids: list[int], sampling: dict) -> None:
-        self._send_q.put(AddRequest(rid, input_ids, sampling))
+    def add(self, rid: str, input_ids: list[int], sampling: dict, return_hidden_states: bool = False) -> None:
+        self._send_q.put(AddRequest(rid, input_ids, sampling, return_hidden_states))
 
     def abort(self, rid: str) -> None:
         self._send_q.put(AbortRequest(rid))

@@ -20,6 +20,7 @@ class AddRequest:
     rid: str
     input_ids: list[int]
     sampling: dict  # SGLang sampling names, already validated by the HTTP process
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -105,6 +106,7 @@ class RequestDelta:
     finished_reason: dict | None = None  # {"type": "stop"|"length"|"abort", ...} once finished
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
+    hidden_states: list | None = None  # once finished, for a request that returns them (engine/hidden_states.py)
 
 
 @dataclass

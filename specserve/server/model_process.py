@@ -124,16 +124,18 @@ class EngineLoop:
 
     def _add(self, m: AddRequest, out: StepOutput) -> None:
         try:
-            req = self.core.make_request(m.input_ids, m.sampling, rid=m.rid)
+            req = self.core.make_request(m.input_ids, m.sampling, rid=m.rid,
+                                         return_hidden_states=m.return_hidden_states)
             self.sched.add_request(req)
         except ValueError as e:
             out.rejected.append(RequestRejected(m.rid, str(e)))
 
-    @staticmethod
-    def _delta(req) -> RequestDelta:
+    def _delta(self, req) -> RequestDelta:
         new = req.output_ids[req.sent_output_len:]
         req.sent_output_len = len(req.output_ids)
-        return RequestDelta(req.rid, list(new), req.finished_reason, req.spec_verify_ct, req.spec_accepted_drafts)
+        hidden = self.core.hidden_states(req) if req.return_hidden_states and req.finished else None
+        return RequestDelta(req.rid, list(new), req.finished_reason, req.spec_verify_ct, req.spec_accepted_drafts,
+                            hidden)
 
     def _abort_all(self) -> None:
         for rid in list(self.sched.reqs):

@@ -2,7 +2,8 @@
 /abort_request.
 
 /generate takes "text" (a string or a list) or "input_ids" (a list of ids or a list of lists), "sampling_params"
-(SGLang names; one dict or one per prompt), "stream", "rid". It answers {"text", "output_ids", "meta_info",
+(SGLang names; one dict or one per prompt), "stream", "rid", "return_hidden_states" (with
+--enable-return-hidden-states: meta_info.hidden_states once finished). It answers {"text", "output_ids", "meta_info",
 "usage"} (a list for a batch); streamed, every event carries the cumulative text and output ids, then [DONE].
 """
 
@@ -82,7 +83,15 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
     logprob = body.return_logprob
     if any(logprob) if isinstance(logprob, list) else logprob:
         raise bad_request("return_logprob is not supported by specserve", param="return_logprob")
-    reqs = [GenRequest(p, normalize_sgl_sampling(sp), rid=r) for p, sp, r in zip(prompts, sps, rids, strict=True)]
+    hidden = body.return_hidden_states
+    if isinstance(hidden, list):
+        if len(hidden) != n:
+            raise bad_request(f"return_hidden_states has {len(hidden)} entries for {n} prompts",
+                              param="return_hidden_states")
+    else:
+        hidden = [bool(hidden)] * n
+    reqs = [GenRequest(p, normalize_sgl_sampling(sp), rid=r, return_hidden_states=h)
+            for p, sp, r, h in zip(prompts, sps, rids, hidden, strict=True)]
     return reqs, single
 
 

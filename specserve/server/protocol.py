@@ -89,6 +89,7 @@ class GenerateRequest(_Strict):
     rid: str | list[str] | None = None
     model: str | None = None
     return_logprob: bool | list[bool] | None = False
+    return_hidden_states: bool | list[bool] | None = False  # needs --enable-return-hidden-states
 
 
 class AbortRequestBody(_Strict):

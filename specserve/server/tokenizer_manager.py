@@ -43,6 +43,7 @@ class GenRequest:
     sampling: dict  # SGLang sampling names
     rid: str | None = None
     internal: bool = False  # warm-up and health checks: kept out of the metrics
+    return_hidden_states: bool = False  # meta_info.hidden_states once finished (--enable-return-hidden-states)
 
 
 @dataclass
@@ -206,6 +207,9 @@ class TokenizerManager:
         if not req.internal:
             self.check_queue()
         self.validate(req.input_ids, req.sampling)
+        if req.return_hidden_states and not self.args.enable_return_hidden_states:
+            raise bad_request("this server does not return hidden states: start it with "
+                              "--enable-return-hidden-states", param="return_hidden_states")
         if req.rid is not None:
             try:
                 req.rid.encode("utf-8")  # echoed in the response: it must be encodable
@@ -227,7 +231,7 @@ class TokenizerManager:
         stop = [stop] if isinstance(stop, str) else list(stop)
         t = _Tracked(rid, len(req.input_ids), IncrementalDetokenizer(self.tokenizer, skip, stop), req.internal)
         self.reqs[rid] = t
-        self.engine.add(rid, list(req.input_ids), dict(req.sampling))
+        self.engine.add(rid, list(req.input_ids), dict(req.sampling), req.return_hidden_states)
         limit = None if req.internal else self.args.request_timeout
         deadline = None if limit is None else t.arrival + limit
         try:
@@ -263,7 +267,7 @@ class TokenizerManager:
 
     def _apply(self, t: _Tracked, items: list) -> GenChunk | None:
         new_ids: list[int] = []
-        reason = None
+        reason = hidden = None
         for it in items:
             if isinstance(it, RequestRejected):
                 t.done = True
@@ -275,7 +279,7 @@ class TokenizerManager:
             t.spec_verify_ct = max(t.spec_verify_ct, it.spec_verify_ct)
             t.spec_accepted_drafts = max(t.spec_accepted_drafts, it.spec_accepted_drafts)
             if it.finished_reason is not None:
-                reason = it.finished_reason
+                reason, hidden = it.finished_reason, it.hidden_states
                 break  # nothing after a finish belongs to this request
         if not new_ids and reason is None:
             return None
@@ -292,6 +296,8 @@ class TokenizerManager:
         if self.info.spec_enabled:
             meta["spec_verify_ct"] = t.spec_verify_ct
             meta["spec_accept_length"] = self._accept_len(t)
+        if hidden is not None:
+            meta["hidden_states"] = hidden
         if reason is not None:
             meta["e2e_latency"] = now - t.arrival
             self._record(t, reason)

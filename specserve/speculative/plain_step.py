@@ -17,6 +17,7 @@ import torch
 from specserve.graphs.padding import LiveInputs
 from specserve.graphs.phase_runners import PhaseCall, PlainVerifyRunner, inline_phase
 from specserve.graphs.step_graph import StepGraph
+from specserve.graphs.step_hidden import StepHidden
 from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import GREEDY, SamplingBatch, sample
 from specserve.speculative.draft_lag import DraftLag
@@ -33,6 +34,7 @@ class PlainStepContext:
     target_state: StatePool | None
     plain_verify: PlainVerifyRunner
     lag: DraftLag
+    step_hidden: StepHidden | None = None  # where the step's hidden states are kept (--enable-return-hidden-states)
 
 
 def plain_step_device(ctx: PlainStepContext, call: PhaseCall, rows: torch.Tensor, seq_lens: torch.Tensor,
@@ -41,6 +43,8 @@ def plain_step_device(ctx: PlainStepContext, call: PhaseCall, rows: torch.Tensor
     of index S) -> tokens [bs] at index S + 1. No host sync."""
     out = call(ctx.plain_verify, LiveInputs(rows.shape[0], ctx.last_token[rows], pos0, rows, seq_lens + 1,
                                             max_seq_len + 1))
+    if ctx.step_hidden is not None:
+        ctx.step_hidden.write(rows, out["hidden"])
     tokens = sample(out["logits"][:, 0], sampling, seq_lens + 1)  # [bs]
     ctx.last_token[rows] = tokens
     if ctx.target_state is not None:  # the state after S (the verify pass's slot 0) is current

@@ -29,6 +29,7 @@ import torch
 from specserve.graphs.padding import LiveInputs
 from specserve.graphs.phase_runners import PhaseCall, PhaseRunner, TargetVerifyRunner, inline_phase
 from specserve.graphs.step_graph import StepGraph
+from specserve.graphs.step_hidden import StepHidden
 from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits
 from specserve.speculative.accept import one_hot_dist, verify_greedy, verify_sampling, verify_sampling_q
@@ -62,6 +63,7 @@ class SpecStepWorker(Protocol):
     last_token: torch.Tensor  # [rows] the target's newest token per row (shared with the model runner)
     target_state: StatePool | None  # the target's recurrent state (None without recurrent layers)
     phases: SpecPhases
+    step_hidden: StepHidden | None  # where verify's hidden states are kept (--enable-return-hidden-states)
 
 
 def spec_step_device(worker: SpecStepWorker, call: PhaseCall, rows: torch.Tensor, seq_lens: torch.Tensor,
@@ -104,6 +106,8 @@ def spec_step_device(worker: SpecStepWorker, call: PhaseCall, rows: torch.Tensor
     out = call(phases.target_verify, LiveInputs(bs, verify_ids, verify_pos, rows, seq_lens + width,
                                                 max_seq_len + width))
     logits, hidden = out["logits"], out["hidden"]  # [bs, width, V], [bs, width, F]
+    if worker.step_hidden is not None:
+        worker.step_hidden.write(rows, hidden)
 
     # 3. accept
     if sampling.all_greedy:

@@ -33,6 +33,7 @@ from specserve.batch import CacheKind, ForwardMode
 from specserve.graphs.padding import ExtendBatch
 from specserve.graphs.phase_runners import PlainVerifyRunner, RunnerContext, TargetVerifyRunner, replay_phase
 from specserve.graphs.prefill import PrefillRunner
+from specserve.graphs.step_hidden import StepHidden
 from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import SamplingBatch
@@ -69,6 +70,8 @@ class WorkerSettings:
     # sampled rows' drafts drawn from the head's own distribution in the one-graph step (verified with
     # min(1, p/q) and the residual max(0, p - q)); False: the head's argmax (a one-hot draft)
     draft_sampling: bool = False
+    # where each step keeps the target's hidden states (--enable-return-hidden-states; None: nowhere)
+    step_hidden: StepHidden | None = None
 
 
 class SpecWorker:
@@ -87,6 +90,7 @@ class SpecWorker:
         self.device = target_ctx.device
         self.last_token = last_token
         self.target_state = target_state
+        self.step_hidden = settings.step_hidden
         specs = draft.cache_specs()
         if any(spec.kind is CacheKind.RECURRENT for spec in specs):
             raise ValueError("draft models with recurrent layers are not supported (the MTP block is attention)")
@@ -121,7 +125,8 @@ class SpecWorker:
         self.plain_step_graph: PlainStepGraph | None = None
         if plain_verify is not None:
             self.lag = DraftLag.allocate(rows, draft.feature_size, target_ctx.dtype, self.device)
-            self.plain_step_ctx = PlainStepContext(self.state, last_token, target_state, plain_verify, self.lag)
+            self.plain_step_ctx = PlainStepContext(self.state, last_token, target_state, plain_verify, self.lag,
+                                                   settings.step_hidden)
             if settings.spec_step_graph:
                 self.plain_step_graph = PlainStepGraph(self.plain_step_ctx, capture_bs, use_graphs)
         self.prefill = PrefillRunner(self.ctx, ForwardMode.DRAFT_EXTEND, settings.prefill_graph_tokens,
