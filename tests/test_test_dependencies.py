@@ -36,7 +36,7 @@ REQUIRED = {
     "scipy": "test extra; test_sampling_lossless (chi-square)",
     "scipy.stats": "test extra; test_sampling_lossless imports chisquare from it",
     "matplotlib": "test extra; bench --plot (test_bench_units importorskips it)",
-    "hypothesis": "test extra; test_fuzz_routes (property-based fuzzing of the HTTP routes)",
+    "hypothesis": "test extra; test_fuzz_routes (property-based fuzzing of the HTTP routes), test_*_parsers",
     "accelerate": "test extra; test_smollm2 importorskips it (transformers' low-memory loading)",
 }
 
