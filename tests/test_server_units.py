@@ -177,7 +177,7 @@ class FakeEngine:
     def start_io(self, loop, on_output, on_exit):
         self.on_output, self.on_exit = on_output, on_exit
 
-    def add(self, rid, input_ids, sampling):
+    def add(self, rid, input_ids, sampling, return_hidden_states=False):
         self.added.append((rid, input_ids, sampling))
 
     def abort(self, rid):
