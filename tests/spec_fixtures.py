@@ -90,10 +90,11 @@ class OracleDraft(nn.Module):
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
 
 
-def run_greedy(sched: Scheduler, prompts: list[list[int]], new: int) -> list[Req]:
-    """Greedy requests (ignore_eos) for `prompts` run to the end; the KV pool must be back where it started."""
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True), seed=i)
-            for i, p in enumerate(prompts)]
+def run_greedy(sched: Scheduler, prompts: list[list[int]], new: int, hidden=lambda i: False) -> list[Req]:
+    """Greedy requests (ignore_eos) for `prompts` run to the end; the KV pool must be back where it started.
+    hidden(i): request i returns hidden states."""
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True), seed=i,
+                return_hidden_states=hidden(i)) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.add_request(r)
     while sched.has_work:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_fixtures import ForcedSteps, OracleDraft, build_scheduler
+from spec_fixtures import ForcedSteps, OracleDraft, build_scheduler, run_greedy
 
 from specserve import Engine
 from specserve.engine.hidden_states import hidden_states_output
-from specserve.engine.request import Req
-from specserve.engine.sampling_params import SamplingParams
 
 PROMPT_LENS = (5, 21, 2, 12)
 NEW = 14
@@ -46,14 +44,7 @@ def _check(hf, prompt: list[int], output_ids: list[int], hidden: list, atol: flo
 
 
 def _run(sched, prompts, ask=lambda i: True, new=NEW):
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True), seed=i,
-                return_hidden_states=ask(i)) for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.add_request(r)
-    while sched.has_work:
-        sched.step()
-    sched.check_idle_invariants()
-    return reqs
+    return run_greedy(sched, prompts, new, hidden=ask)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation
@@ -244,7 +245,7 @@ class Scheduler:
         """plan_decode over this step's facts, and the batch an overlapped launch would take."""
         if not self._overlapping:
             return plan_decode(kind, overlap=False), None
-        if any(r.return_hidden_states for r in self.running):
+        if self.model_runner.step_hidden is not None and any(r.return_hidden_states for r in self.running):
             return plan_decode(kind, overlap=True, reads_hidden=True), None
         prev = self._inflight
         spec_in_flight = prev is not None and prev.spec
@@ -329,7 +330,7 @@ class Scheduler:
         if kind is StepKind.DECODE:
             self._broadcast(kind, reqs)
             tokens = run_decode(self.model_runner, reqs)
-            self._keep_hidden(reqs, [1] * len(reqs))
+            self._keep_hidden(reqs, (1 for _ in reqs))
             for req, t in zip(reqs, tokens):
                 req.seq_len += 1
                 self._append(req, [t])
@@ -346,13 +347,15 @@ class Scheduler:
                                  1 + sum(res.accept_len) / len(reqs), caught, steady=self._sync_kind == plain)
         self._sync_kind = plain
         self._last_read = now
-        self._keep_hidden(reqs, [k + 1 for k in res.accept_len])
+        self._keep_hidden(reqs, (k + 1 for k in res.accept_len))
         self._apply_spec(reqs, res, plain)
 
-    def _keep_hidden(self, reqs: list[Req], counts: list[int]) -> None:
+    def _keep_hidden(self, reqs: list[Req], counts: Iterable[int]) -> None:
         """A synchronous step's hidden states at its `counts` committed positions from each row's S, kept for the
         requests that return them (engine/hidden_states.py); called before S advances."""
         step_hidden = self.model_runner.step_hidden
+        if step_hidden is None:  # the flag is off: no request returns hidden states, no loop per step
+            return
         for req, count in zip(reqs, counts):
             if req.return_hidden_states and not req.finished:
                 record_hidden(req, req.seq_len, step_hidden.read(req.kv.row, count))
