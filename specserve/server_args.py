@@ -27,6 +27,7 @@ DECODE_GEMV = ("auto", "triton", "cublas")  # dense layers' decode-row projectio
 LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-attention layers (layers/gdn.py)
 INDEXER_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the sparse-attention indexer's key cache (auto: --kv-cache-dtype)
 MLA_PREFILL = ("auto", "absorbed", "mha")  # eager prefill of dense MLA layers (attention/mla_prefill.py)
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's outlines and llguidance are not offered
 
 
 @dataclass
@@ -98,6 +99,7 @@ class ServerArgs:
     # /generate may ask for the target's hidden states (SGLang's return_hidden_states): each decode step keeps them
     enable_return_hidden_states: bool = False
     sampling_defaults: str = "model"
+    grammar_backend: str = "xgrammar"  # structured output (json_schema, regex, ebnf): engine/grammar.py
     # server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -403,6 +405,9 @@ class ServerArgs:
           help="let /generate and Engine.generate return the target's final-norm hidden state at every position "
                "(return_hidden_states; meta_info.hidden_states, as SGLang). Decode steps of such requests run "
                "synchronously")
+        a("--grammar-backend", choices=GRAMMAR_BACKENDS, default=d["grammar_backend"].default,
+          help="the library that constrains output to a json_schema, regex or ebnf grammar (response_format, "
+               "forced tool calls); none: such requests are refused")
 
         a = g["HTTP server"].add_argument
         a("--host", default=d["host"].default, help="address to listen on")

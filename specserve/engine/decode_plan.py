@@ -18,7 +18,9 @@ run and read at once):
 
 Every kind runs synchronously when the overlap schedule is off (--disable-overlap-schedule, a CPU without
 --enable-overlap-schedule, a tensor-parallel engine, whose steps are broadcast to the other ranks first), while a
-running request returns hidden states (the step's buffer is read before a later step writes it), when no
+running request carries logit rules (penalties, a logit bias, a grammar: engine/logit_rules.py; they are computed
+from every token read, and a grammar walks each step's drafts on the host), while a running request returns hidden
+states (the step's buffer is read before a later step writes it), when no
 running request may join the launch (a speculating engine's rows all wait for the read of the step in flight), or
 when the step's pages cannot be had without a retraction, which needs every token read (the scheduler finds that
 when it reserves them, after the plan: `DecodePlan.fall_back`). The kind is a speculating engine's choice, made once
@@ -79,14 +81,16 @@ def step_kind(speculating: bool, plain_chosen: bool) -> StepKind:
 
 
 def plan_decode(kind: StepKind, *, overlap: bool, batch: bool = True, spec_in_flight: bool = False,
-                one_graph: bool = True, reads_hidden: bool = False) -> DecodePlan:
+                one_graph: bool = True, reads_hidden: bool = False, ruled: bool = False) -> DecodePlan:
     """The next decode step's plan (the module docstring's table). overlap: the overlap schedule is on (one rank);
     batch: some running request may join an overlapped launch; spec_in_flight: the step in flight is speculative;
     one_graph: the worker can launch this kind for the batch as one graph (SpecWorker.can_launch /
     can_launch_plain; not asked for DECODE); reads_hidden: a running request returns hidden states
-    (graphs/step_hidden.py)."""
+    (graphs/step_hidden.py); ruled: a running request carries logit rules (engine/logit_rules.py)."""
     if not overlap:
         return DecodePlan(kind, False, "the overlap schedule is off")
+    if ruled:
+        return DecodePlan(kind, False, "a request's logit rules are made from every token read, phase by phase")
     if reads_hidden:
         return DecodePlan(kind, False, "a request returns hidden states: each step is read before the next")
     if kind is StepKind.DECODE:

@@ -18,8 +18,10 @@ import torch
 
 from specserve.defaults import EMBEDDED_GENERATION_CONFIG, embedded_draft_path, embedded_model_path
 from specserve.distributed.tp import TP1
+from specserve.engine.grammar import GrammarBackend
 from specserve.engine.hidden_states import hidden_states_output
 from specserve.engine.loading import load_models, resolve_device
+from specserve.engine.logit_rules import RowRules
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
@@ -61,6 +63,9 @@ class EngineCore:
             self.close()
             raise
         self.scheduler = Scheduler(self.model_runner, StopChecker(self.tokenizer, eos), args.chunked_prefill_size)
+        # structured output: grammars compile on the backend's thread (engine/grammar.py)
+        self.grammar = (GrammarBackend(self.tokenizer, target.config.vocab_size, sorted(eos))
+                        if args.grammar_backend != "none" and self.tokenizer is not None else None)
         self.scheduler.tp_leader = self.tp_leader
         self.default_sampling = self._default_sampling()
         self._rng = random.Random(args.random_seed)
@@ -77,7 +82,9 @@ class EngineCore:
         )
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one rank). Idempotent."""
+        """Stop the other tensor-parallel ranks (nothing to do on one rank) and the grammar thread. Idempotent."""
+        if getattr(self, "grammar", None) is not None:
+            self.grammar.shutdown()
         if getattr(self, "tp_leader", None) is not None:
             self.tp_leader.stop()
 
@@ -97,9 +104,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def make_request(self, input_ids: list[int], sampling: dict | SamplingParams | None,
-                     rid: str | None = None, return_hidden_states: bool = False) -> Req:
+                     rid: str | None = None, return_hidden_states: bool = False,
+                     reasoning_end: str | None = None) -> Req:
         """Validate and build a request (raises ValueError; nothing is queued on error). return_hidden_states: the
-        result carries the target's hidden states (engine/hidden_states.py; needs --enable-return-hidden-states)."""
+        result carries the target's hidden states (engine/hidden_states.py; needs --enable-return-hidden-states).
+        reasoning_end: the marker (text) that ends the model's reasoning; a grammar applies after it."""
         if return_hidden_states and not self.args.enable_return_hidden_states:
             raise ValueError("this server does not return hidden states: start it with --enable-return-hidden-states")
         if isinstance(sampling, SamplingParams):
@@ -119,9 +128,21 @@ class EngineCore:
             )
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if any(t >= vocab for t, _ in sp.bias_items):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
-        return Req(rid=rid or uuid.uuid4().hex, origin_input_ids=list(input_ids), sampling=sp, seed=seed,
-                   return_hidden_states=return_hidden_states)
+        req = Req(rid=rid or uuid.uuid4().hex, origin_input_ids=list(input_ids), sampling=sp, seed=seed,
+                  return_hidden_states=return_hidden_states)
+        if sp.has_logit_rules:
+            if self.tp_leader is not None:
+                raise ValueError("penalties, logit_bias and grammars are not supported with --tp-size > 1 yet")
+            req.rules = RowRules(sp)
+        if sp.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("this server constrains no output (--grammar-backend none)")
+            end_ids = self.tokenizer.encode(reasoning_end, add_special_tokens=False) if reasoning_end else None
+            req.grammar_future = self.grammar.start(*sp.grammar, reasoning_end=end_ids)
+        return req
 
     def tokenize(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -209,6 +230,9 @@ class Engine:
         # validates all before queueing any
         reqs = [self.core.make_request(i, sp, return_hidden_states=return_hidden_states) for i, sp in zip(ids, sps)]
         self.core.run_until_done(reqs)
+        refused = [r.finished_reason["message"] for r in reqs if r.finished_reason.get("status_code") == 400]
+        if refused:  # a grammar that does not compile
+            raise ValueError(refused[0])
         out = [self.core.result(r) for r in reqs]
         return out[0] if single else out
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from specserve.engine.logit_rules import RowRules
 from specserve.engine.sampling_params import SamplingParams
 from specserve.kvcache.manager import KVHandle
 
@@ -43,6 +45,9 @@ class Req:
     # the target's hidden state at each position it ran, for a request that returns them (engine/hidden_states.py)
     return_hidden_states: bool = False
     hidden_states: list = field(default_factory=list)  # [H] float32 host tensors, by position
+    # penalties, logit bias, grammar (engine/logit_rules.py); None: the logits are sampled as they are
+    rules: RowRules | None = None
+    grammar_future: Future | None = None  # the grammar being compiled (engine/grammar.py); None once it is ready
 
     @property
     def fill_ids(self) -> list[int]:

@@ -1,11 +1,20 @@
-"""Per-request sampling parameters, validated with clear errors (a bad request never reaches the GPU)."""
+"""Per-request sampling parameters, validated with clear errors (a bad request never reaches the GPU).
+
+Names are SGLang's. Besides the sampling filters a request may carry logit rules (engine/logit_rules.py): penalties,
+a logit bias and one grammar (`json_schema`, `regex` or `ebnf`), applied to the target's logits at every position it
+samples or verifies. Only their form is checked here (this module is also the HTTP process's validator, which never
+loads the grammar library); a grammar that does not compile is refused by the engine (engine/grammar.py).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 _INT_MAX = 2**63 - 1
+MAX_LOGIT_BIAS = 1024  # tokens a logit_bias may name (OpenAI allows 300)
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text (schema, regex, EBNF)
 
 
 @dataclass
@@ -20,6 +29,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # logit rules (engine/logit_rules.py)
+    frequency_penalty: float = 0.0  # minus this x the token's count in the output so far (OpenAI)
+    presence_penalty: float = 0.0  # minus this once the token is in the output (OpenAI)
+    repetition_penalty: float = 1.0  # a seen token's (prompt or output) logit divided (> 0) or multiplied (< 0) by it
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias added to its logit
+    json_schema: str | None = None  # a JSON schema (as a JSON string) the output must match
+    regex: str | None = None  # a regular expression the output must match
+    ebnf: str | None = None  # an EBNF (GBNF) grammar the output must match
 
     @staticmethod
     def from_dict(d: dict | None, defaults: dict | None = None) -> SamplingParams:
@@ -63,6 +80,70 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("ignore_eos must be a boolean")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        self._validate_logit_bias()
+        self._validate_grammar()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to biases")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for k, v in bias.items():
+            if not (isinstance(k, str) and k.isdigit()) and not (isinstance(k, int) and not isinstance(k, bool)
+                                                               and k >= 0):
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {k}")
+
+    def _validate_grammar(self) -> None:
+        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"only one of json_schema, regex and ebnf may be given, got {' and '.join(given)}")
+        for name in given:
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{name} must be a non-empty string")
+            if len(v) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"{name} is longer than {MAX_GRAMMAR_CHARS} characters")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("json_schema must be a JSON object (a schema)")
+
+    @property
+    def bias_items(self) -> list[tuple[int, float]]:
+        """logit_bias as (token id, bias) pairs."""
+        return [(int(k), float(v)) for k, v in (self.logit_bias or {}).items()]
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The request's grammar as (kind, text), kind in json_schema / regex / ebnf; None without one."""
+        for name in ("json_schema", "regex", "ebnf"):
+            v = getattr(self, name)
+            if v is not None:
+                return name, v
+        return None
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Whether the target's logits are changed before this request samples (engine/logit_rules.py)."""
+        return self.has_penalties or bool(self.logit_bias) or self.grammar is not None
 
     @property
     def is_greedy(self) -> bool:

@@ -16,6 +16,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 from specserve.engine.adaptive_spec import AdaptiveSpeculation
@@ -96,6 +98,7 @@ class Scheduler:
         self.n = model_runner.num_steps  # N drafts a speculative step (0: a plain engine)
         self.waiting: deque[Req] = deque()
         self.prefilling: Req | None = None  # at most one request is half prefilled
+        self.compiling: list[Req] = []  # requests whose grammar compiles (engine/grammar.py), queued once it has
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
@@ -133,7 +136,28 @@ class Scheduler:
         if req.sampling.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
+        if req.grammar_future is not None:
+            self.compiling.append(req)
+            return
         self.waiting.append(req)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the waiting queue; one that does not compile finishes
+        with the reason (status_code 400: the HTTP process answers it as a bad request)."""
+        if not self.compiling:
+            return
+        if not (self.waiting or self.running or self.prefilling or self._inflight):
+            # nothing else to do: wait a moment for a compile rather than spin
+            wait_futures([r.grammar_future for r in self.compiling], timeout=0.01, return_when=FIRST_COMPLETED)
+        for req in [r for r in self.compiling if r.grammar_future.done()]:
+            self.compiling.remove(req)
+            future, req.grammar_future = req.grammar_future, None
+            try:
+                req.rules.grammar = future.result()
+            except ValueError as e:
+                self._finish(req, {"type": "abort", "message": str(e), "status_code": 400})
+                continue
+            self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
         req = self.reqs.get(rid)
@@ -144,7 +168,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self._inflight)
+        return bool(self.waiting or self.running or self.prefilling or self._inflight or self.compiling)
 
     @property
     def in_flight(self) -> bool:
@@ -165,6 +189,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward step; returns the requests that changed (new tokens or finished). Under the overlap
         schedule a step's tokens come with the next step() (engine/overlap.py)."""
+        self._admit_compiled()
         chunks = self._schedule_prefill()
         if chunks and self._overlapping:
             # launched before the step in flight is read, which is read at once after (its tokens are not held
@@ -245,6 +270,8 @@ class Scheduler:
         """plan_decode over this step's facts, and the batch an overlapped launch would take."""
         if not self._overlapping:
             return plan_decode(kind, overlap=False), None
+        if any(r.rules is not None for r in self.running):
+            return plan_decode(kind, overlap=True, ruled=True), None
         if self.model_runner.step_hidden is not None and any(r.return_hidden_states for r in self.running):
             return plan_decode(kind, overlap=True, reads_hidden=True), None
         prev = self._inflight
@@ -449,6 +476,8 @@ class Scheduler:
         for t in tokens:
             req.output_ids.append(t)
             self.stats.num_generated_tokens += 1
+            if req.rules is not None:
+                req.rules.commit(t)
             reason = self.stop.check(req, self.model_runner.context_len)
             if reason is not None:
                 self._finish(req, reason)
@@ -466,6 +495,10 @@ class Scheduler:
             self.prefilling = None
         if req in self.waiting:
             self.waiting.remove(req)
+        if req in self.compiling:
+            self.compiling.remove(req)
+            req.grammar_future.cancel()
+            req.grammar_future = None
         self.stats.finished += 1
         self._touched[req.rid] = req
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.hidden_states import record_hidden
+from specserve.engine.logit_rules import LogitAdjuster, logit_adjuster
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
 from specserve.graphs.padding import ExtendBatch, LiveInputs
@@ -35,6 +36,11 @@ class Chunk:
 def sampling_batch(model_runner: ModelRunner, reqs: list[Req]) -> SamplingBatch:
     return SamplingBatch.build([r.sampling for r in reqs], [r.seed for r in reqs], model_runner.cfg.vocab_size,
                                model_runner.device)
+
+
+def adjuster(model_runner: ModelRunner, reqs: list[Req]) -> LogitAdjuster | None:
+    """The logit rules of a step's requests (engine/logit_rules.py), or None when none carries any."""
+    return logit_adjuster(reqs, model_runner.cfg.vocab_size, model_runner.device)
 
 
 @torch.inference_mode()
@@ -87,6 +93,8 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> torch.Tens
         logits = model_runner.target.compute_logits(hidden[fidx])  # [F, V]
         freqs = [chunks[i].req for i in final]
         new_pos = torch.tensor([chunks[i].end for i in final], dtype=torch.int64, device=dev)
+        if (adjust := adjuster(model_runner, freqs)) is not None:
+            logits = adjust(logits[:, None])[:, 0]
         t0 = sample(logits, sampling_batch(model_runner, freqs), new_pos)  # [F]
         frows = torch.tensor([chunks[i].req.kv.row for i in final], device=dev)
         model_runner.last_token[frows] = t0
@@ -133,7 +141,8 @@ def launch_decode(model_runner: ModelRunner, reqs: list[Req]) -> torch.Tensor:
     [bs] on the device without waiting for them (a graph's static output: read or copy it before the next step)."""
     sampling = model_runner.decode_sampling.get(reqs)
     graph = model_runner.decode_step_graph
-    if graph is not None and graph.covers(len(reqs), sampling):
+    adjust = adjuster(model_runner, reqs)
+    if graph is not None and adjust is None and graph.covers(len(reqs), sampling):
         return graph.run([r.kv.row for r in reqs], [r.seq_len for r in reqs],
                          [r.seq_len + r.mrope_delta for r in reqs], sampling)
     dev = model_runner.device
@@ -146,7 +155,8 @@ def launch_decode(model_runner: ModelRunner, reqs: list[Req]) -> torch.Tensor:
     out = model_runner.phases.decode.run(live)
     if model_runner.step_hidden is not None:
         model_runner.step_hidden.write(rows, out["hidden"])
-    tokens = sample(out["logits"], sampling, seq_lens + 1)
+    logits = out["logits"] if adjust is None else adjust(out["logits"][:, None])[:, 0]
+    tokens = sample(logits, sampling, seq_lens + 1)
     model_runner.last_token[rows] = tokens
     return tokens
 
@@ -155,7 +165,8 @@ def launch_decode(model_runner: ModelRunner, reqs: list[Req]) -> torch.Tensor:
 def run_spec_step(model_runner: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     """One speculative step for every running request, by the worker (speculative/worker.py SpecWorker.step)."""
     return model_runner.spec.step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
-                                  [r.seq_len + r.mrope_delta for r in reqs], model_runner.decode_sampling.get(reqs))
+                                  [r.seq_len + r.mrope_delta for r in reqs], model_runner.decode_sampling.get(reqs),
+                                  adjuster(model_runner, reqs))
 
 
 @torch.inference_mode()
@@ -164,7 +175,7 @@ def run_plain_step(model_runner: ModelRunner, reqs: list[Req]) -> SpecStepResult
     lags), by the worker (SpecWorker.plain_step)."""
     return model_runner.spec.plain_step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
                                         [r.seq_len + r.mrope_delta for r in reqs],
-                                        model_runner.decode_sampling.get(reqs))
+                                        model_runner.decode_sampling.get(reqs), adjuster(model_runner, reqs))
 
 
 def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:

@@ -72,8 +72,9 @@ class EngineClient:
         self._receiver.start()
 
     # ------------------------------------------------------------------ messages
-    def add(self, rid: str, input_ids: list[int], sampling: dict, return_hidden_states: bool = False) -> None:
-        self._send_q.put(AddRequest(rid, input_ids, sampling, return_hidden_states))
+    def add(self, rid: str, input_ids: list[int], sampling: dict, return_hidden_states: bool = False,
+            reasoning_end: str | None = None) -> None:
+        self._send_q.put(AddRequest(rid, input_ids, sampling, return_hidden_states, reasoning_end))
 
     def abort(self, rid: str) -> None:
         self._send_q.put(AbortRequest(rid))

@@ -21,6 +21,7 @@ class AddRequest:
     input_ids: list[int]
     sampling: dict  # SGLang sampling names, already validated by the HTTP process
     return_hidden_states: bool = False
+    reasoning_end: str | None = None  # a grammar in `sampling` applies after this marker (the reasoning's end)
 
 
 @dataclass

@@ -112,7 +112,11 @@ class EngineLoop:
             # runs after any message even when no work is left (it is cheap when idle).
             if msgs or self.sched.has_work:
                 for req in self.sched.step():
-                    out.deltas.append(self._delta(req))
+                    if (req.finished_reason or {}).get("status_code") == 400 and not req.output_ids:
+                        # refused before any work (a grammar that does not compile): a 400 like make_request's
+                        out.rejected.append(RequestRejected(req.rid, req.finished_reason["message"]))
+                    else:
+                        out.deltas.append(self._delta(req))
             out.stats = self._stats()
             self.outbox.send(out)
 
@@ -125,7 +129,7 @@ class EngineLoop:
     def _add(self, m: AddRequest, out: StepOutput) -> None:
         try:
             req = self.core.make_request(m.input_ids, m.sampling, rid=m.rid,
-                                         return_hidden_states=m.return_hidden_states)
+                                         return_hidden_states=m.return_hidden_states, reasoning_end=m.reasoning_end)
             self.sched.add_request(req)
         except ValueError as e:
             out.rejected.append(RequestRejected(m.rid, str(e)))

@@ -22,6 +22,7 @@ from specserve.kvcache.state_pool import StatePool
 from specserve.layers.sampler import GREEDY, SamplingBatch, sample
 from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.draft_state import DraftState
+from specserve.speculative.spec_step import LogitAdjust
 
 
 @dataclass
@@ -38,14 +39,16 @@ class PlainStepContext:
 
 
 def plain_step_device(ctx: PlainStepContext, call: PhaseCall, rows: torch.Tensor, seq_lens: torch.Tensor,
-                      pos0: torch.Tensor, max_seq_len: int, sampling: SamplingBatch) -> torch.Tensor:
+                      pos0: torch.Tensor, max_seq_len: int, sampling: SamplingBatch,
+                      adjust: LogitAdjust | None = None) -> torch.Tensor:
     """The plain step for page-table rows [bs] of committed length S = seq_lens [bs] (pos0 [bs]: the rope position
-    of index S) -> tokens [bs] at index S + 1. No host sync."""
+    of index S) -> tokens [bs] at index S + 1. No host sync, but for the logit rules' (adjust: outside graphs)."""
     out = call(ctx.plain_verify, LiveInputs(rows.shape[0], ctx.last_token[rows], pos0, rows, seq_lens + 1,
                                             max_seq_len + 1))
     if ctx.step_hidden is not None:
         ctx.step_hidden.write(rows, out["hidden"])
-    tokens = sample(out["logits"][:, 0], sampling, seq_lens + 1)  # [bs]
+    logits = out["logits"] if adjust is None else adjust(out["logits"])  # [bs, 1, V]
+    tokens = sample(logits[:, 0], sampling, seq_lens + 1)  # [bs]
     ctx.last_token[rows] = tokens
     if ctx.target_state is not None:  # the state after S (the verify pass's slot 0) is current
         ctx.target_state.commit(ctx.target_state.row_state[rows], torch.zeros_like(rows))

@@ -21,6 +21,7 @@ per verified position; skipped when no row filters). All three share one graph m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +36,10 @@ from specserve.layers.sampler import GREEDY, SamplingBatch, probs_from_logits
 from specserve.speculative.accept import one_hot_dist, verify_greedy, verify_sampling, verify_sampling_q
 from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
 from specserve.speculative.draft_state import DraftState
+
+# A batch's logit rules (engine/logit_rules.py LogitAdjuster): (logits [bs, W, V], the drafts between the W
+# positions [bs, W - 1] or None) -> adjusted logits [bs, W, V]. May read the drafts on the host (not graph-safe).
+LogitAdjust = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass
@@ -68,7 +73,8 @@ class SpecStepWorker(Protocol):
 
 def spec_step_device(worker: SpecStepWorker, call: PhaseCall, rows: torch.Tensor, seq_lens: torch.Tensor,
                      pos0: torch.Tensor, max_seq_len: int, sampling: SamplingBatch,
-                     draft_sampling: SamplingBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     draft_sampling: SamplingBatch | None = None, adjust: LogitAdjust | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative step for page-table rows [bs] whose committed sequences have length S = seq_lens [bs] (the
     last token, not yet in the KV, sits at index S); pos0 [bs] is the rope position of index S; max_seq_len bounds
     seq_lens.
@@ -79,7 +85,11 @@ def spec_step_device(worker: SpecStepWorker, call: PhaseCall, rows: torch.Tensor
     draft_sampling: `sampling` again when the draft phases run inline (the one-graph step) and draw sampled rows'
     drafts from the head's distribution (--speculative-draft-sampling sample); None: deterministic drafts. With
     sampled drafting on (the row state keeps d1's distribution) a sampled batch verifies with the draft
-    distributions (one-hot where a draft was deterministic: the phases' own graphs, context lookup, prefill)."""
+    distributions (one-hot where a draft was deterministic: the phases' own graphs, context lookup, prefill).
+
+    adjust: the rows' logit rules, applied to the verify logits along the draft path before acceptance, so each
+    verified position samples the distribution plain decoding would (engine/logit_rules.py); it may sync with the
+    host (a grammar walks the drafts there), so it is given only outside the one-step graph."""
     n = worker.num_steps
     phases = worker.phases
     bs = rows.shape[0]
@@ -108,6 +118,8 @@ def spec_step_device(worker: SpecStepWorker, call: PhaseCall, rows: torch.Tensor
     logits, hidden = out["logits"], out["hidden"]  # [bs, width, V], [bs, width, F]
     if worker.step_hidden is not None:
         worker.step_hidden.write(rows, hidden)
+    if adjust is not None:
+        logits = adjust(logits, drafts)
 
     # 3. accept
     if sampling.all_greedy:

@@ -41,7 +41,7 @@ from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.draft_runners import DraftDecodeRunner, DraftExtendRunner
 from specserve.speculative.draft_state import DRAFT_CANDIDATES, DraftChooser, DraftState
 from specserve.speculative.plain_step import PlainStepContext, PlainStepGraph, plain_step_device
-from specserve.speculative.spec_step import SpecPhases, SpecStepGraph, spec_step_device
+from specserve.speculative.spec_step import LogitAdjust, SpecPhases, SpecStepGraph, spec_step_device
 
 
 @dataclass
@@ -168,17 +168,18 @@ class SpecWorker:
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
     def step(self, rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int],
-             sampling: SamplingBatch) -> SpecStepResult:
+             sampling: SamplingBatch, adjust: LogitAdjust | None = None) -> SpecStepResult:
         """One speculative step for the running rows (page-table rows, committed lengths S, rope positions of S);
-        rows that plain steps left the draft behind on catch up first."""
+        rows that plain steps left the draft behind on catch up first. adjust: the rows' logit rules
+        (engine/logit_rules.py), applied to the verify logits along the draft path (phase by phase)."""
         self.catch_up(rows_host, seq_lens_host, pos0_host, "before_spec")
         graph = self.spec_step_graph
-        if graph is not None and graph.covers(len(rows_host), sampling):
+        if graph is not None and adjust is None and graph.covers(len(rows_host), sampling):
             out = graph.run(rows_host, seq_lens_host, pos0_host, sampling)
         else:
             rows, seq_lens, pos0 = _step_inputs(rows_host, seq_lens_host, pos0_host, self.device)
             accept_len, verified = spec_step_device(self, replay_phase, rows, seq_lens, pos0, max(seq_lens_host),
-                                                    sampling)
+                                                    sampling, adjust=adjust)
             out = torch.cat((accept_len[:, None], verified), dim=1)
         # the one host sync of the step: accept lengths and verified tokens in one copy
         return SpecStepResult.parse(out.tolist())
@@ -217,20 +218,21 @@ class SpecWorker:
 
     @torch.inference_mode()
     def plain_step(self, rows_host: list[int], seq_lens_host: list[int], pos0_host: list[int],
-                   sampling: SamplingBatch) -> SpecStepResult:
+                   sampling: SamplingBatch, adjust: LogitAdjust | None = None) -> SpecStepResult:
         """One plain step for the running rows (accept_len 0, one token each): the token is the one plain decoding
         samples (same noise), so a plain step is lossless by construction. The draft lags one more position (a row
-        at the lag's capacity catches up first)."""
+        at the lag's capacity catches up first). adjust: the rows' logit rules (phase by phase)."""
         ctx = self.plain_step_ctx
         if ctx is None:
             raise RuntimeError("plain steps need the target's width-1 runner (adaptive speculation is off)")
         if ctx.lag.full(rows_host):
             self.catch_up(rows_host, seq_lens_host, pos0_host, "forced")
-        if self.can_launch_plain(rows_host, sampling):
+        if adjust is None and self.can_launch_plain(rows_host, sampling):
             tokens = self.launch_plain(rows_host, seq_lens_host, pos0_host, sampling)  # [bs]
         else:
             rows, seq_lens, pos0 = _step_inputs(rows_host, seq_lens_host, pos0_host, self.device)
-            tokens = plain_step_device(ctx, replay_phase, rows, seq_lens, pos0, max(seq_lens_host), sampling)
+            tokens = plain_step_device(ctx, replay_phase, rows, seq_lens, pos0, max(seq_lens_host), sampling,
+                                       adjust)
             ctx.lag.advance(rows_host)
         new_tokens = tokens.tolist()  # the step's one host sync
         return SpecStepResult([0] * len(new_tokens), [[t] for t in new_tokens])
