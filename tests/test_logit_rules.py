@@ -140,7 +140,8 @@ def embedded_outputs():
         engine = Engine(**kw)
         try:
             prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q, _ in CASES]
-            outs[name] = engine.generate(prompts, [{"temperature": 0.0, **sp} for _, sp in CASES])
+            outs[name] = engine.generate(prompts, [{"temperature": 0.0, **sp} for _, sp in CASES], return_logprob=True,
+                                         top_logprobs_num=2)
             if name == "mtp_overlap":
                 outs["spec_steps"] = engine.core.scheduler.stats.spec_verify_ct
                 with pytest.raises(ValueError, match="could not be compiled"):
@@ -155,6 +156,19 @@ def test_greedy_spec_equals_plain_under_rules(embedded_outputs):
     assert embedded_outputs["spec_steps"] > 0
     for (q, sp), plain, spec in zip(CASES, embedded_outputs["plain"], embedded_outputs["mtp_overlap"]):
         assert spec["output_ids"] == plain["output_ids"], (q, sp)
+
+
+def test_logprobs_equal_with_and_without_speculation(embedded_outputs):
+    for plain, spec in zip(embedded_outputs["plain"], embedded_outputs["mtp_overlap"]):
+        a, b = plain["meta_info"], spec["meta_info"]
+        assert len(a["output_token_logprobs"]) == len(plain["output_ids"])
+        assert [t for _, t, _ in a["output_token_logprobs"]] == plain["output_ids"]
+        np.testing.assert_allclose([x[0] for x in a["output_token_logprobs"]],
+                                   [x[0] for x in b["output_token_logprobs"]], atol=1e-4)
+        for top, (lp, tok, _) in zip(a["output_top_logprobs"], a["output_token_logprobs"]):
+            assert len(top) == 2 and top[0][0] >= top[1][0]
+            assert top[0][1] == tok and top[0][0] == pytest.approx(lp)  # greedy: the chosen token is the top one
+            assert lp <= 0.0
 
 
 def test_outputs_follow_their_grammars(embedded_outputs):

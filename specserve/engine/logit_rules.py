@@ -11,9 +11,15 @@ rules on: greedy speculation gives plain greedy's tokens, sampled speculation pl
 The order, per position: repetition penalty, frequency and presence penalties, logit bias, grammar mask (forbidden
 tokens to -inf). Temperature and the top-k / top-p / min-p filters follow (layers/sampler.py).
 
-A batch whose rows carry rules runs its steps phase by phase (the rules need the host between the draft and the
-verify forward, and the grammar needs the host's read of every step), synchronously: engine/decode_plan.py. Rows
-without rules in such a batch are left unchanged.
+The adjuster also reads back log-probabilities for the rows that return them (`record_logprobs`): those of the
+distribution after the rules and the request's temperature (1 for greedy rows), before the top-k / top-p / min-p
+filters (vLLM's "processed" logprobs; a filter would turn most of them into -inf), at each emitted position. A
+speculative step's accepted positions are verify positions whose logits equal plain decoding's, so the logprobs
+are the same with and without speculation (up to float rounding).
+
+A batch whose rows carry rules (or return logprobs) runs its steps phase by phase (the rules need the host between
+the draft and the verify forward, and the grammar needs the host's read of every step), synchronously:
+engine/decode_plan.py. Rows without rules in such a batch are left unchanged.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class LogitAdjuster:
         """reqs: the step's requests in row order (engine/request.py Req: origin_input_ids, output_ids, rules)."""
         self.vocab = vocab_size
         self.device = device
+        self.reqs = reqs
+        self.last: torch.Tensor | None = None  # the adjusted logits of the last call, kept for record_logprobs
+        self.keep = any(r.return_logprob for r in reqs)
         rules = [r.rules for r in reqs]
         self.grammars = [None if x is None else x.grammar for x in rules]
         sps = [None if x is None else x.sampling for x in rules]
@@ -111,7 +120,36 @@ class LogitAdjuster:
             out = out + self.bias[:, None]
         if self.needs_drafts_on_host:
             out = out.masked_fill(~self._allowed(bs, width, drafts), float("-inf"))
+        if self.keep:
+            self.last = out
         return out
+
+    def record_logprobs(self, tokens: list[list[int]]) -> None:
+        """The step's emitted tokens per row (the first len(tokens[i]) of the last call's positions) -> appended to
+        the rows' output_logprobs (and output_top_logprobs) for the requests that return them. One host sync."""
+        want = [i for i, r in enumerate(self.reqs) if r.return_logprob and not r.finished and tokens[i]]
+        if not want or self.last is None:
+            return
+        rows = [i for i in want for _ in tokens[i]]
+        pos = [j for i in want for j in range(len(tokens[i]))]
+        toks = [t for i in want for t in tokens[i]]
+        temps = [_temperature(self.reqs[i].sampling) for i in want for _ in tokens[i]]
+        idx = torch.tensor([rows, pos, toks], dtype=torch.int64).to(self.device, non_blocking=True)
+        temp = torch.tensor(temps, dtype=torch.float32).to(self.device, non_blocking=True)
+        lp = torch.log_softmax(self.last[idx[0], idx[1]] / temp[:, None], dim=-1)  # [T, V]
+        chosen = lp.gather(1, idx[2][:, None])[:, 0].tolist()
+        k = max(self.reqs[i].top_logprobs_num for i in want)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+        top_v, top_i = (top_v.tolist(), top_i.tolist()) if k else ([], [])
+        at = 0
+        for i in want:
+            r = self.reqs[i]
+            for _ in tokens[i]:
+                r.output_logprobs.append(chosen[at])
+                if r.top_logprobs_num:
+                    n = r.top_logprobs_num
+                    r.output_top_logprobs.append(list(zip(top_i[at][:n], top_v[at][:n])))
+                at += 1
 
     def _allowed(self, bs: int, width: int, drafts: torch.Tensor | None) -> torch.Tensor:
         """The grammar rows' allowed tokens [bs, W, V] bool (rows without a grammar: all)."""
@@ -127,8 +165,13 @@ class LogitAdjuster:
         return allowed.reshape(bs, width, words * 32)[..., :self.vocab]
 
 
+def _temperature(sp: SamplingParams) -> float:
+    return 1.0 if sp.is_greedy else float(sp.temperature)
+
+
 def logit_adjuster(reqs: list, vocab_size: int, device: torch.device) -> LogitAdjuster | None:
-    """The adjuster of a step's requests, or None when no row carries rules (the step then runs as before)."""
-    if all(r.rules is None for r in reqs):
+    """The adjuster of a step's requests, or None when no row carries rules or returns logprobs (the step then
+    runs as before)."""
+    if not any(r.needs_host_logits for r in reqs):
         return None
     return LogitAdjuster(reqs, vocab_size, device)

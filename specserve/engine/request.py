@@ -48,6 +48,17 @@ class Req:
     # penalties, logit bias, grammar (engine/logit_rules.py); None: the logits are sampled as they are
     rules: RowRules | None = None
     grammar_future: Future | None = None  # the grammar being compiled (engine/grammar.py); None once it is ready
+    # log-probabilities of the output tokens (engine/logit_rules.py record_logprobs), aligned with output_ids
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # also the most likely tokens at each position, as (token id, logprob)
+    output_logprobs: list = field(default_factory=list)  # [float] per output token
+    output_top_logprobs: list = field(default_factory=list)  # [[(id, logprob), ...]] per output token
+
+    @property
+    def needs_host_logits(self) -> bool:
+        """Whether the steps must hand this request's logits to the host side (logit rules, logprobs): it then runs
+        phase by phase and synchronously (engine/decode_plan.py)."""
+        return self.rules is not None or self.return_logprob
 
     @property
     def fill_ids(self) -> list[int]:

@@ -17,6 +17,28 @@ MAX_LOGIT_BIAS = 1024  # tokens a logit_bias may name (OpenAI allows 300)
 MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text (schema, regex, EBNF)
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
+def check_logprob_args(return_logprob, top_logprobs_num) -> None:
+    """SGLang's return_logprob / top_logprobs_num, checked (ValueError)."""
+    if not isinstance(return_logprob, bool):
+        raise ValueError("return_logprob must be a boolean")
+    if (isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int)
+            or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+
+
+def logprobs_meta(ids: list[int], logprobs: list[float], top: list, top_num: int) -> dict:
+    """SGLang's meta_info entries for output logprobs: output_token_logprobs [[logprob, id, None], ...] and, with
+    top_num, output_top_logprobs [[[logprob, id, None], ...], ...] (None: the text, which SGLang gives only when
+    asked)."""
+    out = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)]}
+    if top_num:
+        out["output_top_logprobs"] = [[[lp, t, None] for t, lp in pos] for pos in top]
+    return out
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128

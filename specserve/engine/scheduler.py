@@ -31,6 +31,7 @@ from specserve.engine.steps import (
     Chunk,
     launch_decode,
     launch_prefill,
+    prefill_reads_logits,
     run_decode,
     run_plain_step,
     run_prefill,
@@ -191,7 +192,7 @@ class Scheduler:
         schedule a step's tokens come with the next step() (engine/overlap.py)."""
         self._admit_compiled()
         chunks = self._schedule_prefill()
-        if chunks and self._overlapping:
+        if chunks and self._overlapping and not prefill_reads_logits(chunks):
             # launched before the step in flight is read, which is read at once after (its tokens are not held
             # through a chunked prefill); the prefill's t0 come with the next step
             self._launch_prefill(chunks)
@@ -270,7 +271,7 @@ class Scheduler:
         """plan_decode over this step's facts, and the batch an overlapped launch would take."""
         if not self._overlapping:
             return plan_decode(kind, overlap=False), None
-        if any(r.rules is not None for r in self.running):
+        if any(r.needs_host_logits for r in self.running):
             return plan_decode(kind, overlap=True, ruled=True), None
         if self.model_runner.step_hidden is not None and any(r.return_hidden_states for r in self.running):
             return plan_decode(kind, overlap=True, reads_hidden=True), None
@@ -482,6 +483,9 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
                 break
+        if req.return_logprob:  # logprobs of tokens a finish dropped go too
+            del req.output_logprobs[len(req.output_ids):]
+            del req.output_top_logprobs[len(req.output_ids):]
         self._touched[req.rid] = req
 
     def _finish(self, req: Req, reason: dict) -> None:

@@ -45,22 +45,34 @@ def adjuster(model_runner: ModelRunner, reqs: list[Req]) -> LogitAdjuster | None
 
 @torch.inference_mode()
 def run_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> list[int | None]:
-    """launch_prefill, read back at once (the step's host sync): t0 per chunk (None for non-final chunks)."""
-    t0 = launch_prefill(model_runner, chunks)
+    """launch_prefill, read back at once (the step's host sync): t0 per chunk (None for non-final chunks); the
+    logprobs of the t0 of requests that return them are recorded."""
+    final = [i for i, c in enumerate(chunks) if c.is_final]
+    adjust = adjuster(model_runner, [chunks[i].req for i in final])
+    t0 = launch_prefill(model_runner, chunks, adjust)
     out: list[int | None] = [None] * len(chunks)
     if t0 is not None:
-        final = [i for i, c in enumerate(chunks) if c.is_final]
-        for i, tok in zip(final, t0.tolist()):
+        toks = t0.tolist()
+        for i, tok in zip(final, toks):
             out[i] = tok
+        if adjust is not None:
+            adjust.record_logprobs([[t] for t in toks])
     return out
 
 
+def prefill_reads_logits(chunks: list[Chunk]) -> bool:
+    """Whether a prefill's first tokens need the host (a final chunk's request returns logprobs): it is then run
+    and read at once, not launched under the overlap schedule."""
+    return any(c.is_final and c.req.return_logprob for c in chunks)
+
+
 @torch.inference_mode()
-def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> torch.Tensor | None:
+def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: LogitAdjuster | None | bool = True
+                   ) -> torch.Tensor | None:
     """Target extend over the chunks; for final chunks sample t0 (left on the device as the rows' last tokens); with
     a drafter, the worker's draft extend over the same positions (prompt shifted left by one, t0 appended) fills the
     draft KV and produces d1 and its hidden state. Returns t0 [F] of the final chunks in chunk order on the device,
-    without waiting for it (None when no chunk is final)."""
+    without waiting for it (None when no chunk is final). adjust: the final chunks' logit rules (True: made here)."""
     dev = model_runner.device
     table = model_runner.req_to_token.table
     ids_host, pos_host, rows, seq_lens, ext = [], [], [], [], []
@@ -93,7 +105,9 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> torch.Tens
         logits = model_runner.target.compute_logits(hidden[fidx])  # [F, V]
         freqs = [chunks[i].req for i in final]
         new_pos = torch.tensor([chunks[i].end for i in final], dtype=torch.int64, device=dev)
-        if (adjust := adjuster(model_runner, freqs)) is not None:
+        if adjust is True:
+            adjust = adjuster(model_runner, freqs)
+        if adjust is not None:
             logits = adjust(logits[:, None])[:, 0]
         t0 = sample(logits, sampling_batch(model_runner, freqs), new_pos)  # [F]
         frows = torch.tensor([chunks[i].req.kv.row for i in final], device=dev)
@@ -130,18 +144,25 @@ def _keep_prefill_hidden(chunks: list[Chunk], hidden: torch.Tensor, hidden_size:
 
 @torch.inference_mode()
 def run_decode(model_runner: ModelRunner, reqs: list[Req]) -> list[int]:
-    """A plain engine's decode step, read back at once (the step's host sync)."""
-    return launch_decode(model_runner, reqs).tolist()
+    """A plain engine's decode step, read back at once (the step's host sync); logprobs recorded."""
+    adjust = adjuster(model_runner, reqs)
+    tokens = launch_decode(model_runner, reqs, adjust).tolist()
+    if adjust is not None:
+        adjust.record_logprobs([[t] for t in tokens])
+    return tokens
 
 
 @torch.inference_mode()
-def launch_decode(model_runner: ModelRunner, reqs: list[Req]) -> torch.Tensor:
+def launch_decode(model_runner: ModelRunner, reqs: list[Req], adjust: LogitAdjuster | None | bool = True
+                  ) -> torch.Tensor:
     """A plain engine's decode step: one token per request — as one graph (decode, sampling, last-token update) when
     the batch fits the decode-step graphs, else through the decode runner (graph), then sampling. Returns the tokens
-    [bs] on the device without waiting for them (a graph's static output: read or copy it before the next step)."""
+    [bs] on the device without waiting for them (a graph's static output: read or copy it before the next step).
+    adjust: the requests' logit rules (True: made here; their presence runs the step outside the graphs)."""
     sampling = model_runner.decode_sampling.get(reqs)
     graph = model_runner.decode_step_graph
-    adjust = adjuster(model_runner, reqs)
+    if adjust is True:
+        adjust = adjuster(model_runner, reqs)
     if graph is not None and adjust is None and graph.covers(len(reqs), sampling):
         return graph.run([r.kv.row for r in reqs], [r.seq_len for r in reqs],
                          [r.seq_len + r.mrope_delta for r in reqs], sampling)
@@ -164,18 +185,26 @@ def launch_decode(model_runner: ModelRunner, reqs: list[Req]) -> torch.Tensor:
 @torch.inference_mode()
 def run_spec_step(model_runner: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     """One speculative step for every running request, by the worker (speculative/worker.py SpecWorker.step)."""
-    return model_runner.spec.step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
-                                  [r.seq_len + r.mrope_delta for r in reqs], model_runner.decode_sampling.get(reqs),
-                                  adjuster(model_runner, reqs))
+    adjust = adjuster(model_runner, reqs)
+    res = model_runner.spec.step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
+                                 [r.seq_len + r.mrope_delta for r in reqs], model_runner.decode_sampling.get(reqs),
+                                 adjust)
+    if adjust is not None:
+        adjust.record_logprobs(res.tokens)
+    return res
 
 
 @torch.inference_mode()
 def run_plain_step(model_runner: ModelRunner, reqs: list[Req]) -> SpecStepResult:
     """Adaptive speculation's plain step for every running request (one token each, no draft forward: the draft
     lags), by the worker (SpecWorker.plain_step)."""
-    return model_runner.spec.plain_step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
-                                        [r.seq_len + r.mrope_delta for r in reqs],
-                                        model_runner.decode_sampling.get(reqs), adjuster(model_runner, reqs))
+    adjust = adjuster(model_runner, reqs)
+    res = model_runner.spec.plain_step([r.kv.row for r in reqs], [r.seq_len for r in reqs],
+                                       [r.seq_len + r.mrope_delta for r in reqs],
+                                       model_runner.decode_sampling.get(reqs), adjust)
+    if adjust is not None:
+        adjust.record_logprobs(res.tokens)
+    return res
 
 
 def rope_offsets(reqs: list[Req], dev: torch.device) -> torch.Tensor | int:

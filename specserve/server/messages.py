@@ -22,6 +22,8 @@ class AddRequest:
     sampling: dict  # SGLang sampling names, already validated by the HTTP process
     return_hidden_states: bool = False
     reasoning_end: str | None = None  # a grammar in `sampling` applies after this marker (the reasoning's end)
+    return_logprob: bool = False  # each output token's logprob (SGLang's name)
+    top_logprobs_num: int = 0  # ... and this many most likely tokens' at each position
 
 
 @dataclass
@@ -108,6 +110,8 @@ class RequestDelta:
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
     hidden_states: list | None = None  # once finished, for a request that returns them (engine/hidden_states.py)
+    logprobs: list[float] | None = None  # the new tokens' logprobs (a request that returns them)
+    top_logprobs: list | None = None  # per new token [(id, logprob), ...] (top_logprobs_num > 0)
 
 
 @dataclass

@@ -129,17 +129,23 @@ class EngineLoop:
     def _add(self, m: AddRequest, out: StepOutput) -> None:
         try:
             req = self.core.make_request(m.input_ids, m.sampling, rid=m.rid,
-                                         return_hidden_states=m.return_hidden_states, reasoning_end=m.reasoning_end)
+                                         return_hidden_states=m.return_hidden_states, reasoning_end=m.reasoning_end,
+                                         return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num)
             self.sched.add_request(req)
         except ValueError as e:
             out.rejected.append(RequestRejected(m.rid, str(e)))
 
     def _delta(self, req) -> RequestDelta:
-        new = req.output_ids[req.sent_output_len:]
+        sent = req.sent_output_len
+        new = req.output_ids[sent:]
         req.sent_output_len = len(req.output_ids)
         hidden = self.core.hidden_states(req) if req.return_hidden_states and req.finished else None
-        return RequestDelta(req.rid, list(new), req.finished_reason, req.spec_verify_ct, req.spec_accepted_drafts,
-                            hidden)
+        delta = RequestDelta(req.rid, list(new), req.finished_reason, req.spec_verify_ct, req.spec_accepted_drafts,
+                             hidden)
+        if req.return_logprob:
+            delta.logprobs = req.output_logprobs[sent:]
+            delta.top_logprobs = req.output_top_logprobs[sent:] if req.top_logprobs_num else None
+        return delta
 
     def _abort_all(self) -> None:
         for rid in list(self.sched.reqs):
