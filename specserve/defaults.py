@@ -31,6 +31,12 @@ def embedded_draft_path() -> str | None:
     return path if os.path.exists(os.path.join(path, "config.json")) else None
 
 
+def embedded_chat_template_path() -> str:
+    """specserve's ChatML template for the embedded model: the model's own output for plain conversations, plus
+    tools, tool calls and tool results (Hermes-style <tool_call> blocks), which the model's template cannot render."""
+    return os.path.join(os.path.dirname(__file__), "assets", "smollm2_chatml_tools.jinja")
+
+
 def is_embedded(model_path: str | None) -> bool:
     if model_path is None:
         return True

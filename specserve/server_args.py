@@ -28,6 +28,12 @@ LINEAR_ATTN_PREFILL = ("chunked", "recurrent")  # prefill kernels of linear-atte
 INDEXER_CACHE_DTYPES = ("auto", "fp8_e4m3")  # the sparse-attention indexer's key cache (auto: --kv-cache-dtype)
 MLA_PREFILL = ("auto", "absorbed", "mha")  # eager prefill of dense MLA layers (attention/mla_prefill.py)
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's outlines and llguidance are not offered
+# SGLang's --tool-call-parser and --reasoning-parser names; the formats live in server/parsers/registry.py (a floor
+# above this module, so the names are repeated here; tests/test_chat_tools.py checks they agree)
+TOOL_CALL_PARSERS = ("deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45", "glm47", "qwen", "qwen25",
+                     "qwen3_coder")
+REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "glm45", "qwen3", "qwen3-thinking")
+EMBEDDED_TOOL_CALL_PARSER = "qwen25"  # the embedded model's own template writes Hermes-style <tool_call> blocks
 
 
 @dataclass
@@ -106,6 +112,10 @@ class ServerArgs:
     log_level: str = "info"
     skip_warmup: bool = False
     max_request_body_mb: float = 16.0  # larger request bodies get a 413 before they are parsed
+    # chat: how tool calls and thinking are read out of the model's answer (server/parsers); None: not parsed
+    # (the embedded model gets EMBEDDED_TOOL_CALL_PARSER: chat_tool_call_parser)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +131,13 @@ class ServerArgs:
         """The embedded default model with no --speculative-algorithm: it speculates with its shipped head
         (with_embedded_defaults), so speculative flags tune that."""
         return self.model_path is None and self.speculative_algorithm is None
+
+    @property
+    def chat_tool_call_parser(self) -> str | None:
+        """The tool-call parser the chat route uses: --tool-call-parser, else the embedded model's own format."""
+        if self.tool_call_parser is None and self.model_path is None:
+            return EMBEDDED_TOOL_CALL_PARSER
+        return self.tool_call_parser
 
     @property
     def num_draft_steps(self) -> int:
@@ -253,6 +270,12 @@ class ServerArgs:
             raise ValueError(f"--max-request-body-mb must be > 0, got {self.max_request_body_mb}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
 
     @property
     def moe_expert_parallel(self) -> bool:
@@ -416,6 +439,14 @@ class ServerArgs:
         a("--skip-warmup", action="store_true", help="serve without the warm-up generation")
         a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
           help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
+        a("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+          help="the model's tool-call format: chat answers to requests with tools are parsed into tool_calls "
+               "(qwen25/qwen: Hermes-style <tool_call> JSON, as Qwen2.5/Qwen3; default: qwen25 for the embedded "
+               "model, none otherwise, and then tools with tool_choice auto are refused)")
+        a("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+          help="the model's thinking format: chat answers are split into reasoning_content and content (a request "
+               "can turn it off with separate_reasoning: false; chat_template_kwargs such as enable_thinking pick "
+               "the thinking mode)")
 
         a = g["advanced"].add_argument  # specserve's own tuning and experiment switches
         a("--speculative-ngram-confidence", type=float, default=d["speculative_ngram_confidence"].default,

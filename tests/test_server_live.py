@@ -221,6 +221,10 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "gpt-4o"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "top_k": 0}, 400, "top_k"),
+    # a --model-path model without --tool-call-parser cannot read tool calls out of its answers
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "--tool-call-parser"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "none"}, 400, "only allowed when tools are given"),
     ("/v1/completions", {"prompt": "hi"}, 400, "model"),
     ("/v1/completions", {**COMP, "prompt": ""}, 400, "empty"),
     ("/v1/completions", {**COMP, "prompt": []}, 400, "empty"),

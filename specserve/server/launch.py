@@ -22,7 +22,7 @@ import time
 import uvicorn
 
 import specserve
-from specserve.defaults import embedded_model_path, is_embedded
+from specserve.defaults import embedded_chat_template_path, embedded_model_path, is_embedded
 from specserve.server.errors import APIError
 from specserve.server.tokenizer_manager import EMBEDDED_SERVED_NAME, GenRequest, TokenizerManager
 from specserve.server_args import CommandParser, ServerArgs
@@ -59,6 +59,14 @@ def served_model_name(args: ServerArgs, model_path: str) -> str:
         return EMBEDDED_SERVED_NAME
     base = os.path.basename(os.path.normpath(model_path))
     return base[:-len(".gguf")] if base.endswith(".gguf") else base
+
+
+def chat_template_of(args: ServerArgs) -> str | None:
+    """--chat-template, else for the embedded model specserve's ChatML template that renders tools (its own does
+    not), else None (the tokenizer's own template)."""
+    if args.chat_template is None and args.model_path is None:
+        return embedded_chat_template_path()
+    return args.chat_template
 
 
 def build_parser() -> CommandParser:
@@ -206,7 +214,7 @@ async def _serve(args: ServerArgs, stop: asyncio.Event, loop: asyncio.AbstractEv
         t0 = time.perf_counter()
         try:
             tokenizer, ready = await _until(asyncio.gather(
-                asyncio.to_thread(load_tokenizer, src, args.tokenizer_path, args.chat_template),
+                asyncio.to_thread(load_tokenizer, src, args.tokenizer_path, chat_template_of(args)),
                 engine.wait_ready()), stop)
         except _Stopped:
             logger.info("interrupted while loading")

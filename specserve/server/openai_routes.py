@@ -1,12 +1,17 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (streaming SSE and not).
 
 Usage is on every answer (`usage` of the response, or the last stream chunk with stream_options.include_usage);
-with speculation it also has `spec: {accept_length, verify_ct}`. finish_reason is "stop", "length" or "abort".
+with speculation it also has `spec: {accept_length, verify_ct}`. finish_reason is "stop", "length" or "abort", and
+"tool_calls" for a chat answer that stopped after calling tools.
+
+Chat requests may carry tools (server/chat_tools.py: messages and tools for the template, tool_choice); the answer
+becomes the assistant message, tool calls and reasoning_content included, in server/chat_output.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,8 +19,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from specserve.server.chat_output import ChatOutput, finish_with_tools
+from specserve.server.chat_tools import plan_tools, template_messages
 from specserve.server.errors import APIError, bad_request
-from specserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_body, read_body
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
 
@@ -49,8 +56,6 @@ def _refuse_unsupported(body, *, chat: bool) -> None:
     if chat:
         if body.logprobs or body.top_logprobs is not None:
             raise bad_request("logprobs are not supported by specserve", param="logprobs")
-        if body.tools:
-            raise bad_request("tools (function calling) are not supported by specserve", param="tools")
         fmt = (body.response_format or {}).get("type", "text")
         if fmt != "text":
             raise bad_request(f"response_format {fmt!r} is not supported (only 'text')", param="response_format")
@@ -73,19 +78,6 @@ def _sampling(body, max_new_tokens: int | None) -> dict:
           "stop_token_ids": body.stop_token_ids, "ignore_eos": bool(body.ignore_eos),
           "skip_special_tokens": body.skip_special_tokens is not False}
     return {k: v for k, v in sp.items() if v is not None}
-
-
-def _message_dict(m: ChatMessage) -> dict:
-    if m.content is None and m.role == "user":
-        raise bad_request("a user message needs content", param="messages")
-    if m.content is None or isinstance(m.content, str):
-        return {"role": m.role, "content": m.content or ""}
-    texts = []
-    for part in m.content:
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"content part of type {part.type!r} is not supported (text only)", param="messages")
-        texts.append(part.text)
-    return {"role": m.role, "content": "\n".join(texts)}
 
 
 def _include_usage(body) -> bool:
@@ -116,25 +108,33 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         body: ChatCompletionRequest = parse_body(await read_body(request, tm.body_limit), ChatCompletionRequest)
         tm.check_model(body.model)
         _refuse_unsupported(body, chat=True)
-        messages = [_message_dict(m) for m in body.messages]
-        prompt = await tm.off_loop(tm.chat_prompt, messages, body.chat_template_kwargs)
+        parser = tm.args.chat_tool_call_parser
+        plan = plan_tools(body, parser)
+        messages = template_messages(body.messages)
+        prompt = await tm.off_loop(tm.chat_prompt, messages, body.chat_template_kwargs, plan.tools)
         ids = await tm.off_loop(tm.encode, prompt, False)  # the template already has any BOS it wants
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_new is None:  # the model's default answer length, else all the room the context leaves
             room = max(tm.info.context_len - len(ids), 0)
             max_new = room if tm.info.default_max_tokens is None else min(tm.info.default_max_tokens, room)
-        req = GenRequest(ids, _sampling(body, max_new), rid=body.rid)
+        sampling = _sampling(body, max_new)
+        if plan.json_schema is not None:  # tool_choice required or named: constrained decoding
+            sampling["json_schema"] = json.dumps(plan.json_schema)
+        req = GenRequest(ids, sampling, rid=body.rid)
         tm.precheck(req)
         cid = f"chatcmpl-{req.rid or uuid.uuid4().hex}"
         created = int(time.time())
+        output = ChatOutput.for_request(plan, parser, tm.args.reasoning_parser, body.separate_reasoning is not False,
+                                        body.chat_template_kwargs, uuid.uuid4().hex[:24])
         if body.stream:
-            return sse_response(_chat_events(tm, req, cid, created, _include_usage(body), spec))
+            return sse_response(_chat_events(tm, req, cid, created, _include_usage(body), spec, output))
         try:
             last = await until_disconnect(request, tm.generate_one(req))
         except ClientGone:
             return Response(status_code=499)
-        choice = {"index": 0, "message": {"role": "assistant", "content": last.text},
-                  "logprobs": None, "finish_reason": finish_reason(last.finish_reason),
+        message = output.message(last.text)
+        choice = {"index": 0, "message": message, "logprobs": None,
+                  "finish_reason": finish_with_tools(finish_reason(last.finish_reason), "tool_calls" in message),
                   "matched_stop": (last.finish_reason or {}).get("matched")}
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
                              "model": tm.served_model_name, "choices": [choice], "usage": usage([last], spec)})
@@ -182,7 +182,7 @@ def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
 
 
 async def _chat_events(tm: TokenizerManager, req: GenRequest, cid: str, created: int, include_usage: bool,
-                       spec: bool) -> AsyncIterator[str]:
+                       spec: bool, output: ChatOutput) -> AsyncIterator[str]:
     def chunk(delta: dict, reason: str | None = None) -> dict:
         out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": tm.served_model_name,
                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
@@ -193,12 +193,15 @@ async def _chat_events(tm: TokenizerManager, req: GenRequest, cid: str, created:
     try:
         yield sse(chunk({"role": "assistant", "content": ""}))
         last = None
+        stream = output.stream()
         async with contextlib.aclosing(tm.generate(req)) as gen:
             async for c in gen:
-                if c.text_delta:
-                    yield sse(chunk({"content": c.text_delta}))
+                for delta in stream.feed(c.text_delta) if c.text_delta else []:
+                    yield sse(chunk(delta))
                 last = c
-        yield sse(chunk({}, finish_reason(last.finish_reason)))
+        for delta in stream.finish():
+            yield sse(chunk(delta))
+        yield sse(chunk({}, finish_with_tools(finish_reason(last.finish_reason), stream.called)))
         if include_usage:
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                        "model": tm.served_model_name, "choices": [], "usage": usage([last], spec)})

@@ -3,7 +3,7 @@
 Types are strict (a string where a number belongs is a 400, not silently converted); value ranges are left to
 SamplingParams so a message reads the same on every route. Unknown fields are ignored, as OpenAI-compatible servers
 commonly do, so clients that send extra options keep working; options we cannot honour are refused explicitly by
-the routes (logprobs, n > 1, tools, ...).
+the routes (logprobs, n > 1, ...).
 """
 
 from __future__ import annotations
@@ -31,9 +31,47 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it (checked by server/chat_tools.py)
+
+
+class ToolCallItem(_Strict):
+    """One call of an earlier assistant turn."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
+    reasoning_content: str | None = None  # an assistant turn's thinking (templates that keep it read it)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _OpenAISampling(_Strict):
@@ -65,8 +103,10 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    separate_reasoning: bool | None = True  # extension (SGLang): reasoning_content apart from content
     response_format: dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

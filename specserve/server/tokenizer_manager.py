@@ -132,7 +132,8 @@ class TokenizerManager:
         self.check_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_prompt(self, messages: list[dict], template_kwargs: dict | None) -> str:
+    def chat_prompt(self, messages: list[dict], template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
+        """The prompt the chat template makes of the messages (and the request's tools, OpenAI dicts)."""
         if not messages:
             raise bad_request("messages must contain at least one message", param="messages")
         if self.tokenizer.chat_template is None:
@@ -146,7 +147,8 @@ class TokenizerManager:
             if m.get("content"):  # (an empty assistant turn is fine; the template's output is checked again)
                 self.check_text(m["content"], param="messages")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                      **kwargs)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
 
