@@ -138,7 +138,6 @@ def test_reasoning_split(client):
     assert off.message.content == m.model_extra["reasoning_content"]  # the same prompt: the same greedy answer
 
 
-@pytest.mark.xfail(reason="needs engine json_schema", strict=False)
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_constrained_tool_choice(client, tool_choice):
@@ -148,3 +147,65 @@ def test_constrained_tool_choice(client, tool_choice):
     assert calls and len(calls) >= 1
     _check_calls(calls, r.choices[0].finish_reason)
     assert "city" in json.loads(calls[0].function.arguments)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+JSON_ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_response_format_json_schema(client, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kw = dict(model=MODEL, messages=JSON_ASK, response_format=fmt, extra_body=NO_THINKING, temperature=0,
+              max_tokens=60)
+    if stream:
+        text, calls, finish = _joined_stream(client, **kw)
+    else:
+        r = client.chat.completions.create(**kw)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert finish == "stop"
+    person = json.loads(text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
+def test_json_object_and_regex(client):
+    r = client.chat.completions.create(model=MODEL, messages=JSON_ASK, response_format={"type": "json_object"},
+                                       extra_body=NO_THINKING, temperature=0.8, seed=3, max_tokens=80)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=20,
+                                       extra_body={**NO_THINKING, "regex": "(sunny|rainy|cloudy)"})
+    assert r.choices[0].message.content in ("sunny", "rainy", "cloudy")
+
+
+def test_chat_logprobs_whole_and_streamed(client):
+    kw = dict(model=MODEL, messages=ASK, extra_body=NO_THINKING, temperature=0, max_tokens=12, logprobs=True,
+              top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy: the top one
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob) and c.logprob <= 0
+    streamed = [lp for ch in client.chat.completions.create(stream=True, **kw)
+                for lp in ((ch.choices[0].logprobs.content or []) if ch.choices and ch.choices[0].logprobs else [])]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+
+
+def test_completion_logprobs_echo_and_penalties(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  echo=True)
+    assert r.choices[0].text.startswith("The capital of France is")
+    plain = client.completions.create(model=MODEL, prompt="one one one one", max_tokens=12, temperature=0)
+    penalised = client.completions.create(model=MODEL, prompt="one one one one", max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.5}, logit_bias={"505": -100})
+    assert penalised.choices[0].text != plain.choices[0].text

@@ -110,10 +110,10 @@ def test_parse_body_accepts_prompt_shapes():
 
 
 def test_normalize_sgl_sampling():
-    assert normalize_sgl_sampling({"max_new_tokens": 3, "n": 1, "repetition_penalty": 1.0, "sampling_seed": 7}) == \
-        {"max_new_tokens": 3, "seed": 7}
-    with pytest.raises(APIError, match="repetition_penalty"):
-        normalize_sgl_sampling({"repetition_penalty": 1.2})
+    assert normalize_sgl_sampling({"max_new_tokens": 3, "n": 1, "repetition_penalty": 1.2, "sampling_seed": 7}) == \
+        {"max_new_tokens": 3, "repetition_penalty": 1.2, "seed": 7}
+    with pytest.raises(APIError, match="min_new_tokens"):
+        normalize_sgl_sampling({"min_new_tokens": 2})
 
 
 # ---------------------------------------------------------------------- launch flags
@@ -177,7 +177,7 @@ class FakeEngine:
     def start_io(self, loop, on_output, on_exit):
         self.on_output, self.on_exit = on_output, on_exit
 
-    def add(self, rid, input_ids, sampling, return_hidden_states=False):
+    def add(self, rid, input_ids, sampling, return_hidden_states=False, **_):
         self.added.append((rid, input_ids, sampling))
 
     def abort(self, rid):

@@ -25,8 +25,8 @@ from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerMa
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 # SGLang sampling keys we accept at their neutral value only (clients often send them explicitly).
-_NEUTRAL = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True, "logprob_start_len": -1}
+_NEUTRAL = {"n": 1, "min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True,
+            "logprob_start_len": -1}
 
 
 def normalize_sgl_sampling(sp: dict) -> dict:
@@ -80,19 +80,26 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
             raise bad_request(f"rid must be a list of {n} distinct ids", param="rid")
     else:
         rids = [None] * n
-    logprob = body.return_logprob
-    if any(logprob) if isinstance(logprob, list) else logprob:
-        raise bad_request("return_logprob is not supported by specserve", param="return_logprob")
-    hidden = body.return_hidden_states
-    if isinstance(hidden, list):
-        if len(hidden) != n:
-            raise bad_request(f"return_hidden_states has {len(hidden)} entries for {n} prompts",
-                              param="return_hidden_states")
-    else:
-        hidden = [bool(hidden)] * n
-    reqs = [GenRequest(p, normalize_sgl_sampling(sp), rid=r, return_hidden_states=h)
-            for p, sp, r, h in zip(prompts, sps, rids, hidden, strict=True)]
+    start = _per_prompt(body.logprob_start_len, n, "logprob_start_len", -1)
+    if any(s is not None and s >= 0 for s in start):
+        raise bad_request("logprob_start_len >= 0 (the prompt's logprobs) is not supported yet",
+                          param="logprob_start_len")
+    logprob = [bool(x) for x in _per_prompt(body.return_logprob, n, "return_logprob", False)]
+    top = [x or 0 for x in _per_prompt(body.top_logprobs_num, n, "top_logprobs_num", 0)]
+    hidden = [bool(x) for x in _per_prompt(body.return_hidden_states, n, "return_hidden_states", False)]
+    reqs = [GenRequest(p, normalize_sgl_sampling(sp), rid=r, return_hidden_states=h, return_logprob=lp,
+                       top_logprobs_num=k)
+            for p, sp, r, h, lp, k in zip(prompts, sps, rids, hidden, logprob, top, strict=True)]
     return reqs, single
+
+
+def _per_prompt(value, n: int, name: str, default) -> list:
+    """A /generate option given once for all prompts or as a list of one per prompt."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise bad_request(f"{name} has {len(value)} entries for {n} prompts", param=name)
+        return value
+    return [default if value is None else value] * n
 
 
 def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:

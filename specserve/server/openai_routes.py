@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from specserve.server.chat_output import ChatOutput, finish_with_tools
 from specserve.server.chat_tools import plan_tools, template_messages
 from specserve.server.errors import APIError, bad_request
+from specserve.server.logprobs_format import chat_logprobs, completion_logprobs
+from specserve.server.parsers.reasoning import THINK_END
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
@@ -48,22 +50,12 @@ def usage(chunks: list[GenChunk], spec_enabled: bool) -> dict:
 def _refuse_unsupported(body, *, chat: bool) -> None:
     if body.n not in (None, 1):
         raise bad_request("n must be 1: specserve returns one choice per prompt", param="n")
-    if body.presence_penalty or body.frequency_penalty:
-        raise bad_request("presence_penalty and frequency_penalty are not supported (use 0)",
-                          param="presence_penalty" if body.presence_penalty else "frequency_penalty")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if chat:
-        if body.logprobs or body.top_logprobs is not None:
-            raise bad_request("logprobs are not supported by specserve", param="logprobs")
-        fmt = (body.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"response_format {fmt!r} is not supported (only 'text')", param="response_format")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     else:
-        if body.logprobs is not None:
-            raise bad_request("logprobs are not supported by specserve", param="logprobs")
-        if body.echo:
-            raise bad_request("echo is not supported", param="echo")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo with logprobs (the prompt's logprobs) is not supported yet", param="echo")
         if body.best_of not in (None, 1):
             raise bad_request("best_of must be 1", param="best_of")
         if body.suffix:
@@ -76,8 +68,29 @@ def _sampling(body, max_new_tokens: int | None) -> dict:
     sp = {"max_new_tokens": max_new_tokens, "temperature": body.temperature, "top_p": body.top_p,
           "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed, "stop": body.stop,
           "stop_token_ids": body.stop_token_ids, "ignore_eos": bool(body.ignore_eos),
-          "skip_special_tokens": body.skip_special_tokens is not False}
+          "skip_special_tokens": body.skip_special_tokens is not False,
+          "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+          "repetition_penalty": body.repetition_penalty, "logit_bias": body.logit_bias or None,
+          "regex": body.regex, "ebnf": body.ebnf}
     return {k: v for k, v in sp.items() if v is not None}
+
+
+def response_format_schema(fmt: dict | None) -> str | None:
+    """OpenAI's response_format -> the json_schema sampling parameter (a JSON string; None for text)."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                              param="response_format")
+        return json.dumps(schema)
+    raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                      param="response_format")
 
 
 def _include_usage(body) -> bool:
@@ -118,14 +131,25 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
             room = max(tm.info.context_len - len(ids), 0)
             max_new = room if tm.info.default_max_tokens is None else min(tm.info.default_max_tokens, room)
         sampling = _sampling(body, max_new)
+        fmt_schema = response_format_schema(body.response_format)
         if plan.json_schema is not None:  # tool_choice required or named: constrained decoding
+            if fmt_schema is not None or body.regex or body.ebnf:
+                raise bad_request("a forced tool call (tool_choice required or a function) cannot be combined with "
+                                  "response_format, regex or ebnf", param="tool_choice")
             sampling["json_schema"] = json.dumps(plan.json_schema)
-        req = GenRequest(ids, sampling, rid=body.rid)
+        elif fmt_schema is not None:
+            if body.regex or body.ebnf:
+                raise bad_request("give one of response_format, regex and ebnf", param="response_format")
+            sampling["json_schema"] = fmt_schema
+        output = ChatOutput.for_request(plan, parser, tm.args.reasoning_parser, body.separate_reasoning is not False,
+                                        body.chat_template_kwargs, uuid.uuid4().hex[:24])
+        # a grammar starts after the reasoning: the engine opens it at the reasoning parser's end marker
+        thinking = output.reasoning is not None and output.reasoning.thinking
+        req = GenRequest(ids, sampling, rid=body.rid, reasoning_end=THINK_END if thinking else None,
+                         return_logprob=bool(body.logprobs), top_logprobs_num=body.top_logprobs or 0)
         tm.precheck(req)
         cid = f"chatcmpl-{req.rid or uuid.uuid4().hex}"
         created = int(time.time())
-        output = ChatOutput.for_request(plan, parser, tm.args.reasoning_parser, body.separate_reasoning is not False,
-                                        body.chat_template_kwargs, uuid.uuid4().hex[:24])
         if body.stream:
             return sse_response(_chat_events(tm, req, cid, created, _include_usage(body), spec, output))
         try:
@@ -133,7 +157,11 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         except ClientGone:
             return Response(status_code=499)
         message = output.message(last.text)
-        choice = {"index": 0, "message": message, "logprobs": None,
+        logprobs = None
+        if req.return_logprob:
+            lp = last.meta["output_token_logprobs"]
+            logprobs = chat_logprobs([x[1] for x in lp], [x[0] for x in lp], _top(last.meta), tm.decode_token)
+        choice = {"index": 0, "message": message, "logprobs": logprobs,
                   "finish_reason": finish_with_tools(finish_reason(last.finish_reason), "tool_calls" in message),
                   "matched_stop": (last.finish_reason or {}).get("matched")}
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
@@ -149,23 +177,40 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         prompts = await tm.off_loop(_prompt_ids, tm, body.prompt)
         if body.rid is not None and len(prompts) > 1:
             raise bad_request("rid can only be given for a single prompt", param="rid")
-        reqs = [GenRequest(ids, _sampling(body, max_new), rid=body.rid) for ids in prompts]
+        top = body.logprobs or 0
+        reqs = [GenRequest(ids, _sampling(body, max_new), rid=body.rid, return_logprob=body.logprobs is not None,
+                           top_logprobs_num=top) for ids in prompts]
         for r in reqs:  # all prompts are checked before any is queued
             tm.precheck(r)
         cid = f"cmpl-{body.rid or uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
-            return sse_response(_completion_events(tm, reqs, cid, created, _include_usage(body), spec))
+            echo = [tm.decode_ids(r.input_ids) if body.echo else "" for r in reqs]
+            return sse_response(_completion_events(tm, reqs, cid, created, _include_usage(body), spec, echo))
         try:
             lasts = await until_disconnect(request, run_all([tm.generate_one(r) for r in reqs]))
         except ClientGone:
             return Response(status_code=499)
-        choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c.finish_reason),
+        echo = [tm.decode_ids(r.input_ids) if body.echo else "" for r in reqs]
+        choices = [{"index": i, "text": echo[i] + c.text, "logprobs": _completion_lp(tm, c, len(echo[i]))
+                    if body.logprobs is not None else None,
+                    "finish_reason": finish_reason(c.finish_reason),
                     "matched_stop": (c.finish_reason or {}).get("matched")} for i, c in enumerate(lasts)]
         return JSONResponse({"id": cid, "object": "text_completion", "created": created,
                              "model": tm.served_model_name, "choices": choices, "usage": usage(lasts, spec)})
 
     return router
+
+
+def _top(meta: dict) -> list | None:
+    """meta_info.output_top_logprobs as [(id, logprob), ...] per position (None without)."""
+    top = meta.get("output_top_logprobs")
+    return None if top is None else [[(t, v) for v, t, _ in pos] for pos in top]
+
+
+def _completion_lp(tm: TokenizerManager, c: GenChunk, offset: int) -> dict:
+    lp = c.meta["output_token_logprobs"]
+    return completion_logprobs([x[1] for x in lp], [x[0] for x in lp], _top(c.meta), tm.decode_token, offset)
 
 
 def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
@@ -196,7 +241,14 @@ async def _chat_events(tm: TokenizerManager, req: GenRequest, cid: str, created:
         stream = output.stream()
         async with contextlib.aclosing(tm.generate(req)) as gen:
             async for c in gen:
-                for delta in stream.feed(c.text_delta) if c.text_delta else []:
+                deltas = stream.feed(c.text_delta) if c.text_delta else []
+                if c.new_logprobs:  # the update's tokens' logprobs ride on its first chunk
+                    lp = chat_logprobs(c.new_ids, c.new_logprobs, c.new_top_logprobs, tm.decode_token)
+                    first = chunk(deltas[0] if deltas else {"content": ""})
+                    first["choices"][0]["logprobs"] = lp
+                    yield sse(first)
+                    deltas = deltas[1:]
+                for delta in deltas:
                     yield sse(chunk(delta))
                 last = c
         for delta in stream.finish():
@@ -211,23 +263,30 @@ async def _chat_events(tm: TokenizerManager, req: GenRequest, cid: str, created:
 
 
 async def _completion_events(tm: TokenizerManager, reqs: list[GenRequest], cid: str, created: int,
-                             include_usage: bool, spec: bool) -> AsyncIterator[str]:
-    def chunk(index: int, text: str, reason: str | None = None) -> dict:
+                             include_usage: bool, spec: bool, echo: list[str]) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, reason: str | None = None, c: GenChunk | None = None) -> dict:
+        lp = None
+        if c is not None and c.new_logprobs is not None:
+            lp = completion_logprobs(c.new_ids, c.new_logprobs, c.new_top_logprobs, tm.decode_token,
+                                     len(echo[index]) + len(c.text) - len(c.text_delta))
         out = {"id": cid, "object": "text_completion", "created": created, "model": tm.served_model_name,
-               "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+               "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}]}
         if include_usage:
             out["usage"] = None
         return out
 
     lasts: dict[int, GenChunk] = {}
     try:
+        for i, text in enumerate(echo):
+            if text:
+                yield sse(chunk(i, text))
         async with contextlib.aclosing(merge_streams([tm.generate(r) for r in reqs])) as events:
             async for i, c in events:
                 if c.finished:
                     lasts[i] = c
-                    yield sse(chunk(i, c.text_delta, finish_reason(c.finish_reason)))
-                elif c.text_delta:
-                    yield sse(chunk(i, c.text_delta))
+                    yield sse(chunk(i, c.text_delta, finish_reason(c.finish_reason), c))
+                elif c.text_delta or c.new_logprobs:
+                    yield sse(chunk(i, c.text_delta, c=c))
         if include_usage:
             yield sse({"id": cid, "object": "text_completion", "created": created, "model": tm.served_model_name,
                        "choices": [], "usage": usage([lasts[i] for i in sorted(lasts)], spec)})

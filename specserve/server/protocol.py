@@ -94,6 +94,9 @@ class _OpenAISampling(_Strict):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # extension (SGLang/vLLM)
+    regex: str | None = None  # extension (SGLang): the output matches this regular expression
+    ebnf: str | None = None  # extension (SGLang): the output matches this EBNF grammar
     user: str | None = None
     rid: str | None = None  # extension: a request id (SGLang)
 
@@ -129,6 +132,8 @@ class GenerateRequest(_Strict):
     rid: str | list[str] | None = None
     model: str | None = None
     return_logprob: bool | list[bool] | None = False
+    top_logprobs_num: int | list[int] | None = 0
+    logprob_start_len: int | list[int] | None = -1  # the prompt's logprobs (>= 0) are not supported yet
     return_hidden_states: bool | list[bool] | None = False  # needs --enable-return-hidden-states
 
 

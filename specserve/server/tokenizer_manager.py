@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
-from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams, check_logprob_args, logprobs_meta
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, unavailable
+from specserve.server.logprobs_format import token_decoder
 from specserve.server.messages import EngineInfo, EngineStats, RequestDelta, RequestRejected, StepOutput
 from specserve.server.metrics import ServerMetrics
 from specserve.server_args import ServerArgs
@@ -44,6 +45,9 @@ class GenRequest:
     rid: str | None = None
     internal: bool = False  # warm-up and health checks: kept out of the metrics
     return_hidden_states: bool = False  # meta_info.hidden_states once finished (--enable-return-hidden-states)
+    reasoning_end: str | None = None  # a grammar in `sampling` applies after this marker (engine/grammar.py)
+    return_logprob: bool = False  # each output token's logprob (chunks' new_logprobs; meta_info at the finish)
+    top_logprobs_num: int = 0  # ... and the most likely tokens' at each position
 
 
 @dataclass
@@ -58,6 +62,8 @@ class GenChunk:
     finished: bool
     finish_reason: dict | None  # SGLang form: {"type": "stop"|"length"|"abort", ...}
     meta: dict  # prompt_tokens, completion_tokens, finish_reason, spec_* (speculation), e2e_latency (finished)
+    new_logprobs: list[float] | None = None  # new_ids' logprobs (a request that returns them)
+    new_top_logprobs: list | None = None  # per new id [(id, logprob), ...] (top_logprobs_num > 0)
 
 
 @dataclass
@@ -77,6 +83,9 @@ class _Tracked:
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
     done: bool = False
+    top_logprobs_num: int | None = None  # None: the request returns no logprobs
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
 
 
 class TokenizerManager:
@@ -102,6 +111,7 @@ class TokenizerManager:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
         self.max_prompt_chars = info.context_len * max(longest, 1)
         self.body_limit = int(args.max_request_body_mb * (1 << 20))  # bytes
+        self._decode_token = token_decoder(tokenizer)
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the text worker thread (tokenising, chat templates)."""
@@ -127,6 +137,14 @@ class TokenizerManager:
         except UnicodeEncodeError as e:
             raise bad_request(f"the text is not valid Unicode: {e.reason} at character {e.start} (a lone "
                               "surrogate escape such as \\ud800?)", param=param) from None
+
+    def decode_token(self, tok: int) -> str:
+        """One token's text alone (logprobs' token strings), memoised."""
+        return self._decode_token(tok)
+
+    def decode_ids(self, ids: list[int]) -> str:
+        """A prompt's text (echo)."""
+        return self.tokenizer.decode(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_text(text)
@@ -162,6 +180,8 @@ class TokenizerManager:
         vocab = self.info.vocab_size
         if any(t >= vocab for t in sp.stop_token_ids):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+        if any(t >= vocab for t, _ in sp.bias_items):
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         for stop in sp.stop:
             self.check_text(stop, param="stop")
         if not input_ids:
@@ -209,6 +229,10 @@ class TokenizerManager:
         if not req.internal:
             self.check_queue()
         self.validate(req.input_ids, req.sampling)
+        try:
+            check_logprob_args(req.return_logprob, req.top_logprobs_num)
+        except ValueError as e:
+            raise bad_request(str(e), param="top_logprobs") from None
         if req.return_hidden_states and not self.args.enable_return_hidden_states:
             raise bad_request("this server does not return hidden states: start it with "
                               "--enable-return-hidden-states", param="return_hidden_states")
@@ -231,9 +255,12 @@ class TokenizerManager:
         skip = req.sampling.get("skip_special_tokens", True) is not False
         stop = req.sampling.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
-        t = _Tracked(rid, len(req.input_ids), IncrementalDetokenizer(self.tokenizer, skip, stop), req.internal)
+        t = _Tracked(rid, len(req.input_ids), IncrementalDetokenizer(self.tokenizer, skip, stop), req.internal,
+                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else None)
         self.reqs[rid] = t
-        self.engine.add(rid, list(req.input_ids), dict(req.sampling), req.return_hidden_states)
+        self.engine.add(rid, list(req.input_ids), dict(req.sampling), req.return_hidden_states,
+                        reasoning_end=req.reasoning_end, return_logprob=req.return_logprob,
+                        top_logprobs_num=req.top_logprobs_num)
         limit = None if req.internal else self.args.request_timeout
         deadline = None if limit is None else t.arrival + limit
         try:
@@ -269,6 +296,8 @@ class TokenizerManager:
 
     def _apply(self, t: _Tracked, items: list) -> GenChunk | None:
         new_ids: list[int] = []
+        new_lp: list[float] = []
+        new_top: list = []
         reason = hidden = None
         for it in items:
             if isinstance(it, RequestRejected):
@@ -278,6 +307,8 @@ class TokenizerManager:
                 t.done = True
                 raise unavailable(f"the engine stopped: {it.reason.splitlines()[0]}")
             new_ids.extend(it.new_ids)
+            new_lp.extend(it.logprobs or [])
+            new_top.extend(it.top_logprobs or [])
             t.spec_verify_ct = max(t.spec_verify_ct, it.spec_verify_ct)
             t.spec_accepted_drafts = max(t.spec_accepted_drafts, it.spec_accepted_drafts)
             if it.finished_reason is not None:
@@ -300,11 +331,19 @@ class TokenizerManager:
             meta["spec_accept_length"] = self._accept_len(t)
         if hidden is not None:
             meta["hidden_states"] = hidden
+        if t.top_logprobs_num is not None:
+            t.logprobs.extend(new_lp)
+            t.top_logprobs.extend(new_top)
+            if reason is not None:
+                meta.update(logprobs_meta(t.detok.ids, t.logprobs, t.top_logprobs, t.top_logprobs_num))
         if reason is not None:
             meta["e2e_latency"] = now - t.arrival
             self._record(t, reason)
-        return GenChunk(t.rid, delta, t.detok.text[:t.detok.sent], new_ids, list(t.detok.ids), reason is not None,
-                        reason, meta)
+        chunk = GenChunk(t.rid, delta, t.detok.text[:t.detok.sent], new_ids, list(t.detok.ids), reason is not None,
+                         reason, meta)
+        if t.top_logprobs_num is not None:
+            chunk.new_logprobs, chunk.new_top_logprobs = new_lp, new_top if t.top_logprobs_num else None
+        return chunk
 
     @staticmethod
     def _accept_len(t: _Tracked) -> float:
