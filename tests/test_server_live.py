@@ -217,7 +217,9 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "max_tokens": "2"}, 400, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n must be 1"),
+    ("/v1/chat/completions", {**CHAT, "n": 65}, 400, "n must be in"),
+    ("/v1/chat/completions", {**CHAT, "n": 2, "rid": "x"}, 400, "rid"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "needs logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),
@@ -308,3 +310,28 @@ def test_engine_death_makes_server_unhealthy_then_exits_1(server):
     assert httpx.get(server.url + "/health_generate", timeout=10).status_code == 503
     assert httpx.get(server.url + "/get_server_info").json()["engine_alive"] is False
     assert server.proc.wait(timeout=60) == 1, server.log()
+
+
+def test_n_choices_on_every_route(server):
+    client = _openai(server)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=6, temperature=1.0, seed=5,
+              extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 18  # every choice counted
+    assert len({c.message.content for c in r.choices}) > 1  # each choice its own seed stream
+    again = client.chat.completions.create(**kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    joined, finish = {}, {}
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            joined[c.index] = joined.get(c.index, "") + (c.delta.content or "")
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert [joined[i] for i in range(3)] == [c.message.content for c in r.choices]
+    assert set(finish.values()) == {"length"}
+    comp = client.completions.create(model="tiny", prompt=["ab", "cd"], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in comp.choices] == [0, 1, 2, 3]
+    assert comp.choices[0].text == comp.choices[1].text  # greedy: the same answer twice per prompt
+    out = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {
+        "n": 2, "max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 9}}, timeout=60).json()
+    assert isinstance(out, list) and len(out) == 2 and all(len(o["output_ids"]) == 3 for o in out)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 import specserve
 from specserve.server.errors import APIError, bad_request
+from specserve.server.openai_routes import MAX_N, choice_sampling
 from specserve.server.protocol import AbortRequestBody, GenerateRequest, parse_body, read_body
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
@@ -25,7 +26,7 @@ from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerMa
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 # SGLang sampling keys we accept at their neutral value only (clients often send them explicitly).
-_NEUTRAL = {"n": 1, "min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True,
+_NEUTRAL = {"min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True,
             "logprob_start_len": -1}
 
 
@@ -37,6 +38,8 @@ def normalize_sgl_sampling(sp: dict) -> dict:
             if v is not None and v != _NEUTRAL[k]:
                 raise bad_request(f"sampling_params.{k}={v!r} is not supported (only {_NEUTRAL[k]!r})",
                                   param=f"sampling_params.{k}")
+            continue
+        if k == "n":  # the number of samples: the route expands the prompt into n requests first
             continue
         if k == "sampling_seed":  # SGLang's name for the per-request seed
             k = "seed"
@@ -87,9 +90,19 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
     logprob = [bool(x) for x in _per_prompt(body.return_logprob, n, "return_logprob", False)]
     top = [x or 0 for x in _per_prompt(body.top_logprobs_num, n, "top_logprobs_num", 0)]
     hidden = [bool(x) for x in _per_prompt(body.return_hidden_states, n, "return_hidden_states", False)]
-    reqs = [GenRequest(p, normalize_sgl_sampling(sp), rid=r, return_hidden_states=h, return_logprob=lp,
-                       top_logprobs_num=k)
-            for p, sp, r, h, lp, k in zip(prompts, sps, rids, hidden, logprob, top, strict=True)]
+    reqs = []
+    for p, sp, r, h, lp, k in zip(prompts, sps, rids, hidden, logprob, top, strict=True):
+        sp = dict(sp)
+        n = sp.pop("n", 1)
+        n = 1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise bad_request(f"sampling_params.n must be an integer in [1, {MAX_N}], got {n!r}",
+                              param="sampling_params.n")
+        if n > 1 and r is not None:
+            raise bad_request("rid can only be given with n = 1", param="rid")
+        single = single and n == 1  # SGLang: n samples of one prompt come back as a list
+        reqs += [GenRequest(p, s, rid=r, return_hidden_states=h, return_logprob=lp, top_logprobs_num=k)
+                 for s in choice_sampling(normalize_sgl_sampling(sp), n)]
     return reqs, single
 
 

@@ -47,9 +47,29 @@ def usage(chunks: list[GenChunk], spec_enabled: bool) -> dict:
     return out
 
 
+MAX_N = 64  # choices a request may ask for (n); each is a request of its own in the engine
+
+
+def choice_count(body) -> int:
+    """n, checked: 1..MAX_N; with n > 1 no client rid (each choice is a request of its own)."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {n}", param="n")
+    if n > 1 and body.rid is not None:
+        raise bad_request("rid can only be given with n = 1", param="rid")
+    return n
+
+
+def choice_sampling(sampling: dict, n: int) -> list[dict]:
+    """The n choices' sampling parameters: each its own seed stream (seed, seed + 1, ... when a seed is given; else
+    each request draws its own), the rest shared."""
+    if n == 1:
+        return [sampling]
+    seed = sampling.get("seed")
+    return [{**sampling, **({"seed": (seed + i) % (1 << 63)} if seed is not None else {})} for i in range(n)]
+
+
 def _refuse_unsupported(body, *, chat: bool) -> None:
-    if body.n not in (None, 1):
-        raise bad_request("n must be 1: specserve returns one choice per prompt", param="n")
     if chat:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -145,27 +165,32 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
                                         body.chat_template_kwargs, uuid.uuid4().hex[:24])
         # a grammar starts after the reasoning: the engine opens it at the reasoning parser's end marker
         thinking = output.reasoning is not None and output.reasoning.thinking
-        req = GenRequest(ids, sampling, rid=body.rid, reasoning_end=THINK_END if thinking else None,
-                         return_logprob=bool(body.logprobs), top_logprobs_num=body.top_logprobs or 0)
-        tm.precheck(req)
-        cid = f"chatcmpl-{req.rid or uuid.uuid4().hex}"
+        reqs = [GenRequest(ids, sp, rid=body.rid, reasoning_end=THINK_END if thinking else None,
+                           return_logprob=bool(body.logprobs), top_logprobs_num=body.top_logprobs or 0)
+                for sp in choice_sampling(sampling, choice_count(body))]
+        for r in reqs:  # every choice is checked before any is queued
+            tm.precheck(r)
+        cid = f"chatcmpl-{body.rid or uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
-            return sse_response(_chat_events(tm, req, cid, created, _include_usage(body), spec, output))
+            return sse_response(_chat_events(tm, reqs, cid, created, _include_usage(body), spec, output))
         try:
-            last = await until_disconnect(request, tm.generate_one(req))
+            lasts = await until_disconnect(request, run_all([tm.generate_one(r) for r in reqs]))
         except ClientGone:
             return Response(status_code=499)
-        message = output.message(last.text)
-        logprobs = None
-        if req.return_logprob:
-            lp = last.meta["output_token_logprobs"]
-            logprobs = chat_logprobs([x[1] for x in lp], [x[0] for x in lp], _top(last.meta), tm.decode_token)
-        choice = {"index": 0, "message": message, "logprobs": logprobs,
-                  "finish_reason": finish_with_tools(finish_reason(last.finish_reason), "tool_calls" in message),
-                  "matched_stop": (last.finish_reason or {}).get("matched")}
+        choices = []
+        for i, last in enumerate(lasts):
+            message = output.message(last.text)
+            logprobs = None
+            if body.logprobs:
+                lp = last.meta["output_token_logprobs"]
+                logprobs = chat_logprobs([x[1] for x in lp], [x[0] for x in lp], _top(last.meta), tm.decode_token)
+            choices.append({"index": i, "message": message, "logprobs": logprobs,
+                            "finish_reason": finish_with_tools(finish_reason(last.finish_reason),
+                                                               "tool_calls" in message),
+                            "matched_stop": (last.finish_reason or {}).get("matched")})
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created,
-                             "model": tm.served_model_name, "choices": [choice], "usage": usage([last], spec)})
+                             "model": tm.served_model_name, "choices": choices, "usage": usage(lasts, spec)})
 
     # ------------------------------------------------------------------ completions
     @router.post("/v1/completions")
@@ -178,8 +203,9 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         if body.rid is not None and len(prompts) > 1:
             raise bad_request("rid can only be given for a single prompt", param="rid")
         top = body.logprobs or 0
-        reqs = [GenRequest(ids, _sampling(body, max_new), rid=body.rid, return_logprob=body.logprobs is not None,
-                           top_logprobs_num=top) for ids in prompts]
+        n = choice_count(body)
+        reqs = [GenRequest(ids, sp, rid=body.rid, return_logprob=body.logprobs is not None, top_logprobs_num=top)
+                for ids in prompts for sp in choice_sampling(_sampling(body, max_new), n)]  # choice p * n + i
         for r in reqs:  # all prompts are checked before any is queued
             tm.precheck(r)
         cid = f"cmpl-{body.rid or uuid.uuid4().hex}"
@@ -226,37 +252,43 @@ def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-async def _chat_events(tm: TokenizerManager, req: GenRequest, cid: str, created: int, include_usage: bool,
+async def _chat_events(tm: TokenizerManager, reqs: list[GenRequest], cid: str, created: int, include_usage: bool,
                        spec: bool, output: ChatOutput) -> AsyncIterator[str]:
-    def chunk(delta: dict, reason: str | None = None) -> dict:
+    """The chat stream of n choices (one request each), interleaved as their updates arrive, each with its own
+    parser stream; a choice's last chunk carries its finish_reason."""
+    def chunk(i: int, delta: dict, reason: str | None = None) -> dict:
         out = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": tm.served_model_name,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+               "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}]}
         if include_usage:
             out["usage"] = None
         return out
 
     try:
-        yield sse(chunk({"role": "assistant", "content": ""}))
-        last = None
-        stream = output.stream()
-        async with contextlib.aclosing(tm.generate(req)) as gen:
-            async for c in gen:
+        for i in range(len(reqs)):
+            yield sse(chunk(i, {"role": "assistant", "content": ""}))
+        streams = [output.stream() for _ in reqs]
+        lasts: dict[int, GenChunk] = {}
+        async with contextlib.aclosing(merge_streams([tm.generate(r) for r in reqs])) as events:
+            async for i, c in events:
+                stream = streams[i]
                 deltas = stream.feed(c.text_delta) if c.text_delta else []
                 if c.new_logprobs:  # the update's tokens' logprobs ride on its first chunk
                     lp = chat_logprobs(c.new_ids, c.new_logprobs, c.new_top_logprobs, tm.decode_token)
-                    first = chunk(deltas[0] if deltas else {"content": ""})
+                    first = chunk(i, deltas[0] if deltas else {"content": ""})
                     first["choices"][0]["logprobs"] = lp
                     yield sse(first)
                     deltas = deltas[1:]
                 for delta in deltas:
-                    yield sse(chunk(delta))
-                last = c
-        for delta in stream.finish():
-            yield sse(chunk(delta))
-        yield sse(chunk({}, finish_with_tools(finish_reason(last.finish_reason), stream.called)))
+                    yield sse(chunk(i, delta))
+                if c.finished:
+                    lasts[i] = c
+                    for delta in stream.finish():
+                        yield sse(chunk(i, delta))
+                    yield sse(chunk(i, {}, finish_with_tools(finish_reason(c.finish_reason), stream.called)))
         if include_usage:
             yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                       "model": tm.served_model_name, "choices": [], "usage": usage([last], spec)})
+                       "model": tm.served_model_name, "choices": [],
+                       "usage": usage([lasts[i] for i in sorted(lasts)], spec)})
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE
