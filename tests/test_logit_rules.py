@@ -256,3 +256,37 @@ def test_spec_sampling_under_rules_matches_exact_distribution(ruled_model, tiny_
             # drafts are accepted (about 1 in 8 here: the rules flatten the target) as well as cut by the grammar
             assert sched.stats.spec_accept_length > 1.05, sched.stats.spec_accept_length
         _assert_fits(joint, np.array([r.output_ids for r in reqs]), name)
+
+
+def test_grammar_after_reasoning_boundary_greedy_spec_equals_plain(ruled_model, tiny_tokenizer):
+    """A grammar that opens after a reasoning marker: the output up to and including the marker is the unconstrained
+    greedy one (the marker is never masked), the grammar applies right after it, and speculation (oracle drafts of
+    the unconstrained output, which cross the boundary and are then forbidden) gives plain decoding's tokens."""
+    from test_sampling_lossless import _greedy
+
+    free = _greedy(ruled_model)  # 8 unconstrained greedy tokens
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i] and free[i] >= 3)  # a fresh letter: the marker
+    letter = "abcdefghi"
+    banned = free[k + 1]  # the unconstrained next token: the grammar forbids it right after the marker
+    assert banned >= 3, free
+    regex = "[" + "".join(c for t, c in zip(LETTERS, letter) if t != banned) + "]{3}"
+    backend = GrammarBackend(tiny_tokenizer, V, [2])
+    compiled = backend.compile("regex", regex)
+    outs = {}
+    for name, spec in {"plain": {}, "spec3": {"speculative_algorithm": "MTP", "speculative_num_steps": 3}}.items():
+        draft = OracleDraft(32, {row: PROMPT + free for row in range(1, 9)}, wrong_every=None, vocab=V) \
+            if spec else None
+        sched, _ = build_scheduler(ruled_model, draft=draft, max_total_tokens=4096, **spec)
+        sp = SamplingParams(max_new_tokens=k + 4, temperature=0.0, ignore_eos=True, regex=regex)
+        r = Req("g", list(PROMPT), sp, seed=0)
+        r.rules = RowRules(sp, backend.new_state(compiled, reasoning_end=[free[k]]))
+        sched.add_request(r)
+        while sched.has_work:
+            sched.step()
+        sched.check_idle_invariants()
+        outs[name] = r.output_ids
+        assert r.rules.grammar.active and not r.rules.grammar.rejected
+    assert outs["spec3"] == outs["plain"]
+    out = outs["plain"]
+    assert out[:k + 1] == free[:k + 1]  # the reasoning and its marker, untouched
+    assert all(t >= 3 for t in out[k + 1:]) and out[k + 1] != banned  # the grammar from the next token on
