@@ -290,3 +290,61 @@ def test_grammar_after_reasoning_boundary_greedy_spec_equals_plain(ruled_model, 
     out = outs["plain"]
     assert out[:k + 1] == free[:k + 1]  # the reasoning and its marker, untouched
     assert all(t >= 3 for t in out[k + 1:]) and out[k + 1] != banned  # the grammar from the next token on
+
+
+def _ruled_greedy_run(path, backend, compiled, n_req: int, new: int, force_plain=None, **kw) -> tuple[list, object]:
+    draft = None
+    if kw.get("speculative_algorithm"):
+        from test_sampling_lossless import _greedy
+
+        seq = PROMPT + _greedy(path)
+        draft = OracleDraft(32, {row: seq for row in range(1, 65)}, wrong_every=3, vocab=V)
+    sched, _ = build_scheduler(path, draft=draft, **kw)
+    if force_plain is not None:
+        from spec_fixtures import ForcedSteps
+
+        sched.adaptive = ForcedSteps(force_plain)
+    reqs = []
+    for i in range(n_req):
+        sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True, frequency_penalty=0.3 * (i % 3),
+                            regex="[a-f][a-i]{0,80}")
+        r = Req(f"r{i}", PROMPT[: 2 + i % 4], sp, seed=i)
+        r.rules = RowRules(sp, backend.new_state(compiled))
+        reqs.append(r)
+        sched.add_request(r)
+    while sched.has_work:
+        sched.step()
+    sched.check_idle_invariants()
+    return [r.output_ids for r in reqs], sched
+
+
+def test_rules_with_adaptive_steps_and_retraction(ruled_model, tiny_tokenizer):
+    """Grammar + penalties through plain and speculative steps interleaved (adaptive speculation) and retractions
+    (a pool too small for the batch): the same greedy tokens as plain decoding with room to spare."""
+    backend = GrammarBackend(tiny_tokenizer, V, [2])
+    compiled = backend.compile("regex", "[a-f][a-i]{0,80}")
+    plain, _ = _ruled_greedy_run(ruled_model, backend, compiled, 6, 30, max_total_tokens=4096)
+    spec, sched = _ruled_greedy_run(ruled_model, backend, compiled, 6, 30, force_plain=[True, False, False],
+                                    max_total_tokens=96, context_length=64, speculative_algorithm="MTP",
+                                    speculative_num_steps=3,
+                                    speculative_adaptive=True)
+    assert sched.stats.num_retractions > 0 and sched.stats.spec_plain_steps > 0 and sched.stats.spec_verify_ct > 0
+    assert spec == plain
+    assert all(3 <= t <= 8 for t in (o[0] for o in plain))  # the grammar's first class, [a-f]
+
+
+def test_abort_while_the_grammar_compiles(ruled_model, tiny_tokenizer):
+    from concurrent.futures import Future
+
+    sched, _ = build_scheduler(ruled_model, max_total_tokens=1024)
+    sp = SamplingParams(max_new_tokens=4, regex="[a-c]+")
+    r = Req("c", list(PROMPT), sp, seed=0)
+    r.rules, r.grammar_future = RowRules(sp), Future()  # a compile that has not finished
+    sched.add_request(r)
+    assert sched.has_work and r in sched.compiling and r not in sched.waiting
+    sched.step()  # nothing to run: waits briefly for the compile, then returns
+    assert r in sched.compiling
+    sched.abort("c")
+    assert r.finished and not sched.compiling and r.grammar_future is None
+    sched.step()
+    sched.check_idle_invariants()
