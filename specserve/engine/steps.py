@@ -109,7 +109,7 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: Logit
             adjust = adjuster(model_runner, freqs)
         if adjust is not None:
             logits = adjust(logits[:, None])[:, 0]
-        t0 = sample(logits, sampling_batch(model_runner, freqs), new_pos)  # [F]
+        t0 = sample(logits, sampling_batch(model_runner, freqs), new_pos, masked=adjust is not None)  # [F]
         frows = torch.tensor([chunks[i].req.kv.row for i in final], device=dev)
         model_runner.last_token[frows] = t0
         if spec is not None:
@@ -177,7 +177,7 @@ def launch_decode(model_runner: ModelRunner, reqs: list[Req], adjust: LogitAdjus
     if model_runner.step_hidden is not None:
         model_runner.step_hidden.write(rows, out["hidden"])
     logits = out["logits"] if adjust is None else adjust(out["logits"][:, None])[:, 0]
-    tokens = sample(logits, sampling, seq_lens + 1)
+    tokens = sample(logits, sampling, seq_lens + 1, masked=adjust is not None)
     model_runner.last_token[rows] = tokens
     return tokens
 

@@ -118,10 +118,15 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch
     return (probs / -torch.log(u)).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> torch.Tensor:
-    """logits [bs, V] -> token ids [bs]; positions: the sequence index each new token will take."""
+def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    """logits [bs, V] -> token ids [bs]; positions: the sequence index each new token will take. masked: the logits
+    may hold -inf (a grammar's mask, engine/logit_rules.py): the fused sampling kernel assumes finite logits (with
+    -inf under top-p it drew a forbidden token on an H100), so such rows go through probs_from_logits, whose kernel
+    handles them (check_sampling_kernels), and the same draw (sample_from_probs)."""
     if sb.all_greedy:
-        return ops.row_top1(logits)[0]
+        return logits.argmax(dim=-1) if masked else ops.row_top1(logits)[0]
+    if masked:
+        return sample_from_probs(probs_from_logits(logits, sb), sb.seeds, positions)
     if logits.is_cuda and (tk := sampling_kernels(logits.device)) is not None:
         return tk.sample_triton(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.seeds, positions,
                                 sb.need_filter)
@@ -168,8 +173,14 @@ def check_sampling_kernels(device: torch.device, tk=None) -> bool:
         got_p = tk.probs_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, True)
         got_t = tk.sample_triton(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, sb.seeds, pos, True)
         want_t = sample_from_probs(want_p, sb.seeds, pos)
+        # a grammar's mask: most logits -inf (the probs kernel must keep them out, filters and all)
+        xm = x.masked_fill(torch.rand(x.shape, generator=g).to(device) < 0.97, float("-inf"))
+        xm[:, 0] = x[:, 0]  # at least one allowed token a row
+        want_m = probs_reference(xm, sb)
+        got_m = tk.probs_triton(xm, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.greedy, True)
         ok = (torch.equal(got_p > 0, want_p > 0) and torch.allclose(got_p, want_p, atol=1e-5, rtol=1e-4)
-              and torch.equal(got_t, want_t))
+              and torch.equal(got_t, want_t) and torch.equal(got_m > 0, want_m > 0)
+              and torch.allclose(got_m, want_m, atol=1e-5, rtol=1e-4))
         err = "" if ok else f"tokens {got_t.tolist()} vs {want_t.tolist()}"
     except Exception as e:  # a kernel that does not compile on this device or Triton: the reference serves
         ok, err = False, repr(e)

@@ -48,7 +48,7 @@ def plain_step_device(ctx: PlainStepContext, call: PhaseCall, rows: torch.Tensor
     if ctx.step_hidden is not None:
         ctx.step_hidden.write(rows, out["hidden"])
     logits = out["logits"] if adjust is None else adjust(out["logits"])  # [bs, 1, V]
-    tokens = sample(logits[:, 0], sampling, seq_lens + 1)  # [bs]
+    tokens = sample(logits[:, 0], sampling, seq_lens + 1, masked=adjust is not None)  # [bs]
     ctx.last_token[rows] = tokens
     if ctx.target_state is not None:  # the state after S (the verify pass's slot 0) is current
         ctx.target_state.commit(ctx.target_state.row_state[rows], torch.zeros_like(rows))
