@@ -29,15 +29,15 @@ def test_token_ladder():
     assert token_ladder(10) == [10]
 
 
-def prefill_runner(path, draft_path, backend, device="cpu"):
-    """A ModelRunner (MTP N = 2) whose prefill runners pad up to MAX_TOKENS tokens (CUDA graphs on a GPU)."""
+def prefill_runner(path, draft_path, backend, device="cpu", max_tokens=MAX_TOKENS, context_len=512):
+    """A ModelRunner (MTP N = 2) whose prefill runners pad up to max_tokens tokens (CUDA graphs on a GPU)."""
     dev = torch.device(device)
     t = load_target(ModelSource.resolve(path), torch.float32, dev, 600)
     draft = load_mtp_draft(t, draft_path, torch.float32, dev, 600)
     args = ServerArgs(model_path=path, max_total_tokens=8192, max_running_requests=20, speculative_algorithm="MTP",
                       speculative_num_steps=2, cuda_graph_bs=[1, 2], attention_backend=backend,
-                      cuda_graph_max_prefill_tokens=MAX_TOKENS)
-    mr = ModelRunner(args, t.model, t.config, draft, dev, torch.float32, 512)
+                      cuda_graph_max_prefill_tokens=max_tokens)
+    mr = ModelRunner(args, t.model, t.config, draft, dev, torch.float32, context_len)
     g = torch.Generator().manual_seed(0)
     for cache in token_caches(mr.caches) + token_caches(mr.spec.caches):  # non-trivial prefix keys
         cache.copy_(torch.randn(cache.shape, generator=g))
@@ -75,11 +75,22 @@ def _pools(mr):
 # are too many
 BATCHES = [([0, 0, 0], [20, 17, 9]), ([0], [5]), ([10, 0, 3, 0], [16, 16, 16, 16]), ([40, 0], [30, 3]),
            ([7], [16]), ([0, 0], [40, 30]), ([0] * 17, [2] * 17)]
+# The same cases for runners padding up to SMALL_MAX_TOKENS (ladder 16, 32), for kernels run by Triton's CPU
+# interpreter, whose cost grows with the padded tokens: token counts 28, 5, 20 shrink and grow (20 over rows that
+# 28 filled: stale), with prefixes (one longer than a 64-key block), 16 fills its size exactly; 35 tokens and 17
+# requests (of 17 tokens) are too many
+SMALL_MAX_TOKENS = 32
+SMALL_BATCHES = [([0, 0, 0], [12, 9, 7]), ([0], [5]), ([60, 0, 3], [10, 6, 4]), ([7], [16]),
+                 ([0, 0], [20, 15]), ([0] * 17, [1] * 17)]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_prefill_equals_eager(tiny_models, backend):
-    check_padded_prefill(prefill_runner(tiny_models["llama"], tiny_models["llama_draft_aux"], backend), 1e-5)
+    """triton: the kernels under Triton's CPU interpreter (no GPU), over SMALL_BATCHES; on a GPU, BATCHES."""
+    small = backend == "triton" and not torch.cuda.is_available()
+    max_tokens, batches = (SMALL_MAX_TOKENS, SMALL_BATCHES) if small else (MAX_TOKENS, BATCHES)
+    mr = prefill_runner(tiny_models["llama"], tiny_models["llama_draft_aux"], backend, max_tokens=max_tokens)
+    check_padded_prefill(mr, 1e-5, batches, max_tokens)
 
 
 def prefill_runners(mr) -> dict:
@@ -90,11 +101,11 @@ def prefill_runners(mr) -> dict:
     return out
 
 
-def check_padded_prefill(mr, tol):
-    """Each prefill runner over BATCHES: the padded run against the eager forward (outputs and KV pools)."""
+def check_padded_prefill(mr, tol, batches=BATCHES, max_tokens=MAX_TOKENS):
+    """Each prefill runner over `batches`: the padded run against the eager forward (outputs and KV pools)."""
     for name, runner in prefill_runners(mr).items():
-        assert runner.ladder.sizes == [16, 32, MAX_TOKENS]
-        for i, (prefixes, lens) in enumerate(BATCHES):
+        assert runner.ladder.sizes == sorted({16, 32, max_tokens})
+        for i, (prefixes, lens) in enumerate(batches):
             handles, x = _batch(mr, prefixes, lens, seed=i)
             if name == "target":
                 x.hidden = None
@@ -105,7 +116,7 @@ def check_padded_prefill(mr, tol):
                 t.copy_(s)
             replays, eager = runner.replays, runner.eager_runs
             got = runner.run(x)
-            graphed = x.num_tokens <= MAX_TOKENS and len(lens) <= runner.max_rows
+            graphed = x.num_tokens <= max_tokens and len(lens) <= runner.max_rows
             assert (runner.replays - replays, runner.eager_runs - eager) == ((1, 0) if graphed else (0, 1))
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name} batch {i}")
