@@ -303,7 +303,7 @@ def _ruled_greedy_run(path, backend, compiled, n_req: int, new: int, force_plain
     if force_plain is not None:
         from spec_fixtures import ForcedSteps
 
-        sched.adaptive = ForcedSteps(force_plain)
+        sched.adaptive, sched.adaptive_ruled = ForcedSteps([False]), ForcedSteps(force_plain)
     reqs = []
     for i in range(n_req):
         sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True, frequency_penalty=0.3 * (i % 3),
@@ -330,6 +330,8 @@ def test_rules_with_adaptive_steps_and_retraction(ruled_model, tiny_tokenizer):
                                     speculative_adaptive=True)
     assert sched.stats.num_retractions > 0 and sched.stats.spec_plain_steps > 0 and sched.stats.spec_verify_ct > 0
     assert spec == plain
+    # ruled batches are steered, and timed, by their own adaptive speculation
+    assert sched.adaptive_ruled.recorded and not sched.adaptive.recorded
     assert all(3 <= t <= 8 for t in (o[0] for o in plain))  # the grammar's first class, [a-f]
 
 

@@ -108,6 +108,10 @@ class Scheduler:
         # record(bs, plain, seconds, tokens_per_request, catch_up, steady) may stand in (tests force patterns)
         self.adaptive = (AdaptiveSpeculation(max_period=spec.lag.capacity)
                          if spec is not None and model_runner.adaptive_spec else None)
+        # batches with logit rules step phase by phase with the host between draft and verify, and their drafts
+        # fare differently under a grammar: their costs and accept rates are learnt apart
+        self.adaptive_ruled = (AdaptiveSpeculation(max_period=spec.lag.capacity)
+                               if self.adaptive is not None else None)
         if self.adaptive is not None:
             spec.time_catch_ups = True
         # rank 0 of a tensor-parallel engine: each step is broadcast to the other ranks first (engine/tp_ranks.py)
@@ -258,7 +262,8 @@ class Scheduler:
     def _decode(self) -> None:
         """One decode step for the running requests: its kind and whether it overlaps as plan_decode decides
         (engine/decode_plan.py), then the plan followed."""
-        plain = self.adaptive is not None and self.adaptive.choose_plain(len(self.running))  # once a step
+        adaptive = self._adaptive_for(self.running)
+        plain = adaptive is not None and adaptive.choose_plain(len(self.running))  # once a step
         plan, batch = self._plan(step_kind(self.n > 0, plain))
         if plan.overlapped and not self._launch(plan.kind, batch):
             plan = plan.fall_back("the step's pages need a retraction, which needs every token read")
@@ -368,15 +373,22 @@ class Scheduler:
         self._broadcast(kind, reqs)
         res = (run_plain_step if plain else run_spec_step)(self.model_runner, reqs)
         now = time.perf_counter()
-        if self.adaptive is not None:
+        adaptive = self._adaptive_for(reqs)
+        if adaptive is not None:
             caught = self.model_runner.spec.take_catch_up()  # the draft's catch-up inside this step, timed apart
             # steady: the synchronous step before was of the same kind (not a switch, nor the end of overlapped steps)
-            self.adaptive.record(len(reqs), plain, now - t0 - (caught[0] if caught else 0.0),
-                                 1 + sum(res.accept_len) / len(reqs), caught, steady=self._sync_kind == plain)
+            adaptive.record(len(reqs), plain, now - t0 - (caught[0] if caught else 0.0),
+                            1 + sum(res.accept_len) / len(reqs), caught, steady=self._sync_kind == plain)
         self._sync_kind = plain
         self._last_read = now
         self._keep_hidden(reqs, (k + 1 for k in res.accept_len))
         self._apply_spec(reqs, res, plain)
+
+    def _adaptive_for(self, reqs: list[Req]):
+        """The adaptive speculation that steers a batch: the ruled batches' own when a row carries logit rules."""
+        if self.adaptive_ruled is not None and any(r.needs_host_logits for r in reqs):
+            return self.adaptive_ruled
+        return self.adaptive
 
     def _keep_hidden(self, reqs: list[Req], counts: Iterable[int]) -> None:
         """A synchronous step's hidden states at its `counts` committed positions from each row's S, kept for the
