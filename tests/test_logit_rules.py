@@ -55,7 +55,7 @@ def test_adjuster_along_drafts_equals_rules_position_by_position():
     for sp in sps:
         prompt = torch.randint(0, vocab, (6,), generator=g).tolist()
         output = torch.randint(0, vocab, (5,), generator=g).tolist() + [3, 3]
-        reqs.append(SimpleNamespace(origin_input_ids=prompt, output_ids=output,
+        reqs.append(SimpleNamespace(origin_input_ids=prompt, output_ids=output, return_logprob=False,
                                     rules=RowRules(sp) if sp.has_logit_rules else None))
     logits = torch.randn((len(reqs), width, vocab), generator=g) * 3
     drafts = torch.randint(0, vocab, (len(reqs), width - 1), generator=g)
