@@ -242,7 +242,8 @@ BAD = [
     ("/v1/completions", {**COMP, "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {**COMP, "seed": -1}, 400, "seed"),
     ("/v1/completions", {**COMP, "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {**COMP, "logprobs": 2, "echo": True}, 400, "echo"),
+    ("/v1/completions", {**COMP, "logprobs": 2, "echo": True, "stream": True}, 400, "echo"),
+    ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 2}, 400, "logprob_start_len"),
     ("/v1/completions", {**COMP, "logprobs": 30}, 400, "top_logprobs"),
     ("/v1/completions", {**COMP, "model": "nope"}, 404, "nope"),
     ("/generate", {"sampling_params": {}}, 400, "text"),
@@ -335,3 +336,20 @@ def test_n_choices_on_every_route(server):
     out = httpx.post(server.url + "/generate", json={"text": "hi", "sampling_params": {
         "n": 2, "max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 9}}, timeout=60).json()
     assert isinstance(out, list) and len(out) == 2 and all(len(o["output_ids"]) == 3 for o in out)
+
+
+def test_prompt_logprobs_echo_and_generate(server):
+    client = _openai(server)
+    r = client.completions.create(model="tiny", prompt=[5, 17, 33, 2, 90], max_tokens=3, temperature=0, echo=True,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 + 3
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    out = httpx.post(server.url + "/generate", json={"input_ids": [5, 17, 33, 2, 90], "return_logprob": True,
+                                                     "logprob_start_len": 1, "sampling_params": {
+                                                         "max_new_tokens": 3, "temperature": 0}}, timeout=60).json()
+    ilp = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in ilp] == [17, 33, 2, 90]
+    assert [x[0] for x in ilp] == pytest.approx(lp.token_logprobs[1:5], abs=1e-4)  # the same prompt's logprobs

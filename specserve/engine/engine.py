@@ -24,7 +24,7 @@ from specserve.engine.loading import load_models, resolve_device
 from specserve.engine.logit_rules import RowRules
 from specserve.engine.model_runner import ModelRunner
 from specserve.engine.request import Req
-from specserve.engine.sampling_params import SamplingParams, check_logprob_args, logprobs_meta
+from specserve.engine.sampling_params import SamplingParams, check_logprob_args, input_logprobs_meta, logprobs_meta
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker, output_text
 from specserve.engine.tp_ranks import TPLeader
@@ -105,13 +105,14 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def make_request(self, input_ids: list[int], sampling: dict | SamplingParams | None,
                      rid: str | None = None, return_hidden_states: bool = False,
-                     reasoning_end: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0
-                     ) -> Req:
+                     reasoning_end: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
+                     logprob_start_len: int = -1) -> Req:
         """Validate and build a request (raises ValueError; nothing is queued on error). return_hidden_states: the
         result carries the target's hidden states (engine/hidden_states.py; needs --enable-return-hidden-states).
         reasoning_end: the marker (text) that ends the model's reasoning; a grammar applies after it.
         return_logprob, top_logprobs_num: each output token's logprob, and the top_logprobs_num most likely tokens'
-        (SGLang's names; engine/logit_rules.py says of which distribution)."""
+        (SGLang's names; engine/logit_rules.py says of which distribution); logprob_start_len >= 0 (with
+        return_logprob): also the prompt's, from that token on (engine/steps.py record_prompt_logprobs)."""
         if return_hidden_states and not self.args.enable_return_hidden_states:
             raise ValueError("this server does not return hidden states: start it with --enable-return-hidden-states")
         if isinstance(sampling, SamplingParams):
@@ -131,13 +132,14 @@ class EngineCore:
             )
         if sp.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        check_logprob_args(return_logprob, top_logprobs_num)
+        check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len, len(input_ids))
         if any(t >= vocab for t, _ in sp.bias_items):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
         req = Req(rid=rid or uuid.uuid4().hex, origin_input_ids=list(input_ids), sampling=sp, seed=seed,
                   return_hidden_states=return_hidden_states, return_logprob=bool(return_logprob),
-                  top_logprobs_num=top_logprobs_num if return_logprob else 0)
+                  top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                  logprob_start_len=logprob_start_len if return_logprob else -1)
         if sp.has_logit_rules:
             if self.tp_leader is not None:
                 raise ValueError("penalties, logit_bias and grammars are not supported with --tp-size > 1 yet")
@@ -172,6 +174,9 @@ class EngineCore:
         if req.return_logprob:
             meta.update(logprobs_meta(req.output_ids, req.output_logprobs, req.output_top_logprobs,
                                       req.top_logprobs_num))
+            if req.logprob_start_len >= 0:
+                meta.update(input_logprobs_meta(req.origin_input_ids[req.logprob_start_len:], req.input_logprobs,
+                                                req.input_top_logprobs, req.top_logprobs_num))
         return {"text": output_text(self.tokenizer, req) if self.tokenizer else "",
                 "output_ids": list(req.output_ids), "meta_info": meta}
 
@@ -215,7 +220,7 @@ class Engine:
     def generate(self, prompt: str | Sequence[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_hidden_states: bool = False, return_logprob: bool = False,
-                 top_logprobs_num: int = 0) -> dict | list[dict]:
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1) -> dict | list[dict]:
         """Generate for a prompt, a list of prompts, or input ids; return_hidden_states (with
         --enable-return-hidden-states): meta_info.hidden_states, as SGLang's (engine/hidden_states.py);
         return_logprob / top_logprobs_num: meta_info.output_token_logprobs / output_top_logprobs, as SGLang's."""
@@ -239,7 +244,8 @@ class Engine:
             sps = [sampling_params] * len(ids)
         # validates all before queueing any
         reqs = [self.core.make_request(i, sp, return_hidden_states=return_hidden_states, return_logprob=return_logprob,
-                                       top_logprobs_num=top_logprobs_num) for i, sp in zip(ids, sps)]
+                                       top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len)
+                for i, sp in zip(ids, sps)]
         self.core.run_until_done(reqs)
         refused = [r.finished_reason["message"] for r in reqs if r.finished_reason.get("status_code") == 400]
         if refused:  # a grammar that does not compile

@@ -53,6 +53,16 @@ class Req:
     top_logprobs_num: int = 0  # also the most likely tokens at each position, as (token id, logprob)
     output_logprobs: list = field(default_factory=list)  # [float] per output token
     output_top_logprobs: list = field(default_factory=list)  # [[(id, logprob), ...]] per output token
+    # the prompt's logprobs from token logprob_start_len on (-1: none), computed once by prefill (engine/steps.py)
+    logprob_start_len: int = -1
+    input_logprobs: list = field(default_factory=list)  # [float | None] (None for the prompt's first token)
+    input_top_logprobs: list = field(default_factory=list)  # [[(id, logprob), ...] | None]
+
+    @property
+    def input_logprobs_pending(self) -> bool:
+        """Whether prefill still owes this request prompt logprobs."""
+        return self.logprob_start_len >= 0 and (self.logprob_start_len + len(self.input_logprobs)
+                                                < len(self.origin_input_ids))
 
     @property
     def needs_host_logits(self) -> bool:

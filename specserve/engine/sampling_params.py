@@ -20,13 +20,17 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text (schema, regex, EBNF)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
-def check_logprob_args(return_logprob, top_logprobs_num) -> None:
-    """SGLang's return_logprob / top_logprobs_num, checked (ValueError)."""
+def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len=-1, prompt_len: int | None = None) -> None:
+    """SGLang's return_logprob / top_logprobs_num / logprob_start_len, checked (ValueError)."""
     if not isinstance(return_logprob, bool):
         raise ValueError("return_logprob must be a boolean")
     if (isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int)
             or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS):
         raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+    if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) or logprob_start_len < -1 or (
+            prompt_len is not None and logprob_start_len >= prompt_len):
+        raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt index, got "
+                         f"{logprob_start_len!r}")
 
 
 def logprobs_meta(ids: list[int], logprobs: list[float], top: list, top_num: int) -> dict:
@@ -36,6 +40,15 @@ def logprobs_meta(ids: list[int], logprobs: list[float], top: list, top_num: int
     out = {"output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)]}
     if top_num:
         out["output_top_logprobs"] = [[[lp, t, None] for t, lp in pos] for pos in top]
+    return out
+
+
+def input_logprobs_meta(ids: list[int], logprobs: list, top: list, top_num: int) -> dict:
+    """SGLang's meta_info entries for the prompt's logprobs (from logprob_start_len): input_token_logprobs
+    [[logprob | None, id, None], ...] and, with top_num, input_top_logprobs [[[logprob, id, None], ...] | None]."""
+    out = {"input_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)]}
+    if top_num:
+        out["input_top_logprobs"] = [None if pos is None else [[lp, t, None] for t, lp in pos] for pos in top]
     return out
 
 

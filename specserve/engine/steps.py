@@ -61,9 +61,46 @@ def run_prefill(model_runner: ModelRunner, chunks: list[Chunk]) -> list[int | No
 
 
 def prefill_reads_logits(chunks: list[Chunk]) -> bool:
-    """Whether a prefill's first tokens need the host (a final chunk's request returns logprobs): it is then run
-    and read at once, not launched under the overlap schedule."""
-    return any(c.is_final and c.req.return_logprob for c in chunks)
+    """Whether a prefill needs the host (a final chunk's request returns logprobs, or a chunk's request its prompt's):
+    it is then run and read at once, not launched under the overlap schedule."""
+    return any((c.is_final and c.req.return_logprob) or c.req.input_logprobs_pending for c in chunks)
+
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once (a [rows, V] float32 block)
+
+
+def record_prompt_logprobs(model_runner: ModelRunner, chunks: list[Chunk], hidden: torch.Tensor) -> None:
+    """The prompt's logprobs of the chunks' requests that ask for them (logprob_start_len >= 0): the token at index
+    q gets log_softmax of the target's raw logits at q - 1 (temperature 1, no rules: the model's own distribution, as
+    vLLM's prompt logprobs), the first token None. Each token once, whatever the chunking or a retraction's
+    re-prefill. hidden [T, F]: the prefill's features in chunk order. One host sync per slice."""
+    rows, targets, owners = [], [], []
+    start = 0
+    for c in chunks:
+        req = c.req
+        if req.input_logprobs_pending:
+            prompt = req.origin_input_ids
+            if req.logprob_start_len == 0 and not req.input_logprobs:
+                req.input_logprobs.append(None)  # the first token has no context
+                req.input_top_logprobs.append(None)
+            q = req.logprob_start_len + len(req.input_logprobs)  # the next token owed
+            for p in range(max(c.start, q - 1), min(c.end, len(prompt) - 1)):
+                rows.append(start + p - c.start)
+                targets.append(prompt[p + 1])
+                owners.append(req)
+        start += c.end - c.start
+    for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+        sl = slice(i, i + PROMPT_LOGPROB_ROWS)
+        idx = torch.tensor([rows[sl], targets[sl]], dtype=torch.int64).to(model_runner.device, non_blocking=True)
+        lp = torch.log_softmax(model_runner.target.compute_logits(hidden[idx[0]]).float(), dim=-1)  # [R, V]
+        chosen = lp.gather(1, idx[1][:, None])[:, 0].tolist()
+        k = max(r.top_logprobs_num for r in owners[sl])
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (None, None))
+        top_v, top_i = (top_v.tolist(), top_i.tolist()) if k else ([], [])
+        for j, req in enumerate(owners[sl]):
+            req.input_logprobs.append(chosen[j])
+            n = req.top_logprobs_num
+            req.input_top_logprobs.append(list(zip(top_i[j][:n], top_v[j][:n])) if n else None)
 
 
 @torch.inference_mode()
@@ -96,6 +133,8 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: Logit
     batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext)
     hidden = model_runner.prefill.run(batch)  # [T, F] (a graph's output: used before the next prefill)
     _keep_prefill_hidden(chunks, hidden, model_runner.cfg.hidden_size)
+    if any(c.req.input_logprobs_pending for c in chunks):
+        record_prompt_logprobs(model_runner, chunks, hidden)
 
     ends = torch.tensor(ext, device=dev).cumsum(0) - 1  # last token of each chunk
     final = [i for i, c in enumerate(chunks) if c.is_final]

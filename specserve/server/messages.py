@@ -24,6 +24,7 @@ class AddRequest:
     reasoning_end: str | None = None  # a grammar in `sampling` applies after this marker (the reasoning's end)
     return_logprob: bool = False  # each output token's logprob (SGLang's name)
     top_logprobs_num: int = 0  # ... and this many most likely tokens' at each position
+    logprob_start_len: int = -1  # the prompt's logprobs from this token on (-1: none)
 
 
 @dataclass
@@ -112,6 +113,8 @@ class RequestDelta:
     hidden_states: list | None = None  # once finished, for a request that returns them (engine/hidden_states.py)
     logprobs: list[float] | None = None  # the new tokens' logprobs (a request that returns them)
     top_logprobs: list | None = None  # per new token [(id, logprob), ...] (top_logprobs_num > 0)
+    input_logprobs: list | None = None  # once finished: the prompt's from logprob_start_len ([float | None])
+    input_top_logprobs: list | None = None  # ... and their top tokens ([[(id, logprob), ...] | None])
 
 
 @dataclass

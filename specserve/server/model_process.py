@@ -130,7 +130,8 @@ class EngineLoop:
         try:
             req = self.core.make_request(m.input_ids, m.sampling, rid=m.rid,
                                          return_hidden_states=m.return_hidden_states, reasoning_end=m.reasoning_end,
-                                         return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num)
+                                         return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num,
+                                         logprob_start_len=m.logprob_start_len)
             self.sched.add_request(req)
         except ValueError as e:
             out.rejected.append(RequestRejected(m.rid, str(e)))
@@ -145,6 +146,8 @@ class EngineLoop:
         if req.return_logprob:
             delta.logprobs = req.output_logprobs[sent:]
             delta.top_logprobs = req.output_top_logprobs[sent:] if req.top_logprobs_num else None
+            if req.finished and req.logprob_start_len >= 0:
+                delta.input_logprobs, delta.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
         return delta
 
     def _abort_all(self) -> None:

@@ -27,7 +27,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 # SGLang sampling keys we accept at their neutral value only (clients often send them explicitly).
 _NEUTRAL = {"min_new_tokens": 0, "no_stop_trim": False, "spaces_between_special_tokens": True,
-            "logprob_start_len": -1}
+            "logprob_start_len": -1}  # (a request field in SGLang, not a sampling parameter)
 
 
 def normalize_sgl_sampling(sp: dict) -> dict:
@@ -83,15 +83,12 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
             raise bad_request(f"rid must be a list of {n} distinct ids", param="rid")
     else:
         rids = [None] * n
-    start = _per_prompt(body.logprob_start_len, n, "logprob_start_len", -1)
-    if any(s is not None and s >= 0 for s in start):
-        raise bad_request("logprob_start_len >= 0 (the prompt's logprobs) is not supported yet",
-                          param="logprob_start_len")
+    start = [-1 if s is None else s for s in _per_prompt(body.logprob_start_len, n, "logprob_start_len", -1)]
     logprob = [bool(x) for x in _per_prompt(body.return_logprob, n, "return_logprob", False)]
     top = [x or 0 for x in _per_prompt(body.top_logprobs_num, n, "top_logprobs_num", 0)]
     hidden = [bool(x) for x in _per_prompt(body.return_hidden_states, n, "return_hidden_states", False)]
     reqs = []
-    for p, sp, r, h, lp, k in zip(prompts, sps, rids, hidden, logprob, top, strict=True):
+    for p, sp, r, h, lp, k, st in zip(prompts, sps, rids, hidden, logprob, top, start, strict=True):
         sp = dict(sp)
         n = sp.pop("n", 1)
         n = 1 if n is None else n
@@ -101,7 +98,8 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
         if n > 1 and r is not None:
             raise bad_request("rid can only be given with n = 1", param="rid")
         single = single and n == 1  # SGLang: n samples of one prompt come back as a list
-        reqs += [GenRequest(p, s, rid=r, return_hidden_states=h, return_logprob=lp, top_logprobs_num=k)
+        reqs += [GenRequest(p, s, rid=r, return_hidden_states=h, return_logprob=lp, top_logprobs_num=k,
+                            logprob_start_len=st if lp else -1)
                  for s in choice_sampling(normalize_sgl_sampling(sp), n)]
     return reqs, single
 

@@ -74,8 +74,8 @@ def _refuse_unsupported(body, *, chat: bool) -> None:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     else:
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo with logprobs (the prompt's logprobs) is not supported yet", param="echo")
+        if body.echo and body.logprobs is not None and body.stream:
+            raise bad_request("echo with logprobs (the prompt's logprobs) is not supported in a stream", param="echo")
         if body.best_of not in (None, 1):
             raise bad_request("best_of must be 1", param="best_of")
         if body.suffix:
@@ -204,7 +204,8 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
             raise bad_request("rid can only be given for a single prompt", param="rid")
         top = body.logprobs or 0
         n = choice_count(body)
-        reqs = [GenRequest(ids, sp, rid=body.rid, return_logprob=body.logprobs is not None, top_logprobs_num=top)
+        reqs = [GenRequest(ids, sp, rid=body.rid, return_logprob=body.logprobs is not None, top_logprobs_num=top,
+                           logprob_start_len=0 if body.echo and body.logprobs is not None else -1)
                 for ids in prompts for sp in choice_sampling(_sampling(body, max_new), n)]  # choice p * n + i
         for r in reqs:  # all prompts are checked before any is queued
             tm.precheck(r)
@@ -235,8 +236,19 @@ def _top(meta: dict) -> list | None:
 
 
 def _completion_lp(tm: TokenizerManager, c: GenChunk, offset: int) -> dict:
+    """A finished choice's logprobs; with echo (offset > 0, the prompt's logprobs in meta_info) the prompt's
+    tokens first, from text offset 0, the first of them None."""
     lp = c.meta["output_token_logprobs"]
-    return completion_logprobs([x[1] for x in lp], [x[0] for x in lp], _top(c.meta), tm.decode_token, offset)
+    out = completion_logprobs([x[1] for x in lp], [x[0] for x in lp], _top(c.meta), tm.decode_token, offset)
+    if "input_token_logprobs" not in c.meta:
+        return out
+    ilp = c.meta["input_token_logprobs"]
+    itop = c.meta.get("input_top_logprobs")
+    top = None if itop is None else [[] if pos is None else [(t, v) for v, t, _ in pos] for pos in itop]
+    pre = completion_logprobs([x[1] for x in ilp], [x[0] for x in ilp], top, tm.decode_token, 0)
+    if top is not None:
+        pre["top_logprobs"][0] = None  # the first prompt token has no distribution
+    return {k: pre[k] + out[k] if pre[k] is not None and out[k] is not None else out[k] for k in out}
 
 
 def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:

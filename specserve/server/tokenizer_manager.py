@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
-from specserve.engine.sampling_params import SamplingParams, check_logprob_args, logprobs_meta
+from specserve.engine.sampling_params import (
+    SamplingParams,
+    check_logprob_args,
+    input_logprobs_meta,
+    logprobs_meta,
+)
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, unavailable
@@ -48,6 +53,7 @@ class GenRequest:
     reasoning_end: str | None = None  # a grammar in `sampling` applies after this marker (engine/grammar.py)
     return_logprob: bool = False  # each output token's logprob (chunks' new_logprobs; meta_info at the finish)
     top_logprobs_num: int = 0  # ... and the most likely tokens' at each position
+    logprob_start_len: int = -1  # the prompt's logprobs from this token on, in meta_info at the finish
 
 
 @dataclass
@@ -86,6 +92,7 @@ class _Tracked:
     top_logprobs_num: int | None = None  # None: the request returns no logprobs
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)  # the prompt's ids from logprob_start_len (their logprobs')
 
 
 class TokenizerManager:
@@ -230,7 +237,7 @@ class TokenizerManager:
             self.check_queue()
         self.validate(req.input_ids, req.sampling)
         try:
-            check_logprob_args(req.return_logprob, req.top_logprobs_num)
+            check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len, len(req.input_ids))
         except ValueError as e:
             raise bad_request(str(e), param="top_logprobs") from None
         if req.return_hidden_states and not self.args.enable_return_hidden_states:
@@ -256,11 +263,12 @@ class TokenizerManager:
         stop = req.sampling.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         t = _Tracked(rid, len(req.input_ids), IncrementalDetokenizer(self.tokenizer, skip, stop), req.internal,
-                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else None)
+                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else None,
+                     prompt=list(req.input_ids[max(req.logprob_start_len, 0):]) if req.return_logprob else [])
         self.reqs[rid] = t
         self.engine.add(rid, list(req.input_ids), dict(req.sampling), req.return_hidden_states,
                         reasoning_end=req.reasoning_end, return_logprob=req.return_logprob,
-                        top_logprobs_num=req.top_logprobs_num)
+                        top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
         limit = None if req.internal else self.args.request_timeout
         deadline = None if limit is None else t.arrival + limit
         try:
@@ -299,6 +307,7 @@ class TokenizerManager:
         new_lp: list[float] = []
         new_top: list = []
         reason = hidden = None
+        prompt_lp = prompt_top = None
         for it in items:
             if isinstance(it, RequestRejected):
                 t.done = True
@@ -313,6 +322,7 @@ class TokenizerManager:
             t.spec_accepted_drafts = max(t.spec_accepted_drafts, it.spec_accepted_drafts)
             if it.finished_reason is not None:
                 reason, hidden = it.finished_reason, it.hidden_states
+                prompt_lp, prompt_top = it.input_logprobs, it.input_top_logprobs
                 break  # nothing after a finish belongs to this request
         if not new_ids and reason is None:
             return None
@@ -336,6 +346,8 @@ class TokenizerManager:
             t.top_logprobs.extend(new_top)
             if reason is not None:
                 meta.update(logprobs_meta(t.detok.ids, t.logprobs, t.top_logprobs, t.top_logprobs_num))
+                if prompt_lp is not None:
+                    meta.update(input_logprobs_meta(t.prompt, prompt_lp, prompt_top, t.top_logprobs_num))
         if reason is not None:
             meta["e2e_latency"] = now - t.arrival
             self._record(t, reason)
