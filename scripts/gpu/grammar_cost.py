@@ -17,7 +17,6 @@ import json
 import time
 
 from specserve import Engine
-from specserve.server.chat_tools import required_schema
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
@@ -31,6 +30,15 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 ASKS = ["Describe a person who lives in {} as JSON.", "What is the weather in {} right now?",
         "Tell me about a friend from {}."]
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome"]
+
+
+def required_schema(tools: list[dict]) -> dict:
+    """tool_choice=required's schema, as the chat route builds it (server/chat_tools.py, which needs the server's
+    dependencies): one or more calls, each a tool's name and its parameters."""
+    calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                               "parameters": t["function"]["parameters"]},
+              "required": ["name", "parameters"]} for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
 def prompts(engine: Engine, n: int) -> list[str]:
