@@ -297,22 +297,6 @@ def test_info_health_and_metrics(server):
     assert httpx.get(server.url + "/no/such/path").json()["error"]["type"] == "not_found_error"
 
 
-# ---------------------------------------------------------------------- failure and shutdown (keep last)
-def test_engine_death_makes_server_unhealthy_then_exits_1(server):
-    """503s (the server does not hang), then, after a grace period, the HTTP process exits with 1 on its own."""
-    pid = server.server_info()["engine_pid"]
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.time() + 20
-    while httpx.get(server.url + "/health").status_code != 503:
-        assert time.time() < deadline, "the server did not notice the engine died"
-        time.sleep(0.1)
-    r = httpx.post(server.url + "/v1/completions", json=COMP, timeout=10)
-    assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
-    assert httpx.get(server.url + "/health_generate", timeout=10).status_code == 503
-    assert httpx.get(server.url + "/get_server_info").json()["engine_alive"] is False
-    assert server.proc.wait(timeout=60) == 1, server.log()
-
-
 def test_n_choices_on_every_route(server):
     client = _openai(server)
     kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=6, temperature=1.0, seed=5,
@@ -353,3 +337,20 @@ def test_prompt_logprobs_echo_and_generate(server):
     ilp = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in ilp] == [17, 33, 2, 90]
     assert [x[0] for x in ilp] == pytest.approx(lp.token_logprobs[1:5], abs=1e-4)  # the same prompt's logprobs
+
+
+# ---------------------------------------------------------------------- failure and shutdown (keep last)
+def test_engine_death_makes_server_unhealthy_then_exits_1(server):
+    """503s (the server does not hang), then, after a grace period, the HTTP process exits with 1 on its own."""
+    pid = server.server_info()["engine_pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 20
+    while httpx.get(server.url + "/health").status_code != 503:
+        assert time.time() < deadline, "the server did not notice the engine died"
+        time.sleep(0.1)
+    r = httpx.post(server.url + "/v1/completions", json=COMP, timeout=10)
+    assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health_generate", timeout=10).status_code == 503
+    assert httpx.get(server.url + "/get_server_info").json()["engine_alive"] is False
+    assert server.proc.wait(timeout=60) == 1, server.log()
+
