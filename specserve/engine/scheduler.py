@@ -262,9 +262,10 @@ class Scheduler:
     def _decode(self) -> None:
         """One decode step for the running requests: its kind and whether it overlaps as plan_decode decides
         (engine/decode_plan.py), then the plan followed."""
-        adaptive = self._adaptive_for(self.running)
+        ruled = any(r.needs_host_logits for r in self.running)  # (one pass over the batch a step)
+        adaptive = self._adaptive_for(ruled)
         plain = adaptive is not None and adaptive.choose_plain(len(self.running))  # once a step
-        plan, batch = self._plan(step_kind(self.n > 0, plain))
+        plan, batch = self._plan(step_kind(self.n > 0, plain), ruled)
         if plan.overlapped and not self._launch(plan.kind, batch):
             plan = plan.fall_back("the step's pages need a retraction, which needs every token read")
         if plan.overlapped:
@@ -272,11 +273,12 @@ class Scheduler:
         else:
             self._step_synchronously(plan.kind)
 
-    def _plan(self, kind: StepKind) -> tuple[DecodePlan, OverlapBatch | None]:
-        """plan_decode over this step's facts, and the batch an overlapped launch would take."""
+    def _plan(self, kind: StepKind, ruled: bool) -> tuple[DecodePlan, OverlapBatch | None]:
+        """plan_decode over this step's facts, and the batch an overlapped launch would take. ruled: a running
+        request carries logit rules or returns logprobs."""
         if not self._overlapping:
             return plan_decode(kind, overlap=False), None
-        if any(r.needs_host_logits for r in self.running):
+        if ruled:
             return plan_decode(kind, overlap=True, ruled=True), None
         if self.model_runner.step_hidden is not None and any(r.return_hidden_states for r in self.running):
             return plan_decode(kind, overlap=True, reads_hidden=True), None
@@ -373,7 +375,7 @@ class Scheduler:
         self._broadcast(kind, reqs)
         res = (run_plain_step if plain else run_spec_step)(self.model_runner, reqs)
         now = time.perf_counter()
-        adaptive = self._adaptive_for(reqs)
+        adaptive = self._adaptive_for(any(r.needs_host_logits for r in reqs))  # (retraction may have changed them)
         if adaptive is not None:
             caught = self.model_runner.spec.take_catch_up()  # the draft's catch-up inside this step, timed apart
             # steady: the synchronous step before was of the same kind (not a switch, nor the end of overlapped steps)
@@ -384,11 +386,9 @@ class Scheduler:
         self._keep_hidden(reqs, (k + 1 for k in res.accept_len))
         self._apply_spec(reqs, res, plain)
 
-    def _adaptive_for(self, reqs: list[Req]):
+    def _adaptive_for(self, ruled: bool):
         """The adaptive speculation that steers a batch: the ruled batches' own when a row carries logit rules."""
-        if self.adaptive_ruled is not None and any(r.needs_host_logits for r in reqs):
-            return self.adaptive_ruled
-        return self.adaptive
+        return self.adaptive_ruled if ruled and self.adaptive_ruled is not None else self.adaptive
 
     def _keep_hidden(self, reqs: list[Req], counts: Iterable[int]) -> None:
         """A synchronous step's hidden states at its `counts` committed positions from each row's S, kept for the
