@@ -31,6 +31,7 @@ class Req:
     kv: KVHandle = field(default_factory=KVHandle)
     seq_len: int = 0  # tokens whose K/V (target and draft) are written
     prefill_len: int = 0  # tokens to prefill: the prompt, plus outputs after a retraction
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave at its (last) admission (meta_info.cached_tokens)
     mrope_delta: int = 0  # rope position = sequence index + delta for generated text (mRoPE models)
     finished_reason: dict | None = None
     # speculative statistics

@@ -39,6 +39,7 @@ from specserve.engine.steps import (
 )
 from specserve.engine.stop import StopChecker
 from specserve.engine.tp_ranks import TPLeader, decode_message, prefill_message
+from specserve.kvcache.prefix_stats import PrefixCacheStats
 from specserve.layers.sampler import SamplingBatch
 from specserve.speculative.worker import SpecStepResult
 
@@ -517,6 +518,22 @@ class Scheduler:
             req.grammar_future = None
         self.stats.finished += 1
         self._touched[req.rid] = req
+
+    # ------------------------------------------------------------------ prefix cache
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counts (None: the cache is off, --disable-radix-cache)."""
+        cache = self.model_runner.kv.prefix_cache
+        return None if cache is None else cache.stats()
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (SGLang's /flush_cache): only when idle, as there; False (nothing done) while a
+        request runs, waits or compiles."""
+        if self.has_work:
+            return False
+        cache = self.model_runner.kv.prefix_cache
+        if cache is not None:
+            cache.flush()
+        return True
 
     def check_idle_invariants(self) -> None:
         """When idle, every page and row is back (tests call this)."""

@@ -33,6 +33,7 @@ class KVManager:
         self.req_to_token = req_to_token
         self.state_pool = state_pool
         self.page_size = allocator.page_size
+        self.prefix_cache = None  # kvcache/radix_cache.py RadixCache, None: off (--disable-radix-cache)
 
     def pages_needed(self, handle: KVHandle, num_positions: int) -> int:
         have = len(handle.pages)
