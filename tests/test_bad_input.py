@@ -34,10 +34,10 @@ BAD = [
 @pytest.mark.parametrize("kwargs,needle", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
 def test_bad_input_raises_and_engine_keeps_working(engine, kwargs, needle):
     sched = engine.scheduler
-    free = sched.model_runner.allocator.num_free_pages
+    free = sched.model_runner.kv.available_pages
     with pytest.raises(ValueError, match=needle):
         engine.generate(**kwargs)
-    assert not sched.has_work and sched.model_runner.allocator.num_free_pages == free
+    assert not sched.has_work and sched.model_runner.kv.available_pages == free
     out = engine.generate(prompt="abc", sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 4
     sched.check_idle_invariants()

@@ -163,6 +163,7 @@ class EngineCore:
             "id": req.rid,
             "prompt_tokens": len(req.origin_input_ids),
             "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,  # prompt tokens the prefix cache gave (SGLang's)
             "finish_reason": req.finished_reason,
             "e2e_latency": (req.finish_time or time.perf_counter()) - req.arrival_time,
         }
@@ -260,6 +261,11 @@ class Engine:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (SGLang's Engine.flush_cache); False while requests are in flight."""
+        self._check_running()
+        return self.core.scheduler.flush_cache()
 
     def _check_running(self) -> None:
         if self.core is None:

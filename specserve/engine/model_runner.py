@@ -112,6 +112,13 @@ class ModelRunner:
             self.max_running = min(self.max_running, fit)
             if budget is not None:
                 budget -= self.max_running * per_row
+        # the prefix cache's recurrent-state snapshots (kvcache/state_snapshots.py): one state slot each, as many
+        # as requests run (with tensor parallelism the cache is off for such models: the followers would have to
+        # snapshot their shards in step)
+        self.prefix_cache = not args.disable_radix_cache and (not per_row or args.tp_size == 1)
+        self.num_state_snapshots = self.max_running if per_row and self.prefix_cache else 0
+        if self.num_state_snapshots and budget is not None:
+            budget -= self.num_state_snapshots * (per_row // (self.num_steps + 1))
         self.adaptive_spec = draft is not None and (args.speculative_adaptive if args.speculative_adaptive is not None
                                                     else device.type == "cuda")
         if self.adaptive_spec and budget is not None:  # the draft's lag after plain steps (speculative/draft_lag.py)
@@ -134,6 +141,8 @@ class ModelRunner:
         self.caches = ModelCaches(target_specs, self.num_slots, kv_dtype, device, state_rows=self.max_running,
                                   state_slots=self.num_steps + 1, kind_dtypes=self.kind_dtypes)
         self.kv = KVManager(self.allocator, self.req_to_token, self.caches.state)
+        if self.prefix_cache:  # unless --disable-radix-cache (kvcache/radix_cache.py)
+            self.kv.enable_prefix_cache(check_draft_next=draft is not None, snapshots=self.num_state_snapshots)
         self.last_token = torch.zeros(self.max_running + 1, dtype=torch.int64, device=device)  # [rows]
         # each decode step's hidden states, for requests that return them (graphs/step_hidden.py)
         self.step_hidden = (StepHidden.allocate(self.req_to_token.table.shape[0], self.num_steps + 1, cfg.hidden_size,

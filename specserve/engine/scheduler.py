@@ -250,9 +250,13 @@ class Scheduler:
         the running ones (returned, in chunk order: the order of their t0)."""
         self.stats.num_prefill_steps += 1
         final = []
+        draft = self.n > 0
         for c in chunks:
             c.req.seq_len = c.end
             self.stats.num_prompt_tokens += c.end - c.start
+            # the chunk's full pages to the prefix cache (a final chunk's last position: its draft entry is made
+            # with t0, unread, so that page waits for the request's end)
+            self.model_runner.kv.cache_prefix(c.req.kv, c.req.fill_ids, c.end - (draft and c.is_final), c.end)
             if c.is_final:
                 c.req.state = ReqState.RUNNING
                 self.running.append(c.req)
@@ -471,8 +475,23 @@ class Scheduler:
                 raise RuntimeError("KV pool cannot hold a single request; the pool was sized wrongly")
             self._retract(max(self.running, key=lambda r: r.arrival_time))
 
+    def _cache_and_release(self, req: Req) -> None:
+        """A request leaves the running set: its committed full pages to the prefix cache (positions whose K/V and
+        draft entries are final: below S, not past the token ids it keeps, not where the draft lags), then its rows
+        and own pages back."""
+        kv = self.model_runner.kv
+        if kv.prefix_cache is not None and req.kv.row:
+            valid = min(req.seq_len, len(req.fill_ids) - (self.n > 0))
+            spec = self.model_runner.spec
+            if spec is not None and spec.lag is not None:
+                valid -= spec.lag.pending.get(req.kv.row, 0)
+            # its recurrent state is after S unless a step in flight (overlap schedule) has moved it on
+            in_flight = self._inflight is not None and req in self._inflight.reqs
+            kv.cache_prefix(req.kv, req.fill_ids, valid, None if in_flight else req.seq_len)
+        kv.release(req.kv)
+
     def _retract(self, req: Req) -> None:
-        self.model_runner.kv.release(req.kv)
+        self._cache_and_release(req)
         if req in self.running:
             self.running.remove(req)
         if self.prefilling is req:
@@ -505,7 +524,7 @@ class Scheduler:
         req.finished_reason = reason
         req.finish_time = time.perf_counter()
         req.state = ReqState.FINISHED
-        self.model_runner.kv.release(req.kv)
+        self._cache_and_release(req)
         if req in self.running:
             self.running.remove(req)
         if self.prefilling is req:
@@ -540,8 +559,12 @@ class Scheduler:
         if self.has_work:
             raise AssertionError("scheduler is not idle")
         free = self.model_runner.allocator.num_free_pages
-        if free != self.initial_free_pages:
-            raise AssertionError(f"KV leak: {self.initial_free_pages - free} pages still held")
+        cache = self.model_runner.kv.prefix_cache
+        cached = cache.cached_pages if cache is not None else 0
+        if free + cached != self.initial_free_pages:
+            raise AssertionError(f"KV leak: {self.initial_free_pages - free - cached} pages held by no one")
+        if cache is not None and cache.evictable_pages != cached:
+            raise AssertionError(f"prefix cache: {cached - cache.evictable_pages} pages still locked when idle")
         if self.model_runner.req_to_token.num_free_rows != self.model_runner.req_to_token.max_reqs:
             raise AssertionError("page-table row leak")
         state = self.model_runner.caches.state

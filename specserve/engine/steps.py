@@ -27,6 +27,7 @@ class Chunk:
     req: Req
     start: int  # first sequence index prefilled now
     end: int  # one past the last
+    cached: int = 0  # positions [0, start) came from the prefix cache at this admission (the request's first chunk)
 
     @property
     def is_final(self) -> bool:
@@ -130,6 +131,7 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: Logit
     spec = model_runner.spec
     if spec is not None:
         spec.record_tokens(loc_r, loc_c, input_ids)  # the token history of context lookup drafting
+        _record_cached_tokens(spec, chunks, dev)
     batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext)
     hidden = model_runner.prefill.run(batch)  # [T, F] (a graph's output: used before the next prefill)
     _keep_prefill_hidden(chunks, hidden, model_runner.cfg.hidden_size)
@@ -167,6 +169,18 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: Logit
             draft_ids[fidx] = t0
         spec.prefill_draft(batch, draft_ids, hidden, fidx, frows, new_pos)
     return t0
+
+
+def _record_cached_tokens(spec, chunks: list[Chunk], dev: torch.device) -> None:
+    """Context lookup's token history over the prefixes prefix-cache hits skipped (the prefill writes the rest)."""
+    hit = [c for c in chunks if c.cached]
+    if not hit:
+        return
+    rows = [c.req.kv.row for c in hit for _ in range(c.cached)]
+    cols = [p for c in hit for p in range(c.cached)]
+    toks = [t for c in hit for t in c.req.fill_ids[:c.cached]]
+    spec.record_tokens(torch.tensor(rows, device=dev), torch.tensor(cols, device=dev),
+                       torch.tensor(toks, dtype=torch.int64).to(dev, non_blocking=True))
 
 
 def _keep_prefill_hidden(chunks: list[Chunk], hidden: torch.Tensor, hidden_size: int) -> None:

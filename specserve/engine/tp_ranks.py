@@ -66,14 +66,15 @@ def prefill_message(model_runner: ModelRunner, chunks: list[Chunk]) -> StepMessa
     ps = model_runner.page_size
     for c in chunks:
         r = c.req
-        rows += [r.kv.row] * (c.end - c.start)
-        cols += range(c.start, c.end)
-        slots += _slots(r, range(c.start, c.end), ps)
-        items.append(dict(rid=r.rid, fill=r.fill_ids[:c.end + 1], start=c.start, end=c.end,
+        first = c.start - c.cached  # a prefix-cache hit's positions too: the followers' rows need them
+        rows += [r.kv.row] * (c.end - first)
+        cols += range(first, c.end)
+        slots += _slots(r, range(first, c.end), ps)
+        items.append(dict(rid=r.rid, fill=r.fill_ids[:c.end + 1], start=c.start, end=c.end, cached=c.cached,
                           prefill_len=r.prefill_len, row=r.kv.row, sampling=r.sampling, seed=r.seed,
                           mrope_delta=r.mrope_delta,
-                          # a request's first chunk: the zeroed recurrent-state row rank 0 gave it
-                          state_row=r.kv.state_row if c.start == 0 else 0))
+                          # a request's first chunk (after its cached prefix): the state row rank 0 gave it
+                          state_row=r.kv.state_row if c.start == c.cached else 0))
     return StepMessage("prefill", rows, cols, slots, items)
 
 
@@ -111,7 +112,7 @@ def apply(model_runner: ModelRunner, msg: StepMessage) -> None:
             if pool is not None and i["state_row"]:
                 pool.reset(i["state_row"])
                 pool.bind(i["row"], i["state_row"])
-        run_prefill(model_runner, [Chunk(_request(i), i["start"], i["end"]) for i in msg.items])
+        run_prefill(model_runner, [Chunk(_request(i), i["start"], i["end"], i["cached"]) for i in msg.items])
     elif msg.kind == "decode":
         run_decode(model_runner, [_request(i) for i in msg.items])
     elif msg.kind == "spec":

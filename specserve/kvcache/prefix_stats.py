@@ -11,6 +11,7 @@ class PrefixCacheStats:
     evictable_pages: int = 0  # of those, pages no running request uses (freed under memory pressure, LRU)
     hit_tokens: int = 0  # prompt tokens admitted from the cache since start
     query_tokens: int = 0  # prompt tokens looked up since start
+    state_snapshots: int = 0  # recurrent-state snapshots held (models with recurrent state)
 
     @property
     def hit_rate(self) -> float:

@@ -161,7 +161,7 @@ class EngineLoop:
         return EngineStats(
             num_running=self.sched.num_running,
             num_waiting=len(self.sched.waiting),
-            free_pages=self.core.model_runner.allocator.num_free_pages,
+            free_pages=self.core.model_runner.kv.available_pages,  # free + cached pages nobody uses
             num_generated_tokens=s.num_generated_tokens,
             num_prompt_tokens=s.num_prompt_tokens,
             num_finished=s.finished,
