@@ -258,3 +258,28 @@ def test_live_server_under_torchrun(tiny_models, tmp_path):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.timeout(240)
+def test_engine_tp2_prefix_cache_hits_equal_one_rank_without_it(tiny_models):
+    """Under tensor parallelism (dense family, MTP) a second wave that extends the first wave's conversations hits
+    the prefix cache (rank 0 sends the cached positions' slots; every rank's pages hold the prefix), and its greedy
+    tokens equal one rank's with the cache off."""
+    from specserve import Engine
+
+    path = tiny_models["llama_mtp"]
+    kw = dict(ENGINE, model_path=path, speculative_algorithm="MTP", speculative_num_steps=3, page_size=4)
+
+    def waves(e) -> tuple[list, list]:
+        first = e.generate(input_ids=ENGINE_PROMPTS, sampling_params=GREEDY)
+        second = [p + o["output_ids"] + [11, 12, 13] for p, o in zip(ENGINE_PROMPTS, first)]
+        return first, e.generate(input_ids=second, sampling_params=GREEDY)
+
+    with Engine(disable_radix_cache=True, **kw) as e:
+        ref = waves(e)
+    with Engine(tp_size=2, **kw) as e:
+        got = waves(e)
+        e.core.scheduler.check_idle_invariants()
+    assert [o["output_ids"] for o in got[0] + got[1]] == [o["output_ids"] for o in ref[0] + ref[1]]
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in ref[1])
+    assert all(o["meta_info"]["cached_tokens"] >= 4 for o in got[1])
