@@ -65,7 +65,7 @@ class ServerArgs:
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
     schedule_conservativeness: float = 1.0  # scales the growth reserved at admission (engine/scheduler.py)
-    disable_radix_cache: bool = False  # SGLang's flag; specserve has no prefix cache yet, so it changes nothing
+    disable_radix_cache: bool = False  # SGLang's flag: turns the prefix (radix) cache off (kvcache/radix_cache.py)
     model_loader_extra_config: str | None = None  # SGLang's online quantisation (JSON); refused unless empty
     # speculative decoding
     speculative_algorithm: str | None = None
@@ -365,8 +365,9 @@ class ServerArgs:
           help="how much of running requests' remaining max_new_tokens admission keeps room for (scales an "
                "adaptive estimate; 0: only their next step, more retractions; higher: fewer admitted at once)")
         a("--disable-radix-cache", action="store_true",
-          help="accepted for SGLang compatibility: specserve has no prefix (radix) cache yet, so this changes "
-               "nothing")
+          help="turn the prefix (radix) cache off: by default prompts that share a prefix (whole KV pages) with an "
+               "earlier request reuse its cached KV instead of prefilling it again (meta_info.cached_tokens, "
+               "/flush_cache)")
 
         a = g["speculative decoding"].add_argument
         a("--speculative-algorithm", default=None, type=str.upper, choices=SPEC_ALGORITHMS + (SPEC_OFF,),

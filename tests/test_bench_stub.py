@@ -1,7 +1,9 @@
 """`specserve bench` and `specserve eval gsm8k` end to end against a stub server (FastAPI in a thread) that speaks
 the specserve / SGLang / OpenAI protocol with known answers: every token is the text "ab" (two tokens when
 re-tokenized, so a client that counts text instead of reading usage is caught), chunks carry two tokens (as with
-speculation), and accept lengths are exact, so the summaries can be checked number by number."""
+speculation), and accept lengths are exact, so the summaries can be checked number by number. It also plays a prefix
+cache: a prompt's cached tokens are its longest common prefix with an earlier prompt (all but its last token at
+most), until /flush_cache."""
 
 import asyncio
 import json
@@ -17,11 +19,11 @@ fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
 from helpers import build_tiny_model  # noqa: E402
 
 from specserve.bench import eval_cli, serving  # noqa: E402
-from specserve.bench.datasets import random_requests  # noqa: E402
+from specserve.bench.datasets import random_requests, shared_prefix_requests  # noqa: E402
 from specserve.bench.target import resolve_tokenizer  # noqa: E402
 
 TOKENS_PER_CHUNK = 2
@@ -37,6 +39,24 @@ class StubState:
         self.count = 0
         self.lock = threading.Lock()
         self.prompt_lens: list[int] = []  # what the stub reported, per request
+        self.cached: list[int] = []  # the cached tokens it reported, per request
+        self.seen: list = []  # earlier prompts (id lists or texts), until a flush
+        self.flushes = 0
+        self.flush_busy = False  # /flush_cache answers 400 (requests running) when set
+
+    def cache(self, prompt) -> int:
+        """The stub's prefix cache: the longest prefix prompt shares with an earlier one, then remember it."""
+        with self.lock:
+            best = 0
+            for old in self.seen:
+                n = 0
+                while n < min(len(old), len(prompt)) and old[n] == prompt[n]:
+                    n += 1
+                best = max(best, n)
+            self.seen.append(prompt)
+            cached = min(best, len(prompt) - 1)
+            self.cached.append(cached)
+            return cached
 
     def next_fails(self) -> bool:
         with self.lock:
@@ -87,14 +107,25 @@ def make_app(st: StubState) -> FastAPI:
     async def server_info():
         return {"version": "stub", "internal_states": [{"avg_spec_accept_length": SERVER_ACCEPT}]}
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        if st.flush_busy:
+            return PlainTextResponse("Cache not flushed: requests are running.", status_code=400)
+        with st.lock:
+            st.flushes += 1
+            st.seen.clear()
+        return PlainTextResponse("Cache flushed.\n")
+
     @app.post("/generate")
     async def generate(req: Request):
         body = await req.json()
         if st.next_fails():
             return JSONResponse({"error": {"message": "stub failure"}}, status_code=500)
         sp = body["sampling_params"]
-        prompt_len = len(body["input_ids"]) if "input_ids" in body else len(body["text"])
+        prompt = body["input_ids"] if "input_ids" in body else body["text"]
+        prompt_len = len(prompt)
         st.prompt_lens.append(prompt_len)
+        cached = st.cache(prompt)
         n = _num_tokens(sp["max_new_tokens"], sp.get("ignore_eos", False))
         acc, verify = _spec(n)
         events = []
@@ -102,7 +133,7 @@ def make_app(st: StubState) -> FastAPI:
             k = min(done, n)
             last = k == n
             events.append({"text": TOKEN_TEXT * k, "meta_info": {
-                "prompt_tokens": prompt_len, "completion_tokens": k,
+                "prompt_tokens": prompt_len, "completion_tokens": k, "cached_tokens": cached,
                 "finish_reason": {"type": "length", "length": n} if last else None,
                 "spec_accept_length": acc, "spec_verify_ct": verify}})
         return sse(events)
@@ -114,6 +145,7 @@ def make_app(st: StubState) -> FastAPI:
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         prompt_len = len(prompt)
         st.prompt_lens.append(prompt_len)
+        cached = st.cache(prompt)
         if not body.get("stream"):  # the gsm8k eval path
             question = prompt.rpartition("Question:")[2] if not chat else prompt
             text = _gsm8k_reply(question, chat)
@@ -133,6 +165,7 @@ def make_app(st: StubState) -> FastAPI:
             choice.update({"delta": {"content": piece}} if chat else {"text": piece})
             events.append({"choices": [choice]})
         events.append({"choices": [], "usage": {"prompt_tokens": prompt_len, "completion_tokens": n,
+                                                "prompt_tokens_details": {"cached_tokens": cached},
                                                 "spec": {"accept_length": acc, "verify_ct": verify}}})
         return sse(events)
 
@@ -220,6 +253,9 @@ def test_bench_against_stub(stub, tmp_path, tiny_folder, backend):
     # server-reported counts, never chunks (the stub sends 2 tokens per chunk); ignore_eos is on for random
     assert line["total_output_tokens"] == sum(n_out)
     assert line["total_input_tokens"] == sum(stub.state.prompt_lens[-6:])  # the server's counts (warm-up first)
+    # the cached tokens the server reported, summed (the warm-up sent the first prompt: its copy is all cached)
+    assert line["total_cached_tokens"] == sum(stub.state.cached[-6:]) >= reqs[0].prompt_len - 1
+    assert line["cache_hit_rate"] == pytest.approx(line["total_cached_tokens"] / line["total_input_tokens"])
     if backend == "specserve":
         # native sends the exact ids; up to 3 requests are in flight, so they may reach the stub in any order
         assert sorted(stub.state.prompt_lens[-6:]) == sorted(r.prompt_len for r in reqs)
@@ -230,6 +266,45 @@ def test_bench_against_stub(stub, tmp_path, tiny_folder, backend):
     assert line["mean_ttft_ms"] > 0 and line["median_tpot_ms"] > 0 and line["p99_itl_ms"] > 0
     assert line["mean_e2e_latency_ms"] >= line["mean_ttft_ms"]
     assert 0 < line["concurrency"] <= 3.0 + 1e-6
+
+
+def _gsp_expected(tok, flushed: bool, groups=3, per_group=4, system=10, question=3, seed=5):
+    """The cached tokens the stub's cache gives the gsp requests sent one at a time, after the warm-up (2 copies of
+    the first prompt) and, when flushed, an empty cache: each prompt's longest prefix shared with one sent before."""
+    reqs = shared_prefix_requests(tok, groups, per_group, system, question, 7, seed)
+    seen = [] if flushed else [reqs[0].prompt_ids] * 2
+    total = 0
+    for r in reqs:
+        best = max((next((i for i, (a, b) in enumerate(zip(old, r.prompt_ids, strict=False)) if a != b),
+                          min(len(old), len(r.prompt_ids))) for old in seen), default=0)
+        total += min(best, len(r.prompt_ids) - 1)
+        seen.append(r.prompt_ids)
+    return reqs, total
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_bench_generated_shared_prefix_reports_cached_tokens(stub, tmp_path, tiny_folder, flush, capsys):
+    gsp = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4",
+           "--gsp-system-prompt-len", "10", "--gsp-question-len", "3", "--gsp-output-len", "7"]
+    rc, out = _bench(stub, tmp_path, "--backend", "specserve", "--max-concurrency", "1", "--warmup-requests", "2",
+                     *gsp, *(["--flush-cache"] if flush else []))
+    assert rc == 0
+    (line,) = _read_lines(out)
+    reqs, expected = _gsp_expected(resolve_tokenizer(tiny_folder, None), flush)
+    assert line["completed"] == 12 and line["total_output_tokens"] == 12 * 7  # --num-prompts (6) is not used
+    assert stub.state.flushes == (1 if flush else 0)
+    assert sorted(stub.state.prompt_lens[-12:]) == [13] * 12
+    # every prompt but its group's first finds at least the system prompt cached
+    assert line["total_cached_tokens"] == expected >= (12 - 3) * 10
+    assert line["cache_hit_rate"] == pytest.approx(expected / (12 * 13))
+    assert "Cached prompt tokens:" in capsys.readouterr().out
+
+
+def test_bench_flush_cache_refused_is_a_warning(stub, tmp_path, capsys):
+    stub.state.flush_busy = True
+    rc, out = _bench(stub, tmp_path, "--backend", "openai", "--flush-cache")
+    assert rc == 0 and _read_lines(out)[0]["completed"] == 6
+    assert "/flush_cache failed (HTTP 400: Cache not flushed" in capsys.readouterr().err
 
 
 def test_bench_sweep_writes_plot_and_one_line_per_point(stub, tmp_path):

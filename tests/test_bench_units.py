@@ -14,8 +14,14 @@ from specserve.bench.backends import (
     SSEDecoder,
     StreamError,
 )
-from specserve.bench.datasets import BenchRequest, jsonl_requests, random_requests, uniform_lengths
-from specserve.bench.metrics import compute_metrics, format_summary, mean_accept_length
+from specserve.bench.datasets import (
+    BenchRequest,
+    jsonl_requests,
+    random_requests,
+    shared_prefix_requests,
+    uniform_lengths,
+)
+from specserve.bench.metrics import cached_tokens, compute_metrics, format_summary, mean_accept_length
 from specserve.bench.runner import arrival_gaps, fill_missing_output_lens
 from specserve.bench.serving import parse_concurrency
 
@@ -74,6 +80,33 @@ def test_random_requests_exact_ids_and_no_special_tokens():
     assert [r.prompt_ids for r in other] != [r.prompt_ids for r in reqs]
 
 
+def test_shared_prefix_requests_share_the_system_prompt_within_a_group_only():
+    tok = FakeTokenizer()
+    reqs = shared_prefix_requests(tok, num_groups=4, prompts_per_group=5, system_prompt_len=12, question_len=6,
+                                  output_len=9, seed=2)
+    assert len(reqs) == 20
+    assert all(len(r.prompt_ids) == r.prompt_len == 18 and r.output_len == 9 for r in reqs)
+    assert all(not set(r.prompt_ids) & set(tok.all_special_ids) and r.prompt == tok.decode(r.prompt_ids)
+               for r in reqs)
+    groups: dict[tuple, list] = {}
+    for r in reqs:
+        groups.setdefault(tuple(r.prompt_ids[:12]), []).append(r.prompt_ids[12:])
+    # four distinct system prompts, five prompts each, each with a question of its own
+    assert len(groups) == 4 and all(len(qs) == 5 and len({tuple(q) for q in qs}) == 5 for qs in groups.values())
+    systems = list(groups)
+    for i, a in enumerate(systems):  # different groups share (almost) nothing: not a common prefix of 12
+        for b in systems[i + 1:]:
+            assert sum(x == y for x, y in zip(a, b, strict=True)) < 6
+    # shuffled, as SGLang's: a group's prompts are not all in one run
+    first_group = [tuple(r.prompt_ids[:12]) == systems[0] for r in reqs]
+    assert first_group != sorted(first_group, reverse=True)
+    again = shared_prefix_requests(tok, 4, 5, 12, 6, 9, seed=2)
+    assert [r.prompt_ids for r in again] == [r.prompt_ids for r in reqs]
+    assert [r.prompt_ids for r in shared_prefix_requests(tok, 4, 5, 12, 6, 9, seed=3)] != [r.prompt_ids for r in reqs]
+    with pytest.raises(ValueError, match="--gsp-question-len"):
+        shared_prefix_requests(tok, 4, 5, 12, 0, 9, seed=2)
+
+
 def test_jsonl_requests_fields_and_chat(tmp_path):
     p = tmp_path / "d.jsonl"
     recs = [{"prompt": "hello"}, {"text": "abc", "output_len": 3}, {"question": "why?"},
@@ -123,8 +156,11 @@ def test_native_stream_cumulative_text_and_token_counts():
     s.feed(_native_ev("ab", 2), 10.5)  # first chunk: 2 tokens (speculation)
     s.feed(_native_ev("ab", 3), 10.7)  # a token that decodes to nothing yet still counts as content
     s.feed(_native_ev("abcde", 5), 11.0)
-    s.feed(_native_ev("abcde", 5, {"type": "length", "length": 5}, (2.5, 2)), 11.1)  # meta-only final chunk
+    final = _native_ev("abcde", 5, {"type": "length", "length": 5}, (2.5, 2))
+    final["meta_info"]["cached_tokens"] = 6
+    s.feed(final, 11.1)  # meta-only final chunk
     s.finish(11.2)
+    assert out.cached_tokens == 6
     assert out.text == "abcde" and out.output_len == 5 and out.prompt_len == 9
     assert out.ttft == pytest.approx(0.5)
     assert out.itl == pytest.approx([0.2, 0.3])  # three content chunks -> two gaps; the final meta chunk is none
@@ -139,9 +175,11 @@ def test_openai_completion_stream_deltas_and_usage():
     s.feed({"choices": [{"index": 0, "text": "llo", "finish_reason": None}]}, 0.15)
     s.feed({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}, 0.16)
     s.feed({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7,
+                                     "prompt_tokens_details": {"cached_tokens": 3},
                                      "spec": {"accept_length": 3.5, "verify_ct": 2}}}, 0.17)
     s.finish(0.2)
     assert out.text == "Hello" and out.output_len == 7 and out.prompt_len == 4  # never the chunk count (2)
+    assert out.cached_tokens == 3
     assert out.ttft == pytest.approx(0.1) and out.itl == pytest.approx([0.05])
     assert out.accept_length == 3.5 and out.verify_ct == 2 and out.finish_reason == "length"
 
@@ -155,6 +193,7 @@ def test_openai_chat_stream_role_chunk_is_not_content():
     s.finish(0.4)
     assert out.ttft == pytest.approx(0.2) and out.itl == pytest.approx([0.1])
     assert out.text == "Hi there" and out.output_len is None  # no usage: the runner re-tokenizes
+    assert out.cached_tokens is None  # nor cached tokens: not reported, not 0
 
 
 def test_stream_with_no_content_has_ttft_equal_latency():
@@ -231,6 +270,22 @@ def test_compute_metrics_known_answers():
     assert m["max_itl_ms"] == pytest.approx(600.0) and m["p95_itl_ms"] == pytest.approx(580.0)
     assert m["mean_e2e_latency_ms"] == pytest.approx(1700.0) and m["p99_e2e_latency_ms"] == pytest.approx(2288.0)
     assert m["accept_length"] == pytest.approx((2.0 * 10 + 3.0 * 30) / 40)  # weighted by verify count
+
+
+def test_cached_tokens_summed_over_the_requests_that_report_them():
+    outs = [_out(0.1, 1, 2, prompt=100), _out(0.1, 1, 2, prompt=50), _out(0.1, 1, 2, prompt=30),
+            _out(0, 0, None, prompt=40, ok=False)]
+    outs[0].cached_tokens, outs[1].cached_tokens, outs[3].cached_tokens = 80, 0, 40  # [2]: not reported
+    assert cached_tokens(outs) == (80, pytest.approx(80 / 150))  # the failed one is left out
+    m = compute_metrics(outs, 1.0)
+    assert m["total_cached_tokens"] == 80 and m["cache_hit_rate"] == pytest.approx(80 / 150)
+    assert m["total_input_tokens"] == 180
+    assert compute_metrics([_out(0.1, 1, 2)], 1.0)["total_cached_tokens"] is None
+    m.update(backend="specserve", request_rate=1.0, max_concurrency=4, server_accept_length=None)
+    lines = format_summary(m).splitlines()
+    ttft = lines.index(next(x for x in lines if "Time to First Token" in x))
+    assert lines[ttft + 4].split() == ["Cached", "prompt", "tokens:", "80"]
+    assert lines[ttft + 5].split()[-1] == f"{100 * 80 / 150:.2f}"
 
 
 def test_tpot_skips_single_token_outputs_and_empty_stats_are_none():

@@ -339,6 +339,81 @@ def test_prompt_logprobs_echo_and_generate(server):
     assert [x[0] for x in ilp] == pytest.approx(lp.token_logprobs[1:5], abs=1e-4)  # the same prompt's logprobs
 
 
+# ---------------------------------------------------------------------- prefix cache
+def _metric(text: str, name: str) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(name + "{")]
+    return float(line.split()[-1])
+
+
+def test_prefix_cache_multi_turn_chat_and_flush(server):
+    client = _openai(server)
+    kw = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True})
+    turn1 = [{"role": "user", "content": "tell me about the cat who sat on the warm mat by the door"}]
+    r1 = client.chat.completions.create(messages=turn1, max_tokens=12, **kw)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "and what did the dog do then?"}]
+    r2 = client.chat.completions.create(messages=turn2, max_tokens=10, **kw)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    # turn 1's prompt is a prefix of turn 2's (the template only appends): the cache gives at least that much
+    assert r1.usage.prompt_tokens <= cached < r2.usage.prompt_tokens, (cached, r1.usage, r2.usage)
+    # the same prompt again, streamed: the usage chunk reports its cached tokens too (all but the last token)
+    chunks = list(client.chat.completions.create(messages=turn2, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens - 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r2.choices[0].message.content
+    info = server.wait_idle()
+    assert info["prefix_cache"]["enabled"] is True and info["prefix_cache"]["cached_pages"] > 0
+    assert info["prefix_cache"]["hit_tokens"] >= cached and 0 < info["prefix_cache"]["hit_rate"] < 1
+    metrics = httpx.get(server.url + "/metrics").text
+    assert _metric(metrics, "specserve:cached_pages") > 0 and _metric(metrics, "specserve:cache_hit_rate") > 0
+    assert _metric(metrics, "specserve:cached_tokens_total") >= cached + r2.usage.prompt_tokens - 1
+
+    r = httpx.post(server.url + "/flush_cache", timeout=30)
+    assert r.status_code == 200 and r.text.startswith("Cache flushed."), r.text
+    assert server.server_info()["prefix_cache"]["cached_pages"] == 0
+    assert _metric(httpx.get(server.url + "/metrics").text, "specserve:cached_pages") == 0
+    again = client.chat.completions.create(messages=turn2, max_tokens=10, **kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == r2.choices[0].message.content  # the cache never changes outputs
+    completion = client.completions.create(model="tiny", prompt="the cat who sat on the warm mat", max_tokens=2)
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0  # completions report it too
+
+
+def test_generate_reports_cached_tokens_for_a_repeated_prompt(server):
+    url = server.url + "/generate"
+    body = {"text": "a long prompt that the prefix cache should keep around " * 4,
+            "sampling_params": {"max_new_tokens": 4, **GREEDY}}
+    assert httpx.get(server.url + "/flush_cache", timeout=30).status_code == 200  # GET works as well
+    first = httpx.post(url, json=body, timeout=60).json()
+    second = httpx.post(url, json=body, timeout=60).json()
+    n = first["meta_info"]["prompt_tokens"]
+    assert first["meta_info"]["cached_tokens"] == 0 and second["meta_info"]["cached_tokens"] == n - 1
+    assert second["output_ids"] == first["output_ids"]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as s:
+        events = _sse(s.iter_lines())
+    assert events[-2]["meta_info"]["cached_tokens"] == n - 1 and events[-2]["output_ids"] == first["output_ids"]
+
+
+def test_flush_cache_refused_while_a_request_runs(server):
+    server.wait_idle()
+    body = {"text": "keep me busy", "sampling_params": {"max_new_tokens": 480, **GREEDY}, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as s:
+        lines = s.iter_lines()  # (kept: a dropped line iterator closes the connection, which aborts the request)
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+        for method in ("POST", "GET"):
+            r = httpx.request(method, server.url + "/flush_cache", timeout=30)
+            assert r.status_code == 400 and "not flushed" in r.text and "1 requests are running" in r.text, r.text
+        info = server.server_info()
+        assert info["num_running_reqs"] == 1 and info["prefix_cache"]["cached_pages"] > 0  # nothing was flushed
+    server.wait_idle()
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+    assert server.server_info()["prefix_cache"]["cached_pages"] == 0
+
+
 # ---------------------------------------------------------------------- failure and shutdown (keep last)
 def test_engine_death_makes_server_unhealthy_then_exits_1(server):
     """503s (the server does not hang), then, after a grace period, the HTTP process exits with 1 on its own."""

@@ -15,10 +15,11 @@ from specserve.engine.stop import final_text
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.errors import APIError
 from specserve.server.launch import parse_args, served_model_name
-from specserve.server.messages import EngineInfo, EngineStats, RequestDelta, StepOutput
+from specserve.server.messages import EngineInfo, EngineStats, FlushCacheResult, RequestDelta, StepOutput
 from specserve.server.metrics import ServerMetrics
-from specserve.server.native_routes import normalize_sgl_sampling
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from specserve.server.native_routes import native_router, normalize_sgl_sampling
+from specserve.server.openai_routes import usage
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo, parse_body
 from specserve.server.streaming import merge_streams, run_all
 from specserve.server.tokenizer_manager import GenRequest, TokenizerManager
 from specserve.server_args import ServerArgs
@@ -173,6 +174,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.on_output = None
         self.on_exit = None
+        self.flushes: list[int] = []
+        self.flush_reply: FlushCacheResult | None = None  # answered at once when set (else the test answers)
 
     def start_io(self, loop, on_output, on_exit):
         self.on_output, self.on_exit = on_output, on_exit
@@ -183,11 +186,19 @@ class FakeEngine:
     def abort(self, rid):
         self.aborted.append(rid)
 
+    def flush_cache(self, flush_id):
+        self.flushes.append(flush_id)
+        if self.flush_reply is not None:  # the engine answers with its next step output (on the event loop)
+            reply = FlushCacheResult(flush_id, self.flush_reply.success, self.flush_reply.num_running,
+                                     self.flush_reply.num_waiting)
+            stats = EngineStats(cached_pages=0 if reply.success else 7)
+            asyncio.get_running_loop().call_soon(self.on_output, StepOutput(flushed=[reply], stats=stats))
 
-def _manager(bpe, spec=False):
+
+def _manager(bpe, spec=False, page_size=1):
     info = EngineInfo(model_path="/m", architecture="Fake", context_len=64, vocab_size=len(bpe), max_total_tokens=512,
-                      max_running=8, page_size=1, capacity_pages=512, initial_free_pages=512, default_sampling={},
-                      spec_enabled=spec, load_time=0.0, pid=0)
+                      max_running=8, page_size=page_size, capacity_pages=512, initial_free_pages=512,
+                      default_sampling={}, spec_enabled=spec, load_time=0.0, pid=0, prefix_cache=True)
     eng = FakeEngine()
     tm = TokenizerManager(ServerArgs(model_path="/m"), bpe, eng, info, "m", ServerMetrics("m"))
     tm.attach(None)
@@ -256,6 +267,119 @@ def test_manager_validates_before_queueing(bpe):
             tm.check_model("other")
         assert e.value.status == 404
         tm.check_model("m")
+
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------------- prefix cache: cached_tokens, flush, stats
+def _metric(text: str, name: str) -> float:
+    line = [x for x in text.splitlines() if x.startswith(name + "{") or x.startswith(name + " ")]
+    assert len(line) == 1, (name, line)
+    return float(line[0].split()[-1])
+
+
+def test_manager_reports_cached_tokens_in_meta_usage_and_metrics(bpe):
+    async def go():
+        tm, eng = _manager(bpe)
+        gens = [tm.generate(GenRequest([5, 6, 7, 8], {"max_new_tokens": 2}, rid=r)) for r in ("a", "b")]
+        firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        await asyncio.sleep(0)
+        # "a" got 3 of its 4 prompt tokens from the cache, "b" none; the count rides on every delta
+        eng.on_output(StepOutput([RequestDelta("a", [10], None, cached_tokens=3), RequestDelta("b", [11], None)]))
+        c1 = [await f for f in firsts]
+        assert [c.meta["cached_tokens"] for c in c1] == [3, 0]
+        done = {"type": "length", "length": 2}
+        eng.on_output(StepOutput([RequestDelta("a", [12], done, cached_tokens=3), RequestDelta("b", [13], done)]))
+        lasts = [await g.__anext__() for g in gens]
+        assert all(c.finished for c in lasts) and [c.meta["cached_tokens"] for c in lasts] == [3, 0]
+        u = usage(lasts, spec_enabled=False)
+        assert u["prompt_tokens"] == 8 and u["completion_tokens"] == 4 and u["total_tokens"] == 12
+        assert u["prompt_tokens_details"] == {"cached_tokens": 3} and "spec" not in u
+        assert UsageInfo.model_validate(u).prompt_tokens_details.cached_tokens == 3
+        # the counter sums the finished requests' cached tokens next to their prompt tokens
+        text = tm.metrics.render().decode()
+        assert _metric(text, "specserve:cached_tokens_total") == 3
+        assert _metric(text, "specserve:prompt_tokens_total") == 8
+
+    asyncio.run(go())
+
+
+def test_usage_sums_cached_tokens_per_choice_and_keeps_spec():
+    from specserve.server.tokenizer_manager import GenChunk
+
+    def chunk(prompt, completion, cached, verify):
+        meta = {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+                "spec_verify_ct": verify, "spec_accept_length": completion / verify}
+        return GenChunk("r", "", "", [], [], True, {"type": "length"}, meta)
+
+    u = usage([chunk(10, 6, 8, 3), chunk(10, 4, 8, 2), chunk(5, 2, 0, 1)], spec_enabled=True)
+    assert u["prompt_tokens"] == 25 and u["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert u["spec"] == {"accept_length": pytest.approx(12 / 6), "verify_ct": 6}
+
+
+def test_engine_stats_put_the_prefix_cache_in_metrics_and_server_info(bpe):
+    tm, _ = _manager(bpe, page_size=4)
+    stats = EngineStats(free_pages=500, cached_pages=12, evictable_pages=9, cache_hit_tokens=30, cache_query_tokens=120,
+                        state_snapshots=2)
+    assert stats.cache_hit_rate == pytest.approx(0.25) and EngineStats().cache_hit_rate == 0.0
+    tm._on_output(StepOutput(stats=stats))
+    text = tm.metrics.render().decode()
+    assert _metric(text, "specserve:cache_hit_rate") == pytest.approx(0.25)
+    assert _metric(text, "specserve:cached_pages") == 12 and _metric(text, "specserve:evictable_pages") == 9
+    assert _metric(text, "specserve:state_snapshots") == 2
+    assert "# TYPE specserve:cached_tokens_total counter" in text and "# TYPE specserve:cache_hit_rate gauge" in text
+    pc = tm.runtime_info()["prefix_cache"]
+    assert pc == {"enabled": True, "cached_pages": 12, "evictable_pages": 9, "hit_tokens": 30, "query_tokens": 120,
+                  "hit_rate": pytest.approx(0.25), "state_snapshots": 2}
+
+
+def _app(tm):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    app.include_router(native_router(tm, [1]))
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_flush_cache_route_answers_what_the_engine_did(bpe, method):
+    tm, eng = _manager(bpe)
+    tm._on_output(StepOutput(stats=EngineStats(cached_pages=7, evictable_pages=7)))
+    with _app(tm) as client:
+        eng.flush_reply = FlushCacheResult(0, False, num_running=2, num_waiting=1)
+        r = client.request(method, "/flush_cache")
+        assert r.status_code == 400 and "not flushed" in r.text and "2 requests are running" in r.text
+        assert client.get("/get_server_info").json()["prefix_cache"]["cached_pages"] == 7
+        eng.flush_reply = FlushCacheResult(0, True)
+        r = client.request(method, "/flush_cache")
+        assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+        assert r.headers["content-type"].startswith("text/plain")
+        info = client.get("/get_server_info").json()
+        assert info["prefix_cache"]["cached_pages"] == 0 and info["prefix_cache"]["enabled"] is True
+        assert _metric(client.get("/metrics").text, "specserve:cached_pages") == 0
+    assert eng.flushes == [1, 2] and tm._flushes == {}  # one message per call, none left waiting
+
+
+def test_flush_cache_waits_for_the_engine_and_fails_fast_when_it_dies(bpe):
+    async def go():
+        tm, eng = _manager(bpe)
+        task = asyncio.ensure_future(tm.flush_cache())
+        await asyncio.sleep(0)
+        assert eng.flushes == [1] and not task.done()  # waits for the answer without blocking the loop
+        eng.on_output(StepOutput(flushed=[FlushCacheResult(99, True)]))  # someone else's answer
+        await asyncio.sleep(0)
+        assert not task.done()
+        eng.on_output(StepOutput(flushed=[FlushCacheResult(1, True)]))
+        assert (await task).success
+        task = asyncio.ensure_future(tm.flush_cache())
+        await asyncio.sleep(0)
+        eng.on_exit("killed")
+        with pytest.raises(APIError) as e:
+            await task
+        assert e.value.status == 503 and tm._flushes == {}
+        with pytest.raises(APIError):  # refused at once afterwards
+            await tm.flush_cache()
 
     asyncio.run(go())
 

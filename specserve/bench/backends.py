@@ -3,7 +3,8 @@
 Backends: "specserve"/"sglang" (native POST /generate: every event carries the cumulative text and meta_info),
 "openai" (POST /v1/completions: deltas in choices[0].text), "openai-chat" (POST /v1/chat/completions: deltas in
 choices[0].delta.content). Output token counts come from what the server reports (meta_info / usage), never from
-counting chunks: with speculation one chunk carries several tokens.
+counting chunks: with speculation one chunk carries several tokens. So do prompt tokens the server's prefix cache
+gave (meta_info.cached_tokens, usage.prompt_tokens_details.cached_tokens), when it reports them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class RequestOutput:
     latency: float = 0.0  # end of stream - start
     prompt_len: int = 0  # server-reported when available, else our own count
     output_len: int | None = None  # server-reported completion tokens; None when the server did not say
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache gave; None when it did not say
     accept_length: float | None = None  # speculative accept length of this request (tokens per verify step)
     verify_ct: int | None = None  # number of verify steps behind accept_length
     finish_reason: str | None = None
@@ -93,7 +95,7 @@ def _raise_on_error(ev: dict) -> None:
 
 class NativeStream:
     """SGLang-style /generate events: {"text": cumulative, "meta_info": {prompt_tokens, completion_tokens,
-    finish_reason, spec_accept_length?, spec_verify_ct?}}."""
+    cached_tokens?, finish_reason, spec_accept_length?, spec_verify_ct?}}."""
 
     def __init__(self, out: RequestOutput):
         self.out = out
@@ -115,6 +117,8 @@ class NativeStream:
             self.out.output_len = int(n)
         if meta.get("prompt_tokens") is not None:
             self.out.prompt_len = int(meta["prompt_tokens"])
+        if meta.get("cached_tokens") is not None:
+            self.out.cached_tokens = int(meta["cached_tokens"])
         if meta.get("spec_accept_length") is not None:
             self.out.accept_length = float(meta["spec_accept_length"])
         if meta.get("spec_verify_ct") is not None:
@@ -132,7 +136,8 @@ class NativeStream:
 
 class OpenAIStream:
     """OpenAI SSE chunks: text deltas in choices[0].text (completions) or choices[0].delta.content (chat); usage
-    (with an optional "spec": {accept_length, verify_ct}) in the last chunk when stream_options.include_usage."""
+    (with optional "prompt_tokens_details": {cached_tokens} and "spec": {accept_length, verify_ct}) in the last chunk
+    when stream_options.include_usage."""
 
     def __init__(self, out: RequestOutput, chat: bool):
         self.out = out
@@ -161,6 +166,9 @@ class OpenAIStream:
                 self.out.output_len = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 self.out.prompt_len = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                self.out.cached_tokens = int(details["cached_tokens"])
             spec = usage.get("spec") or {}
             if spec.get("accept_length") is not None:
                 self.out.accept_length = float(spec["accept_length"])

@@ -1,4 +1,5 @@
-"""Benchmark prompts: random token ids (exact lengths) or a jsonl file of prompts / chat conversations."""
+"""Benchmark prompts: random token ids (exact lengths), groups of random prompts sharing a system prompt (SGLang's
+generated-shared-prefix, for the prefix cache), or a jsonl file of prompts / chat conversations."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class BenchRequest:
     prompt: str  # text form (decoded ids, or the chat template applied to messages)
     prompt_len: int  # our own token count; the server's count (usage / meta_info) replaces it when reported
     output_len: int  # max new tokens
-    prompt_ids: list[int] | None = None  # random dataset only: the exact ids
+    prompt_ids: list[int] | None = None  # random and generated-shared-prefix datasets: the exact ids
     messages: list[dict] | None = None  # chat form; None means "one user turn holding `prompt`"
 
     def chat_messages(self) -> list[dict]:
@@ -58,6 +59,30 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
         ids = rng.choice(vocab, size=n_in).tolist()  # [n_in]
         reqs.append(BenchRequest(prompt=tokenizer.decode(ids), prompt_len=n_in, output_len=n_out, prompt_ids=ids))
     return reqs
+
+
+def shared_prefix_requests(tokenizer, num_groups: int, prompts_per_group: int, system_prompt_len: int,
+                           question_len: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """SGLang bench_serving's generated-shared-prefix dataset, as token ids: each of `num_groups` groups has one
+    random system prompt of `system_prompt_len` tokens that its `prompts_per_group` prompts start with, each followed
+    by a random question of `question_len` tokens; every request asks for `output_len` tokens. The requests come
+    shuffled (groups interleaved), as SGLang's do."""
+    for name, v in (("--gsp-num-groups", num_groups), ("--gsp-prompts-per-group", prompts_per_group),
+                    ("--gsp-system-prompt-len", system_prompt_len), ("--gsp-question-len", question_len),
+                    ("--gsp-output-len", output_len)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    rng = np.random.default_rng(seed)
+    vocab = _usable_token_ids(tokenizer)
+    reqs = []
+    for _ in range(num_groups):
+        system = rng.choice(vocab, size=system_prompt_len).tolist()  # [system_prompt_len]
+        for _ in range(prompts_per_group):
+            ids = system + rng.choice(vocab, size=question_len).tolist()  # [system_prompt_len + question_len]
+            reqs.append(BenchRequest(prompt=tokenizer.decode(ids), prompt_len=len(ids), output_len=output_len,
+                                     prompt_ids=ids))
+    order = rng.permutation(len(reqs))  # [num_groups * prompts_per_group]
+    return [reqs[i] for i in order.tolist()]
 
 
 def _record_to_request(rec: dict, tokenizer, output_len: int, line_no: int, path: str) -> BenchRequest:

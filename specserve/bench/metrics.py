@@ -36,6 +36,17 @@ def mean_accept_length(outputs: list[RequestOutput]) -> float | None:
     return float(np.mean([o.accept_length for o in rep]))
 
 
+def cached_tokens(outputs: list[RequestOutput]) -> tuple[int | None, float | None]:
+    """Prompt tokens the server's prefix cache gave over the successful requests that report them, and their share
+    of those requests' prompt tokens (the prefill saved); (None, None) when no request reported it."""
+    rep = [o for o in outputs if o.success and o.cached_tokens is not None]
+    if not rep:
+        return None, None
+    cached = sum(o.cached_tokens for o in rep)
+    prompt = sum(o.prompt_len for o in rep)
+    return cached, cached / prompt if prompt else 0.0
+
+
 def compute_metrics(outputs: list[RequestOutput], duration: float) -> dict:
     """Aggregate per-request measurements. Every successful output must have output_len set (the runner fills it
     by re-tokenizing the text when the server reported none)."""
@@ -59,6 +70,7 @@ def compute_metrics(outputs: list[RequestOutput], duration: float) -> dict:
         "concurrency": per_s(sum(o.latency for o in ok)),
         "accept_length": mean_accept_length(ok),
     }
+    m["total_cached_tokens"], m["cache_hit_rate"] = cached_tokens(ok)
     m.update(_stats("ttft", [o.ttft for o in ok]))
     m.update(_stats("tpot", tpots))
     m.update(_stats("itl", itls, percentiles=(95, 99), with_max=True))
@@ -110,6 +122,10 @@ def format_summary(result: dict) -> str:
         head(title)
         for stat, name in _MAIN_STATS:
             line(f"{name} {label} (ms):", result[f"{stat}_{key}_ms"])
+        if key == "ttft":  # what the prefix cache saved of the prefill, next to the latency it shortens
+            line("Cached prompt tokens:", result.get("total_cached_tokens"))
+            rate = result.get("cache_hit_rate")
+            line("Prompt tokens from cache (%):", None if rate is None else 100.0 * rate)
     head("Inter-Token Latency")
     for stat, name in (("mean", "Mean"), ("median", "Median"), ("p95", "P95"), ("p99", "P99"), ("max", "Max")):
         line(f"{name} ITL (ms):", result[f"{stat}_itl_ms"])

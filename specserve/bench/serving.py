@@ -3,6 +3,9 @@
 Modelled on sglang.bench_serving (same summary field names). Example:
     specserve bench --backend specserve --dataset-name random --random-input-len 512 --random-output-len 256
         --num-prompts 200 --max-concurrency 1,4,16 --output-file bench.jsonl --plot sweep.png
+The prefix cache (groups of prompts sharing a system prompt; the cache emptied before each run):
+    specserve bench --dataset-name generated-shared-prefix --gsp-num-groups 8 --gsp-prompts-per-group 16
+        --flush-cache --max-concurrency 16
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 
 from specserve.bench import plot, target
 from specserve.bench.backends import BACKENDS, RequestOutput
-from specserve.bench.datasets import BenchRequest, jsonl_requests, random_requests
+from specserve.bench.datasets import BenchRequest, jsonl_requests, random_requests, shared_prefix_requests
 from specserve.bench.metrics import compute_metrics, format_summary
 from specserve.bench.runner import RunConfig, fill_missing_output_lens, run_benchmark, run_warmup
 from specserve.server_args import CommandParser
@@ -49,21 +52,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: ask /v1/models or /get_model_info)")
     p.add_argument("--tokenizer", default=None,
                    help="HF folder or .gguf file (default: the server's tokenizer/model path when local)")
-    p.add_argument("--dataset-name", choices=("random", "jsonl"), default="random")
+    p.add_argument("--dataset-name", choices=("random", "generated-shared-prefix", "jsonl"), default="random",
+                   help="random: random token ids; generated-shared-prefix: groups of random prompts that share a "
+                        "random system prompt (--gsp-*; --num-prompts is ignored); jsonl: --dataset-path")
     p.add_argument("--dataset-path", default=None, help="jsonl with prompt/text/question/instruction or messages")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=1024,
                    help="output tokens per request (also the default for jsonl records)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths are uniform in [len * ratio, len]")
+    g = p.add_argument_group("generated-shared-prefix dataset (SGLang's flags and defaults)")
+    g.add_argument("--gsp-num-groups", type=int, default=64, help="groups, one system prompt each")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="prompts per group")
+    g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="tokens of each group's system prompt")
+    g.add_argument("--gsp-question-len", type=int, default=128, help="tokens of each prompt's own question")
+    g.add_argument("--gsp-output-len", type=int, default=256, help="output tokens per request")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--max-concurrency", default=None, help="int, or a comma list for a sweep (e.g. 1,4,16)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s with Poisson arrivals; inf sends all at once")
     p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true",
+                   help="empty the server's prefix cache (POST /flush_cache) before each run, after the warm-up")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="generate exactly the requested lengths (default: on for random, off for jsonl)")
+                   help="generate exactly the requested lengths (default: on for the generated datasets, off for "
+                        "jsonl)")
     p.add_argument("--extra-request-body", default=None,
                    help="JSON merged into every request (sampling keys go into sampling_params for /generate)")
     p.add_argument("--output-file", default=None, help="append one JSON line per run")
@@ -97,6 +111,10 @@ def _load_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     if args.dataset_name == "random":
         return random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.seed)
+    if args.dataset_name == "generated-shared-prefix":
+        return shared_prefix_requests(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
+                                      args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
+                                      args.seed)
     return jsonl_requests(args.dataset_path, tokenizer, args.num_prompts, args.random_output_len)
 
 
@@ -135,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"specserve bench: {e}", file=sys.stderr)
         return 2
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name != "jsonl"
     print(f"#Prompts: {len(requests)}  #Input tokens: {sum(r.prompt_len for r in requests)}  "
           f"#Output tokens (max): {sum(r.output_len for r in requests)}  model: {model}  url: {base}")
     cfg = RunConfig(backend=backend, url=base + backend.path, model=model, ignore_eos=ignore_eos, extra_body=extra,
@@ -150,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for conc in concurrencies:
         cfg.max_concurrency = conc
+        if args.flush_cache:
+            err = target.flush_cache(base, headers)
+            if err is not None:
+                print(f"specserve bench: /flush_cache failed ({err}); the run starts with the cache as it is",
+                      file=sys.stderr)
         before = target.SpecCounters.read(base, headers)
         outputs, duration = run_benchmark(cfg, requests)
         retokenized = fill_missing_output_lens(outputs, tokenizer)
@@ -162,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             before, target.SpecCounters.read(base, headers))
         result["output_tokens_retokenized"] = retokenized
         print(format_summary(result))
+        if result["total_cached_tokens"] is None and args.dataset_name == "generated-shared-prefix":
+            print("note: the server reported no cached prompt tokens (meta_info.cached_tokens / "
+                  "usage.prompt_tokens_details)", file=sys.stderr)
         if retokenized:
             print(f"note: {retokenized} responses reported no completion token count; their text was re-tokenized",
                   file=sys.stderr)

@@ -1,5 +1,6 @@
 """What a client needs to know about the server it measures: its URL, model name, tokenizer and the accept length
-it reports. Small synchronous queries (stdlib urllib) made before and after a run, never during one."""
+it reports; and /flush_cache before a run. Small synchronous queries (stdlib urllib) made before and after a run,
+never during one."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def fetch_json(url: str, headers: dict | None = None, timeout: float = 30.0) -> 
     except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as e:
         logger.debug("GET %s failed: %s", url, e)
         return None
+
+
+def flush_cache(base: str, headers: dict | None = None, timeout: float = 60.0) -> str | None:
+    """POST /flush_cache (SGLang's and specserve's: empty the prefix cache, refused while requests run). None when it
+    worked, else why not (the status and the server's text, or the connection error)."""
+    req = urllib.request.Request(base + "/flush_cache", data=b"", method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+            return None
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}: {e.read().decode('utf-8', 'replace').strip()[:300]}"
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        return str(e)
 
 
 def discover_model(base: str, headers: dict | None = None) -> tuple[str | None, dict | None]:

@@ -15,7 +15,15 @@ import queue
 import threading
 from collections.abc import Callable
 
-from specserve.server.messages import AbortRequest, AddRequest, EngineFailed, EngineReady, Shutdown, StepOutput
+from specserve.server.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineReady,
+    FlushCache,
+    Shutdown,
+    StepOutput,
+)
 from specserve.server.model_process import run_model_process
 from specserve.server_args import ServerArgs
 
@@ -80,6 +88,10 @@ class EngineClient:
 
     def abort(self, rid: str) -> None:
         self._send_q.put(AbortRequest(rid))
+
+    def flush_cache(self, flush_id: int) -> None:
+        """Ask for a prefix-cache flush; the answer comes back in a StepOutput (FlushCacheResult, same id)."""
+        self._send_q.put(FlushCache(flush_id))
 
     def _send_loop(self) -> None:
         while True:

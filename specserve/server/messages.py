@@ -1,9 +1,9 @@
 """Messages between the HTTP process and the model process (pickled over two one-way pipes).
 
-HTTP -> model:  AddRequest, AbortRequest, Shutdown.
+HTTP -> model:  AddRequest, AbortRequest, FlushCache, Shutdown.
 model -> HTTP:  EngineReady (once, after loading), EngineFailed (load or loop crash, then the process exits),
                 StepOutput (after every loop turn that changed something: per-request token deltas, rejected
-                requests, and a snapshot of the engine's counters).
+                requests, answers to FlushCache, and a snapshot of the engine's counters).
 
 Only plain data crosses the pipe (no tensors, no torch import): the HTTP side stays light and the messages stay
 small. Token ids are sent as deltas (ids since the last message for that request); the HTTP process keeps the
@@ -30,6 +30,22 @@ class AddRequest:
 @dataclass
 class AbortRequest:
     rid: str
+
+
+@dataclass
+class FlushCache:
+    """Empty the prefix cache (/flush_cache), done between steps and only when the engine is idle; answered by a
+    FlushCacheResult with the same id in a StepOutput."""
+
+    id: int
+
+
+@dataclass
+class FlushCacheResult:
+    id: int
+    success: bool  # False: requests were running or waiting, nothing was flushed
+    num_running: int = 0  # what the engine held when it was asked
+    num_waiting: int = 0
 
 
 @dataclass
@@ -62,6 +78,7 @@ class EngineInfo:
     overlap_schedule: bool = False  # decode steps launched before the previous one is read (engine/overlap.py)
     draft_quantization: str | None = None  # "int8" (CPU), else None
     default_max_tokens: int | None = None  # a chat request without max_tokens gets this (None: the context's room)
+    prefix_cache: bool = False  # the prefix (radix) cache is on (off: --disable-radix-cache)
 
 
 @dataclass
@@ -94,6 +111,17 @@ class EngineStats:
     num_overlapped_steps: int = 0  # decode steps launched before the previous one's output was read
     num_overlapped_prefills: int = 0  # prefills launched so, their first tokens read with the next step
     spec_adaptive: dict | None = None  # AdaptiveSpeculation.summary() (None: adaptive speculation off)
+    # the prefix cache (kvcache/prefix_stats.py; all 0 when it is off)
+    cached_pages: int = 0  # KV pages the cache holds (in use or kept for reuse)
+    evictable_pages: int = 0  # of those, pages no running request uses (counted in free_pages)
+    cache_hit_tokens: int = 0  # prompt tokens admitted from the cache since start
+    cache_query_tokens: int = 0  # prompt tokens looked up since start
+    state_snapshots: int = 0  # recurrent-state snapshots held (models with recurrent state)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens the cache gave over those looked up, since start (SGLang's cache_hit_rate)."""
+        return self.cache_hit_tokens / self.cache_query_tokens if self.cache_query_tokens else 0.0
 
     @property
     def spec_accept_length(self) -> float:
@@ -115,6 +143,7 @@ class RequestDelta:
     top_logprobs: list | None = None  # per new token [(id, logprob), ...] (top_logprobs_num > 0)
     input_logprobs: list | None = None  # once finished: the prompt's from logprob_start_len ([float | None])
     input_top_logprobs: list | None = None  # ... and their top tokens ([[(id, logprob), ...] | None])
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave at admission (meta_info.cached_tokens)
 
 
 @dataclass
@@ -128,3 +157,4 @@ class StepOutput:
     deltas: list[RequestDelta] = field(default_factory=list)
     rejected: list[RequestRejected] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
+    flushed: list[FlushCacheResult] = field(default_factory=list)  # answers to FlushCache

@@ -1,8 +1,8 @@
 """Prometheus metrics of the HTTP server, in a registry owned by the server (not the library's global one).
 
 Request-level numbers (tokens, TTFT, TPOT, end-to-end latency, finish reasons, errors) are recorded by the
-tokenizer manager as requests finish; engine gauges (running/queued requests, KV usage, accept length) are set
-from the engine's counter snapshot that comes with every step output.
+tokenizer manager as requests finish; engine gauges (running/queued requests, KV usage, accept length, the prefix
+cache's pages and hit rate) are set from the engine's counter snapshot that comes with every step output.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class ServerMetrics:
         self._errors = Counter(PREFIX + "num_request_errors", "Requests answered with an error", labels + ["status"],
                                registry=r)
         self._prompt = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
+        self._cached = Counter(PREFIX + "cached_tokens", "Prompt tokens of finished requests the prefix cache gave",
+                               labels, registry=r)
         self._gen = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests", labels,
                             registry=r)
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", labels,
@@ -52,14 +54,26 @@ class ServerMetrics:
         self._plain_steps = Gauge(PREFIX + "spec_plain_steps",
                                   "Plain steps a speculating engine took since start (adaptive speculation)", labels,
                                   registry=r)
+        self._hit_rate = Gauge(PREFIX + "cache_hit_rate",
+                               "Prompt tokens the prefix cache gave over those looked up, since start", labels,
+                               registry=r)
+        self._cached_pages = Gauge(PREFIX + "cached_pages", "KV pages the prefix cache holds (in use or kept)", labels,
+                                   registry=r)
+        self._evictable_pages = Gauge(PREFIX + "evictable_pages",
+                                      "Prefix-cache pages no running request uses (freed under memory pressure)",
+                                      labels, registry=r)
+        self._snapshots = Gauge(PREFIX + "state_snapshots",
+                                "Recurrent-state snapshots the prefix cache holds (models with recurrent state)",
+                                labels, registry=r)
         self._healthy = Gauge(PREFIX + "engine_healthy", "1 while the model process is alive", labels, registry=r)
         self.model_name = model_name
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft: float | None,
-                         e2e: float) -> None:
+                         e2e: float, cached_tokens: int = 0) -> None:
         m = self.model_name
         self._requests.labels(m, finish_reason).inc()
         self._prompt.labels(m).inc(prompt_tokens)
+        self._cached.labels(m).inc(cached_tokens)
         self._gen.labels(m).inc(completion_tokens)
         self._e2e.labels(m).observe(e2e)
         if ttft is not None:
@@ -81,6 +95,10 @@ class ServerMetrics:
         self._accept.labels(m).set(stats.spec_accept_length)
         self._accept_recent.labels(m).set(stats.recent_accept_length)
         self._plain_steps.labels(m).set(stats.spec_plain_steps)
+        self._hit_rate.labels(m).set(stats.cache_hit_rate)
+        self._cached_pages.labels(m).set(stats.cached_pages)
+        self._evictable_pages.labels(m).set(stats.evictable_pages)
+        self._snapshots.labels(m).set(stats.state_snapshots)
         self._healthy.labels(m).set(1 if healthy else 0)
 
     def render(self) -> bytes:

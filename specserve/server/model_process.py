@@ -23,6 +23,8 @@ from specserve.server.messages import (
     EngineInfo,
     EngineReady,
     EngineStats,
+    FlushCache,
+    FlushCacheResult,
     RequestDelta,
     RequestRejected,
     Shutdown,
@@ -80,6 +82,7 @@ def _engine_info(core) -> EngineInfo:
                             if core.args.speculative_draft_model_quantization != "none" else None),
         load_time=core.load_time,
         pid=os.getpid(),
+        prefix_cache=mr.kv.prefix_cache is not None,
     )
 
 
@@ -100,6 +103,8 @@ class EngineLoop:
                     self._add(m, out)
                 elif isinstance(m, AbortRequest):
                     self.sched.abort(m.rid)
+                elif isinstance(m, FlushCache):
+                    out.flushed.append(self._flush(m))
                 elif isinstance(m, Shutdown):
                     stop = True
                 else:
@@ -136,13 +141,20 @@ class EngineLoop:
         except ValueError as e:
             out.rejected.append(RequestRejected(m.rid, str(e)))
 
+    def _flush(self, m: FlushCache) -> FlushCacheResult:
+        """Between steps, in message order (a request queued before the flush makes it refuse)."""
+        ok = self.sched.flush_cache()
+        if ok:
+            logger.info("prefix cache flushed")
+        return FlushCacheResult(m.id, ok, self.sched.num_running, len(self.sched.waiting) + len(self.sched.compiling))
+
     def _delta(self, req) -> RequestDelta:
         sent = req.sent_output_len
         new = req.output_ids[sent:]
         req.sent_output_len = len(req.output_ids)
         hidden = self.core.hidden_states(req) if req.return_hidden_states and req.finished else None
         delta = RequestDelta(req.rid, list(new), req.finished_reason, req.spec_verify_ct, req.spec_accepted_drafts,
-                             hidden)
+                             hidden, cached_tokens=req.cached_tokens)
         if req.return_logprob:
             delta.logprobs = req.output_logprobs[sent:]
             delta.top_logprobs = req.output_top_logprobs[sent:] if req.top_logprobs_num else None
@@ -158,7 +170,8 @@ class EngineLoop:
     def _stats(self) -> EngineStats:
         s = self.sched.stats
         recent = list(s.recent_accept)
-        return EngineStats(
+        cache = self.sched.prefix_cache_stats()
+        stats = EngineStats(
             num_running=self.sched.num_running,
             num_waiting=len(self.sched.waiting),
             free_pages=self.core.model_runner.kv.available_pages,  # free + cached pages nobody uses
@@ -176,6 +189,11 @@ class EngineLoop:
             num_overlapped_prefills=s.num_overlapped_prefills,
             spec_adaptive=self._adaptive_summary(),
         )
+        if cache is not None:
+            stats.cached_pages, stats.evictable_pages = cache.cached_pages, cache.evictable_pages
+            stats.cache_hit_tokens, stats.cache_query_tokens = cache.hit_tokens, cache.query_tokens
+            stats.state_snapshots = cache.state_snapshots
+        return stats
 
     def _adaptive_summary(self) -> dict | None:
         """Adaptive speculation's step counts and estimates, with the draft's catch-ups after plain steps."""

@@ -1,10 +1,14 @@
 """SGLang's native routes: /generate, /health, /health_generate, /get_model_info, /get_server_info, /metrics,
-/abort_request.
+/abort_request, /flush_cache.
 
 /generate takes "text" (a string or a list) or "input_ids" (a list of ids or a list of lists), "sampling_params"
 (SGLang names; one dict or one per prompt), "stream", "rid", "return_hidden_states" (with
 --enable-return-hidden-states: meta_info.hidden_states once finished). It answers {"text", "output_ids", "meta_info",
 "usage"} (a list for a batch); streamed, every event carries the cumulative text and output ids, then [DONE].
+meta_info.cached_tokens is how many prompt tokens the prefix cache gave (0 until the engine admits the request).
+
+/flush_cache (GET or POST, as SGLang) empties the prefix cache when the engine is idle: 200 "Cache flushed.", or 400
+(nothing flushed) while requests run or wait. The answer is plain text, as SGLang's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import specserve
 from specserve.server.errors import APIError, bad_request
@@ -166,6 +170,15 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
     async def abort_request(request: Request) -> dict:
         body = parse_body(await read_body(request, tm.body_limit), AbortRequestBody)
         return {"aborted": tm.abort(body.rid, "aborted by /abort_request")}
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        res = await tm.flush_cache()
+        if res.success:
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse(f"Cache not flushed: {res.num_running} requests are running and {res.num_waiting} "
+                                 "waiting. The prefix cache can only be flushed when the server is idle.\n",
+                                 status_code=400)
 
     return router
 

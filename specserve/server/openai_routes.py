@@ -1,8 +1,9 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (streaming SSE and not).
 
-Usage is on every answer (`usage` of the response, or the last stream chunk with stream_options.include_usage);
-with speculation it also has `spec: {accept_length, verify_ct}`. finish_reason is "stop", "length" or "abort", and
-"tool_calls" for a chat answer that stopped after calling tools.
+Usage is on every answer (`usage` of the response, or the last stream chunk with stream_options.include_usage), with
+`prompt_tokens_details: {cached_tokens}` (prompt tokens the prefix cache gave, summed like prompt_tokens over the
+choices); with speculation it also has `spec: {accept_length, verify_ct}`. finish_reason is "stop", "length" or
+"abort", and "tool_calls" for a chat answer that stopped after calling tools.
 
 Chat requests may carry tools (server/chat_tools.py: messages and tools for the template, tool_choice); the answer
 becomes the assistant message, tool calls and reasoning_content included, in server/chat_output.py.
@@ -24,7 +25,15 @@ from specserve.server.chat_tools import plan_tools, template_messages
 from specserve.server.errors import APIError, bad_request
 from specserve.server.logprobs_format import chat_logprobs, completion_logprobs
 from specserve.server.parsers.reasoning import THINK_END
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensUsageInfo,
+    SpecUsageInfo,
+    UsageInfo,
+    parse_body,
+    read_body,
+)
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
 
@@ -37,14 +46,17 @@ def finish_reason(reason: dict | None) -> str | None:
 
 
 def usage(chunks: list[GenChunk], spec_enabled: bool) -> dict:
+    """The usage of the choices' last chunks: every choice counts its prompt (and the tokens the cache gave it)."""
     prompt = sum(c.meta["prompt_tokens"] for c in chunks)
     completion = sum(c.meta["completion_tokens"] for c in chunks)
-    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.meta.get("cached_tokens", 0) for c in chunks)
+    out = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                    prompt_tokens_details=PromptTokensUsageInfo(cached_tokens=cached))
     if spec_enabled:
         verify = sum(c.meta["spec_verify_ct"] for c in chunks)
         tokens = sum(c.meta["spec_accept_length"] * c.meta["spec_verify_ct"] for c in chunks)
-        out["spec"] = {"accept_length": tokens / verify if verify else 0.0, "verify_ct": verify}
-    return out
+        out.spec = SpecUsageInfo(accept_length=tokens / verify if verify else 0.0, verify_ct=verify)
+    return out.model_dump(exclude_none=True)
 
 
 MAX_N = 64  # choices a request may ask for (n); each is a request of its own in the engine

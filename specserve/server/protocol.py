@@ -1,4 +1,5 @@
-"""Request models for the OpenAI routes and SGLang's native /generate, and the body parser.
+"""Request models for the OpenAI routes and SGLang's native /generate, the OpenAI usage object, and the body
+parser.
 
 Types are strict (a string where a number belongs is a 400, not silently converted); value ranges are left to
 SamplingParams so a message reads the same on every route. Unknown fields are ignored, as OpenAI-compatible servers
@@ -139,6 +140,29 @@ class GenerateRequest(_Strict):
 
 class AbortRequestBody(_Strict):
     rid: str
+
+
+class PromptTokensUsageInfo(BaseModel):
+    """OpenAI's usage.prompt_tokens_details (SGLang's PromptTokensUsageInfo)."""
+
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (not prefilled again)
+
+
+class SpecUsageInfo(BaseModel):
+    """usage.spec (an extension): speculative decoding's tokens per verify step and its verify count."""
+
+    accept_length: float
+    verify_ct: int
+
+
+class UsageInfo(BaseModel):
+    """The usage object of an OpenAI answer (or of the last stream chunk with stream_options.include_usage)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensUsageInfo | None = None
+    spec: SpecUsageInfo | None = None  # only from a speculating server
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -10,6 +10,7 @@ its request in the engine, which frees its KV.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -29,7 +30,14 @@ from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, unavailable
 from specserve.server.logprobs_format import token_decoder
-from specserve.server.messages import EngineInfo, EngineStats, RequestDelta, RequestRejected, StepOutput
+from specserve.server.messages import (
+    EngineInfo,
+    EngineStats,
+    FlushCacheResult,
+    RequestDelta,
+    RequestRejected,
+    StepOutput,
+)
 from specserve.server.metrics import ServerMetrics
 from specserve.server_args import ServerArgs
 
@@ -67,7 +75,7 @@ class GenChunk:
     output_ids: list[int]  # all output ids so far (a copy)
     finished: bool
     finish_reason: dict | None  # SGLang form: {"type": "stop"|"length"|"abort", ...}
-    meta: dict  # prompt_tokens, completion_tokens, finish_reason, spec_* (speculation), e2e_latency (finished)
+    meta: dict  # prompt_tokens, completion_tokens, cached_tokens, finish_reason, spec_* (speculation), e2e_latency
     new_logprobs: list[float] | None = None  # new_ids' logprobs (a request that returns them)
     new_top_logprobs: list | None = None  # per new id [(id, logprob), ...] (top_logprobs_num > 0)
 
@@ -88,6 +96,7 @@ class _Tracked:
     first_token_time: float | None = None
     spec_verify_ct: int = 0
     spec_accepted_drafts: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (known once the engine admitted the request)
     done: bool = False
     top_logprobs_num: int | None = None  # None: the request returns no logprobs
     logprobs: list[float] = field(default_factory=list)
@@ -109,6 +118,8 @@ class TokenizerManager:
         self.accepting = True
         self.engine_exit_reason: str | None = None
         self.engine_lost = asyncio.Event()  # set when the engine process ends on its own (not at shutdown)
+        self._flushes: dict[int, asyncio.Future] = {}  # /flush_cache calls waiting for the engine's answer
+        self._flush_ids = itertools.count(1)
         metrics.set_engine(info, self.stats, healthy=True)
         # Tokenising and templating run on this one thread, never on the event loop (a long prompt would stall
         # every other client), and one at a time (a fast tokenizer's encode is not safe to call concurrently).
@@ -320,6 +331,7 @@ class TokenizerManager:
             new_top.extend(it.top_logprobs or [])
             t.spec_verify_ct = max(t.spec_verify_ct, it.spec_verify_ct)
             t.spec_accepted_drafts = max(t.spec_accepted_drafts, it.spec_accepted_drafts)
+            t.cached_tokens = max(t.cached_tokens, it.cached_tokens)
             if it.finished_reason is not None:
                 reason, hidden = it.finished_reason, it.hidden_states
                 prompt_lp, prompt_top = it.input_logprobs, it.input_top_logprobs
@@ -335,7 +347,7 @@ class TokenizerManager:
         else:
             delta = t.detok.feed(new_ids)
         meta = {"id": t.rid, "prompt_tokens": t.prompt_tokens, "completion_tokens": len(t.detok.ids),
-                "finish_reason": reason}
+                "cached_tokens": t.cached_tokens, "finish_reason": reason}
         if self.info.spec_enabled:
             meta["spec_verify_ct"] = t.spec_verify_ct
             meta["spec_accept_length"] = self._accept_len(t)
@@ -368,7 +380,7 @@ class TokenizerManager:
             return
         ttft = None if t.first_token_time is None else t.first_token_time - t.arrival
         self.metrics.observe_finished(reason.get("type", "abort"), t.prompt_tokens, len(t.detok.ids), ttft,
-                                      time.perf_counter() - t.arrival)
+                                      time.perf_counter() - t.arrival, cached_tokens=t.cached_tokens)
 
     async def generate_one(self, req: GenRequest) -> GenChunk:
         """Run a request to the end; returns the last chunk, with the whole text in `text`."""
@@ -395,6 +407,10 @@ class TokenizerManager:
             t = self.reqs.get(r.rid)
             if t is not None and not t.done:
                 t.queue.put_nowait(r)
+        for f in out.flushed:  # after the stats: a flushed cache shows in them once the caller hears back
+            fut = self._flushes.pop(f.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(f)
 
     def _on_engine_exit(self, reason: str) -> None:
         if self.engine_exit_reason is not None:
@@ -407,6 +423,10 @@ class TokenizerManager:
         for t in self.reqs.values():
             if not t.done:
                 t.queue.put_nowait(_EngineGone(reason))
+        for fut in self._flushes.values():
+            if not fut.done():
+                fut.set_exception(unavailable(f"the engine stopped: {reason.splitlines()[0]}"))
+        self._flushes.clear()
 
     def abort(self, rid: str, message: str) -> bool:
         """Finish a request as aborted (its consumer sees finish_reason abort); False if it is not in flight."""
@@ -424,6 +444,29 @@ class TokenizerManager:
         self.accepting = False
         for rid in list(self.reqs):
             self.abort(rid, message)
+
+    # ------------------------------------------------------------------ prefix cache
+    async def flush_cache(self) -> FlushCacheResult:
+        """Ask the engine to empty its prefix cache and wait (on the event loop, never blocking it) for its answer:
+        success False when requests were running or waiting (nothing flushed). Raises APIError(503) when the engine
+        is not running."""
+        self.check_available()
+        flush_id = next(self._flush_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._flushes[flush_id] = fut
+        try:
+            self.engine.flush_cache(flush_id)
+            return await fut
+        finally:
+            self._flushes.pop(flush_id, None)
+
+    def prefix_cache_info(self) -> dict:
+        """/get_server_info's prefix_cache object (counts are 0 with the cache off)."""
+        s = self.stats
+        return {"enabled": self.info.prefix_cache, "cached_pages": s.cached_pages,
+                "evictable_pages": s.evictable_pages,
+                "hit_tokens": s.cache_hit_tokens, "query_tokens": s.cache_query_tokens,
+                "hit_rate": s.cache_hit_rate, "state_snapshots": s.state_snapshots}
 
     # ------------------------------------------------------------------ health and status
     async def health_generate(self, ids: list[int], timeout: float) -> None:
@@ -478,4 +521,5 @@ class TokenizerManager:
             "load_time": i.load_time,
             "default_sampling_params": dict(i.default_sampling),  # what a request that sets nothing gets
             "default_chat_max_tokens": i.default_max_tokens,
+            "prefix_cache": self.prefix_cache_info(),
         }
