@@ -2,7 +2,7 @@
 conversation's next turn, cache on vs off; decode speed with the cache on vs off; a recurrent-state snapshot's cost.
 
     python3 scripts/gpu/bench_prefix_cache.py [--presets smollm2-135m,qwen3-next-80b-a3b] [--prefixes 4096,32768] \\
-        [--answer 32] [--question 64] [--repeats 3] [--steps 3] [--output-file F]
+        [--answer 32] [--question 64] [--repeats 3] [--steps 3] [--layers L] [--output-file F]
 
 Per preset (random bf16 weights of the real shapes, bench/phase_setup.py, a random MTP layer as the draft), two
 speculating engines over the same weights, --disable-radix-cache off and on, the server's defaults otherwise
@@ -134,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--output-file", default=None, help="append one JSON line per preset")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--layers", type=int, default=0, help="only the first L layers of each preset (0: all)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     prefixes = [int(x) for x in a.prefixes.split(",")]
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     ctx = max(max(prefixes) + a.answer + a.question, 512 + 128) + 64  # (decode: 512-token prompts)
     for preset in a.presets.split(","):
-        target, draft, cfg = random_models(preset, torch.bfloat16, dev, ctx + 16)
+        target, draft, cfg = random_models(preset, torch.bfloat16, dev, ctx + 16, layers=a.layers)
         scheds, runners = {}, {}
         for cache in (False, True):
             args = ServerArgs(speculative_algorithm="MTP", speculative_num_steps=a.steps, context_length=ctx,
@@ -151,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             mr.capture_graphs()
             runners[cache] = mr
             scheds[cache] = Scheduler(mr, StopChecker(None, set()), args.chunked_prefill_size)
-        row = {"preset": preset, "N": a.steps, "answer": a.answer, "question": a.question, "ttft": [], "decode": []}
+        row = {"preset": preset, "layers": cfg.num_layers, "N": a.steps, "answer": a.answer, "question": a.question,
+               "ttft": [], "decode": []}
         for prefix in prefixes:
             times, cached = {False: [], True: []}, 0
             for i in range(a.repeats + 1):  # the first pair warms up

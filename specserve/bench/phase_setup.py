@@ -122,11 +122,17 @@ def random_draft(cfg: ModelConfig, target, dtype: torch.dtype, device: torch.dev
     return draft
 
 
-def preset_config(preset: str) -> ModelConfig:
-    """The model config of a named preset (PRESETS), parsed as the family parses a checkpoint's."""
+def preset_config(preset: str, layers: int = 0) -> ModelConfig:
+    """The model config of a named preset (PRESETS), parsed as the family parses a checkpoint's. layers > 0: only
+    the first `layers` layers (per-layer lists cut alike), for a card the preset does not fit."""
     from transformers import AutoConfig
 
     spec = dict(PRESETS[preset])
+    if layers:
+        spec["num_hidden_layers"] = layers
+        for k in ("layer_types", "mlp_layer_types", "indexer_types"):
+            if k in spec:
+                spec[k] = spec[k][:layers]
     model_type = spec.pop("model_type")
     try:
         hf = AutoConfig.for_model(model_type, **spec)
@@ -137,9 +143,10 @@ def preset_config(preset: str) -> ModelConfig:
     return config_from_hf(hf)
 
 
-def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0):
-    """Target and MTP draft with random weights, made on the device (nothing to carry)."""
-    cfg = preset_config(preset)
+def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0,
+                  layers: int = 0):
+    """Target and MTP draft with random weights, made on the device (nothing to carry); layers: preset_config's."""
+    cfg = preset_config(preset, layers)
     with torch.device("meta"):
         target = model_class(cfg.architecture)(cfg, max_positions)
     target = materialize(target, cfg, dtype, device, max_positions)  # a 30B model has no room for float32
