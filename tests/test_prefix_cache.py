@@ -144,7 +144,7 @@ def test_overlap_adaptive_plain_steps_retraction_and_abort(family_models, key, p
     small enough to retract and evict, and an abort: outputs equal the cache-off ones, nothing leaks (a hybrid
     model's snapshots: not of a state a step in flight moves on)."""
     path = family_models[key]
-    kw = dict(enable_overlap_schedule=True, speculative_adaptive=True, max_total_tokens=160, max_running_requests=4,
+    kw = dict(enable_overlap_schedule=True, speculative_adaptive=True, max_total_tokens=136, max_running_requests=4,
               schedule_conservativeness=0.0, context_length=80)
     outs = {}
     for cache in (False, True):

@@ -102,6 +102,9 @@ class Scheduler:
         self.prefilling: Req | None = None  # at most one request is half prefilled
         self.compiling: list[Req] = []  # requests whose grammar compiles (engine/grammar.py), queued once it has
         self.running: list[Req] = []
+        # a prefill step was the last step: running requests decode next, so a long prompt's chunks (or a burst of
+        # new prompts) pause them by at most one prefill step (--chunked-prefill-size tokens) at a time
+        self.decode_owed = False
         self.reqs: dict[str, Req] = {}
         self.stats = SchedulerStats()
         spec = model_runner.spec
@@ -196,7 +199,9 @@ class Scheduler:
         """Run one forward step; returns the requests that changed (new tokens or finished). Under the overlap
         schedule a step's tokens come with the next step() (engine/overlap.py)."""
         self._admit_compiled()
-        chunks = self._schedule_prefill()
+        # prefill and decode alternate while requests run (the longest decode pause is one prefill step's tokens)
+        chunks = [] if self.decode_owed and self.running else self._schedule_prefill()
+        self.decode_owed = bool(chunks)
         if chunks and self._overlapping and not prefill_reads_logits(chunks):
             # launched before the step in flight is read, which is read at once after (its tokens are not held
             # through a chunked prefill); the prefill's t0 come with the next step
