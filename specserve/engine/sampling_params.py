@@ -18,6 +18,11 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text (schema, regex, EBNF)
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+# Temperatures below this are greedy. The samplers divide logits by the temperature in float32: at 1e-40 a logit of
+# 1 already overflows to inf, and the softmax of a row of infs is NaN (sampled as token 0). At 1e-5 a logit would
+# have to exceed 3.4e33 to overflow, far beyond any model's, and the distribution is already one-hot wherever the
+# top two logits differ by more than about 1e-3 (SGLang folds tiny temperatures into greedy the same way).
+MIN_TEMPERATURE = 1e-5
 
 
 def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len=-1, prompt_len: int | None = None) -> None:
@@ -182,4 +187,5 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Every sampling path (plain, speculative verify and drafting, logprobs) asks this, so they agree."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
