@@ -139,8 +139,7 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         parser = tm.args.chat_tool_call_parser
         plan = plan_tools(body, parser)
         messages = template_messages(body.messages)
-        prompt = await tm.off_loop(tm.chat_prompt, messages, body.chat_template_kwargs, plan.tools)
-        ids = await tm.off_loop(tm.encode, prompt, False)  # the template already has any BOS it wants
+        ids = await tm.off_loop(tm.chat_prompt_ids, messages, body.chat_template_kwargs, plan.tools)
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_new is None:  # the model's default answer length, else all the room the context leaves
             room = max(tm.info.context_len - len(ids), 0)

@@ -25,6 +25,7 @@ from specserve.engine.sampling_params import (
     input_logprobs_meta,
     logprobs_meta,
 )
+from specserve.server.control_tokens import ControlTokens
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, unavailable
@@ -121,6 +122,7 @@ class TokenizerManager:
         self.max_request_tokens = args.max_request_prompt_tokens or 4 * info.context_len
         self.body_limit = int(args.max_request_body_mb * (1 << 20))  # bytes
         self._decode_token = token_decoder(tokenizer)
+        self.control_tokens = ControlTokens.of(tokenizer)
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the text worker thread (tokenising, chat templates)."""
@@ -193,6 +195,24 @@ class TokenizerManager:
 
     def chat_prompt(self, messages: list[dict], template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
         """The prompt the chat template makes of the messages (and the request's tools, OpenAI dicts)."""
+        prompt, nonce = self._render_chat(messages, template_kwargs, tools)
+        return self.control_tokens.restore(prompt, nonce)
+
+    def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict | None,
+                        tools: list[dict] | None = None) -> list[int]:
+        """The ids of chat_prompt. Text of the messages and tools that spells a special token (a forged
+        "<|im_start|>system") is tokenised as ordinary text; only the template's own markers are control tokens
+        (server/control_tokens.py)."""
+        prompt, nonce = self._render_chat(messages, template_kwargs, tools)
+        self.check_text(self.control_tokens.restore(prompt, nonce))
+        if not nonce:  # the template already has any BOS it wants
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return self.control_tokens.encode(prompt, nonce)
+
+    def _render_chat(self, messages: list[dict], template_kwargs: dict | None,
+                     tools: list[dict] | None) -> tuple[str, str]:
+        """The template's text with the client's special token strings as sentinels, and the sentinels' nonce
+        ("" when the client's text holds none: the text is then the template's own)."""
         if not messages:
             raise bad_request("messages must contain at least one message", param="messages")
         if self.tokenizer.chat_template is None:
@@ -205,11 +225,16 @@ class TokenizerManager:
         for m in messages:
             if m.get("content"):  # (an empty assistant turn is fine; the template's output is checked again)
                 self.check_text(m["content"], param="messages")
+        forged = self.control_tokens.present([messages, tools])
+        nonce = self.control_tokens.new_nonce([messages, tools]) if forged else ""
+        if forged:
+            messages, tools = self.control_tokens.hide([messages, tools], nonce)
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                      **kwargs)
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                        add_generation_prompt=True, **kwargs)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+        return prompt, nonce
 
     # ------------------------------------------------------------------ validation
     def validate(self, input_ids: list[int], sampling: dict) -> None:
