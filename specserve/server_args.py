@@ -60,7 +60,10 @@ class ServerArgs:
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
     max_running_requests: int | None = None
-    max_queued_requests: int | None = None  # past this many waiting requests, new ones get a 503 (Retry-After)
+    # Past this many waiting requests, new ones get a 503 (Retry-After); 0 or None: no limit. On by default: without
+    # it a burst of clients queues without bound in both processes (memory) and waits minutes for nothing; 4096 is
+    # 16 times the largest default running batch (256 on a GPU), so an ordinary burst never meets it.
+    max_queued_requests: int | None = 4096
     request_timeout: float | None = None  # seconds; a request still running then is aborted (finish_reason abort)
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
@@ -112,6 +115,15 @@ class ServerArgs:
     log_level: str = "info"
     skip_warmup: bool = False
     max_request_body_mb: float = 16.0  # larger request bodies get a 413 before they are parsed
+    # Per-request caps, checked before anything is tokenised or queued (a /generate of 300,000 prompts took the
+    # server down). Prompts: of a batch, each choice of n counting as one (each is a request in the engine).
+    max_prompts_per_request: int = 1024
+    # Prompt tokens of one request (all its prompts); None: 4 times the context length, so a single prompt as long as
+    # the model takes always fits and a batch carries a few contexts' worth at most.
+    max_request_prompt_tokens: int | None = None
+    # n (choices of one prompt); 64 as before this was a flag: each choice is a request of its own, so n multiplies
+    # the work a single request can ask for, and no sampling use needs more in one request.
+    max_n: int = 64
     # chat: how tool calls and thinking are read out of the model's answer (server/parsers); None: not parsed
     # (the embedded model gets EMBEDDED_TOOL_CALL_PARSER: chat_tool_call_parser)
     tool_call_parser: str | None = None
@@ -253,7 +265,11 @@ class ServerArgs:
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError("--max-queued-requests must be >= 0")
+            raise ValueError("--max-queued-requests must be >= 0 (0: no limit)")
+        for name in ("max_prompts_per_request", "max_request_prompt_tokens", "max_n"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.context_length is not None and self.context_length < 2:
@@ -351,9 +367,9 @@ class ServerArgs:
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
         a("--max-running-requests", type=int, default=None,
           help="requests decoded together at most (default: 256 on a GPU, 64 on a CPU, bounded by the KV pool)")
-        a("--max-queued-requests", type=int, default=None,
-          help="requests waiting for a slot at most; past it a new request gets a 503 with Retry-After (default: "
-               "no limit)")
+        a("--max-queued-requests", type=int, default=d["max_queued_requests"].default,
+          help="requests waiting for a slot at most; past it a new request gets a 503 with Retry-After (a batch "
+               "counts each of its prompts and choices). 0: no limit (default 4096)")
         a("--request-timeout", type=float, default=None,
           help="seconds a request may take (queue included); then it is aborted and answered with what it has, "
                "finish_reason abort (default: no limit)")
@@ -440,6 +456,14 @@ class ServerArgs:
         a("--skip-warmup", action="store_true", help="serve without the warm-up generation")
         a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
           help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
+        a("--max-prompts-per-request", type=int, default=d["max_prompts_per_request"].default,
+          help="prompts one request may carry (a /generate or /v1/completions batch), each choice of n counting as "
+               "one; more get a 400 before any is tokenised (default 1024)")
+        a("--max-request-prompt-tokens", type=int, default=None,
+          help="prompt tokens one request may carry over all its prompts; more get a 400, text bounded by its "
+               "length before it is tokenised (default: 4 times the context length)")
+        a("--max-n", type=int, default=d["max_n"].default,
+          help="the most choices (n) a request may ask for per prompt (default 64)")
         a("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
           help="the model's tool-call format: chat answers to requests with tools are parsed into tool_calls "
                "(qwen25/qwen: Hermes-style <tool_call> JSON, as Qwen2.5/Qwen3; default: qwen25 for the embedded "

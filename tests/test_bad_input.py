@@ -85,3 +85,13 @@ def test_spec_defaults_derived():
 def test_model_without_mtp_layer_needs_draft_path(tiny_models):
     with pytest.raises(ValueError, match="no MTP layer"):
         Engine(model_path=tiny_models["llama"], speculative_algorithm="MTP")
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1.4e-45, 1e-30, 1e-8])
+def test_tiny_temperature_is_greedy_not_nan(engine, temperature):
+    """A positive temperature too small to divide logits by in float32 answers what greedy answers (before: NaN
+    probabilities, every token 0), through speculative verification and drafting."""
+    sp = {"max_new_tokens": 8, "ignore_eos": True}
+    greedy = engine.generate(prompt="abc", sampling_params={**sp, "temperature": 0})["output_ids"]
+    tiny = engine.generate(prompt="abc", sampling_params={**sp, "temperature": temperature})["output_ids"]
+    assert tiny == greedy and greedy != [0] * 8

@@ -35,6 +35,7 @@ ROUTES = [CHAT, COMP, GEN, ABORT]
 TIMEOUT_S = 20.0  # per request; a timeout fails the example
 MAX_NEW = 8  # generated valid bodies ask for at most this many tokens
 CONTEXT = 64
+MAX_PROMPTS, MAX_N = 4, 3  # the server's request caps (--max-prompts-per-request, --max-n), low enough to reach
 HEALTH_EVERY_S = 0.05
 HEALTH_MAX_S = 2.0
 JSON_HEADERS = {"content-type": "application/json"}
@@ -81,7 +82,8 @@ def live(tmp_path_factory):
     # A context of 64 tokens bounds every generation (max_tokens huge or absent) to a few dozen tokens.
     model = build_tiny_model(str(root / "tiny"), "llama", seed=7, max_position_embeddings=CONTEXT)
     srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--skip-warmup",
-                        "--max-request-body-mb", "1"], str(root / "server.log"))
+                        "--max-request-body-mb", "1", "--max-prompts-per-request", str(MAX_PROMPTS),
+                        "--max-n", str(MAX_N)], str(root / "server.log"))
     poller = HealthPoller(srv.url)
     poller.start()
     yield srv, poller
@@ -160,20 +162,21 @@ def _ids(max_size: int = 6):
 
 SMALL_N = st.one_of(st.integers(0, MAX_NEW), st.sampled_from([-1, -(2**63), 2**31, 2**63, 10**30, 1.0, 4.5, "4",
                                                                True, None, Raw("9" * 4301), Raw("1e999")]))
-TEMPERATURE = st.sampled_from([0, 0.0, -0.0, 5e-324, 1e-300, 1e-8, 0.7, 1, 2.0, 100, 100.0001, -1e-9, math.nan,
-                               math.inf, 10**400, "0.5", True, None, [0.5]])
+TEMPERATURE = st.sampled_from([0, 0.0, -0.0, 5e-324, 1e-300, 1e-40, 1e-8, 1e-5, 0.7, 1, 2.0, 100, 100.0001, -1e-9,
+                               math.nan, math.inf, 10**400, "0.5", True, None, [0.5]])
 TOP_P = st.sampled_from([0, 1e-9, 0.5, 1, 1.0, 1.0000001, -0.1, math.nan, -math.inf, None, "1"])
 TOP_K = st.sampled_from([-2, -1, 0, 1, 2, 255, 256, 10**9, 2**63 - 1, 2**63, 2**70, -(2**70), 1.0, True, None])
 MIN_P = st.sampled_from([0, 0.0, 0.5, 1, 1.0, 1.5, -0.1, math.nan, math.inf, None])
 SEED = st.sampled_from([0, 1, -1, 2**63 - 1, 2**63, 2**64, 10**30, 1.5, "1", None, True])
 STOP = st.one_of(TEXT, st.lists(st.text(min_size=1, max_size=3), max_size=40),
+                 st.sampled_from(["s" * 1024, "s" * 1025, ["a"] * 16, ["a"] * 17]),
                  st.lists(st.one_of(TEXT, st.integers(), st.none()), max_size=4), st.sampled_from([[], [""], None]))
 STOP_IDS = st.one_of(_ids(8), st.sampled_from([[], [2], [0, 1, 2, 255], [-1], [10**30], [256], "2", None]))
 BOOLISH = st.sampled_from([True, False, None, 0, 1, "true", [], {}])
 STREAM_OPTIONS = st.sampled_from([{"include_usage": True}, {"include_usage": False}, {}, {"include_usage": "yes"},
                                   {"include_usage": None}, {"continuous_usage_stats": True}, None, "x", [], 1])
 STREAM = st.sampled_from([True, False, None, 1, "true"])
-N = st.sampled_from([1, 0, 2, -1, 10**30, 1.0, None, "1"])
+N = st.sampled_from([1, 0, 2, MAX_N, MAX_N + 1, -1, 10**30, 1.0, None, "1"])
 PENALTY = st.sampled_from([0, 0.0, -0.0, 0.5, -2, 2, math.nan, None, "0"])
 PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "", 1]), "text": TEXT})
 CONTENT = st.one_of(TEXT, st.none(), st.lists(PART, max_size=3), st.lists(st.one_of(TEXT, st.integers()), max_size=2))
@@ -190,7 +193,7 @@ TEMPLATE_KWARGS = st.one_of(
                                      "sanitize_control_tokens", "enable_thinking", "messages", "conversation"]),
                     JSON_VALUES, max_size=3),
     st.dictionaries(TEXT, JSON_VALUES, max_size=3), st.sampled_from([None, {}, [], "x"]))
-PROMPT = st.one_of(TEXT, st.lists(TEXT, max_size=3), _ids(), st.lists(_ids(4), max_size=3),
+PROMPT = st.one_of(TEXT, st.lists(TEXT, max_size=MAX_PROMPTS + 2), _ids(), st.lists(_ids(4), max_size=MAX_PROMPTS + 2),
                    st.sampled_from(["", [], [[]], [[1], []], ["a", 1], [1, "a"], [[1], "a"], "x" * 600]))
 RID = st.one_of(TEXT, st.lists(TEXT, max_size=3), st.integers(), st.none())
 LOGIT_BIAS = st.sampled_from([None, {}, {"1": 0.0}, {"1": 5}, {"x": "y"}, [], "x"])
@@ -219,8 +222,8 @@ FIELDS = {
            ("chat_template_kwargs",): TEMPLATE_KWARGS},
     COMP: {**OPENAI_FIELDS, ("prompt",): PROMPT, ("logprobs",): st.sampled_from([None, 0, 1, 5, -1, True]),
            ("echo",): BOOLISH, ("best_of",): N, ("suffix",): st.one_of(TEXT, st.none())},
-    GEN: {("text",): st.one_of(TEXT, st.lists(TEXT, max_size=3)),
-          ("input_ids",): st.one_of(_ids(), st.lists(_ids(4), max_size=3)),
+    GEN: {("text",): st.one_of(TEXT, st.lists(TEXT, max_size=MAX_PROMPTS + 2)),
+          ("input_ids",): st.one_of(_ids(), st.lists(_ids(4), max_size=MAX_PROMPTS + 2)),
           ("sampling_params",): st.one_of(st.dictionaries(st.sampled_from(SAMPLING_KEYS), LEAVES, max_size=3),
                                           st.lists(st.fixed_dictionaries({"max_new_tokens": SMALL_N}), max_size=3),
                                           JSON_VALUES),
@@ -402,6 +405,7 @@ def check_answer(r: httpx.Response, route: str, raw: bytes, server: LiveServer) 
     if route == GEN:
         results = body if isinstance(body, list) else [body]
         assert results, why("an empty batch answer")
+        assert len(results) <= MAX_PROMPTS, why("more prompts and choices than --max-prompts-per-request")
         for i, res in enumerate(results):
             assert isinstance(res["text"], str) and all(_is_int(t) for t in res["output_ids"]), why("bad result")
             done = res["meta_info"]["completion_tokens"]
@@ -410,6 +414,7 @@ def check_answer(r: httpx.Response, route: str, raw: bytes, server: LiveServer) 
             assert cap is None or done <= cap, why("more tokens than max_new_tokens")
         return
     choices = body["choices"]
+    assert len(choices) <= MAX_PROMPTS, why("more prompts and choices than --max-prompts-per-request")
     assert choices and all(c["finish_reason"] in ("stop", "length", "abort") for c in choices), why("bad choices")
     if route == CHAT:
         msg = choices[0]["message"]

@@ -348,3 +348,63 @@ def test_candidate_probs_is_the_sampler_filter_over_the_candidates():
     dense = torch.zeros(rows, v).scatter_(1, ids, candidate_probs(vals, sb))
     torch.testing.assert_close(dense, probs_from_logits(logits, sb), atol=1e-6, rtol=1e-5)
     assert (dense > 0).sum(1).tolist()[3] == 1 and (dense > 0).sum(1).tolist()[4] <= 3  # greedy; top-k 3
+
+
+# ---------------------------------------------------------------------- tiny temperatures
+def _mixed_batch(temperature: float):
+    """Row 0 at `temperature`, row 1 an ordinary sampled row (so the batch is not all-greedy and row 0 goes through
+    the per-row sampling tensors), 40 tokens."""
+    from specserve.layers.sampler import SamplingBatch
+
+    params = [SamplingParams(temperature=temperature), SamplingParams(temperature=0.8)]
+    return params, SamplingBatch.build(params, [11, 12], 40, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1.4e-45, 1e-30, 1e-8, 9.99e-6])
+def test_tiny_temperatures_are_greedy_on_every_path(temperature):
+    """A positive temperature whose division would overflow float32 is greedy: the sampled token is the argmax (not
+    token 0 of a NaN row), the distribution one-hot, a sampled draft's distribution one-hot at its best candidate,
+    and logprobs are taken at temperature 1 as for greedy rows."""
+    from specserve.engine.logit_rules import _temperature
+    from specserve.layers.sampler import probs_from_logits, sample
+    from specserve.speculative.draft_state import candidate_probs
+
+    params, sb = _mixed_batch(temperature)
+    assert params[0].is_greedy and _temperature(params[0]) == 1.0
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 40, generator=g) * 5
+    logits[0, 0] = -50.0  # token 0 (what NaN probabilities sample) is never the argmax
+    want = int(logits[0].argmax())
+    probs = probs_from_logits(logits, sb)
+    assert torch.isfinite(probs).all()
+    assert probs[0].tolist() == torch.nn.functional.one_hot(torch.tensor(want), 40).float().tolist()
+    for pos in range(5):
+        assert int(sample(logits, sb, torch.tensor([pos, pos]))[0]) == want
+    vals, _ = logits.topk(8, dim=-1)
+    q = candidate_probs(vals, sb)
+    assert torch.isfinite(q).all() and q[0].tolist() == [1.0] + [0.0] * 7
+
+
+@pytest.mark.parametrize("temperature", ["threshold", "just above", 1e-4])
+@pytest.mark.parametrize("scale", [1.0, 1e4, 1e28])
+def test_smallest_sampled_temperatures_never_give_nan(temperature, scale):
+    """The smallest temperatures still sampled, against large logits: the probabilities are finite and sum to 1, and
+    with a clear winner all mass is on the argmax (sampler and sampled drafts alike)."""
+    from specserve.engine.sampling_params import MIN_TEMPERATURE
+    from specserve.layers.sampler import probs_from_logits, sample
+    from specserve.speculative.draft_state import candidate_probs
+
+    t = {"threshold": MIN_TEMPERATURE, "just above": MIN_TEMPERATURE * (1 + 1e-6)}.get(temperature, temperature)
+    params, sb = _mixed_batch(t)
+    assert not params[0].is_greedy
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 40, generator=g) * scale
+    logits[0, 7] = logits[0].abs().max() * 2 + scale  # a clear winner
+    probs = probs_from_logits(logits, sb)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+    assert float(probs[0, 7]) == pytest.approx(1.0)
+    assert int(sample(logits, sb, torch.tensor([0, 0]))[0]) == 7
+    vals, _ = logits.topk(8, dim=-1)
+    q = candidate_probs(vals, sb)
+    assert torch.isfinite(q).all() and float(q[0, 0]) == pytest.approx(1.0)

@@ -198,7 +198,8 @@ def test_a_queued_request_whose_client_left_costs_no_prefill(small_queue_server)
     assert r.status_code == 200
     info = srv.wait_idle()
     usage = r.json()["usage"]  # (prompt tokens the prefix cache gave are not prefilled)
-    assert info["num_prompt_tokens"] - before == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    prefilled = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert info["num_prompt_tokens"] - before == prefilled
     assert info["num_http_requests"] == 0 and info["kv_free_pages"] == info["kv_initial_free_pages"]
 
 

@@ -255,6 +255,9 @@ class Engine:
         return out[0] if single else out
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        """The chat template's text of the messages (SGLang's Engine API). Offline callers are trusted: text that
+        spells a special token stays one when the result is passed as a prompt (the server's chat route tokenises
+        client text as plain text instead: server/control_tokens.py)."""
         self._check_running()
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 

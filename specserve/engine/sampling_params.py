@@ -15,9 +15,20 @@ from dataclasses import dataclass, field
 _INT_MAX = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # tokens a logit_bias may name (OpenAI allows 300)
 MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text (schema, regex, EBNF)
+# Stop strings are matched on the engine's loop after every token of the request (engine/stop.py decodes the last
+# longest-stop-string tokens each time) and in the HTTP process's detokenizer (each update scans every stop string's
+# prefixes), so their count and length bound per-token work that every other request waits on. Constants, not flags:
+# no use needs more (OpenAI allows 4 strings); 1024 characters is far past any real delimiter.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+# Temperatures below this are greedy. The samplers divide logits by the temperature in float32: at 1e-40 a logit of
+# 1 already overflows to inf, and the softmax of a row of infs is NaN (sampled as token 0). At 1e-5 a logit would
+# have to exceed 3.4e33 to overflow, far beyond any model's, and the distribution is already one-hot wherever the
+# top two logits differ by more than about 1e-3 (SGLang folds tiny temperatures into greedy the same way).
+MIN_TEMPERATURE = 1e-5
 
 
 def check_logprob_args(return_logprob, top_logprobs_num, logprob_start_len=-1, prompt_len: int | None = None) -> None:
@@ -109,8 +120,11 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if len(self.stop) > 16:
-            raise ValueError("at most 16 stop strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got "
+                             f"{max(len(s) for s in self.stop)}")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
@@ -182,4 +196,5 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Every sampling path (plain, speculative verify and drafting, logprobs) asks this, so they agree."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import specserve
 from specserve.server.errors import APIError, bad_request
-from specserve.server.openai_routes import MAX_N, choice_sampling
+from specserve.server.openai_routes import choice_sampling
 from specserve.server.protocol import AbortRequestBody, GenerateRequest, parse_body, read_body
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
@@ -62,13 +62,19 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
         raise bad_request("give exactly one of 'text' or 'input_ids'", param="text")
     if body.text is not None:
         single = isinstance(body.text, str)
-        texts = [body.text] if single else list(body.text)
+        texts = [body.text] if single else body.text
         if not texts:
             raise bad_request("the 'text' list is empty", param="text")
+        tm.check_prompt_count(len(texts), param="text")  # the caps first: nothing is tokenised past them
+        tm.check_prompt_chars(texts, param="text")
         prompts = [tm.encode(t) for t in texts]
+        tm.check_prompt_tokens(prompts, param="text")
     else:
         ids = body.input_ids
         single = not ids or isinstance(ids[0], int)
+        if not single:
+            tm.check_prompt_count(len(ids), param="input_ids")
+        tm.check_prompt_tokens([ids] if single else ids, param="input_ids")
         prompts = [list(ids)] if single else [list(x) for x in ids]
     n = len(prompts)
     sps = body.sampling_params
@@ -77,6 +83,9 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
             raise bad_request(f"sampling_params has {len(sps)} entries for {n} prompts", param="sampling_params")
     else:
         sps = [sps or {}] * n
+    # each choice is a request of its own: the choices of all prompts stay within the prompt cap
+    tm.check_prompt_count(n, sum(tm.check_n(sp.get("n", 1), param="sampling_params.n") for sp in sps),
+                          param="sampling_params.n")
     rids = body.rid
     if isinstance(rids, str):
         if n != 1:
@@ -94,11 +103,7 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
     reqs = []
     for p, sp, r, h, lp, k, st in zip(prompts, sps, rids, hidden, logprob, top, start, strict=True):
         sp = dict(sp)
-        n = sp.pop("n", 1)
-        n = 1 if n is None else n
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise bad_request(f"sampling_params.n must be an integer in [1, {MAX_N}], got {n!r}",
-                              param="sampling_params.n")
+        n = tm.check_n(sp.pop("n", 1), param="sampling_params.n")
         if n > 1 and r is not None:
             raise bad_request("rid can only be given with n = 1", param="rid")
         single = single and n == 1  # SGLang: n samples of one prompt come back as a list
@@ -125,8 +130,7 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
         body: GenerateRequest = parse_body(await read_body(request, tm.body_limit), GenerateRequest)
         tm.check_model(body.model)
         reqs, single = await tm.off_loop(_requests, tm, body)
-        for r in reqs:  # all prompts are checked before any is queued
-            tm.precheck(r)
+        tm.precheck_all(reqs)  # all prompts are checked before any is queued
         if body.stream:
             return sse_response(_generate_events(tm, reqs))
         try:

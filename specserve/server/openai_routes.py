@@ -59,14 +59,9 @@ def usage(chunks: list[GenChunk], spec_enabled: bool) -> dict:
     return out.model_dump(exclude_none=True)
 
 
-MAX_N = 64  # choices a request may ask for (n); each is a request of its own in the engine
-
-
-def choice_count(body) -> int:
-    """n, checked: 1..MAX_N; with n > 1 no client rid (each choice is a request of its own)."""
-    n = 1 if body.n is None else body.n
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {n}", param="n")
+def choice_count(tm: TokenizerManager, body) -> int:
+    """n, checked: 1..--max-n; with n > 1 no client rid (each choice is a request of its own)."""
+    n = tm.check_n(body.n)
     if n > 1 and body.rid is not None:
         raise bad_request("rid can only be given with n = 1", param="rid")
     return n
@@ -156,8 +151,7 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         parser = tm.args.chat_tool_call_parser
         plan = plan_tools(body, parser)
         messages = template_messages(body.messages)
-        prompt = await tm.off_loop(tm.chat_prompt, messages, body.chat_template_kwargs, plan.tools)
-        ids = await tm.off_loop(tm.encode, prompt, False)  # the template already has any BOS it wants
+        ids = await tm.off_loop(tm.chat_prompt_ids, messages, body.chat_template_kwargs, plan.tools)
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_new is None:  # the model's default answer length, else all the room the context leaves
             room = max(tm.info.context_len - len(ids), 0)
@@ -177,11 +171,12 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
                                         body.chat_template_kwargs, uuid.uuid4().hex[:24])
         # a grammar starts after the reasoning: the engine opens it at the reasoning parser's end marker
         thinking = output.reasoning is not None and output.reasoning.thinking
+        n = choice_count(tm, body)
+        tm.check_prompt_count(1, n, param="n")  # (n choices of the one prompt)
         reqs = [GenRequest(ids, sp, rid=body.rid, reasoning_end=THINK_END if thinking else None,
                            return_logprob=bool(body.logprobs), top_logprobs_num=body.top_logprobs or 0)
-                for sp in choice_sampling(sampling, choice_count(body))]
-        for r in reqs:  # every choice is checked before any is queued
-            tm.precheck(r)
+                for sp in choice_sampling(sampling, n)]
+        tm.precheck_all(reqs)  # every choice is checked before any is queued
         cid = f"chatcmpl-{body.rid or uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
@@ -211,16 +206,15 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         tm.check_model(body.model)
         _refuse_unsupported(body, chat=False)
         max_new = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        prompts = await tm.off_loop(_prompt_ids, tm, body.prompt)
+        n = choice_count(tm, body)
+        prompts = await tm.off_loop(_prompt_ids, tm, body.prompt, n)
         if body.rid is not None and len(prompts) > 1:
             raise bad_request("rid can only be given for a single prompt", param="rid")
         top = body.logprobs or 0
-        n = choice_count(body)
         reqs = [GenRequest(ids, sp, rid=body.rid, return_logprob=body.logprobs is not None, top_logprobs_num=top,
                            logprob_start_len=0 if body.echo and body.logprobs is not None else -1)
                 for ids in prompts for sp in choice_sampling(_sampling(body, max_new), n)]  # choice p * n + i
-        for r in reqs:  # all prompts are checked before any is queued
-            tm.precheck(r)
+        tm.precheck_all(reqs)  # all prompts are checked before any is queued
         cid = f"cmpl-{body.rid or uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
@@ -263,17 +257,27 @@ def _completion_lp(tm: TokenizerManager, c: GenChunk, offset: int) -> dict:
     return {k: pre[k] + out[k] if pre[k] is not None and out[k] is not None else out[k] for k in out}
 
 
-def _prompt_ids(tm: TokenizerManager, prompt) -> list[list[int]]:
-    """prompt: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+def _prompt_ids(tm: TokenizerManager, prompt, n: int = 1) -> list[list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of token-id lists; n choices each. The
+    request caps are checked before anything is tokenised (text: by its length), then on the tokens."""
     if isinstance(prompt, str):
-        return [tm.encode(prompt)]
-    if not prompt:
+        prompts = [prompt]
+    elif not prompt:
         raise bad_request("the prompt is empty", param="prompt")
-    if isinstance(prompt[0], str):
-        return [tm.encode(p) for p in prompt]
-    if isinstance(prompt[0], int):
+    elif isinstance(prompt[0], int):
+        tm.check_prompt_count(1, n)
+        tm.check_prompt_tokens([prompt])
         return [list(prompt)]
-    return [list(p) for p in prompt]
+    else:
+        prompts = prompt
+    tm.check_prompt_count(len(prompts), len(prompts) * n)
+    if isinstance(prompts[0], str):
+        tm.check_prompt_chars(prompts)
+        ids = [tm.encode(p) for p in prompts]
+    else:
+        ids = [list(p) for p in prompts]
+    tm.check_prompt_tokens(ids)
+    return ids
 
 
 async def _chat_events(tm: TokenizerManager, reqs: list[GenRequest], cid: str, created: int, include_usage: bool,

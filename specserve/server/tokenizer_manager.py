@@ -26,6 +26,7 @@ from specserve.engine.sampling_params import (
     input_logprobs_meta,
     logprobs_meta,
 )
+from specserve.server.control_tokens import ControlTokens
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, unavailable
@@ -127,9 +128,12 @@ class TokenizerManager:
         # No token covers more characters than the longest vocabulary entry, so a text longer than this cannot
         # fit the context: it is refused without being tokenised.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
-        self.max_prompt_chars = info.context_len * max(longest, 1)
+        self.max_token_chars = max(longest, 1)
+        self.max_prompt_chars = info.context_len * self.max_token_chars
+        self.max_request_tokens = args.max_request_prompt_tokens or 4 * info.context_len
         self.body_limit = int(args.max_request_body_mb * (1 << 20))  # bytes
         self._decode_token = token_decoder(tokenizer)
+        self.control_tokens = ControlTokens.of(tokenizer)
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the text worker thread (tokenising, chat templates)."""
@@ -156,6 +160,38 @@ class TokenizerManager:
             raise bad_request(f"the text is not valid Unicode: {e.reason} at character {e.start} (a lone "
                               "surrogate escape such as \\ud800?)", param=param) from None
 
+    def check_prompt_count(self, prompts: int, choices: int | None = None, param: str = "prompt") -> None:
+        """A batch of `prompts` prompts (`choices` in all, counting n of each; None: one each) within
+        --max-prompts-per-request (raises 400); called before any of them is tokenised."""
+        cap = self.args.max_prompts_per_request
+        total = prompts if choices is None else choices
+        if total > cap:
+            what = f"{prompts} prompts" if total == prompts else f"{prompts} prompts, {total} choices in all (n)"
+            raise bad_request(f"the request has {what}; at most {cap} are allowed (--max-prompts-per-request)",
+                              param=param)
+
+    def check_prompt_chars(self, texts: list[str], param: str = "prompt") -> None:
+        """Texts that together may fit --max-request-prompt-tokens, checked without tokenising: no token covers more
+        characters than the longest vocabulary entry, so longer text cannot fit (raises 400)."""
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_request_tokens * self.max_token_chars:
+            raise bad_request(f"the request's prompts have {chars} characters, more than "
+                              f"{self.max_request_tokens} tokens can hold (--max-request-prompt-tokens)", param=param)
+
+    def check_prompt_tokens(self, prompts: list[list[int]], param: str = "prompt") -> None:
+        tokens = sum(len(p) for p in prompts)
+        if tokens > self.max_request_tokens:
+            raise bad_request(f"the request's prompts have {tokens} tokens; at most {self.max_request_tokens} are "
+                              "allowed (--max-request-prompt-tokens)", param=param)
+
+    def check_n(self, n, param: str = "n") -> int:
+        """n (None: 1) within 1..--max-n (raises 400)."""
+        n = 1 if n is None else n
+        cap = self.args.max_n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
+            raise bad_request(f"{param} must be an integer in [1, {cap}] (--max-n), got {n!r}", param=param)
+        return n
+
     def decode_token(self, tok: int) -> str:
         """One token's text alone (logprobs' token strings), memoised."""
         return self._decode_token(tok)
@@ -170,6 +206,24 @@ class TokenizerManager:
 
     def chat_prompt(self, messages: list[dict], template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
         """The prompt the chat template makes of the messages (and the request's tools, OpenAI dicts)."""
+        prompt, nonce = self._render_chat(messages, template_kwargs, tools)
+        return self.control_tokens.restore(prompt, nonce)
+
+    def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict | None,
+                        tools: list[dict] | None = None) -> list[int]:
+        """The ids of chat_prompt. Text of the messages and tools that spells a special token (a forged
+        "<|im_start|>system") is tokenised as ordinary text; only the template's own markers are control tokens
+        (server/control_tokens.py)."""
+        prompt, nonce = self._render_chat(messages, template_kwargs, tools)
+        self.check_text(self.control_tokens.restore(prompt, nonce))
+        if not nonce:  # the template already has any BOS it wants
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return self.control_tokens.encode(prompt, nonce)
+
+    def _render_chat(self, messages: list[dict], template_kwargs: dict | None,
+                     tools: list[dict] | None) -> tuple[str, str]:
+        """The template's text with the client's special token strings as sentinels, and the sentinels' nonce
+        ("" when the client's text holds none: the text is then the template's own)."""
         if not messages:
             raise bad_request("messages must contain at least one message", param="messages")
         if self.tokenizer.chat_template is None:
@@ -182,11 +236,16 @@ class TokenizerManager:
         for m in messages:
             if m.get("content"):  # (an empty assistant turn is fine; the template's output is checked again)
                 self.check_text(m["content"], param="messages")
+        forged = self.control_tokens.present([messages, tools])
+        nonce = self.control_tokens.new_nonce([messages, tools]) if forged else ""
+        if forged:
+            messages, tools = self.control_tokens.hide([messages, tools], nonce)
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                      **kwargs)
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                        add_generation_prompt=True, **kwargs)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+        return prompt, nonce
 
     # ------------------------------------------------------------------ validation
     def validate(self, input_ids: list[int], sampling: dict) -> None:
@@ -235,17 +294,35 @@ class TokenizerManager:
         """Requests in flight here that the engine is not running yet (its running count arrives each step)."""
         return max(0, sum(1 for t in self.reqs.values() if not t.done and not t.internal) - self.stats.num_running)
 
-    def check_queue(self) -> None:
+    def check_queue(self, incoming: int = 1) -> None:
+        """Room in the queue for `incoming` more requests (a batch's prompts and choices): 503 with Retry-After when
+        the queue is full, 400 for a batch that could never fit (--max-queued-requests below the batch)."""
         limit = self.args.max_queued_requests
-        if limit is not None and self.num_queued >= limit:
+        if not limit:  # None or 0: no limit
+            return
+        if incoming > limit:
+            raise bad_request(f"the request would queue {incoming} requests, more than --max-queued-requests "
+                              f"{limit} allows at all")
+        if self.num_queued + incoming > limit:
             raise APIError(503, f"the server is overloaded: {self.num_queued} requests are waiting "
                                 f"(--max-queued-requests {limit}); retry later", headers={"Retry-After": "1"})
+
+    def precheck_all(self, reqs: list[GenRequest]) -> None:
+        """A whole request's prompts and choices checked before any is queued, the queue's room for all of them
+        included (raises APIError)."""
+        self.check_available()
+        self.check_queue(sum(1 for r in reqs if not r.internal))
+        for r in reqs:
+            self._check_request(r)
 
     def precheck(self, req: GenRequest) -> None:
         """Everything that can refuse a request before it is queued (raises APIError)."""
         self.check_available()
         if not req.internal:
             self.check_queue()
+        self._check_request(req)
+
+    def _check_request(self, req: GenRequest) -> None:
         self.validate(req.input_ids, req.sampling)
         try:
             check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len, len(req.input_ids))
