@@ -127,8 +127,15 @@ def test_generate_route_parsing():
     from specserve.server.native_routes import _requests
     from specserve.server.protocol import GenerateRequest
 
-    class _TM:  # _requests tokenises text only; these bodies give ids
-        pass
+    class _TM:  # _requests tokenises text only; these bodies give ids, within every request cap
+        def check_prompt_count(self, prompts, choices=None, param="prompt"):
+            assert prompts <= 2
+
+        def check_prompt_tokens(self, prompts, param="prompt"):
+            assert sum(map(len, prompts)) <= 3
+
+        def check_n(self, n, param="n"):
+            return n
 
     body = GenerateRequest(input_ids=[[1, 2], [3]], return_hidden_states=[True, False])
     reqs, single = _requests(_TM(), body)

@@ -217,7 +217,7 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "max_tokens": "2"}, 400, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p"),
-    ("/v1/chat/completions", {**CHAT, "n": 65}, 400, "n must be in"),
+    ("/v1/chat/completions", {**CHAT, "n": 65}, 400, "n must be an integer in [1, 64] (--max-n)"),
     ("/v1/chat/completions", {**CHAT, "n": 2, "rid": "x"}, 400, "rid"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "needs logprobs"),
