@@ -115,6 +115,15 @@ class ServerArgs:
     log_level: str = "info"
     skip_warmup: bool = False
     max_request_body_mb: float = 16.0  # larger request bodies get a 413 before they are parsed
+    # SGLang's --api-key: every route but /health needs "Authorization: Bearer <key>" (compared in constant time)
+    api_key: str | None = field(default=None, repr=False)
+    # A connection must send a request's headers within this many seconds, and its body within the body timeout,
+    # or it is closed (headers) / answered 408 (body): a client trickling a byte a second cannot hold one forever.
+    http_header_timeout: float = 30.0
+    http_body_timeout: float = 120.0
+    # /v1/models, /get_model_info and /get_server_info show absolute paths, the engine's pid and the path-valued
+    # server arguments only with this flag (an operator's); by default paths become their last component.
+    show_internal_info: bool = False
     # Per-request caps, checked before anything is tokenised or queued (a /generate of 300,000 prompts took the
     # server down). Prompts: of a batch, each choice of n counting as one (each is a request in the engine).
     max_prompts_per_request: int = 1024
@@ -284,6 +293,12 @@ class ServerArgs:
             raise ValueError(f"--log-level {self.log_level!r} is not a logging level")
         if not self.max_request_body_mb > 0:
             raise ValueError(f"--max-request-body-mb must be > 0, got {self.max_request_body_mb}")
+        for flag, value in (("--http-header-timeout", self.http_header_timeout),
+                            ("--http-body-timeout", self.http_body_timeout)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -456,6 +471,17 @@ class ServerArgs:
         a("--skip-warmup", action="store_true", help="serve without the warm-up generation")
         a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
           help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
+        a("--api-key", default=None,
+          help="every route but /health needs the header 'Authorization: Bearer <key>' (others get a 401); a "
+               "request's own rid is scoped to the credential that sent it")
+        a("--http-header-timeout", type=float, default=d["http_header_timeout"].default,
+          help="seconds a connection has to send a request's headers; then it is closed (default 30)")
+        a("--http-body-timeout", type=float, default=d["http_body_timeout"].default,
+          help="seconds a request has to send its whole body; then it gets a 408 (default 120)")
+        a("--show-internal-info", action="store_true",
+          help="show absolute paths, the engine's pid and path-valued server arguments on /v1/models, "
+               "/get_model_info and /get_server_info (by default paths show only their last component; the API "
+               "key is never shown)")
         a("--max-prompts-per-request", type=int, default=d["max_prompts_per_request"].default,
           help="prompts one request may carry (a /generate or /v1/completions batch), each choice of n counting as "
                "one; more get a 400 before any is tokenised (default 1024)")

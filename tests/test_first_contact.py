@@ -56,7 +56,9 @@ def test_server_info_names_the_embedded_model():
     info = http.get("/get_server_info").json()
     assert info["model_path"] == "embedded:SmolLM2-135M-Instruct"
     assert http.get("/v1/models").json()["data"][0]["root"] == "embedded:SmolLM2-135M-Instruct"
-    assert _client(ServerArgs(model_path="/m"), "m").get("/get_server_info").json()["model_path"] == "/m"
+    assert _client(ServerArgs(model_path="/x/m"), "m").get("/get_server_info").json()["model_path"] == "m"
+    shown = _client(ServerArgs(model_path="/x/m", show_internal_info=True), "m").get("/get_server_info").json()
+    assert shown["model_path"] == "/x/m"
 
 
 def test_engine_after_shutdown(tiny_models):

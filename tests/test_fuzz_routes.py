@@ -457,6 +457,22 @@ def test_raw_bytes_are_4xx(server, client, route, raw, headers):
     check_answer(r, route, raw, server)
 
 
+NON_JSON_TYPES = st.sampled_from(["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                                  "multipart/form-data; boundary=x", "application/jsonp", "text/json", "",
+                                  "application/json-seq", "application/xml", "*/*"])
+
+
+@fuzz_settings(40)
+@given(route=st.sampled_from(ROUTES), data=st.data(), ctype=NON_JSON_TYPES)
+def test_bodies_that_are_not_declared_json_are_415(server, client, route, data, ctype):
+    """Whatever the body, a route that reads JSON refuses another content type (a page in a browser can send those
+    across origins without a preflight) before reading it."""
+    raw = to_json(data.draw(near_valid(route), label="body")).encode()
+    r = _post(client, server, route, raw, {"content-type": ctype} if ctype else {})
+    assert r.status_code == 415, _why(r, route, raw, server, f"not a 415 for content-type {ctype!r}")
+    check_answer(r, route, raw, server)
+
+
 # ---------------------------------------------------------------------- afterwards (keep last)
 def test_no_stall_and_idle_after_fuzzing(live):
     server, poller = live

@@ -24,7 +24,8 @@ def test_default_embedded_model(tmp_path):
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
         info = httpx.get(srv.url + "/get_model_info").json()
-        assert info["model_path"].endswith(".gguf") and info["served_model_name"] == "SmolLM2-135M-Instruct"
+        assert info["model_path"] == "embedded:SmolLM2-135M-Instruct"  # (not the installed package's file)
+        assert info["served_model_name"] == "SmolLM2-135M-Instruct"
         r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
                                            messages=[{"role": "user", "content": "What is 2+2?"}],
                                            extra_body={"ignore_eos": True,

@@ -115,7 +115,8 @@ def small_queue_server(tmp_path_factory) -> LiveServer:
     root = tmp_path_factory.mktemp("server_queue")
     model = build_tiny_model(str(root / "tiny"), "llama", seed=6, max_position_embeddings=4096)  # long requests
     srv = start_server(["--model-path", model, "--max-total-tokens", "8192", "--max-running-requests", "1",
-                        "--max-queued-requests", "2", "--skip-warmup"], str(root / "server.log"))
+                        "--max-queued-requests", "2", "--skip-warmup", "--show-internal-info"],  # (the engine's pid)
+                       str(root / "server.log"))
     yield srv
     srv.terminate()
 

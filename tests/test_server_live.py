@@ -28,8 +28,10 @@ def server(tmp_path_factory) -> LiveServer:
     model = build_tiny_model(str(root / "tiny"), "llama", seed=3)
     template = root / "template.jinja"
     template.write_text(TEMPLATE)
-    srv = start_server(["--model-path", model, "--max-total-tokens", "8192", "--chat-template", str(template)],
-                       str(root / "server.log"))
+    # --show-internal-info: the engine's pid and whole paths on the info routes (the default hides them:
+    # tests/test_server_access.py)
+    srv = start_server(["--model-path", model, "--max-total-tokens", "8192", "--chat-template", str(template),
+                        "--show-internal-info"], str(root / "server.log"))
     yield srv
     srv.terminate()
 

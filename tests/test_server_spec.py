@@ -25,7 +25,7 @@ def spec_server(tmp_path_factory) -> LiveServer:
     srv = start_server(["--model-path", model, "--max-total-tokens", "4096", "--speculative-algorithm", "MTP",
                         "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
                         "--served-model-name", "tiny-mtp", "--enable-overlap-schedule",  # the GPU's schedule
-                        "--enable-return-hidden-states"],
+                        "--enable-return-hidden-states", "--show-internal-info"],
                        str(root / "server.log"))
     yield srv
     srv.terminate()

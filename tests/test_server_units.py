@@ -214,18 +214,20 @@ def test_manager_streams_text_and_meta(bpe):
         gen = tm.generate(GenRequest([5, 6], {"max_new_tokens": len(ids)}, rid="r1"))
         first = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0)
-        assert eng.added == [("r1", [5, 6], {"max_new_tokens": len(ids)})]
-        eng.on_output(StepOutput([RequestDelta("r1", ids[:3], None, 1, 2)], [], EngineStats(num_running=1)))
+        rid = tm.labels[("", "r1")]  # the engine knows the request by a server-made id; "r1" is the client's label
+        assert rid != "r1" and eng.added == [(rid, [5, 6], {"max_new_tokens": len(ids)})]
+        eng.on_output(StepOutput([RequestDelta(rid, ids[:3], None, 1, 2)], [], EngineStats(num_running=1)))
         c1 = await first
-        eng.on_output(StepOutput([RequestDelta("r1", ids[3:], {"type": "length", "length": len(ids)}, 2, 3)], [],
+        eng.on_output(StepOutput([RequestDelta(rid, ids[3:], {"type": "length", "length": len(ids)}, 2, 3)], [],
                                  EngineStats()))
         c2 = await gen.__anext__()
+        assert c1.rid == c2.rid == c2.meta["id"] == "r1"
         assert c1.text + c2.text_delta == "héllo wörld" == c2.text
         assert c2.finished and c2.meta["completion_tokens"] == len(ids) and c2.meta["prompt_tokens"] == 2
         assert c2.meta["spec_verify_ct"] == 2 and c2.meta["spec_accept_length"] == pytest.approx(2.5)
         with pytest.raises(StopAsyncIteration):
             await gen.__anext__()
-        assert eng.aborted == [] and tm.reqs == {}
+        assert eng.aborted == [] and tm.reqs == {} and tm.labels == {}
 
     asyncio.run(go())
 
@@ -236,11 +238,12 @@ def test_manager_aborts_when_consumer_leaves_and_fails_fast_when_engine_dies(bpe
         gen = tm.generate(GenRequest([5], {}, rid="a"))
         task = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0)
+        rid = tm.labels[("", "a")]
         task.cancel()  # a client disconnect cancels the consumer
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await gen.aclose()
-        assert eng.aborted == ["a"] and tm.reqs == {}
+        assert eng.aborted == [rid] and tm.reqs == {} and tm.labels == {}
 
         gen = tm.generate(GenRequest([5], {}, rid="b"))
         task = asyncio.ensure_future(gen.__anext__())
@@ -286,12 +289,13 @@ def test_manager_reports_cached_tokens_in_meta_usage_and_metrics(bpe):
         gens = [tm.generate(GenRequest([5, 6, 7, 8], {"max_new_tokens": 2}, rid=r)) for r in ("a", "b")]
         firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
         await asyncio.sleep(0)
+        a, b = tm.labels[("", "a")], tm.labels[("", "b")]
         # "a" got 3 of its 4 prompt tokens from the cache, "b" none; the count rides on every delta
-        eng.on_output(StepOutput([RequestDelta("a", [10], None, cached_tokens=3), RequestDelta("b", [11], None)]))
+        eng.on_output(StepOutput([RequestDelta(a, [10], None, cached_tokens=3), RequestDelta(b, [11], None)]))
         c1 = [await f for f in firsts]
         assert [c.meta["cached_tokens"] for c in c1] == [3, 0]
         done = {"type": "length", "length": 2}
-        eng.on_output(StepOutput([RequestDelta("a", [12], done, cached_tokens=3), RequestDelta("b", [13], done)]))
+        eng.on_output(StepOutput([RequestDelta(a, [12], done, cached_tokens=3), RequestDelta(b, [13], done)]))
         lasts = [await g.__anext__() for g in gens]
         assert all(c.finished for c in lasts) and [c.meta["cached_tokens"] for c in lasts] == [3, 0]
         u = usage(lasts, spec_enabled=False)
@@ -498,15 +502,15 @@ def test_the_queue_cap_counts_a_whole_batch(bpe):
         await asyncio.sleep(0)
         assert tm.num_queued == 3
         with pytest.raises(APIError) as e:
-            tm.precheck_all([GenRequest([5], {}) for _ in range(3)])
+            await tm.precheck_all([GenRequest([5], {}) for _ in range(3)])
         assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
         assert "--max-queued-requests 5" in e.value.message
-        tm.precheck_all([GenRequest([5], {}) for _ in range(2)])
+        await tm.precheck_all([GenRequest([5], {}) for _ in range(2)])
         with pytest.raises(APIError) as e:
-            tm.precheck_all([GenRequest([5], {}) for _ in range(6)])
+            await tm.precheck_all([GenRequest([5], {}) for _ in range(6)])
         assert e.value.status == 400 and "--max-queued-requests" in e.value.message
         tm.args.max_queued_requests = 0
-        tm.precheck_all([GenRequest([5], {}) for _ in range(100)])
+        await tm.precheck_all([GenRequest([5], {}) for _ in range(100)])
         for w in waiting:
             w.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)

@@ -276,6 +276,21 @@ def read_rss_kb(pid: int | None) -> int | None:
         return None  # gone, or not on this machine
 
 
+def child_pid(pid: int | None) -> int | None:
+    """The engine process among the children of the server process `pid` (Linux /proc; multiprocessing's resource
+    tracker is a child too), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+        for k in kids:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if b"resource_tracker" not in f.read():
+                    return k
+    except (OSError, ValueError, TypeError):
+        pass
+    return None
+
+
 async def wait_idle(session: aiohttp.ClientSession, base: str, timeout: float) -> tuple[bool, dict]:
     """Poll until nothing runs, queues or is tracked and every KV page is back."""
     deadline = time.monotonic() + timeout
@@ -348,7 +363,9 @@ async def run_soak(cfg: SoakConfig) -> dict:
         model_info = await get_json(session, base + "/get_model_info")
         model = model_info["served_model_name"]
         start_info = await get_json(session, base + "/get_server_info")
-        pids = {"server": cfg.server_pid, "engine": start_info.get("engine_pid")} if cfg.server_pid else {}
+        # the engine's pid is shown only with --show-internal-info; else it is the server process's child
+        engine_pid = start_info.get("engine_pid") or child_pid(cfg.server_pid)
+        pids = {"server": cfg.server_pid, "engine": engine_pid} if cfg.server_pid else {}
         rss = {k: {"pid": p, "start": read_rss_kb(p)} for k, p in pids.items()}
         reqs = make_mix(cfg.num_requests, cfg.seed, model, model_info["context_length"], cfg.max_new_tokens,
                         cfg.abort_fraction, cfg.bad_fraction, await _overhead(session, base, model))

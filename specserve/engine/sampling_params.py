@@ -20,6 +20,7 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's text (schema, regex, EBNF)
 # prefixes), so their count and length bound per-token work that every other request waits on. Constants, not flags:
 # no use needs more (OpenAI allows 4 strings); 1024 characters is far past any real delimiter.
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024  # a request's stop_token_ids at most (a 15 MiB list of them used to be accepted)
 MAX_STOP_CHARS = 1024
 
 
@@ -125,6 +126,8 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got "
                              f"{max(len(s) for s in self.stop)}")
+        if isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):

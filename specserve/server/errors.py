@@ -7,23 +7,30 @@ and wrong methods into that shape, so no client ever sees FastAPI's 422 format.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          500: "internal_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 408: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 500: "internal_error",
+          503: "service_unavailable"}
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer (never sent: it is gone)
 
 
 def _encodable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class ClientLeft(Exception):
+    """The client closed the connection before its request's body had arrived (answered 499, logged at info)."""
 
 
 class APIError(Exception):
@@ -79,8 +86,15 @@ def _describe(err: dict) -> str:
     return f"{err.get('msg', 'invalid')} ({'.'.join(loc[1:])})" if len(loc) > 1 else err.get("msg", "invalid")
 
 
+def client_left(path: str, what: str) -> Response:
+    """The answer to a request whose client went away: an abort, not an error (logged once, at info level)."""
+    logger.info("%s: the client went away %s", path, what)
+    return Response(status_code=CLIENT_CLOSED)
+
+
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
-    """on_error(status) is called for every error answer (metrics)."""
+    """on_error(status) is called for every error answer (metrics). An unexpected exception is logged with its
+    traceback and answered with a 500 that names no internals (the log has them, under the same error id)."""
 
     def answer(err: APIError) -> JSONResponse:
         on_error(err.status)
@@ -102,7 +116,13 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
             return answer(APIError(405, f"method {request.method} is not allowed on {request.url.path}"))
         return answer(APIError(exc.status_code, str(exc.detail)))
 
+    @app.exception_handler(ClientLeft)
+    async def _client_left(request: Request, _exc: ClientLeft) -> Response:
+        on_error(CLIENT_CLOSED)
+        return client_left(request.url.path, "before sending the whole request body")
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("internal error on %s: %r", request.url.path, exc, exc_info=exc)
-        return answer(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("internal error %s on %s: %r", error_id, request.url.path, exc, exc_info=exc)
+        return answer(APIError(500, f"internal server error (error id {error_id} in the server log)"))

@@ -24,6 +24,7 @@ import uvicorn
 import specserve
 from specserve.defaults import embedded_chat_template_path, embedded_model_path, is_embedded
 from specserve.server.errors import APIError
+from specserve.server.http_protocol import with_header_timeout
 from specserve.server.tokenizer_manager import EMBEDDED_SERVED_NAME, GenRequest, TokenizerManager
 from specserve.server_args import CommandParser, ServerArgs
 
@@ -244,7 +245,8 @@ async def _serve(args: ServerArgs, stop: asyncio.Event, loop: asyncio.AbstractEv
                 return 1
         config = uvicorn.Config(create_app(tm, probe), log_level=args.log_level, log_config=None,
                                 access_log=args.log_level == "debug", lifespan="off",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                http=with_header_timeout(args.http_header_timeout))
         server = _Server(config, on_exit=lambda: loop.call_soon_threadsafe(tm.abort_all,
                                                                            "the server is shutting down"))
         lost: list[bool] = []

@@ -14,16 +14,17 @@ meta_info.cached_tokens is how many prompt tokens the prefix cache gave (0 until
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import specserve
-from specserve.server.errors import APIError, bad_request
+from specserve.server.access import owner_of
+from specserve.server.errors import APIError, bad_request, client_left
+from specserve.server.info_view import shown_args, shown_path, shown_runtime
 from specserve.server.openai_routes import choice_sampling
-from specserve.server.protocol import AbortRequestBody, GenerateRequest, parse_body, read_body
+from specserve.server.protocol import AbortRequestBody, GenerateRequest
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
 
@@ -57,7 +58,7 @@ def _result(c: GenChunk) -> dict:
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
-def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequest], bool]:
+def _requests(tm: TokenizerManager, body: GenerateRequest, owner: str = "") -> tuple[list[GenRequest], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of 'text' or 'input_ids'", param="text")
     if body.text is not None:
@@ -107,7 +108,7 @@ def _requests(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenRequ
         if n > 1 and r is not None:
             raise bad_request("rid can only be given with n = 1", param="rid")
         single = single and n == 1  # SGLang: n samples of one prompt come back as a list
-        reqs += [GenRequest(p, s, rid=r, return_hidden_states=h, return_logprob=lp, top_logprobs_num=k,
+        reqs += [GenRequest(p, s, rid=r, owner=owner, return_hidden_states=h, return_logprob=lp, top_logprobs_num=k,
                             logprob_start_len=st if lp else -1)
                  for s in choice_sampling(normalize_sgl_sampling(sp), n)]
     return reqs, single
@@ -127,16 +128,16 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
-        body: GenerateRequest = parse_body(await read_body(request, tm.body_limit), GenerateRequest)
+        body: GenerateRequest = await tm.bodies.read(request, GenerateRequest)
         tm.check_model(body.model)
-        reqs, single = await tm.off_loop(_requests, tm, body)
-        tm.precheck_all(reqs)  # all prompts are checked before any is queued
+        reqs, single = await tm.off_loop(_requests, tm, body, owner_of(request))
+        await tm.precheck_all(reqs)  # all prompts are checked before any is queued
         if body.stream:
-            return sse_response(_generate_events(tm, reqs))
+            return sse_response(_generate_events(tm, reqs), request.url.path)
         try:
             lasts = await until_disconnect(request, run_all([tm.generate_one(r) for r in reqs]))
         except ClientGone:
-            return Response(status_code=499)
+            return client_left(request.url.path, f"before the answer was ready ({len(reqs)} request(s) aborted)")
         results = [_result(c) for c in lasts]
         return JSONResponse(results[0] if single else results)
 
@@ -153,16 +154,17 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
 
     @router.get("/get_model_info")
     async def get_model_info() -> dict:
-        return {"model_path": tm.info.model_path, "tokenizer_path": tm.args.tokenizer_path or tm.info.model_path,
+        show = tm.args.show_internal_info
+        return {"model_path": shown_path(tm.shown_model_path, show),
+                "tokenizer_path": shown_path(tm.args.tokenizer_path or tm.shown_model_path, show),
                 "is_generation": True, "served_model_name": tm.served_model_name,
                 "architecture": tm.info.architecture, "context_length": tm.info.context_len}
 
     @router.get("/get_server_info")
     async def get_server_info() -> dict:
-        args = dataclasses.asdict(tm.args)
-        args.pop("extra", None)
-        args["model_path"] = tm.shown_model_path
-        runtime = tm.runtime_info()
+        args = shown_args(tm.args)
+        args["model_path"] = shown_path(tm.shown_model_path, tm.args.show_internal_info)
+        runtime = shown_runtime(tm.runtime_info(), tm.args.show_internal_info)
         return {**args, "version": specserve.__version__, "served_model_name": tm.served_model_name, **runtime,
                 "internal_states": [runtime]}
 
@@ -172,8 +174,8 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
 
     @router.post("/abort_request")
     async def abort_request(request: Request) -> dict:
-        body = parse_body(await read_body(request, tm.body_limit), AbortRequestBody)
-        return {"aborted": tm.abort(body.rid, "aborted by /abort_request")}
+        body = await tm.bodies.read(request, AbortRequestBody)
+        return {"aborted": tm.abort_request(body.rid, owner_of(request), "aborted by /abort_request")}
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:

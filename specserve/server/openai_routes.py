@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from specserve.server.access import owner_of
 from specserve.server.chat_output import ChatOutput, finish_with_tools
 from specserve.server.chat_tools import plan_tools, template_messages
-from specserve.server.errors import APIError, bad_request
+from specserve.server.errors import APIError, bad_request, client_left
+from specserve.server.info_view import shown_path
 from specserve.server.logprobs_format import chat_logprobs, completion_logprobs
 from specserve.server.parsers.reasoning import THINK_END
 from specserve.server.protocol import (
@@ -31,8 +33,6 @@ from specserve.server.protocol import (
     PromptTokensUsageInfo,
     SpecUsageInfo,
     UsageInfo,
-    parse_body,
-    read_body,
 )
 from specserve.server.streaming import SSE_DONE, ClientGone, merge_streams, run_all, sse, sse_response, until_disconnect
 from specserve.server.tokenizer_manager import GenChunk, GenRequest, TokenizerManager
@@ -130,7 +130,8 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
 
     def model_card() -> dict:
         return {"id": tm.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
-                "root": tm.shown_model_path, "max_model_len": tm.info.context_len}
+                "root": shown_path(tm.shown_model_path, tm.args.show_internal_info),
+                "max_model_len": tm.info.context_len}
 
     @router.get("/v1/models")
     async def models() -> dict:
@@ -145,7 +146,7 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
     # ------------------------------------------------------------------ chat
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = parse_body(await read_body(request, tm.body_limit), ChatCompletionRequest)
+        body: ChatCompletionRequest = await tm.bodies.read(request, ChatCompletionRequest)
         tm.check_model(body.model)
         _refuse_unsupported(body, chat=True)
         parser = tm.args.chat_tool_call_parser
@@ -173,18 +174,20 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         thinking = output.reasoning is not None and output.reasoning.thinking
         n = choice_count(tm, body)
         tm.check_prompt_count(1, n, param="n")  # (n choices of the one prompt)
-        reqs = [GenRequest(ids, sp, rid=body.rid, reasoning_end=THINK_END if thinking else None,
-                           return_logprob=bool(body.logprobs), top_logprobs_num=body.top_logprobs or 0)
+        reqs = [GenRequest(ids, sp, rid=body.rid, owner=owner_of(request),
+                           reasoning_end=THINK_END if thinking else None, return_logprob=bool(body.logprobs),
+                           top_logprobs_num=body.top_logprobs or 0)
                 for sp in choice_sampling(sampling, n)]
-        tm.precheck_all(reqs)  # every choice is checked before any is queued
+        await tm.precheck_all(reqs)  # every choice is checked before any is queued
         cid = f"chatcmpl-{body.rid or uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
-            return sse_response(_chat_events(tm, reqs, cid, created, _include_usage(body), spec, output))
+            return sse_response(_chat_events(tm, reqs, cid, created, _include_usage(body), spec, output),
+                                request.url.path)
         try:
             lasts = await until_disconnect(request, run_all([tm.generate_one(r) for r in reqs]))
         except ClientGone:
-            return Response(status_code=499)
+            return client_left(request.url.path, f"before the answer was ready ({len(reqs)} request(s) aborted)")
         choices = []
         for i, last in enumerate(lasts):
             message = output.message(last.text)
@@ -202,7 +205,7 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
     # ------------------------------------------------------------------ completions
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = parse_body(await read_body(request, tm.body_limit), CompletionRequest)
+        body: CompletionRequest = await tm.bodies.read(request, CompletionRequest)
         tm.check_model(body.model)
         _refuse_unsupported(body, chat=False)
         max_new = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -211,19 +214,21 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         if body.rid is not None and len(prompts) > 1:
             raise bad_request("rid can only be given for a single prompt", param="rid")
         top = body.logprobs or 0
-        reqs = [GenRequest(ids, sp, rid=body.rid, return_logprob=body.logprobs is not None, top_logprobs_num=top,
+        reqs = [GenRequest(ids, sp, rid=body.rid, owner=owner_of(request), return_logprob=body.logprobs is not None,
+                           top_logprobs_num=top,
                            logprob_start_len=0 if body.echo and body.logprobs is not None else -1)
                 for ids in prompts for sp in choice_sampling(_sampling(body, max_new), n)]  # choice p * n + i
-        tm.precheck_all(reqs)  # all prompts are checked before any is queued
+        await tm.precheck_all(reqs)  # all prompts are checked before any is queued
         cid = f"cmpl-{body.rid or uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
             echo = [tm.decode_ids(r.input_ids) if body.echo else "" for r in reqs]
-            return sse_response(_completion_events(tm, reqs, cid, created, _include_usage(body), spec, echo))
+            return sse_response(_completion_events(tm, reqs, cid, created, _include_usage(body), spec, echo),
+                                request.url.path)
         try:
             lasts = await until_disconnect(request, run_all([tm.generate_one(r) for r in reqs]))
         except ClientGone:
-            return Response(status_code=499)
+            return client_left(request.url.path, f"before the answer was ready ({len(reqs)} request(s) aborted)")
         echo = [tm.decode_ids(r.input_ids) if body.echo else "" for r in reqs]
         choices = [{"index": i, "text": echo[i] + c.text, "logprobs": _completion_lp(tm, c, len(echo[i]))
                     if body.logprobs is not None else None,

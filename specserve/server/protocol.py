@@ -9,13 +9,16 @@ the routes (logprobs, n > 1, ...).
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from specserve.server.errors import APIError, bad_request, validation_error
+from specserve.server.errors import APIError, ClientLeft, bad_request, validation_error
 
 
 class _Strict(BaseModel):
@@ -165,20 +168,59 @@ class UsageInfo(BaseModel):
     spec: SpecUsageInfo | None = None  # only from a speculating server
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or an APIError(413) as soon as it is known to exceed `limit` bytes (from Content-Length,
-    else while it streams in): a huge body is refused before it is buffered, parsed or tokenised."""
-    too_big = APIError(413, f"the request body exceeds {limit} bytes (--max-request-body-mb)")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+def is_json_content_type(value: str) -> bool:
+    """application/json, or a structured syntax suffix (application/problem+json), any parameters after ';'."""
+    kind = value.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+class BodyReader:
+    """Reads and parses the JSON bodies of the routes, off the event loop.
+
+    Refused before anything is buffered: a Content-Type other than JSON (415: a web page can only send text/plain
+    or form bodies to another origin without a CORS preflight, so requiring JSON keeps pages in a browser on the
+    host from posting to the server), a declared or streamed size over the limit (413), a body that has not arrived
+    within the timeout (408). Parsing and validation run on worker threads: json.loads and pydantic hold the GIL
+    while they run, so the loop still waits for one body's C-level parse (bounded by the body limit; BENCHMARKS.md
+    "Event loop"), but Python-level checks over millions of token ids yield it every few ms, as a thread does."""
+
+    def __init__(self, limit: int, timeout_s: float):
+        self.limit = limit  # bytes
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="body")
+
+    async def run(self, fn: Callable, *args) -> Any:
+        """fn(*args) on a body thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def read(self, request: Request, model: type[BaseModel]) -> Any:
+        """The body of a JSON route, parsed and validated into `model` (raises APIError or ClientLeft)."""
+        ctype = request.headers.get("content-type")
+        if ctype is None or not is_json_content_type(ctype):
+            raise APIError(415, f"the request body must be JSON with the header 'Content-Type: application/json' "
+                                f"(got {'no Content-Type' if ctype is None else repr(ctype[:100])})")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                raw = await self._read(request)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.timeout_s:g} s (--http-body-timeout)",
+                           headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ClientLeft() from None
+        return await self.run(parse_body, raw, model)
+
+    async def _read(self, request: Request) -> bytes:
+        too_big = APIError(413, f"the request body exceeds {self.limit} bytes (--max-request-body-mb)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
             raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:

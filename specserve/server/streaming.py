@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -18,15 +19,31 @@ from fastapi.responses import StreamingResponse
 
 SSE_DONE = "data: [DONE]\n\n"
 
+logger = logging.getLogger(__name__)
+
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(events: AsyncIterator[str], path: str) -> StreamingResponse:
     # X-Accel-Buffering: no keeps reverse proxies (nginx) from batching the events.
-    return StreamingResponse(events, media_type="text/event-stream",
+    return StreamingResponse(_noting_departure(events, path), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _noting_departure(events: AsyncIterator[str], path: str) -> AsyncIterator[str]:
+    """The events; a stream its client leaves early (the response task is cancelled) is logged once, at info
+    level: an abort, not an error. Closing `events` aborts its requests."""
+    done = False
+    try:
+        async with contextlib.aclosing(events) as it:
+            async for event in it:
+                yield event
+        done = True
+    finally:
+        if not done:
+            logger.info("%s: the client went away mid-stream; its requests were aborted", path)
 
 
 class ClientGone(Exception):

@@ -40,6 +40,7 @@ from specserve.server.messages import (
     StepOutput,
 )
 from specserve.server.metrics import ServerMetrics
+from specserve.server.protocol import BodyReader
 from specserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -50,19 +51,23 @@ EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's n
 # template of its own on the server's tokenizer thread (a loop in it stalls every text route).
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_tensors", "return_dict",
                              "add_generation_prompt", "chat_template", "tools", "documents", "continue_final_message"}
+_TEMPLATE_FAILED = ("the chat template could not be applied to these messages: a field it reads is missing or has "
+                    "a type it cannot use (check the roles' order, content, tool calls and chat_template_kwargs)")
 
 
 @dataclass
 class GenRequest:
     input_ids: list[int]
     sampling: dict  # SGLang sampling names
-    rid: str | None = None
+    rid: str | None = None  # the client's own id: a label scoped to `owner` (server/access.py)
+    owner: str = ""  # who sent it (access.owner_of): another owner cannot abort it by its rid
     internal: bool = False  # warm-up and health checks: kept out of the metrics
     return_hidden_states: bool = False  # meta_info.hidden_states once finished (--enable-return-hidden-states)
     reasoning_end: str | None = None  # a grammar in `sampling` applies after this marker (engine/grammar.py)
     return_logprob: bool = False  # each output token's logprob (chunks' new_logprobs; meta_info at the finish)
     top_logprobs_num: int = 0  # ... and the most likely tokens' at each position
     logprob_start_len: int = -1  # the prompt's logprobs from this token on, in meta_info at the finish
+    validated: bool = False  # set by precheck_all: generate() does not validate the prompt and sampling again
 
 
 @dataclass
@@ -88,7 +93,7 @@ class _EngineGone:
 
 @dataclass
 class _Tracked:
-    rid: str
+    rid: str  # the server-made id the engine knows the request by
     prompt_tokens: int
     detok: IncrementalDetokenizer
     internal: bool
@@ -103,6 +108,7 @@ class _Tracked:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
     prompt: list[int] = field(default_factory=list)  # the prompt's ids from logprob_start_len (their logprobs')
+    label: tuple[str, str] | None = None  # (owner, the client's rid) when the client named the request
 
 
 class TokenizerManager:
@@ -115,7 +121,8 @@ class TokenizerManager:
         self.served_model_name = served_model_name
         self.metrics = metrics
         self.stats = EngineStats(free_pages=info.initial_free_pages)
-        self.reqs: dict[str, _Tracked] = {}
+        self.reqs: dict[str, _Tracked] = {}  # by server-made id
+        self.labels: dict[tuple[str, str], str] = {}  # (owner, client rid) -> server-made id
         self.accepting = True
         self.engine_exit_reason: str | None = None
         self.engine_lost = asyncio.Event()  # set when the engine process ends on its own (not at shutdown)
@@ -131,7 +138,7 @@ class TokenizerManager:
         self.max_token_chars = max(longest, 1)
         self.max_prompt_chars = info.context_len * self.max_token_chars
         self.max_request_tokens = args.max_request_prompt_tokens or 4 * info.context_len
-        self.body_limit = int(args.max_request_body_mb * (1 << 20))  # bytes
+        self.bodies = BodyReader(int(args.max_request_body_mb * (1 << 20)), args.http_body_timeout)
         self._decode_token = token_decoder(tokenizer)
         self.control_tokens = ControlTokens.of(tokenizer)
 
@@ -243,8 +250,12 @@ class TokenizerManager:
         try:
             prompt = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                         add_generation_prompt=True, **kwargs)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:
-            raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+        except TemplateError as e:
+            if type(e) is TemplateError:  # the template's own raise_exception("..."): written for the client
+                raise bad_request(f"the chat template refused the messages: {e}", param="messages") from None
+            raise bad_request(_TEMPLATE_FAILED, param="messages") from None  # jinja's words name its internals
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise bad_request(_TEMPLATE_FAILED, param="messages") from None
         return prompt, nonce
 
     # ------------------------------------------------------------------ validation
@@ -307,22 +318,31 @@ class TokenizerManager:
             raise APIError(503, f"the server is overloaded: {self.num_queued} requests are waiting "
                                 f"(--max-queued-requests {limit}); retry later", headers={"Retry-After": "1"})
 
-    def precheck_all(self, reqs: list[GenRequest]) -> None:
+    async def precheck_all(self, reqs: list[GenRequest]) -> None:
         """A whole request's prompts and choices checked before any is queued, the queue's room for all of them
-        included (raises APIError)."""
+        included (raises APIError). The prompts and sampling parameters are validated once, off the event loop
+        (a body of millions of token ids takes a while); generate() then only checks what may have changed."""
         self.check_available()
         self.check_queue(sum(1 for r in reqs if not r.internal))
         for r in reqs:
+            self._check_rid(r)
+        await self.bodies.run(self._validate_all, reqs)
+
+    def _validate_all(self, reqs: list[GenRequest]) -> None:
+        for r in reqs:
             self._check_request(r)
+            r.validated = True
 
     def precheck(self, req: GenRequest) -> None:
         """Everything that can refuse a request before it is queued (raises APIError)."""
         self.check_available()
         if not req.internal:
             self.check_queue()
+        self._check_rid(req)
         self._check_request(req)
 
     def _check_request(self, req: GenRequest) -> None:
+        """The prompt and sampling checks (no state of this manager is read: safe on a worker thread)."""
         self.validate(req.input_ids, req.sampling)
         try:
             check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len, len(req.input_ids))
@@ -331,12 +351,14 @@ class TokenizerManager:
         if req.return_hidden_states and not self.args.enable_return_hidden_states:
             raise bad_request("this server does not return hidden states: start it with "
                               "--enable-return-hidden-states", param="return_hidden_states")
+
+    def _check_rid(self, req: GenRequest) -> None:
         if req.rid is not None:
             try:
                 req.rid.encode("utf-8")  # echoed in the response: it must be encodable
             except UnicodeEncodeError:
                 raise bad_request("rid is not valid Unicode (a lone surrogate escape?)", param="rid") from None
-            if req.rid in self.reqs:
+            if (req.owner, req.rid) in self.labels:
                 raise bad_request(f"request id {req.rid!r} is already in use", param="rid")
 
     # ------------------------------------------------------------------ generation
@@ -345,8 +367,12 @@ class TokenizerManager:
 
         Raises APIError (400 invalid or rejected by the engine, 503 engine gone). Closing the iterator early (or
         cancelling its consumer) aborts the request in the engine."""
-        self.precheck(req)
-        rid = req.rid or uuid.uuid4().hex
+        if req.validated:  # (by precheck_all) only what may have changed since
+            self.check_available()
+            self._check_rid(req)
+        else:
+            self.precheck(req)
+        rid = uuid.uuid4().hex  # the engine's id; the client's rid is only a label (server/access.py)
         skip = req.sampling.get("skip_special_tokens", True) is not False
         stop = req.sampling.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -354,6 +380,9 @@ class TokenizerManager:
                      top_logprobs_num=req.top_logprobs_num if req.return_logprob else None,
                      prompt=list(req.input_ids[max(req.logprob_start_len, 0):]) if req.return_logprob else [])
         self.reqs[rid] = t
+        if req.rid is not None:
+            t.label = (req.owner, req.rid)
+            self.labels[t.label] = rid
         self.engine.add(rid, list(req.input_ids), dict(req.sampling), req.return_hidden_states,
                         reasoning_end=req.reasoning_end, return_logprob=req.return_logprob,
                         top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
@@ -376,6 +405,8 @@ class TokenizerManager:
                     self.engine.abort(rid)
                 self._record(t, {"type": "abort"})
             self.reqs.pop(rid, None)
+            if t.label is not None:
+                self.labels.pop(t.label, None)
 
     async def _next(self, t: _Tracked, deadline: float | None):
         """The request's next engine update; past --request-timeout the request is aborted in the engine and this
@@ -423,8 +454,8 @@ class TokenizerManager:
             delta = t.detok.finish(new_ids, reason)
         else:
             delta = t.detok.feed(new_ids)
-        meta = {"id": t.rid, "prompt_tokens": t.prompt_tokens, "completion_tokens": len(t.detok.ids),
-                "cached_tokens": t.cached_tokens, "finish_reason": reason}
+        meta = {"id": t.label[1] if t.label else t.rid, "prompt_tokens": t.prompt_tokens,
+                "completion_tokens": len(t.detok.ids), "cached_tokens": t.cached_tokens, "finish_reason": reason}
         if self.info.spec_enabled:
             meta["spec_verify_ct"] = t.spec_verify_ct
             meta["spec_accept_length"] = self._accept_len(t)
@@ -440,7 +471,7 @@ class TokenizerManager:
         if reason is not None:
             meta["e2e_latency"] = now - t.arrival
             self._record(t, reason)
-        chunk = GenChunk(t.rid, delta, t.detok.text[:t.detok.sent], new_ids, list(t.detok.ids), reason is not None,
+        chunk = GenChunk(meta["id"], delta, t.detok.text[:t.detok.sent], new_ids, list(t.detok.ids), reason is not None,
                          reason, meta)
         if t.top_logprobs_num is not None:
             chunk.new_logprobs, chunk.new_top_logprobs = new_lp, new_top if t.top_logprobs_num else None
@@ -505,8 +536,14 @@ class TokenizerManager:
                 fut.set_exception(unavailable(f"the engine stopped: {reason.splitlines()[0]}"))
         self._flushes.clear()
 
+    def abort_request(self, rid: str, owner: str, message: str) -> bool:
+        """/abort_request: the request `owner` named `rid`, else the request whose server-made id is `rid`; False
+        if there is none in flight (another owner's rid is never matched)."""
+        return self.abort(self.labels.get((owner, rid), rid), message)
+
     def abort(self, rid: str, message: str) -> bool:
-        """Finish a request as aborted (its consumer sees finish_reason abort); False if it is not in flight."""
+        """Finish a request (by its server-made id) as aborted (its consumer sees finish_reason abort); False if it
+        is not in flight."""
         t = self.reqs.get(rid)
         if t is None or t.done:
             return False
