@@ -83,6 +83,7 @@ def main() -> None:
     from specserve.kernels import triton_gemv as tg
     from specserve.kernels import triton_moe as tm
     from specserve.kernels import triton_qk_prep as tq
+    from specserve.kernels import triton_rope as trope
     from specserve.kernels import triton_router as tr
     from specserve.kernels import triton_sample as ts
     from specserve.kernels.rope_store import RopeStore
@@ -137,6 +138,17 @@ def main() -> None:
           lambda: tq.qk_norm_rope_store_triton(q, k, v, kc, vc, torch.tensor([7]), torch.randn(64, d),
                                                torch.tensor([3]), None, torch.ones(d, dtype=BF16),
                                                torch.ones(d, dtype=BF16), 1e-6))
+    # Qwen3.5's gated attention prep: 16 q / 2 kv heads of 256, zero-centred norms, rotary on 64 dims at 3-row
+    # positions with interleaved mRoPE (sections [11, 11, 10]); and the plain rope kernel in that layout
+    q5, k5, v5 = (torch.randn(2, h, 256).to(BF16) for h in (16, 2, 2))
+    c5 = torch.zeros(16, 2, 256, dtype=BF16)
+    pos3, cs64 = torch.randint(0, 64, (3, 2)), torch.randn(64, 64)
+    check("q/k prep interleaved mRoPE", tq, ["_qk_prep_kernel"],
+          lambda: tq.qk_norm_rope_store_triton(q5, k5, v5, c5, c5.clone(), torch.tensor([3, 4]), cs64, pos3,
+                                               [11, 11, 10], torch.zeros(256, dtype=BF16),
+                                               torch.zeros(256, dtype=BF16), 1e-6, 1.0, mrope_interleaved=True))
+    check("rope interleaved mRoPE", trope, ["_rope_kernel"],
+          lambda: trope.rope(q5[..., :64], k5[..., :64], cs64, pos3, [11, 11, 10], True))
     table = torch.arange(slots, dtype=torch.int64)[None]  # [1, slots]
     rows, lens = torch.zeros(1, dtype=torch.int64), torch.full((1,), 513, dtype=torch.int64)
     for width, splits in ((1, 8), (4, 8), (1, 1)):

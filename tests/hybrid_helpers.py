@@ -132,9 +132,11 @@ def edit_config(folder: str, drop: tuple[str, ...] = (), **values) -> None:
         json.dump(c, f, indent=2)
 
 
-def hf_mtp_logits(hf, path: str, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+def hf_mtp_logits(hf, path: str, ids: torch.Tensor, hidden: torch.Tensor,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """The checkpoint's MTP layer assembled from transformers' modules: token ids [T] (at p + 1) and the target's
-    final hidden states [T, H] (at p = 0..T-1) -> draft logits [T, V].
+    final hidden states [T, H] (at p = 0..T-1) -> draft logits [T, V]. positions: the rotary's mRoPE rows [3, T]
+    (Qwen3.5), else the token indices.
         e = norm_e(embed(ids))   h = norm_h(hidden)   x = fc([e ; h])
         x = decoder layer (transformers' own, a full-attention layer index, causal over the T positions)
         logits = lm_head(norm(x))   (embedding and LM head: the target's; every norm zero-centred, (1 + w))"""
@@ -162,6 +164,7 @@ def hf_mtp_logits(hf, path: str, ids: torch.Tensor, hidden: torch.Tensor) -> tor
         h = norm("pre_fc_norm_hidden")(hidden[None])
         x = torch.nn.functional.linear(torch.cat([e, h], dim=-1), mtp["mtp.fc.weight"])  # [1, T, H]
         pos = torch.arange(t)[None]
+        rope_pos = pos if positions is None else positions[:, None, :]  # [1, T] or [3, 1, T]
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]  # [1, 1, T, T] causal
-        x = layer(x, position_embeddings=model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        x = layer(x, position_embeddings=model.rotary_emb(x, rope_pos), attention_mask=mask, position_ids=pos)
         return hf.lm_head(norm("norm")(x))[0]  # [T, V]

@@ -38,6 +38,7 @@ REQUIRED = {
     "matplotlib": "test extra; bench --plot (test_bench_units importorskips it)",
     "hypothesis": "test extra; test_fuzz_routes (property-based fuzzing of the HTTP routes), test_*_parsers",
     "accelerate": "test extra; test_smollm2 importorskips it (transformers' low-memory loading)",
+    "PIL": "test extra (pillow); test_qwen3_5_vision feeds PIL images to transformers' image processor",
 }
 
 # Only where pyproject requires it: triton>=3.0; platform_system == "Linux".

@@ -44,11 +44,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
-         mrope_section: list[int] | None):
-    """Rotary on q [T, Hq, D] and k [T, Hkv, D] at positions [T] or [3, T]; returns (q, k)."""
+         mrope_section: list[int] | None, mrope_interleaved: bool = False):
+    """Rotary on q [T, Hq, D] and k [T, Hkv, D] at positions [T] or [3, T] (mRoPE layout: reference.rope_cos_sin);
+    returns (q, k)."""
     if (tk := _kernels(q, k)) is not None:
-        return tk.rope(q, k, cos_sin_cache, positions, mrope_section)
-    cos, sin = ref.rope_cos_sin(cos_sin_cache, positions, mrope_section)
+        return tk.rope(q, k, cos_sin_cache, positions, mrope_section, mrope_interleaved)
+    cos, sin = ref.rope_cos_sin(cos_sin_cache, positions, mrope_section, mrope_interleaved)
     return ref.apply_rope(q, cos, sin), ref.apply_rope(k, cos, sin)
 
 
@@ -62,17 +63,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, loc: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                        mrope_section: list[int] | None, q_norm_w: torch.Tensor | None = None,
-                       k_norm_w: torch.Tensor | None = None, eps: float = 1e-6,
-                       weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, weight_offset: float = 0.0,
+                       mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head q/k RMSNorm (weights given), rotary on the first cos_sin_cache.shape[1] dims, K/V store at loc
     (reference.qk_norm_rope_store): q and k written in place; returns the (q, k) to attend with. One capturable
     kernel on CUDA (triton_qk_prep.py)."""
     weights = [w for w in (q_norm_w, k_norm_w) if w is not None]
     if (tk := _kernels(q, k, v, *weights)) is not None:
         return tk.qk_norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, cos_sin_cache, positions, mrope_section,
-                                            q_norm_w, k_norm_w, eps, weight_offset)
+                                            q_norm_w, k_norm_w, eps, weight_offset, mrope_interleaved)
     return ref.qk_norm_rope_store(q, k, v, k_cache, v_cache, loc, cos_sin_cache, positions, mrope_section,
-                                  q_norm_w, k_norm_w, eps, weight_offset)
+                                  q_norm_w, k_norm_w, eps, weight_offset, mrope_interleaved)
 
 
 def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,

@@ -29,16 +29,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def rope_cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor,
-                 mrope_section: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor, mrope_section: list[int] | None,
+                 mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos_sin_cache [P, D] (cos | sin halves); positions [T] or [3, T] -> cos, sin [T, D/2] float32.
 
-    mRoPE: frequency band i of the half-dim takes its position from row i (sections s0, s1, s2; sum = D/2).
+    mRoPE (positions [3, T], sections (s0, s1, s2)) picks, for frequency band j of the half-dim, the position row it
+    turns with: contiguous bands (Qwen2-VL style): row 0 for j < s0, row 1 for j < s0 + s1, else row 2 (sum = D/2);
+    interleaved (Qwen3.5, mrope_interleaved): mrope_row_of_band.
     """
     half = cos_sin_cache.shape[1] // 2
     if positions.dim() == 1:
         cs = cos_sin_cache[positions]  # [T, D]
         return cs[:, :half], cs[:, half:]
+    if mrope_interleaved:
+        rows = mrope_row_of_band(mrope_section, half, positions.device)  # [D/2]
+        cs = cos_sin_cache[positions]  # [3, T, D]
+        j = torch.arange(half, device=positions.device)  # [D/2]
+        # advanced indices on dims 0 and 2 -> [D/2, T]; a pure gather, so equal rows give the 1-D values exactly
+        return cs[rows, :, j].T.contiguous(), cs[rows, :, half + j].T.contiguous()
     assert mrope_section is not None and sum(mrope_section) == half, "mRoPE sections must cover head_dim / 2"
     rows = [cos_sin_cache[positions[i]] for i in range(3)]  # 3 x [T, D]
     cos_parts, sin_parts, off = [], [], 0
@@ -47,6 +55,17 @@ def rope_cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor,
         sin_parts.append(rows[i][:, half + off:half + off + s])
         off += s
     return torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
+
+
+def mrope_row_of_band(mrope_section: list[int] | None, half: int, device=None) -> torch.Tensor:
+    """Interleaved mRoPE (transformers' Qwen3.5 text rotary): the position row [D/2] int64 each frequency band j
+    turns with: 1 (height) where j % 3 == 1 and j < 3 s1, 2 (width) where j % 3 == 2 and j < 3 s2, else 0 (time).
+    s0 is not read and the sections need not sum to D/2 (transformers takes the same rule for any rotary dim)."""
+    assert mrope_section is not None and len(mrope_section) == 3, "interleaved mRoPE needs 3 sections"
+    j = torch.arange(half, device=device)
+    h = (j % 3 == 1) & (j < 3 * mrope_section[1])
+    w = (j % 3 == 2) & (j < 3 * mrope_section[2])
+    return torch.where(h, 1, torch.where(w, 2, 0))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,11 +87,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, loc: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                        mrope_section: list[int] | None, q_norm_w: torch.Tensor | None = None,
-                       k_norm_w: torch.Tensor | None = None, eps: float = 1e-6,
-                       weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, weight_offset: float = 0.0,
+                       mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """What an attention layer does between its qkv projection and the attention, composed of the ops above:
     rms_norm of each head of q [T, Hq, D] and k [T, Hkv, D] with q_norm_w / k_norm_w [D] (when given), rotary on
-    the first rot_dim = cos_sin_cache.shape[1] dims of each head (the rest unchanged), store_kv(k, v) at loc [T].
+    the first rot_dim = cos_sin_cache.shape[1] dims of each head (the rest unchanged; positions [3, T]: the mRoPE
+    layout of rope_cos_sin), store_kv(k, v) at loc [T].
 
     q and k are written back in place (copy_, outside autograd); returns the normed, rotated (q, k) as the ops
     produce them (new tensors, in the dtype of x * w when the norm weight's dtype differs from x's)."""
@@ -81,7 +101,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     else:
         qn, kn = q, k
     rot_dim = cos_sin_cache.shape[1]
-    cos, sin = rope_cos_sin(cos_sin_cache, positions, mrope_section)  # [T, rot_dim / 2]
+    cos, sin = rope_cos_sin(cos_sin_cache, positions, mrope_section, mrope_interleaved)  # [T, rot_dim / 2]
     if rot_dim == q.shape[-1]:
         qn, kn = apply_rope(qn, cos, sin), apply_rope(kn, cos, sin)
     else:  # partial rotary: the leading dims rotate in place (of q and k themselves when there is no norm)

@@ -115,8 +115,8 @@ def _qk_prep_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, cs_p
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_cs, stride_pos_row, stride_pos_t,
                     HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, Q_ROUND: tl.constexpr, K_ROUND: tl.constexpr,
-                    MROPE: tl.constexpr, Q_REST: tl.constexpr, K_REST: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                    MROPE: tl.constexpr, INTERLEAVED: tl.constexpr, Q_REST: tl.constexpr, K_REST: tl.constexpr,
+                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
                     BLOCK_D: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)  # q head blocks, then k head blocks, then v head blocks
@@ -128,7 +128,7 @@ def _qk_prep_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, cs_p
                     stride_vch, BLOCK_HK, BLOCK_D)
     else:
         cos, sin = load_cos_sin(cs_ptr, pos_ptr, t, half, sec0, sec01, stride_cs, stride_pos_row, stride_pos_t,
-                                MROPE, BLOCK_HALF)
+                                MROPE, BLOCK_HALF, INTERLEAVED)
         if part >= num_q_blocks:
             slot = tl.load(loc_ptr + t).to(tl.int64)
             _norm_rope_heads(k_ptr, t, (part - num_q_blocks) * BLOCK_HK, num_kv_heads, stride_kt, stride_kh, kw_ptr,
@@ -159,9 +159,11 @@ def qk_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               v_cache: torch.Tensor, loc: torch.Tensor, cos_sin_cache: torch.Tensor,
                               positions: torch.Tensor, mrope_section: list[int] | None,
                               q_norm_w: torch.Tensor | None = None, k_norm_w: torch.Tensor | None = None,
-                              eps: float = 1e-6, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                              eps: float = 1e-6, weight_offset: float = 0.0,
+                              mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k, v [T, Hkv, D]: per-head RMSNorm of q and k (weights [D], when given), rotary on the first
-    rot_dim = cos_sin_cache.shape[1] dims of each head at positions [T] or [3, T], q and k written back in place;
+    rot_dim = cos_sin_cache.shape[1] dims of each head at positions [T] or [3, T] (mRoPE bands contiguous or
+    interleaved: triton_rope.py), q and k written back in place;
     k_cache[loc[t]] = k[t], v_cache[loc[t]] = v[t] (caches [S, Hkv, D], loc [T] int64). Returns (q, k).
     The launch shape depends on T and the head counts only (capturable)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -175,7 +177,7 @@ def qk_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rot_dim = cos_sin_cache.shape[1]
     assert rot_dim % 2 == 0 and rot_dim <= head_dim, f"rotary dim {rot_dim} vs head_dim {head_dim}"
     half, rest = rot_dim // 2, head_dim - rot_dim
-    sec0, sec01, stride_pos_row = mrope_args(positions, mrope_section, half)
+    sec0, sec01, stride_pos_row = mrope_args(positions, mrope_section, half, mrope_interleaved)
     has_norm = q_norm_w is not None
     block_half = triton.next_power_of_2(half)
     block_rest = triton.next_power_of_2(max(rest, 1))
@@ -195,6 +197,7 @@ def qk_norm_rope_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         stride_pos_row, positions.stride(-1),
         HAS_NORM=has_norm, W_OFFSET=float(weight_offset), Q_ROUND=_rounds_to_x(q, q_norm_w, weight_offset),
         K_ROUND=_rounds_to_x(k, k_norm_w, weight_offset), MROPE=positions.dim() == 2,
+        INTERLEAVED=positions.dim() == 2 and mrope_interleaved,
         Q_REST=rest > 0 and has_norm, K_REST=rest > 0, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half, BLOCK_REST=block_rest, BLOCK_D=block_d, GDC=gdc, num_warps=4, **pdl_kwargs(gdc),
     )

@@ -48,7 +48,7 @@ class QKPrep:
         ops.qk_norm_rope_store signature) -> the (q, k) to attend with."""
         cos_sin, positions, qw, kw, eps, offset = self.kernel_args()
         return fused(q, k, v, k_cache, v_cache, loc, cos_sin, positions, self.rotary.mrope_section, qw, kw, eps,
-                     offset)
+                     offset, mrope_interleaved=self.rotary.mrope_interleaved)
 
     def kernel_args(self) -> tuple:
         """(cos_sin [P, rot_dim] float32, positions as the table is read, q norm weight, k norm weight, eps,

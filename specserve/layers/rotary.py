@@ -93,10 +93,14 @@ def rope_init_config(hf_config, params: dict, rope_type: str, head_dim: int):
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
-                 mrope_section: list[int] | None = None):
+                 mrope_section: list[int] | None = None, mrope_interleaved: bool = False):
+        """mrope_section (s0, s1, s2): 3-row positions [3, T] pick each frequency band's row by these sections,
+        in contiguous bands or, mrope_interleaved, interleaved (Qwen3.5; kernels/reference.py rope_cos_sin).
+        1-D positions rotate as plain rope either way."""
         super().__init__()
         self.head_dim = head_dim
         self.mrope_section = list(mrope_section) if mrope_section else None
+        self.mrope_interleaved = bool(mrope_interleaved) and self.mrope_section is not None
         # Built on the CPU (transformers' rope init functions return CPU tensors), then placed on the device the
         # module is being built on (a `with torch.device(...)` context, or meta for checkpoint loading).
         t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
@@ -107,7 +111,8 @@ class RotaryEmbedding(nn.Module):
 
     def table_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] or [3, T] as the table is read: a 1-D RoPE model fed mRoPE rows takes row 0 (text rows are
-        identical)."""
+        identical); an mRoPE model fed 1-D positions keeps them (1-D rope == mRoPE of three equal rows, in either
+        band layout, since every band reads the same table row)."""
         return positions[0] if positions.dim() == 2 and self.mrope_section is None else positions
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -116,10 +121,11 @@ class RotaryEmbedding(nn.Module):
         positions = self.table_positions(positions)
         rd = self.head_dim
         if q.shape[-1] == rd:
-            return ops.rope(q, k, self.cos_sin_cache, positions, self.mrope_section)
+            return ops.rope(q, k, self.cos_sin_cache, positions, self.mrope_section, self.mrope_interleaved)
         # The Triton kernel rotates the leading-dims views in place; the reference returns new tensors, which are
         # written back into those dims.
-        q_rot, k_rot = ops.rope(q[..., :rd], k[..., :rd], self.cos_sin_cache, positions, self.mrope_section)
+        q_rot, k_rot = ops.rope(q[..., :rd], k[..., :rd], self.cos_sin_cache, positions, self.mrope_section,
+                                self.mrope_interleaved)
         if q_rot.data_ptr() != q.data_ptr():
             q[..., :rd] = q_rot
             k[..., :rd] = k_rot

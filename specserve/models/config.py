@@ -58,6 +58,10 @@ class ModelConfig:
     aux_hidden_layers: list[int] = field(default_factory=list)
     # rope: the fraction of each head's dims that rotate (top-level or in rope_parameters, as the config has it)
     partial_rotary_factor: float = 1.0
+    # mRoPE band layout (with mrope_section): interleaved over the three position rows (Qwen3-VL / Qwen3.5), else
+    # contiguous bands (Qwen2-VL). From the rope parameters' mrope_interleaved; families whose transformers code
+    # interleaves whatever the config says set it themselves (models/qwen3_next.py)
+    mrope_interleaved: bool = False
     # the window of the architecture's sliding-window attention, as its config turns it on (None: full attention).
     # Attention here is full attention, which equals a window's only while the whole context fits in the window,
     # so the context served is bounded by it (context_len)
@@ -89,6 +93,7 @@ class ModelConfig:
             eos_token_ids=eos_ids(hf_config),
             aux_hidden_layers=[int(i) for i in getattr(hf_config, "aux_hidden_state_layer_ids", None) or []],
             partial_rotary_factor=float(partial),
+            mrope_interleaved=bool(mrope) and bool(params.get("mrope_interleaved", False)),
         )
 
     def context_len(self, asked: int | None) -> int:

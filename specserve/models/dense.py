@@ -88,7 +88,7 @@ class DenseConfig(ModelConfig):
 def dense_rotary(cfg: DenseConfig, max_positions: int) -> RotaryEmbedding:
     """Rotary on every dim of each head (mRoPE sections when the config has them)."""
     inv_freq, scale = inv_freq_from_config(text_config(cfg.hf_config), cfg.head_dim)
-    return RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scale, cfg.mrope_section)
+    return RotaryEmbedding(cfg.head_dim, max_positions, inv_freq, scale, cfg.mrope_section, cfg.mrope_interleaved)
 
 
 class DenseAttention(nn.Module):

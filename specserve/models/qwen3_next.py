@@ -14,8 +14,14 @@ layer with the target's MLP kind. transformers' implementations are the oracle i
 The family's classes are named after its first member (Qwen3NextConfig, Qwen3NextForCausalLM); every architecture
 above maps to them (models/registry.py).
 
-Text only for now: a vision-language checkpoint's `model.language_model.*` is read as `model.*`, its vision tower
-is skipped, and positions are 1-D (text tokens have equal mRoPE rows, so interleaved mRoPE reduces to 1-D rope).
+Rotary of the Qwen3.5 members: interleaved mRoPE, as transformers' Qwen3_5TextRotaryEmbedding does it for every
+Qwen3.5 / Qwen3.5-MoE config (it reads neither rope_parameters' mrope_interleaved nor requires mrope_section, whose
+default is [11, 11, 10]): positions [3, T] (time, height, width; models/mrope_positions.py) turn frequency band j
+with row 1 where j % 3 == 1 and j < 3 s1, row 2 where j % 3 == 2 and j < 3 s2, else row 0. 1-D positions, or three
+equal rows (text), give plain 1-D rope exactly. Qwen3-Next is text-only rope (no mrope_section).
+
+Text only for now: a vision-language checkpoint's `model.language_model.*` is read as `model.*` and its vision tower
+is skipped; the engine feeds 1-D text positions (the layers take [3, T] ones too).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ LINEAR, FULL = "linear_attention", "full_attention"
 _LINEAR_ATTN = ".linear_attn."
 _VL_PREFIX = "model.language_model."
 _VISION_PREFIXES = ("model.visual.", "visual.")
+# transformers' Qwen3.5 text rotary takes these sections when rope_parameters has none
+QWEN3_5_MROPE_SECTION = (11, 11, 10)
 
 
 @dataclass
@@ -72,7 +80,11 @@ class Qwen3NextConfig(ModelConfig):
     def from_hf(cls, hf_config, arch: str) -> Qwen3NextConfig:
         text = text_config(hf_config)
         core = ModelConfig.core_fields(hf_config, arch)
-        core["mrope_section"] = None  # text only (module docstring)
+        if arch.startswith("Qwen3_5"):  # interleaved whatever the config says, as transformers (module docstring)
+            core["mrope_section"] = core["mrope_section"] or list(QWEN3_5_MROPE_SECTION)
+            core["mrope_interleaved"] = True
+        else:  # Qwen3-Next: 1-D rope
+            core["mrope_section"], core["mrope_interleaved"] = None, False
         core["num_nextn_predict_layers"] = int(optional(text, "mtp_num_hidden_layers",
                                                         core["num_nextn_predict_layers"]))
         num_layers = core["num_layers"]
@@ -257,7 +269,8 @@ class Qwen3NextForCausalLM(CausalLM):
     @classmethod
     def make_rotary(cls, cfg: Qwen3NextConfig, max_positions: int) -> RotaryEmbedding:
         inv_freq, scale = inv_freq_from_config(text_config(cfg.hf_config), cfg.rotary_dim)
-        return RotaryEmbedding(cfg.rotary_dim, max_positions, inv_freq, scale)
+        return RotaryEmbedding(cfg.rotary_dim, max_positions, inv_freq, scale, cfg.mrope_section,
+                               cfg.mrope_interleaved)
 
     @classmethod
     def make_norm(cls, cfg: Qwen3NextConfig, size: int) -> RMSNorm:
