@@ -165,6 +165,8 @@ def hf_mtp_logits(hf, path: str, ids: torch.Tensor, hidden: torch.Tensor,
         x = torch.nn.functional.linear(torch.cat([e, h], dim=-1), mtp["mtp.fc.weight"])  # [1, T, H]
         pos = torch.arange(t)[None]
         rope_pos = pos if positions is None else positions[:, None, :]  # [1, T] or [3, 1, T]
+        if rope_pos.dim() == 2 and type(model.rotary_emb).__name__.startswith("Qwen3_5"):
+            rope_pos = rope_pos[None].expand(3, 1, t)  # older transformers' Qwen3.5 rotary wants the 3 rows given
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]  # [1, 1, T, T] causal
         x = layer(x, position_embeddings=model.rotary_emb(x, rope_pos), attention_mask=mask, position_ids=pos)
         return hf.lm_head(norm("norm")(x))[0]  # [T, V]
