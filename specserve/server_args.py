@@ -33,6 +33,9 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")  # SGLang's outlines and llguidance are 
 TOOL_CALL_PARSERS = ("deepseekv3", "deepseekv31", "deepseekv32", "glm", "glm45", "glm47", "qwen", "qwen25",
                      "qwen3_coder")
 REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "glm45", "qwen3", "qwen3-thinking")
+# Pillow refuses to open an image of more pixels than twice its Image.MAX_IMAGE_PIXELS (89,478,485 by default) as a
+# decompression bomb, before --max-image-pixels is looked at: a larger cap could never take effect.
+PILLOW_MAX_PIXELS = 2 * 89_478_485
 EMBEDDED_TOOL_CALL_PARSER = "qwen25"  # the embedded model's own template writes Hermes-style <tool_call> blocks
 
 
@@ -133,6 +136,20 @@ class ServerArgs:
     # n (choices of one prompt); 64 as before this was a flag: each choice is a request of its own, so n multiplies
     # the work a single request can ask for, and no sampling use needs more in one request.
     max_n: int = 64
+    # Images (vision-language checkpoints; server/image_inputs.py). Images one request may carry, counted before any
+    # is decoded: each costs a decode, preprocessing and a vision-encoder pass. 32: an agent request with a screenshot
+    # per step carries about 30.
+    max_images_per_request: int = 32
+    # Pixels of one image, read from its header before it is decoded: the decode's time and memory grow with them
+    # (RGB: 3 bytes a pixel), while the model's processor shrinks anything above its own max_pixels anyway.
+    # 32 Mi (2**25): an 8K frame (7680x4320), a 24 MP photo and a 5K or 6K screenshot fit; 96 MiB decoded at most.
+    max_image_pixels: int = 1 << 25
+    # One image's encoded size (the file, before base64): refused before it is decoded. 20 MiB: OpenAI's per-image
+    # limit. The whole body is also under --max-request-body-mb.
+    max_encoded_image_mb: float = 20.0
+    # vLLM's --allowed-local-media-path: requests may name image files (file:// URLs or plain paths) only inside this
+    # directory (symlinks resolved); None: no local file is read. A security choice for trusted deployments.
+    allowed_local_media_path: str | None = None
     # chat: how tool calls and thinking are read out of the model's answer (server/parsers); None: not parsed
     # (the embedded model gets EMBEDDED_TOOL_CALL_PARSER: chat_tool_call_parser)
     tool_call_parser: str | None = None
@@ -275,10 +292,18 @@ class ServerArgs:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0 (0: no limit)")
-        for name in ("max_prompts_per_request", "max_request_prompt_tokens", "max_n"):
+        for name in ("max_prompts_per_request", "max_request_prompt_tokens", "max_n", "max_images_per_request",
+                     "max_image_pixels"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.max_image_pixels > PILLOW_MAX_PIXELS:
+            raise ValueError(f"--max-image-pixels must be at most {PILLOW_MAX_PIXELS} (Pillow refuses larger images "
+                             f"as decompression bombs), got {self.max_image_pixels}")
+        if not self.max_encoded_image_mb > 0:
+            raise ValueError(f"--max-encoded-image-mb must be > 0, got {self.max_encoded_image_mb}")
+        if self.allowed_local_media_path is not None and not self.allowed_local_media_path.strip():
+            raise ValueError("--allowed-local-media-path must not be empty")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.context_length is not None and self.context_length < 2:
@@ -490,6 +515,18 @@ class ServerArgs:
                "length before it is tokenised (default: 4 times the context length)")
         a("--max-n", type=int, default=d["max_n"].default,
           help="the most choices (n) a request may ask for per prompt (default 64)")
+        a("--max-images-per-request", type=int, default=d["max_images_per_request"].default,
+          help="images one request may carry (all its messages, or all its prompts' image_data); more get a 400 "
+               "before any is decoded (default 32)")
+        a("--max-image-pixels", type=int, default=d["max_image_pixels"].default,
+          help="pixels (width x height) one image may have, read from its header before it is decoded; larger "
+               "images get a 400 (default 33554432, 2**25)")
+        a("--max-encoded-image-mb", type=float, default=d["max_encoded_image_mb"].default,
+          help="MiB one image's encoded file (PNG, JPEG, ...; before base64) may have; larger images get a 400 "
+               "before they are decoded (default 20)")
+        a("--allowed-local-media-path", default=None,
+          help="a directory whose image files requests may name (file:// URLs or plain paths; symlinks resolved, "
+               "the file must lie inside it); default: requests may not read local files")
         a("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
           help="the model's tool-call format: chat answers to requests with tools are parsed into tool_calls "
                "(qwen25/qwen: Hermes-style <tool_call> JSON, as Qwen2.5/Qwen3; default: qwen25 for the embedded "

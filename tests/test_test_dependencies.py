@@ -30,6 +30,7 @@ REQUIRED = {
     "pydantic": "main dependency; server protocol",
     "prometheus_client": "main dependency; server metrics",
     "aiohttp": "main dependency; bench clients",
+    "PIL": "main dependency (pillow); server/image_inputs.py decodes client images",
     "pytest_timeout": "test extra; pyproject sets timeout = 900, which without the plugin is ignored",
     "openai": "test extra; live-server tests use the OpenAI client",
     "httpx": "test extra; live-server tests",

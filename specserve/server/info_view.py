@@ -13,7 +13,8 @@ import os
 
 from specserve.server_args import ServerArgs
 
-PATH_ARGS = ("model_path", "tokenizer_path", "chat_template", "speculative_draft_model_path", "speculative_token_map")
+PATH_ARGS = ("model_path", "tokenizer_path", "chat_template", "speculative_draft_model_path", "speculative_token_map",
+             "allowed_local_media_path")
 HIDDEN_ARGS = ("dist_init_addr",)  # shown only with --show-internal-info
 SECRET_ARGS = ("api_key", "extra")  # never shown
 
