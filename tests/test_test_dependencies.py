@@ -30,7 +30,7 @@ REQUIRED = {
     "pydantic": "main dependency; server protocol",
     "prometheus_client": "main dependency; server metrics",
     "aiohttp": "main dependency; bench clients",
-    "PIL": "main dependency (pillow); server/image_inputs.py decodes client images",
+    "PIL": "main dependency (pillow); server/image_inputs.py decodes client images; test_qwen3_5_vision",
     "pytest_timeout": "test extra; pyproject sets timeout = 900, which without the plugin is ignored",
     "openai": "test extra; live-server tests use the OpenAI client",
     "httpx": "test extra; live-server tests",
@@ -39,7 +39,6 @@ REQUIRED = {
     "matplotlib": "test extra; bench --plot (test_bench_units importorskips it)",
     "hypothesis": "test extra; test_fuzz_routes (property-based fuzzing of the HTTP routes), test_*_parsers",
     "accelerate": "test extra; test_smollm2 importorskips it (transformers' low-memory loading)",
-    "PIL": "test extra (pillow); test_qwen3_5_vision feeds PIL images to transformers' image processor",
 }
 
 # Only where pyproject requires it: triton>=3.0; platform_system == "Linux".
