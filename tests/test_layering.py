@@ -35,6 +35,7 @@ FLOORS: dict[str, int] = {
     "speculative/": 3,
     "graphs/": 4,
     "models/": 5,
+    "multimodal/": 5,
     "layers/": 6,
     "attention/": 7,
     "kernels/": 8,
