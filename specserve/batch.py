@@ -50,6 +50,9 @@ class ForwardBatch:
     extend_starts: torch.Tensor | None = None  # [bs] graph variable-length batches: first token of each request
     extend_lens: torch.Tensor | None = None  # [bs] graph variable-length batches: new tokens per request
     hidden_in: torch.Tensor | None = None  # [T, H] drafts: the hidden state fed next to each token
+    # [T, H] eager extends of vision-language requests: the input embeddings to use instead of embedding input_ids
+    # (token embeddings with the image placeholders' rows replaced by the vision encoder's output)
+    input_embeds: torch.Tensor | None = None
     # one backend per cache kind of the model, each with this runner's metadata and its pool (attention/)
     backends: Mapping[CacheKind, object] = field(default_factory=dict)
 

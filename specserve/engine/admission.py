@@ -72,10 +72,10 @@ class Admission:
     def _shares_with(self, req: Req, chunks: list[Chunk], cached: int) -> bool:
         """Whether req shares a page beyond its cached prefix with one a request of this step prefills."""
         ps = self.model_runner.page_size
-        tokens = req.fill_ids
+        tokens = req.cache_ids
         limit = self._cache_limit(req)
         for c in chunks:
-            other = c.req.fill_ids
+            other = c.req.cache_ids
             n = min(limit, c.end)
             if n < ps or other[:ps] != tokens[:ps]:
                 continue
@@ -117,7 +117,7 @@ class Admission:
                 break
             cached = 0
             if new and model_runner.kv.prefix_cache is not None:
-                cached = model_runner.kv.match_prefix(req.kv, req.fill_ids, self._cache_limit(req))
+                cached = model_runner.kv.match_prefix(req.kv, req.cache_ids, self._cache_limit(req))
                 req.seq_len = cached
                 if self._shares_with(req, chunks, cached):
                     self._unmatch(req, new)

@@ -29,6 +29,9 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker, output_text
 from specserve.engine.tp_ranks import TPLeader
 from specserve.models.loader import ModelSource
+from specserve.multimodal.image_inputs import ImageLimits
+from specserve.multimodal.image_processing import QwenImageProcessor
+from specserve.multimodal.request_images import load_request_images, prepare_request_images
 from specserve.server_args import ServerArgs
 from specserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -51,6 +54,7 @@ class EngineCore:
             src, target, draft = models.src, models.target, models.draft
             self.dtype, self.context_len = models.dtype, models.context_len
             self.model_config = target.config
+            self.model_folder = src.folder
             self.tokenizer = load_tokenizer(src, args.tokenizer_path, args.chat_template)
             self.generation_config = _generation_config(src, embedded=args.model_path is None)
             eos = eos_token_ids(self.tokenizer, target.config.eos_token_ids, self.generation_config)
@@ -69,6 +73,11 @@ class EngineCore:
         self.scheduler.tp_leader = self.tp_leader
         self.default_sampling = self._default_sampling()
         self._rng = random.Random(args.random_seed)
+        self._image_processor: QwenImageProcessor | None = None  # read from the checkpoint at the first image
+        # offline callers are trusted: local image files anywhere unless --allowed-local-media-path narrows it
+        self.image_limits = ImageLimits(max_images=args.max_images_per_request, max_pixels=args.max_image_pixels,
+                                        max_bytes=int(args.max_encoded_image_mb * (1 << 20)),
+                                        local_root=args.allowed_local_media_path or os.sep)
         self.load_time = time.perf_counter() - t_start
         logger.info(
             "engine ready: %s on %s (%s), context %d, KV %d tokens, max running %d, %s, graphs %s (%.1f s)",
@@ -106,13 +115,16 @@ class EngineCore:
     def make_request(self, input_ids: list[int], sampling: dict | SamplingParams | None,
                      rid: str | None = None, return_hidden_states: bool = False,
                      reasoning_end: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
-                     logprob_start_len: int = -1) -> Req:
+                     logprob_start_len: int = -1, images: Sequence | None = None) -> Req:
         """Validate and build a request (raises ValueError; nothing is queued on error). return_hidden_states: the
         result carries the target's hidden states (engine/hidden_states.py; needs --enable-return-hidden-states).
         reasoning_end: the marker (text) that ends the model's reasoning; a grammar applies after it.
         return_logprob, top_logprobs_num: each output token's logprob, and the top_logprobs_num most likely tokens'
         (SGLang's names; engine/logit_rules.py says of which distribution); logprob_start_len >= 0 (with
-        return_logprob): also the prompt's, from that token on (engine/steps.py record_prompt_logprobs)."""
+        return_logprob): also the prompt's, from that token on (engine/steps.py record_prompt_logprobs).
+        images: the prompt's images (PIL images, data URLs, base64 or local paths; multimodal/request_images.py),
+        one `<|image_pad|>` in input_ids per image, expanded here (ImageInputError, a ValueError, when they do not
+        match or an image is unusable)."""
         if return_hidden_states and not self.args.enable_return_hidden_states:
             raise ValueError("this server does not return hidden states: start it with --enable-return-hidden-states")
         if isinstance(sampling, SamplingParams):
@@ -125,6 +137,9 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in input_ids):
             raise ValueError(f"input_ids must be integers in [0, {vocab})")
+        req_images, mrope_delta = None, 0
+        if images:
+            input_ids, req_images, mrope_delta = self._prepare_images(input_ids, images)
         if len(input_ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(input_ids)} tokens; the context length is {self.context_len} "
@@ -139,7 +154,8 @@ class EngineCore:
         req = Req(rid=rid or uuid.uuid4().hex, origin_input_ids=list(input_ids), sampling=sp, seed=seed,
                   return_hidden_states=return_hidden_states, return_logprob=bool(return_logprob),
                   top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                  logprob_start_len=logprob_start_len if return_logprob else -1)
+                  logprob_start_len=logprob_start_len if return_logprob else -1, mrope_delta=mrope_delta,
+                  images=req_images)
         if sp.has_logit_rules:
             if self.tp_leader is not None:
                 raise ValueError("penalties, logit_bias and grammars are not supported with --tp-size > 1 yet")
@@ -150,6 +166,20 @@ class EngineCore:
             end_ids = self.tokenizer.encode(reasoning_end, add_special_tokens=False) if reasoning_end else None
             req.grammar_future = self.grammar.start(*sp.grammar, reasoning_end=end_ids)
         return req
+
+    def _prepare_images(self, input_ids: list[int], images: Sequence):
+        """(expanded input ids, RequestImages, mrope_delta) of a prompt and its images (make_request)."""
+        model = self.model_runner.target
+        if getattr(model, "visual", None) is None:
+            raise ValueError(f"{self.model_config.architecture}: this model takes no images (its checkpoint has no "
+                             "vision tower)")
+        if self.tp_leader is not None:
+            raise ValueError("image inputs are not supported with --tp-size > 1 yet")
+        if self._image_processor is None:
+            self._image_processor = QwenImageProcessor.from_model_dir(self.model_folder)
+        decoded = load_request_images(list(images), self.image_limits)
+        return prepare_request_images(input_ids, decoded, self._image_processor, model.image_token_id,
+                                      self.model_config.vocab_size)
 
     def tokenize(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -210,6 +240,27 @@ def _generation_config(src: ModelSource, embedded: bool = False) -> dict:
         return json.load(f)
 
 
+def _images_per_prompt(image_data: Sequence | None, single: bool, num_prompts: int) -> list[list | None]:
+    """Engine.generate's image_data -> each prompt's image list (None: none)."""
+    if image_data is None:
+        return [None] * num_prompts
+    if not isinstance(image_data, list | tuple):
+        raise ValueError("image_data must be a list of images (one prompt) or a list of such lists (one per prompt)")
+    if single:
+        if len(image_data) == 1 and isinstance(image_data[0], list | tuple):
+            return [list(image_data[0])]
+        return [list(image_data)]
+    if len(image_data) != num_prompts:
+        raise ValueError(f"image_data has {len(image_data)} entries for {num_prompts} prompts: give one list of "
+                         "images (or None) per prompt")
+    out = []
+    for k, x in enumerate(image_data):
+        if x is not None and not isinstance(x, list | tuple):
+            raise ValueError(f"image_data[{k}] must be a list of images or None")
+        out.append(None if x is None else list(x))
+    return out
+
+
 class Engine:
     """Offline engine. `generate` accepts a prompt, a list of prompts, or input ids (one list or a batch)."""
 
@@ -221,8 +272,12 @@ class Engine:
     def generate(self, prompt: str | Sequence[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_hidden_states: bool = False, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, logprob_start_len: int = -1) -> dict | list[dict]:
-        """Generate for a prompt, a list of prompts, or input ids; return_hidden_states (with
+                 top_logprobs_num: int = 0, logprob_start_len: int = -1,
+                 image_data: Sequence | None = None) -> dict | list[dict]:
+        """Generate for a prompt, a list of prompts, or input ids; image_data (SGLang's name; a vision-language
+        checkpoint): one list of images per prompt (None or [] for a text prompt), or a single list for a single
+        prompt, each image a PIL image, a data URL, base64 or a local path, and one `<|image_pad|>` in the prompt per
+        image (the chat template writes it); return_hidden_states (with
         --enable-return-hidden-states): meta_info.hidden_states, as SGLang's (engine/hidden_states.py);
         return_logprob / top_logprobs_num: meta_info.output_token_logprobs / output_top_logprobs, as SGLang's."""
         self._check_running()
@@ -243,10 +298,12 @@ class Engine:
             sps = sampling_params
         else:
             sps = [sampling_params] * len(ids)
+        per_prompt = _images_per_prompt(image_data, single, len(ids))
         # validates all before queueing any
         reqs = [self.core.make_request(i, sp, return_hidden_states=return_hidden_states, return_logprob=return_logprob,
-                                       top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len)
-                for i, sp in zip(ids, sps)]
+                                       top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                                       images=imgs)
+                for i, sp, imgs in zip(ids, sps, per_prompt)]
         self.core.run_until_done(reqs)
         refused = [r.finished_reason["message"] for r in reqs if r.finished_reason.get("status_code") == 400]
         if refused:  # a grammar that does not compile

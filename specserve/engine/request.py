@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from specserve.engine.logit_rules import RowRules
 from specserve.engine.sampling_params import SamplingParams
 from specserve.kvcache.manager import KVHandle
+from specserve.multimodal.request_images import RequestImages
 
 
 class ReqState(enum.Enum):
@@ -33,6 +34,7 @@ class Req:
     prefill_len: int = 0  # tokens to prefill: the prompt, plus outputs after a retraction
     cached_tokens: int = 0  # prompt tokens the prefix cache gave at its (last) admission (meta_info.cached_tokens)
     mrope_delta: int = 0  # rope position = sequence index + delta for generated text (mRoPE models)
+    images: RequestImages | None = None  # a vision-language request's images (multimodal/request_images.py)
     finished_reason: dict | None = None
     # speculative statistics
     spec_verify_ct: int = 0
@@ -75,6 +77,12 @@ class Req:
     def fill_ids(self) -> list[int]:
         """The token sequence whose KV the request needs (prompt + outputs so far)."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """fill_ids as the prefix cache keys them: each image's tokens replaced by an id of its picture
+        (multimodal/request_images.py), so requests share cached pages only where their images are the same."""
+        return self.fill_ids if self.images is None else self.images.cache_key(self.fill_ids)
 
     @property
     def finished(self) -> bool:

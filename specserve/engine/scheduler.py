@@ -261,7 +261,7 @@ class Scheduler:
             self.stats.num_prompt_tokens += c.end - c.start
             # the chunk's full pages to the prefix cache (a final chunk's last position: its draft entry is made
             # with t0, unread, so that page waits for the request's end)
-            self.model_runner.kv.cache_prefix(c.req.kv, c.req.fill_ids, c.end - (draft and c.is_final), c.end)
+            self.model_runner.kv.cache_prefix(c.req.kv, c.req.cache_ids, c.end - (draft and c.is_final), c.end)
             if c.is_final:
                 c.req.state = ReqState.RUNNING
                 self.running.append(c.req)
@@ -492,7 +492,7 @@ class Scheduler:
                 valid -= spec.lag.pending.get(req.kv.row, 0)
             # its recurrent state is after S unless a step in flight (overlap schedule) has moved it on
             in_flight = self._inflight is not None and req in self._inflight.reqs
-            kv.cache_prefix(req.kv, req.fill_ids, valid, None if in_flight else req.seq_len)
+            kv.cache_prefix(req.kv, req.cache_ids, valid, None if in_flight else req.seq_len)
         kv.release(req.kv)
 
     def _retract(self, req: Req) -> None:

@@ -125,14 +125,22 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: Logit
         loc_rows.extend([c.req.kv.row] * (c.end - c.start))
         loc_cols.extend(range(c.start, c.end))
     input_ids = torch.tensor(ids_host, dtype=torch.int64).to(dev, non_blocking=True)
-    positions = torch.tensor(pos_host, dtype=torch.int64).to(dev, non_blocking=True)
+    imaged = any(c.req.images is not None for c in chunks)
+    if imaged:  # mRoPE rows of the image requests; text requests' indices on all three rows
+        positions = torch.cat([c.req.images.chunk_positions(c.start, c.end, c.req.mrope_delta)
+                               if c.req.images is not None
+                               else torch.arange(c.start, c.end, dtype=torch.int64)[None].expand(3, -1)
+                               for c in chunks], dim=1).to(dev, non_blocking=True)  # [3, T]
+    else:
+        positions = torch.tensor(pos_host, dtype=torch.int64).to(dev, non_blocking=True)
     loc_r, loc_c = torch.tensor(loc_rows, device=dev), torch.tensor(loc_cols, device=dev)
     out_loc = table[loc_r, loc_c]
     spec = model_runner.spec
     if spec is not None:
         spec.record_tokens(loc_r, loc_c, input_ids)  # the token history of context lookup drafting
         _record_cached_tokens(spec, chunks, dev)
-    batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext)
+    embeds = image_embeds(model_runner, chunks, input_ids, 0) if imaged else None
+    batch = ExtendBatch(input_ids, positions, out_loc, rows, seq_lens, ext, input_embeds=embeds)
     hidden = model_runner.prefill.run(batch)  # [T, F] (a graph's output: used before the next prefill)
     _keep_prefill_hidden(chunks, hidden, model_runner.cfg.hidden_size)
     if any(c.req.input_logprobs_pending for c in chunks):
@@ -167,8 +175,36 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: Logit
         draft_ids = torch.tensor(shifted, dtype=torch.int64).to(dev, non_blocking=True)
         if final:
             draft_ids[fidx] = t0
-        spec.prefill_draft(batch, draft_ids, hidden, fidx, frows, new_pos)
+        # the draft's input at p embeds token p + 1: where that is an image token, the encoder's row for it (the
+        # target's input embedding there), as the target saw it
+        draft_embeds = image_embeds(model_runner, chunks, draft_ids, 1) if imaged else None
+        spec.prefill_draft(batch, draft_ids, hidden, fidx, frows, new_pos, draft_embeds)
     return t0
+
+
+def image_embeds(model_runner: ModelRunner, chunks: list[Chunk], input_ids: torch.Tensor, shift: int
+                 ) -> torch.Tensor:
+    """Input embeddings [T, H] of a prefill batch with image requests: the tokens' embeddings, with each image
+    token's row (sequence index in [start + shift, end + shift) of its chunk) replaced by the vision encoder's row for
+    it. shift 0: the target's input; 1: the draft's (each chunk shifted left by one). Each request's images are
+    encoded once, at its first chunk, and kept on its RequestImages."""
+    target = model_runner.target
+    embeds = target.embed_tokens(input_ids)  # [T, H]
+    dst, src = [], []
+    start = 0
+    for c in chunks:
+        imgs = c.req.images
+        if imgs is not None:
+            if imgs.embeds is None:
+                imgs.embeds = target.encode_images(imgs.pixel_values, imgs.grid_thw).to(embeds.dtype)
+            rows, which = imgs.chunk_rows(c.start + shift, c.end + shift)
+            if rows.numel():
+                dst.append(rows + start)
+                src.append((imgs.embeds, which))
+        start += c.end - c.start
+    for d, (table, which) in zip(dst, src):
+        embeds[d.to(embeds.device)] = table[which.to(table.device)]
+    return embeds
 
 
 def _record_cached_tokens(spec, chunks: list[Chunk], dev: torch.device) -> None:

@@ -120,6 +120,8 @@ class ExtendBatch:
     seq_lens: list[int]  # KV length of each request after this forward (prefix + new)
     extend_lens: list[int]  # new tokens of each request
     hidden: torch.Tensor | None = None  # [T, F] drafts: the target features fed with each token
+    # [T, H] a batch with image requests: the input embeddings (image rows from the vision encoder); eager only
+    input_embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -88,7 +88,7 @@ class PrefillRunner(LadderRunner):
             out_cache_loc=x.out_cache_loc, req_pool_indices=torch.tensor(x.rows, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(x.seq_lens, dtype=torch.int64, device=dev), max_seq_len=max(x.seq_lens),
             extend_lens_cpu=x.extend_lens, seq_lens_cpu=x.seq_lens, hidden_in=x.hidden,
-            backends=self.eager_backends,
+            input_embeds=x.input_embeds, backends=self.eager_backends,
         )
         init_metadata(fb, graph_mode=False)
         return fb
@@ -98,6 +98,8 @@ class PrefillRunner(LadderRunner):
         return self.ladder.padded(tokens)
 
     def fits(self, x: ExtendBatch) -> bool:
+        if x.input_embeds is not None or x.positions.dim() == 2:  # image requests: eager (no graph buffers for them)
+            return False
         if self.max_attended is not None:  # each new token attends over its prefix and the new tokens before it
             attended = sum(e * (s - e) + e * (e + 1) // 2 for s, e in zip(x.seq_lens, x.extend_lens))
             if attended > self.max_attended:

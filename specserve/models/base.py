@@ -47,7 +47,7 @@ class DecoderStack(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """-> [T, H] final-norm hidden, or [T, (1 + k) H] = [final-norm | output of each of the k aux layers] in the
         modes whose output feeds a drafter (extend, verify; plain decode only needs logits)."""
-        hidden = self.embed_tokens(fb.input_ids)
+        hidden = self.embed_tokens(fb.input_ids) if fb.input_embeds is None else fb.input_embeds
         residual = None
         aux = []
         aux_layers = self.aux_layers if fb.mode in _FEATURE_MODES else ()

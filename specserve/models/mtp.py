@@ -116,7 +116,7 @@ class MTPDraftModel(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """fb.input_ids [T] (token at p+1), fb.hidden_in (at p): target features [T, feature_size] in DRAFT_EXTEND,
         the draft's own output [T, H] in DRAFT_DECODE -> draft hidden [T, H]."""
-        embedded = self.enorm(self.embed(fb.input_ids))
+        embedded = self.enorm(self.embed(fb.input_ids) if fb.input_embeds is None else fb.input_embeds)
         hidden = fb.hidden_in.to(embedded.dtype)
         if self.aux_fc is not None and fb.mode is ForwardMode.DRAFT_EXTEND:
             num_tokens, hidden_size = hidden.shape[0], self.config.hidden_size

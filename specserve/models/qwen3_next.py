@@ -20,8 +20,10 @@ default is [11, 11, 10]): positions [3, T] (time, height, width; models/mrope_po
 with row 1 where j % 3 == 1 and j < 3 s1, row 2 where j % 3 == 2 and j < 3 s2, else row 0. 1-D positions, or three
 equal rows (text), give plain 1-D rope exactly. Qwen3-Next is text-only rope (no mrope_section).
 
-Text only for now: a vision-language checkpoint's `model.language_model.*` is read as `model.*` and its vision tower
-is skipped; the engine feeds 1-D text positions (the layers take [3, T] ones too).
+A vision-language checkpoint (one with a `vision_config`): its `model.language_model.*` is read as `model.*` and its
+vision tower `model.visual.*` into `self.visual` (models/qwen3_5_vision.py); `encode_images` turns an image request's
+pixels into the rows that replace its `<|image_pad|>` embeddings (ForwardBatch.input_embeds, built by the engine),
+and the engine feeds the request's 3-row mRoPE positions (models/mrope_positions.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from specserve.layers.rotary import RotaryEmbedding, inv_freq_from_config
 from specserve.models.base import CausalLM
 from specserve.models.config import ModelConfig, optional, require, text_config
 from specserve.models.decoder_layer import PreNormDecoderLayer
+from specserve.models.qwen3_5_vision import Qwen3_5VisionConfig, Qwen3_5VisionEncoder
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _LINEAR_ATTN = ".linear_attn."
@@ -255,6 +258,41 @@ class Qwen3NextForCausalLM(CausalLM):
 
     config_class = Qwen3NextConfig
     tensor_parallel = True  # GDN and attention heads, dense MLPs split; experts split over the same ranks
+
+    def __init__(self, cfg: Qwen3NextConfig, max_positions: int):
+        super().__init__(cfg, max_positions)
+        hf = cfg.hf_config
+        # the vision tower of a vision-language checkpoint (not split over tensor-parallel ranks: each holds it all)
+        self.visual: Qwen3_5VisionEncoder | None = None
+        self.image_token_id: int | None = None
+        if getattr(hf, "vision_config", None) is not None:
+            self.visual = Qwen3_5VisionEncoder(Qwen3_5VisionConfig.from_hf(hf))
+            self.image_token_id = int(hf.image_token_id)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """One request's images: pixel_values [N, patch_dim] (the processor's, any float dtype, any device) and
+        grid_thw [num_images, 3] -> [N / merge^2, hidden] in the model's dtype, image after image (one row per
+        `<|image_pad|>` of the expanded prompt, in order)."""
+        if self.visual is None:
+            raise ValueError(f"{self.config.architecture}: this checkpoint has no vision tower (no vision_config)")
+        weight = self.visual.patch_embed.proj.weight
+        return self.visual(pixel_values.to(device=weight.device, dtype=weight.dtype), grid_thw).to(weight.dtype)
+
+    def load_weights(self, weights):
+        """As CausalLM's, with the vision tower's tensors (model.visual.*) loaded into `visual`."""
+        if self.visual is None:
+            return super().load_weights(weights)
+        vision_loaded: set[str] = set()
+
+        def text_only():
+            for name, tensor in weights:
+                ours = self.visual.load_tensor(name, tensor)
+                if ours is not None:
+                    vision_loaded.add("visual." + ours)
+                    continue
+                yield name, tensor
+
+        return super().load_weights(text_only()) | vision_loaded
 
     @classmethod
     def make_layer(cls, cfg: Qwen3NextConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:

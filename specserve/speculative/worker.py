@@ -147,16 +147,17 @@ class SpecWorker:
 
     def prefill_draft(self, batch: ExtendBatch, shifted: torch.Tensor, target_hidden: torch.Tensor,
                       final_idx: torch.Tensor | None, final_rows: torch.Tensor | None,
-                      final_pos: torch.Tensor | None) -> None:
+                      final_pos: torch.Tensor | None, input_embeds: torch.Tensor | None = None) -> None:
         """Draft extend over a prefill batch's positions: input at position p is (target features at p, token p+1)
         (`shifted` [T]: each chunk shifted left by one, its next prompt token or t0 appended), which fills the draft
         KV; for final chunks (token index final_idx [F] of rows final_rows [F] whose committed tokens end at
         final_pos [F]) it sets d1 and the draft hidden state. The rows' lag starts over (a new sequence, or the
-        catch-up's own positions)."""
+        catch-up's own positions). input_embeds [T, H]: the draft's input embeddings of a batch with image requests
+        (the image tokens' rows from the vision encoder, engine/steps.py image_embeds), None for text."""
         if self.lag is not None:
             self.lag.clear(batch.rows)
         dh = self.prefill.run(ExtendBatch(shifted, batch.positions, batch.out_cache_loc, batch.rows, batch.seq_lens,
-                                          batch.extend_lens, target_hidden))  # [T, H]
+                                          batch.extend_lens, target_hidden, input_embeds))  # [T, H]
         if final_idx is None:
             return
         last = dh[final_idx]

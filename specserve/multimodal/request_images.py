@@ -1,0 +1,129 @@
+"""One request's images as the engine carries them (`RequestImages`, on `Req.images`), and how a prompt with
+`<|image_pad|>` placeholders and its images become one (`prepare_request_images`).
+
+The engine (engine/engine.py make_request) decodes the caller's images (image_inputs.py), preprocesses them with the
+checkpoint's processor (image_processing.py), expands each placeholder to the image's token count, and computes the
+prompt's mRoPE positions [3, prompt_len] and delta (models/mrope_positions.py). The prefill (engine/steps.py) feeds
+the chunk's slice of those positions and the token embeddings with the placeholder rows replaced by the encoder's
+rows (`image_rows`); the encoder runs once per request and its output stays here (`embeds`), so chunked prefill and a
+retraction's re-prefill reuse it.
+
+Prefix cache: the placeholder ids of an image are the same token whatever the picture, so the cache key of a request
+with images replaces each image's placeholders by an id derived from the image's pixel hash, outside the vocabulary
+(`cache_key`): the same picture at the same place hits, a different one never shares its pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from specserve.models.mrope_positions import mrope_positions
+from specserve.multimodal.image_inputs import (
+    ImageInput,
+    ImageInputError,
+    ImageLimits,
+    ImageRef,
+    check_image_count,
+    load_image,
+    pixel_hash,
+)
+from specserve.multimodal.image_processing import QwenImageProcessor, expand_image_placeholders
+
+_KEY_SPACE = 1 << 40  # image key ids: vocab_size + (hash mod this): never a token id, distinct per picture in practice
+
+
+@dataclass(eq=False)
+class RequestImages:
+    """The images of one request, ready for its prefill."""
+
+    pixel_values: torch.Tensor  # [N, patch_dim] float32: every image's patches (the processor's), image after image
+    grid_thw: torch.Tensor  # [num_images, 3] int64
+    hashes: tuple[str, ...]  # each image's pixel hash (image_inputs.pixel_hash)
+    positions: torch.Tensor  # [3, prompt_len] int64 mRoPE positions of the expanded prompt (CPU)
+    placeholders: torch.Tensor  # [num_image_tokens] int64: the prompt index of each image token, in order (CPU)
+    num_tokens: tuple[int, ...]  # image tokens of each image
+    key_ids: tuple[int, ...]  # each image's id in the prefix cache's key (outside the vocabulary)
+    embeds: torch.Tensor | None = field(default=None, repr=False)  # [num_image_tokens, H]: the encoder's, once run
+
+    @property
+    def prompt_len(self) -> int:
+        return self.positions.shape[1]
+
+    def chunk_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image tokens inside sequence indices [start, end): (their indices minus start [k], their rows of
+        `embeds` [k]), both int64 on the CPU."""
+        lo = int(torch.searchsorted(self.placeholders, start))
+        hi = int(torch.searchsorted(self.placeholders, end))
+        return self.placeholders[lo:hi] - start, torch.arange(lo, hi, dtype=torch.int64)
+
+    def chunk_positions(self, start: int, end: int, delta: int) -> torch.Tensor:
+        """mRoPE positions [3, end - start] of sequence indices [start, end): the prompt's rows, then (outputs
+        re-prefilled after a retraction) text at index + delta on all three rows."""
+        n = self.prompt_len
+        parts = []
+        if start < n:
+            parts.append(self.positions[:, start:min(end, n)])
+        if end > n:
+            tail = torch.arange(max(start, n), end, dtype=torch.int64) + delta
+            parts.append(tail[None].expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def cache_key(self, fill_ids: Sequence[int]) -> list[int]:
+        """fill_ids with each image's tokens replaced by that image's key id (module docstring)."""
+        key = list(fill_ids)
+        start = 0
+        for n, kid in zip(self.num_tokens, self.key_ids):
+            for i in self.placeholders[start:start + n].tolist():
+                key[i] = kid
+            start += n
+        return key
+
+
+def image_from_pil(img: Image.Image, where: str) -> ImageInput:
+    """A caller's PIL image -> ImageInput (RGB as image_inputs decodes them: transparency onto white)."""
+    from specserve.multimodal.image_inputs import _to_rgb
+
+    try:
+        img.load()
+        rgb = _to_rgb(img)
+    except Exception:
+        raise ImageInputError(f"{where} could not be converted to RGB", param=where) from None
+    return ImageInput(image=rgb, width=rgb.width, height=rgb.height, hash=pixel_hash(rgb), format=img.format or "PIL",
+                      where=where)
+
+
+def load_request_images(images: Sequence[Any], limits: ImageLimits, where: str = "image_data") -> list[ImageInput]:
+    """The caller's images (PIL images, data URLs, base64 or local paths, image_inputs.load_image) -> decoded."""
+    check_image_count(len(images), limits, param=where)
+    out = []
+    for k, x in enumerate(images):
+        here = f"{where}[{k}]"
+        if isinstance(x, ImageInput):
+            out.append(x)
+        elif isinstance(x, Image.Image):
+            out.append(image_from_pil(x, here))
+        elif isinstance(x, str):
+            out.append(load_image(ImageRef(x, here), limits))
+        else:
+            raise ImageInputError(f"{here} must be a PIL image or a string (a data URL, base64 or a local file path), "
+                                  f"got {type(x).__name__}", param=here)
+    return out
+
+
+def prepare_request_images(input_ids: Sequence[int], images: Sequence[ImageInput], processor: QwenImageProcessor,
+                           image_token_id: int, vocab_size: int) -> tuple[list[int], RequestImages, int]:
+    """A prompt with one image_token_id per image and its decoded images -> (the expanded prompt, its
+    RequestImages, its mrope_delta). ImageInputError when the placeholders and the images differ in number."""
+    processed = processor(images)
+    ids = expand_image_placeholders(list(input_ids), image_token_id, processed.num_tokens, param="image_data")
+    positions, delta = mrope_positions(ids, processed.image_grid_thw, processor.merge_size, image_token_id)
+    placeholders = (torch.tensor(ids, dtype=torch.int64) == image_token_id).nonzero().flatten()
+    hashes = tuple(x.hash for x in images)
+    key_ids = tuple(vocab_size + int(h[:16], 16) % _KEY_SPACE for h in hashes)
+    return ids, RequestImages(processed.pixel_values, processed.image_grid_thw, hashes, positions, placeholders,
+                              processed.num_tokens, key_ids), delta
