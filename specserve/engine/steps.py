@@ -177,19 +177,20 @@ def launch_prefill(model_runner: ModelRunner, chunks: list[Chunk], adjust: Logit
             draft_ids[fidx] = t0
         # the draft's input at p embeds token p + 1: where that is an image token, the encoder's row for it (the
         # target's input embedding there), as the target saw it
-        draft_embeds = image_embeds(model_runner, chunks, draft_ids, 1) if imaged else None
+        draft_embeds = image_embeds(model_runner, chunks, draft_ids, 1, spec.draft.embed) if imaged else None
         spec.prefill_draft(batch, draft_ids, hidden, fidx, frows, new_pos, draft_embeds)
     return t0
 
 
-def image_embeds(model_runner: ModelRunner, chunks: list[Chunk], input_ids: torch.Tensor, shift: int
-                 ) -> torch.Tensor:
+def image_embeds(model_runner: ModelRunner, chunks: list[Chunk], input_ids: torch.Tensor, shift: int,
+                 embed=None) -> torch.Tensor:
     """Input embeddings [T, H] of a prefill batch with image requests: the tokens' embeddings, with each image
     token's row (sequence index in [start + shift, end + shift) of its chunk) replaced by the vision encoder's row for
-    it. shift 0: the target's input; 1: the draft's (each chunk shifted left by one). Each request's images are
-    encoded once, at its first chunk, and kept on its RequestImages."""
+    it. shift 0: the target's input; 1: the draft's (each chunk shifted left by one; embed: the draft's own token
+    embedding, used for its text rows). Each request's images are encoded once, at its first chunk, and kept on its
+    RequestImages."""
     target = model_runner.target
-    embeds = target.embed_tokens(input_ids)  # [T, H]
+    embeds = (embed or target.embed_tokens)(input_ids)  # [T, H]
     dst, src = [], []
     start = 0
     for c in chunks:
