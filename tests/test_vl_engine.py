@@ -227,5 +227,9 @@ def test_bad_images_are_value_errors_and_the_engine_serves_on(engine):
         engine.generate(input_ids=ids, sampling_params=GREEDY, image_data=["https://example.com/a.png"])
     with pytest.raises(ValueError, match="must be a PIL image or a string"):
         engine.generate(input_ids=ids, sampling_params=GREEDY, image_data=[3])
+    with pytest.raises(ValueError, match="image_data has 1 entries for 2 prompts"):
+        engine.generate(input_ids=[ids, ids], sampling_params=GREEDY, image_data=[[IMG_A]])
+    two = engine.generate(input_ids=[ids, text(6, 2)], sampling_params=GREEDY, image_data=[[IMG_A], None])
+    assert [len(o["output_ids"]) for o in two] == [NEW, NEW]
     out = engine.generate(input_ids=ids, sampling_params=GREEDY, image_data=[IMG_A])
     assert len(out["output_ids"]) == NEW

@@ -530,6 +530,8 @@ class Scheduler:
         req.finish_time = time.perf_counter()
         req.state = ReqState.FINISHED
         self._cache_and_release(req)
+        if req.images is not None:  # its pixels and encoder rows are not needed again
+            req.images.release()
         if req in self.running:
             self.running.remove(req)
         if self.prefilling is req:

@@ -50,6 +50,11 @@ class RequestImages:
     key_ids: tuple[int, ...]  # each image's id in the prefix cache's key (outside the vocabulary)
     embeds: torch.Tensor | None = field(default=None, repr=False)  # [num_image_tokens, H]: the encoder's, once run
 
+    def release(self) -> None:
+        """Drop the pixels and the encoder's rows (the request finished: it is never prefilled again)."""
+        self.pixel_values = self.pixel_values[:0]
+        self.embeds = None
+
     @property
     def prompt_len(self) -> int:
         return self.positions.shape[1]
