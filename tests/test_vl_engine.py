@@ -233,3 +233,39 @@ def test_bad_images_are_value_errors_and_the_engine_serves_on(engine):
     assert [len(o["output_ids"]) for o in two] == [NEW, NEW]
     out = engine.generate(input_ids=ids, sampling_params=GREEDY, image_data=[IMG_A])
     assert len(out["output_ids"]) == NEW
+
+
+def test_multimodal_errors_and_the_server_400():
+    """multimodal/ raises ImageInputError (a ValueError with param); server/ answers the same as an APIError 400."""
+    from specserve.multimodal import image_inputs as mm
+    from specserve.server import image_inputs as server
+    from specserve.server.errors import APIError
+
+    ref = mm.ImageRef("https://example.com/a.png", "messages[0].content[1].image_url")
+    with pytest.raises(mm.ImageInputError) as e:
+        mm.load_image(ref, mm.ImageLimits())
+    assert isinstance(e.value, ValueError) and e.value.param == ref.where and "does not fetch URLs" in str(e.value)
+    with pytest.raises(APIError) as a:
+        server.load_image(ref, server.ImageLimits())
+    assert a.value.status == 400 and a.value.param == ref.where and a.value.message == str(e.value)
+
+
+def test_request_images_rows_positions_and_cache_key():
+    """RequestImages' chunk slices: image rows inside a chunk, positions past the prompt (a retraction's outputs)
+    at index + delta, and the cache key (each image's tokens -> its key id, outside the vocabulary)."""
+    from specserve.multimodal.image_inputs import ImageLimits
+    from specserve.multimodal.request_images import load_request_images, prepare_request_images
+
+    ids = image_prompt(3, "img", 2, "img", 3)
+    imgs = load_request_images([IMG_A, IMG_C], ImageLimits())
+    full, r, delta = prepare_request_images(ids, imgs, QwenImageProcessor(PREPROCESSOR), IMAGE, 256)
+    assert r.num_tokens == (6, 6) and len(full) == len(ids) + 10 and delta < 0
+    rows, which = r.chunk_rows(5, 12)  # image 0's tokens sit at 4 .. 9
+    assert rows.tolist() == [0, 1, 2, 3, 4] and which.tolist() == [1, 2, 3, 4, 5]
+    n = len(full)
+    pos = r.chunk_positions(n - 2, n + 2, delta)
+    assert torch.equal(pos[:, :2], r.positions[:, n - 2:]) and pos[:, 2:].tolist() == [[n + delta, n + 1 + delta]] * 3
+    key = r.cache_key(full + [7])
+    assert key[-1] == 7 and all(k >= 256 for i, k in enumerate(key) if full[i:i + 1] == [IMAGE])
+    assert key[4] != key[4 + 6 + 4]  # two different pictures: two key ids
+    assert [k for k, t in zip(key, full) if t != IMAGE] == [t for t in full if t != IMAGE]
