@@ -237,6 +237,7 @@ def test_bad_images_are_value_errors_and_the_engine_serves_on(engine):
 
 def test_multimodal_errors_and_the_server_400():
     """multimodal/ raises ImageInputError (a ValueError with param); server/ answers the same as an APIError 400."""
+    pytest.importorskip("fastapi")  # (the GPU machine's image has no server dependencies)
     from specserve.multimodal import image_inputs as mm
     from specserve.server import image_inputs as server
     from specserve.server.errors import APIError
