@@ -277,3 +277,36 @@ def test_a_text_only_server_refuses_images(servers):
     r = _post(text, "/generate", {"text": "hi", "image_data": data_url(IMG_A), "sampling_params": GREEDY})
     assert r.status_code == 400 and "does not take images" in r.json()["error"]["message"], r.text
     assert _post(text, "/v1/chat/completions", _chat_body([{"type": "text", "text": "hi"}])).status_code == 200
+
+
+def test_preprocessed_images_build_the_engines_request_images(vl_path):
+    """What the server sends (PreprocessedImages, the prompt expanded) gives the RequestImages the engine's own path
+    makes; a prompt whose image tokens do not match the images is an ImageInputError."""
+    import torch
+
+    from specserve.multimodal.image_inputs import ImageInputError, ImageLimits
+    from specserve.multimodal.image_processing import QwenImageProcessor
+    from specserve.multimodal.request_images import (
+        load_request_images,
+        prepare_request_images,
+        preprocess_images,
+        request_images_from,
+    )
+
+    proc = QwenImageProcessor.from_model_dir(vl_path)
+    decoded = load_request_images([IMG_A, IMG_B], ImageLimits())
+    ids = [5, VSTART, IMAGE, VEND, 6, VSTART, IMAGE, VEND, 7]
+    want_ids, want, want_delta = prepare_request_images(ids, decoded, proc, IMAGE, 256)
+    pre = preprocess_images(decoded, proc)
+    got, delta = request_images_from(want_ids, pre, IMAGE, 256)
+    assert delta == want_delta and got.hashes == want.hashes and got.key_ids == want.key_ids
+    for name in ("pixel_values", "grid_thw", "positions", "placeholders"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with pytest.raises(ImageInputError, match="image tokens"):
+        request_images_from(ids, pre, IMAGE, 256)  # not expanded
+    split = list(want_ids)
+    first = split.index(IMAGE)
+    split[first + 1] = 9  # the first image's run cut by a text token, one placeholder more at the end
+    split.insert(len(split) - 1, IMAGE)
+    with pytest.raises(ImageInputError):
+        request_images_from(split, pre, IMAGE, 256)

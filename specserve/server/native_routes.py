@@ -4,10 +4,10 @@
 /generate takes "text" (a string or a list) or "input_ids" (a list of ids or a list of lists), "sampling_params"
 (SGLang names; one dict or one per prompt), "stream", "rid", "return_hidden_states" (with
 --enable-return-hidden-states: meta_info.hidden_states once finished), "image_data" (a vision-language model: SGLang's
-images, one `<|vision_start|><|image_pad|><|vision_end|>` in the prompt per image; see _images).
-It answers {"text", "output_ids", "meta_info",
-"usage"} (a list for a batch); streamed, every event carries the cumulative text and output ids, then [DONE].
-meta_info.cached_tokens is how many prompt tokens the prefix cache gave (0 until the engine admits the request).
+images, one `<|vision_start|><|image_pad|><|vision_end|>` in the prompt per image; see _images). It answers {"text",
+"output_ids", "meta_info", "usage"} (a list for a batch); streamed, every event carries the cumulative text and output
+ids, then [DONE]. meta_info.cached_tokens is how many prompt tokens the prefix cache gave (0 until the engine admits
+the request).
 
 /flush_cache (GET or POST, as SGLang) empties the prefix cache when the engine is idle: 200 "Cache flushed.", or 400
 (nothing flushed) while requests run or wait. The answer is plain text, as SGLang's.
