@@ -39,7 +39,7 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is strin
             "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 SERVER_ARGS = ["--served-model-name", "x", "--dtype", "float32", "--max-total-tokens", "1024",
                "--chunked-prefill-size", "4", "--page-size", "1", "--skip-warmup",
-               "--max-images-per-request", "2", "--max-image-pixels", "4096"]
+               "--max-images-per-request", "2", "--max-image-pixels", "4096", "--context-length", "80"]
 NEW = 6
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
 
@@ -224,6 +224,9 @@ BAD_CHAT = {
     "http": ([_image_part("http://example.com/cat.png")], "does not fetch URLs"),
     "outside": ([_image_part("file:///etc/hostname.png")], "outside the allowed local media directory"),
     "not_a_part": ([{"type": "audio", "audio": "x"}], "not supported"),
+    # 64x64 pixels: 64 image tokens, past the context (80) with the text: the caps count the expanded prompt
+    "past_the_context": ([{"type": "text", "text": "describe this picture"}, _image_part(data_url(noise(64, 64, 2)))],
+                         "the context length is 80"),
 }
 
 
