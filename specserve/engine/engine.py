@@ -29,9 +29,14 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker, output_text
 from specserve.engine.tp_ranks import TPLeader
 from specserve.models.loader import ModelSource
-from specserve.multimodal.image_inputs import ImageLimits
+from specserve.multimodal.image_inputs import ImageLimits, check_image_count
 from specserve.multimodal.image_processing import QwenImageProcessor
-from specserve.multimodal.request_images import load_request_images, prepare_request_images
+from specserve.multimodal.request_images import (
+    PreprocessedImages,
+    load_request_images,
+    prepare_request_images,
+    request_images_from,
+)
 from specserve.server_args import ServerArgs
 from specserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -124,7 +129,8 @@ class EngineCore:
         return_logprob): also the prompt's, from that token on (engine/steps.py record_prompt_logprobs).
         images: the prompt's images (PIL images, data URLs, base64 or local paths; multimodal/request_images.py),
         one `<|image_pad|>` in input_ids per image, expanded here (ImageInputError, a ValueError, when they do not
-        match or an image is unusable)."""
+        match or an image is unusable); or PreprocessedImages (the server's: decoded, preprocessed, and input_ids
+        already expanded)."""
         if return_hidden_states and not self.args.enable_return_hidden_states:
             raise ValueError("this server does not return hidden states: start it with --enable-return-hidden-states")
         if isinstance(sampling, SamplingParams):
@@ -175,6 +181,11 @@ class EngineCore:
                              "vision tower)")
         if self.tp_leader is not None:
             raise ValueError("image inputs are not supported with --tp-size > 1 yet")
+        if isinstance(images, PreprocessedImages):  # the HTTP process decoded, preprocessed and expanded them
+            check_image_count(len(images), self.image_limits, param="image_data")
+            req_images, delta = request_images_from(input_ids, images, model.image_token_id,
+                                                    self.model_config.vocab_size)
+            return list(input_ids), req_images, delta
         if self._image_processor is None:
             self._image_processor = QwenImageProcessor.from_model_dir(self.model_folder)
         decoded = load_request_images(list(images), self.image_limits)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -124,11 +125,64 @@ def prepare_request_images(input_ids: Sequence[int], images: Sequence[ImageInput
                            image_token_id: int, vocab_size: int) -> tuple[list[int], RequestImages, int]:
     """A prompt with one image_token_id per image and its decoded images -> (the expanded prompt, its
     RequestImages, its mrope_delta). ImageInputError when the placeholders and the images differ in number."""
+    pre = preprocess_images(images, processor)
+    ids = expand_image_placeholders(list(input_ids), image_token_id, pre.num_tokens, param="image_data")
+    images_, delta = request_images_from(ids, pre, image_token_id, vocab_size)
+    return ids, images_, delta
+
+
+@dataclass(frozen=True, eq=False)
+class PreprocessedImages:
+    """A prompt's images decoded and preprocessed, as the HTTP process hands them to the engine process (plain data,
+    no tensors, so the pipe pickles bytes): the prompt that goes with them is already expanded."""
+
+    pixel_values: np.ndarray  # [N, patch_dim] float32: every image's patches, image after image
+    grid_thw: tuple[tuple[int, int, int], ...]  # each image's (t, h, w) in patches
+    num_tokens: tuple[int, ...]  # image tokens of each image (t * h * w / merge^2)
+    hashes: tuple[str, ...]  # each image's pixel hash
+    merge_size: int
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+def preprocess_images(images: Sequence[ImageInput], processor: QwenImageProcessor) -> PreprocessedImages:
+    """Decoded images -> PreprocessedImages (the processor's pixels and grids, the images' hashes)."""
     processed = processor(images)
-    ids = expand_image_placeholders(list(input_ids), image_token_id, processed.num_tokens, param="image_data")
-    positions, delta = mrope_positions(ids, processed.image_grid_thw, processor.merge_size, image_token_id)
-    placeholders = (torch.tensor(ids, dtype=torch.int64) == image_token_id).nonzero().flatten()
-    hashes = tuple(x.hash for x in images)
-    key_ids = tuple(vocab_size + int(h[:16], 16) % _KEY_SPACE for h in hashes)
-    return ids, RequestImages(processed.pixel_values, processed.image_grid_thw, hashes, positions, placeholders,
-                              processed.num_tokens, key_ids), delta
+    grid = tuple(tuple(int(v) for v in row) for row in processed.image_grid_thw.tolist())
+    return PreprocessedImages(processed.pixel_values.numpy().astype(np.float32, copy=False), grid,
+                              tuple(processed.num_tokens), tuple(x.hash for x in images), processor.merge_size)
+
+
+def request_images_from(expanded_ids: Sequence[int], pre: PreprocessedImages, image_token_id: int,
+                        vocab_size: int) -> tuple[RequestImages, int]:
+    """An expanded prompt and its PreprocessedImages -> (RequestImages, mrope_delta). ImageInputError when the
+    prompt's image tokens are not the images' (a run of num_tokens placeholders per image, in order), or the pixels
+    do not fit the grids."""
+    ids = torch.tensor(list(expanded_ids), dtype=torch.int64)
+    placeholders = (ids == image_token_id).nonzero().flatten()
+    n_img = len(pre.hashes)
+    if len(pre.grid_thw) != n_img or len(pre.num_tokens) != n_img:
+        raise ImageInputError("the request's images are inconsistent (grids, token counts and hashes differ in "
+                              "number)", param="image_data")
+    m2 = pre.merge_size ** 2
+    if any(t * h * w != n * m2 for (t, h, w), n in zip(pre.grid_thw, pre.num_tokens)):
+        raise ImageInputError("the request's images are inconsistent (a token count is not its grid's)",
+                              param="image_data")
+    if pre.pixel_values.ndim != 2 or pre.pixel_values.shape[0] != sum(t * h * w for t, h, w in pre.grid_thw):
+        raise ImageInputError("the request's image pixels do not fit their grids", param="image_data")
+    if len(placeholders) != sum(pre.num_tokens):
+        raise ImageInputError(f"the prompt has {len(placeholders)} image tokens but its {n_img} images stand for "
+                              f"{sum(pre.num_tokens)}", param="image_data")
+    # each image's tokens must be one contiguous run (the expansion writes them so; a run split by text is forged)
+    start = 0
+    for n in pre.num_tokens:
+        run = placeholders[start:start + n]
+        if n and int(run[-1] - run[0]) != n - 1:
+            raise ImageInputError("the prompt's image tokens do not form one run per image", param="image_data")
+        start += n
+    grid = torch.tensor(pre.grid_thw, dtype=torch.int64).reshape(-1, 3)
+    positions, delta = mrope_positions(ids.tolist(), grid, pre.merge_size, image_token_id)
+    key_ids = tuple(vocab_size + int(h[:16], 16) % _KEY_SPACE for h in pre.hashes)
+    return RequestImages(torch.from_numpy(np.ascontiguousarray(pre.pixel_values, dtype=np.float32)), grid,
+                         pre.hashes, positions, placeholders, pre.num_tokens, key_ids), delta

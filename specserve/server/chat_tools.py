@@ -133,12 +133,39 @@ def _arguments(text: str, index: int) -> dict[str, Any]:
     return value
 
 
-def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
+def _has_images(m: ChatMessage) -> bool:
+    return isinstance(m.content, list) and any(part.type == "image_url" for part in m.content)
+
+
+def _parts(m: ChatMessage, index: int) -> list[dict[str, Any]]:
+    """A message with image parts as the template reads it: its text parts and an {"type": "image"} part per image,
+    in order (Qwen3.5's template writes <|vision_start|><|image_pad|><|vision_end|> for each)."""
+    out: list[dict[str, Any]] = []
+    for part in m.content:
+        if part.type == "image_url":
+            out.append({"type": "image"})
+        elif part.type == "text" and part.text is not None:
+            out.append({"type": "text", "text": part.text})
+        else:
+            raise bad_request(f"messages[{index}]: content part of type {part.type!r} is not supported (text and "
+                              "image_url)", param="messages")
+    return out
+
+
+def template_message(m: ChatMessage, index: int, images: bool = False) -> dict[str, Any]:
     """One message as the chat template reads it: text content ("" for none), tool calls with their arguments as
-    objects, a tool result's tool_call_id and function name, an assistant turn's reasoning_content."""
+    objects, a tool result's tool_call_id and function name, an assistant turn's reasoning_content. Content with
+    image parts (images: the model takes them; else a 400) is a list of text and image parts."""
     if m.content is None and m.role == "user":
         raise bad_request("a user message needs content", param="messages")
-    out: dict[str, Any] = {"role": m.role, "content": _text(m)}
+    if _has_images(m):
+        if not images:
+            raise bad_request(f"messages[{index}] has an image, and this model does not take images (it has no "
+                              "vision tower): send text only", param="messages")
+        content: Any = _parts(m, index)
+    else:
+        content = _text(m)
+    out: dict[str, Any] = {"role": m.role, "content": content}
     if m.tool_calls is not None:
         if m.role != "assistant":
             raise bad_request(f"messages[{index}]: only assistant messages have tool_calls", param="messages")
@@ -155,5 +182,5 @@ def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
     return out
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    return [template_message(m, i) for i, m in enumerate(messages)]
+def template_messages(messages: list[ChatMessage], images: bool = False) -> list[dict[str, Any]]:
+    return [template_message(m, i, images) for i, m in enumerate(messages)]

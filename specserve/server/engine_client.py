@@ -82,9 +82,9 @@ class EngineClient:
     # ------------------------------------------------------------------ messages
     def add(self, rid: str, input_ids: list[int], sampling: dict, return_hidden_states: bool = False,
             reasoning_end: str | None = None, return_logprob: bool = False, top_logprobs_num: int = 0,
-            logprob_start_len: int = -1) -> None:
+            logprob_start_len: int = -1, images=None) -> None:
         self._send_q.put(AddRequest(rid, input_ids, sampling, return_hidden_states, reasoning_end, return_logprob,
-                                    top_logprobs_num, logprob_start_len))
+                                    top_logprobs_num, logprob_start_len, images))
 
     def abort(self, rid: str) -> None:
         self._send_q.put(AbortRequest(rid))

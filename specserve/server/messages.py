@@ -5,7 +5,8 @@ model -> HTTP:  EngineReady (once, after loading), EngineFailed (load or loop cr
                 StepOutput (after every loop turn that changed something: per-request token deltas, rejected
                 requests, answers to FlushCache, and a snapshot of the engine's counters).
 
-Only plain data crosses the pipe (no tensors, no torch import): the HTTP side stays light and the messages stay
+Only plain data crosses the pipe (no tensors; an image request's pixels travel as a NumPy array in
+multimodal/request_images.py:PreprocessedImages): the HTTP side stays light and the messages stay
 small. Token ids are sent as deltas (ids since the last message for that request); the HTTP process keeps the
 full sequence and detokenises it.
 """
@@ -13,6 +14,10 @@ full sequence and detokenises it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specserve.multimodal.request_images import PreprocessedImages
 
 
 @dataclass
@@ -25,6 +30,8 @@ class AddRequest:
     return_logprob: bool = False  # each output token's logprob (SGLang's name)
     top_logprobs_num: int = 0  # ... and this many most likely tokens' at each position
     logprob_start_len: int = -1  # the prompt's logprobs from this token on (-1: none)
+    # the prompt's images, decoded and preprocessed by the HTTP process; input_ids is then the expanded prompt
+    images: PreprocessedImages | None = None
 
 
 @dataclass
@@ -79,6 +86,8 @@ class EngineInfo:
     draft_quantization: str | None = None  # "int8" (CPU), else None
     default_max_tokens: int | None = None  # a chat request without max_tokens gets this (None: the context's room)
     prefix_cache: bool = False  # the prefix (radix) cache is on (off: --disable-radix-cache)
+    image_token_id: int | None = None  # a vision-language model's <|image_pad|> id (None: the model takes no images)
+    image_folder: str | None = None  # ... and the checkpoint folder its preprocessor_config.json is read from
 
 
 @dataclass

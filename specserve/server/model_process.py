@@ -61,6 +61,9 @@ def run_model_process(args: ServerArgs, inbox: Connection, outbox: Connection) -
 
 def _engine_info(core) -> EngineInfo:
     mr = core.model_runner
+    target = mr.target
+    vision = getattr(target, "visual", None) is not None and core.tp_leader is None
+    image_token_id = getattr(target, "image_token_id", None) if vision else None
     return EngineInfo(
         model_path=core.model_path,
         architecture=core.model_config.architecture,
@@ -83,6 +86,8 @@ def _engine_info(core) -> EngineInfo:
         load_time=core.load_time,
         pid=os.getpid(),
         prefix_cache=mr.kv.prefix_cache is not None,
+        image_token_id=image_token_id,
+        image_folder=core.model_folder if image_token_id is not None else None,
     )
 
 
@@ -136,7 +141,7 @@ class EngineLoop:
             req = self.core.make_request(m.input_ids, m.sampling, rid=m.rid,
                                          return_hidden_states=m.return_hidden_states, reasoning_end=m.reasoning_end,
                                          return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num,
-                                         logprob_start_len=m.logprob_start_len)
+                                         logprob_start_len=m.logprob_start_len, images=m.images)
             self.sched.add_request(req)
         except ValueError as e:
             out.rejected.append(RequestRejected(m.rid, str(e)))

@@ -3,9 +3,11 @@
 
 /generate takes "text" (a string or a list) or "input_ids" (a list of ids or a list of lists), "sampling_params"
 (SGLang names; one dict or one per prompt), "stream", "rid", "return_hidden_states" (with
---enable-return-hidden-states: meta_info.hidden_states once finished). It answers {"text", "output_ids", "meta_info",
-"usage"} (a list for a batch); streamed, every event carries the cumulative text and output ids, then [DONE].
-meta_info.cached_tokens is how many prompt tokens the prefix cache gave (0 until the engine admits the request).
+--enable-return-hidden-states: meta_info.hidden_states once finished), "image_data" (a vision-language model: SGLang's
+images, one `<|vision_start|><|image_pad|><|vision_end|>` in the prompt per image; see _images). It answers {"text",
+"output_ids", "meta_info", "usage"} (a list for a batch); streamed, every event carries the cumulative text and output
+ids, then [DONE]. meta_info.cached_tokens is how many prompt tokens the prefix cache gave (0 until the engine admits
+the request).
 
 /flush_cache (GET or POST, as SGLang) empties the prefix cache when the engine is idle: 200 "Cache flushed.", or 400
 (nothing flushed) while requests run or wait. The answer is plain text, as SGLang's.
@@ -22,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import specserve
 from specserve.server.access import owner_of
 from specserve.server.errors import APIError, bad_request, client_left
+from specserve.server.image_inputs import load_generate_images
 from specserve.server.info_view import shown_args, shown_path, shown_runtime
 from specserve.server.openai_routes import choice_sampling
 from specserve.server.protocol import AbortRequestBody, GenerateRequest
@@ -58,7 +61,8 @@ def _result(c: GenChunk) -> dict:
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
 
-def _requests(tm: TokenizerManager, body: GenerateRequest, owner: str = "") -> tuple[list[GenRequest], bool]:
+def _prompts(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """The request's prompts' ids (text tokenised) and whether it is a single prompt (not a batch)."""
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of 'text' or 'input_ids'", param="text")
     if body.text is not None:
@@ -77,7 +81,32 @@ def _requests(tm: TokenizerManager, body: GenerateRequest, owner: str = "") -> t
             tm.check_prompt_count(len(ids), param="input_ids")
         tm.check_prompt_tokens([ids] if single else ids, param="input_ids")
         prompts = [list(ids)] if single else [list(x) for x in ids]
+    return prompts, single
+
+
+def _images(tm: TokenizerManager, body: GenerateRequest, prompts: list[list[int]],
+            single: bool) -> tuple[list[list[int]], list]:
+    """Each prompt's images (image_data) decoded and preprocessed, its placeholders expanded (an image worker
+    thread's work); the request caps checked on the expanded prompts. Raises 400."""
+    if body.image_data is None:
+        return prompts, [None] * len(prompts)
+    tm.check_takes_images("image_data")
+    per_prompt = load_generate_images(body.image_data, None if single else len(prompts), tm.image_limits)
+    out = [tm.expand_images(p, imgs, "image_data") for p, imgs in zip(prompts, per_prompt, strict=True)]
+    prompts = [ids for ids, _ in out]
+    tm.check_prompt_tokens(prompts, param="image_data")
+    return prompts, [pre for _, pre in out]
+
+
+def _requests(tm: TokenizerManager, body: GenerateRequest, owner: str = "",
+              prepared: tuple[list[list[int]], bool, list] | None = None) -> tuple[list[GenRequest], bool]:
+    """The request's GenRequests (one per prompt and choice) and whether it is a single prompt. prepared: (prompts,
+    single, each prompt's images) from _prompts and _images; None: the prompts of a request without images."""
+    if prepared is None:
+        prepared = (*_prompts(tm, body), None)
+    prompts, single, images = prepared
     n = len(prompts)
+    images = images or [None] * n
     sps = body.sampling_params
     if isinstance(sps, list):
         if len(sps) != n:
@@ -102,14 +131,14 @@ def _requests(tm: TokenizerManager, body: GenerateRequest, owner: str = "") -> t
     top = [x or 0 for x in _per_prompt(body.top_logprobs_num, n, "top_logprobs_num", 0)]
     hidden = [bool(x) for x in _per_prompt(body.return_hidden_states, n, "return_hidden_states", False)]
     reqs = []
-    for p, sp, r, h, lp, k, st in zip(prompts, sps, rids, hidden, logprob, top, start, strict=True):
+    for p, im, sp, r, h, lp, k, st in zip(prompts, images, sps, rids, hidden, logprob, top, start, strict=True):
         sp = dict(sp)
         n = tm.check_n(sp.pop("n", 1), param="sampling_params.n")
         if n > 1 and r is not None:
             raise bad_request("rid can only be given with n = 1", param="rid")
         single = single and n == 1  # SGLang: n samples of one prompt come back as a list
         reqs += [GenRequest(p, s, rid=r, owner=owner, return_hidden_states=h, return_logprob=lp, top_logprobs_num=k,
-                            logprob_start_len=st if lp else -1)
+                            logprob_start_len=st if lp else -1, images=im)
                  for s in choice_sampling(normalize_sgl_sampling(sp), n)]
     return reqs, single
 
@@ -130,7 +159,11 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
     async def generate(request: Request) -> Response:
         body: GenerateRequest = await tm.bodies.read(request, GenerateRequest)
         tm.check_model(body.model)
-        reqs, single = await tm.off_loop(_requests, tm, body, owner_of(request))
+        prompts, single = await tm.off_loop(_prompts, tm, body)
+        images: list = [None] * len(prompts)
+        if body.image_data is not None:  # decoded and preprocessed off the event loop, placeholders expanded
+            prompts, images = await tm.off_loop_images(_images, tm, body, prompts, single)
+        reqs, single = await tm.off_loop(_requests, tm, body, owner_of(request), (prompts, single, images))
         await tm.precheck_all(reqs)  # all prompts are checked before any is queued
         if body.stream:
             return sse_response(_generate_events(tm, reqs), request.url.path)

@@ -5,6 +5,10 @@ Usage is on every answer (`usage` of the response, or the last stream chunk with
 choices); with speculation it also has `spec: {accept_length, verify_ct}`. finish_reason is "stop", "length" or
 "abort", and "tool_calls" for a chat answer that stopped after calling tools.
 
+Chat requests to a vision-language model may carry images (`image_url` content parts: data URLs, or local files
+under --allowed-local-media-path): the template writes a placeholder per image, TokenizerManager.chat_images decodes
+and preprocesses them on an image worker thread and expands the placeholders, and the engine gets the preprocessed
+pixels (usage.prompt_tokens counts the expanded prompt).
 Chat requests may carry tools (server/chat_tools.py: messages and tools for the template, tool_choice); the answer
 becomes the assistant message, tool calls and reasoning_content included, in server/chat_output.py.
 """
@@ -151,8 +155,11 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         _refuse_unsupported(body, chat=True)
         parser = tm.args.chat_tool_call_parser
         plan = plan_tools(body, parser)
-        messages = template_messages(body.messages)
+        messages = template_messages(body.messages, images=tm.takes_images)  # (400 for images a model cannot take)
         ids = await tm.off_loop(tm.chat_prompt_ids, messages, body.chat_template_kwargs, plan.tools)
+        images = None
+        if any(isinstance(m["content"], list) for m in messages):  # decoded, preprocessed, placeholders expanded
+            ids, images = await tm.off_loop_images(tm.chat_images, body.messages, ids)
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_new is None:  # the model's default answer length, else all the room the context leaves
             room = max(tm.info.context_len - len(ids), 0)
@@ -176,7 +183,7 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         tm.check_prompt_count(1, n, param="n")  # (n choices of the one prompt)
         reqs = [GenRequest(ids, sp, rid=body.rid, owner=owner_of(request),
                            reasoning_end=THINK_END if thinking else None, return_logprob=bool(body.logprobs),
-                           top_logprobs_num=body.top_logprobs or 0)
+                           top_logprobs_num=body.top_logprobs or 0, images=images)
                 for sp in choice_sampling(sampling, n)]
         await tm.precheck_all(reqs)  # every choice is checked before any is queued
         cid = f"chatcmpl-{body.rid or uuid.uuid4().hex}"

@@ -139,6 +139,9 @@ class GenerateRequest(_Strict):
     top_logprobs_num: int | list[int] | None = 0
     logprob_start_len: int | list[int] | None = -1  # the prompt's logprobs (>= 0) are not supported yet
     return_hidden_states: bool | list[bool] | None = False  # needs --enable-return-hidden-states
+    # SGLang's images: one prompt's image (a string) or images (a list); for a batch, one entry per prompt (None, a
+    # string or a list). Checked in multimodal/image_inputs.py generate_image_refs.
+    image_data: Any = None
 
 
 class AbortRequestBody(_Strict):

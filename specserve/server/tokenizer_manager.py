@@ -26,10 +26,13 @@ from specserve.engine.sampling_params import (
     input_logprobs_meta,
     logprobs_meta,
 )
+from specserve.multimodal.request_images import PreprocessedImages, preprocess_images
 from specserve.server.control_tokens import ControlTokens
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, unavailable
+from specserve.server.image_inputs import ImageInput, ImageLimits, as_400, load_chat_images
+from specserve.server.image_processing import QwenImageProcessor, expand_image_placeholders
 from specserve.server.logprobs_format import token_decoder
 from specserve.server.messages import (
     EngineInfo,
@@ -68,6 +71,7 @@ class GenRequest:
     top_logprobs_num: int = 0  # ... and the most likely tokens' at each position
     logprob_start_len: int = -1  # the prompt's logprobs from this token on, in meta_info at the finish
     validated: bool = False  # set by precheck_all: generate() does not validate the prompt and sampling again
+    images: PreprocessedImages | None = None  # the prompt's images (input_ids is then the expanded prompt)
 
 
 @dataclass
@@ -132,6 +136,11 @@ class TokenizerManager:
         # Tokenising and templating run on this one thread, never on the event loop (a long prompt would stall
         # every other client), and one at a time (a fast tokenizer's encode is not safe to call concurrently).
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # Images are decoded and preprocessed on threads of their own (Pillow and NumPy release the GIL), so a
+        # large image does not hold up the tokenising of other requests.
+        self._image_worker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
+        self.image_limits = ImageLimits.from_args(args)
+        self._image_processor = None  # the checkpoint's, built at the first image (server/image_processing.py)
         # No token covers more characters than the longest vocabulary entry, so a text longer than this cannot
         # fit the context: it is refused without being tokenised.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
@@ -145,6 +154,50 @@ class TokenizerManager:
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the text worker thread (tokenising, chat templates)."""
         return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn, *args)
+
+    async def off_loop_images(self, fn: Callable, *args):
+        """fn(*args) on an image worker thread (decoding and preprocessing images)."""
+        return await asyncio.get_running_loop().run_in_executor(self._image_worker, fn, *args)
+
+    # ------------------------------------------------------------------ images
+    @property
+    def takes_images(self) -> bool:
+        return self.info.image_token_id is not None
+
+    def check_takes_images(self, param: str) -> None:
+        """400 when the model has no vision tower (a text-only model; images are also off under --tp-size > 1)."""
+        if not self.takes_images:
+            raise bad_request(f"this model does not take images ({self.info.architecture} has no vision tower); "
+                              "send text only", param=param)
+
+    def expand_images(self, input_ids: list[int], images: list[ImageInput],
+                      param: str) -> tuple[list[int], PreprocessedImages | None]:
+        """A prompt with one <|image_pad|> per image and its decoded images -> (the expanded prompt, the images
+        preprocessed for the engine); 400 when the placeholders and the images differ in number or an image is
+        refused. Synchronous and CPU-bound: run it with off_loop_images."""
+        token = self.info.image_token_id
+        if not images:
+            if token is not None and token in input_ids:
+                raise bad_request(f"the prompt holds {input_ids.count(token)} image placeholders but the request "
+                                  "carries no images", param=param)
+            return input_ids, None
+        self.check_takes_images(param)
+        if self._image_processor is None:
+            try:
+                self._image_processor = QwenImageProcessor.from_model_dir(self.info.image_folder)
+            except (OSError, ValueError) as e:
+                raise bad_request(f"this server cannot preprocess images: {e}", param=param) from None
+        pre = as_400(preprocess_images)(images, self._image_processor)
+        ids = expand_image_placeholders(list(input_ids), token, pre.num_tokens, param=param)
+        return ids, pre
+
+    def chat_images(self, messages: list, input_ids: list[int]) -> tuple[list[int], PreprocessedImages | None]:
+        """A chat request's images (its messages' image_url parts) decoded, preprocessed and their placeholders in
+        the rendered prompt expanded; the request caps checked on the expanded prompt. Raises 400."""
+        decoded = load_chat_images(messages, self.image_limits)
+        ids, pre = self.expand_images(input_ids, decoded, "messages")
+        self.check_prompt_tokens([ids], param="messages")
+        return ids, pre
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.engine.start_io(loop, self._on_output, self._on_engine_exit)
@@ -241,8 +294,13 @@ class TokenizerManager:
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
         for m in messages:
-            if m.get("content"):  # (an empty assistant turn is fine; the template's output is checked again)
-                self.check_text(m["content"], param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # text and image parts (a vision-language model's user turn)
+                for part in content:
+                    if part.get("text"):
+                        self.check_text(part["text"], param="messages")
+            elif content:  # (an empty assistant turn is fine; the template's output is checked again)
+                self.check_text(content, param="messages")
         forged = self.control_tokens.present([messages, tools])
         nonce = self.control_tokens.new_nonce([messages, tools]) if forged else ""
         if forged:
@@ -344,6 +402,10 @@ class TokenizerManager:
     def _check_request(self, req: GenRequest) -> None:
         """The prompt and sampling checks (no state of this manager is read: safe on a worker thread)."""
         self.validate(req.input_ids, req.sampling)
+        token = self.info.image_token_id
+        if req.images is None and token is not None and token in req.input_ids:
+            raise bad_request(f"the prompt holds {req.input_ids.count(token)} image tokens but the request carries "
+                              "no images", param="prompt")
         try:
             check_logprob_args(req.return_logprob, req.top_logprobs_num, req.logprob_start_len, len(req.input_ids))
         except ValueError as e:
@@ -385,7 +447,8 @@ class TokenizerManager:
             self.labels[t.label] = rid
         self.engine.add(rid, list(req.input_ids), dict(req.sampling), req.return_hidden_states,
                         reasoning_end=req.reasoning_end, return_logprob=req.return_logprob,
-                        top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
+                        top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len,
+                        images=req.images)
         limit = None if req.internal else self.args.request_timeout
         deadline = None if limit is None else t.arrival + limit
         try:
