@@ -19,7 +19,8 @@ from specserve.bench.compare import main as compare_main
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
     model = build_tiny_model(str(root / "m"), "llama", seed=11, mtp_layout="deepseek")
-    common = ["--model-path", model, "--max-total-tokens", "4096", "--log-level", "warning"]
+    # --show-internal-info: the bench reads the tokenizer from the server's whole model path
+    common = ["--model-path", model, "--max-total-tokens", "4096", "--log-level", "warning", "--show-internal-info"]
     spec = start_server(common + ["--speculative-algorithm", "MTP", "--speculative-num-steps", "2"],
                         str(root / "spec.log"))
     try:

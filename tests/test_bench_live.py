@@ -50,7 +50,7 @@ def live(tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.launch_server", "--model-path", model, "--host", "127.0.0.1",
              "--port", str(port), "--speculative-algorithm", "MTP", "--speculative-num-steps", "2",
-             "--log-level", "warning"],
+             "--log-level", "warning", "--show-internal-info"],  # (the bench reads the tokenizer from its path)
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.time() + STARTUP_TIMEOUT_S

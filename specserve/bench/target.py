@@ -89,10 +89,11 @@ def resolve_tokenizer(explicit: str | None, model_info: dict | None):
     for p in candidates:
         if os.path.exists(p):
             return _tokenizer_from_path(p)
-    if any(os.path.basename(p.rstrip("/")) == EMBEDDED_GGUF for p in candidates):
+    if any(p.startswith("embedded:") or os.path.basename(p.rstrip("/")) == EMBEDDED_GGUF for p in candidates):
         return _tokenizer_from_path(embedded_model_path())
     if candidates:
-        raise ValueError(f"the server's model {candidates[0]!r} is not a local path here; pass --tokenizer")
+        raise ValueError(f"the server's model {candidates[0]!r} is not a local path here (a server shows its whole "
+                         "model path only when started with --show-internal-info); pass --tokenizer")
     raise ValueError("the server has no /get_model_info; pass --tokenizer (an HF folder or a .gguf file)")
 
 
