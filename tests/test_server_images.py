@@ -21,12 +21,11 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import pytest
 from helpers import build_tiny_model
 from PIL import Image
 from server_fixtures import LiveServer, start_server
-from test_vl_engine import IMAGE, VEND, VIDEO, VSTART, _build
+from vl_helpers import IMAGE, VEND, VIDEO, VSTART, build_tiny_vl, data_url, noise
 
 from specserve.engine.engine import Engine
 
@@ -65,23 +64,13 @@ def _vl_tokenizer(folder: str, vocab_size: int) -> None:
     fast.save_pretrained(folder)
 
 
-def noise(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def data_url(img: Image.Image) -> str:
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 IMG_A, IMG_B = noise(32, 24, 11), noise(32, 24, 12)  # same size, other pixels
 
 
 @pytest.fixture(scope="module")
 def vl_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_server")
-    folder = _build(root, "qwen3_5_vl", 5)
+    folder = build_tiny_vl(root, "qwen3_5_vl", 5)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     _vl_tokenizer(folder, cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
