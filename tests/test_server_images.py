@@ -25,43 +25,16 @@ import pytest
 from helpers import build_tiny_model
 from PIL import Image
 from server_fixtures import LiveServer, start_server
-from vl_helpers import IMAGE, VEND, VIDEO, VSTART, build_tiny_vl, data_url, noise
+from vl_helpers import IMAGE, VEND, VSTART, build_tiny_vl, data_url, noise, write_vl_tokenizer
 
 from specserve.engine.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-VISION_TOKENS = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", VSTART: "<|vision_start|>", VEND: "<|vision_end|>"}
-# Qwen3.5's rule for content parts: an image part becomes the vision markers around one placeholder
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
-            "{% for c in m['content'] %}{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}"
-            "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-            "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 SERVER_ARGS = ["--served-model-name", "x", "--dtype", "float32", "--max-total-tokens", "1024",
                "--chunked-prefill-size", "4", "--page-size", "1", "--skip-warmup",
                "--max-images-per-request", "2", "--max-image-pixels", "4096", "--context-length", "80"]
 NEW = 6
 GREEDY = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
-
-
-def _vl_tokenizer(folder: str, vocab_size: int) -> None:
-    """tests/helpers.py's tiny word tokenizer with the vision ids renamed to Qwen's special tokens, and TEMPLATE."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-    for p in letters + list("0123456789 .,!?'\":;-()|<>_"):
-        vocab.setdefault(p, len(vocab))
-    while len(vocab) < vocab_size:
-        n = len(vocab)
-        vocab[VISION_TOKENS.get(n, f"<extra_{n}>")] = n
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS.values()])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(folder)
 
 
 IMG_A, IMG_B = noise(32, 24, 11), noise(32, 24, 12)  # same size, other pixels
@@ -73,7 +46,7 @@ def vl_path(tmp_path_factory):
     folder = build_tiny_vl(root, "qwen3_5_vl", 5)
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
-    _vl_tokenizer(folder, cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+    write_vl_tokenizer(folder, cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
     return folder
 
 
@@ -260,6 +233,32 @@ def test_a_forged_placeholder_in_text_stays_text(server, engine):
     # forged text alone: no image at all, still a 200 (no slot for a missing image)
     r = _post(server, "/v1/chat/completions", _chat_body([{"type": "text", "text": "<|vision_start|><|image_pad|>"}]))
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("backend", ["specserve", "openai-chat"])
+def test_bench_image_dataset_runs_against_the_server(server, vl_path, tmp_path, backend):
+    """`specserve bench --dataset-name image`: every request completes, and the server counts the prompt tokens
+    the bench counted (templated text plus each image's tokens from the checkpoint's processor)."""
+    from specserve.bench import serving
+    from specserve.bench.image_dataset import ImageSpec, image_requests
+    from specserve.bench.target import resolve_tokenizer
+    from specserve.multimodal.image_processing import QwenImageProcessor
+
+    out = tmp_path / "bench.jsonl"
+    rc = serving.main(["--backend", backend, "--base-url", server.url, "--tokenizer", vl_path, "--dataset-name",
+                       "image", "--image-count", "1", "--image-resolution", "24x32", "--image-format", "png",
+                       "--random-input-len", "2", "--random-output-len", "4", "--random-range-ratio", "1",
+                       "--num-prompts", "3", "--max-concurrency", "2", "--seed", "3", "--disable-tqdm",
+                       "--output-file", str(out)])
+    assert rc == 0
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["completed"] == 3 and line["failed"] == 0, line["errors"]
+    assert line["total_output_tokens"] == 12 and line["image_resolution"] == "24x32"
+    tokens = QwenImageProcessor.from_model_dir(vl_path).num_tokens_for(32, 24)
+    reqs = image_requests(resolve_tokenizer(vl_path, None), 3, 2, 4, 1.0, ImageSpec(1, 32, 24, "png", "random"), 3,
+                          tokens)
+    assert line["total_input_tokens"] == sum(r.prompt_len for r in reqs)
+    assert server.wait_idle()["kv_free_pages"] == server.server_info()["kv_initial_free_pages"]
 
 
 def test_a_text_only_server_refuses_images(servers):

@@ -194,6 +194,8 @@ class Backend:
                 body["input_ids"] = req.prompt_ids  # exact prompt length, no re-tokenization
             else:
                 body["text"] = req.prompt
+            if req.image_data:
+                body["image_data"] = req.image_data
             for k, v in extra.items():
                 if k == "sampling_params":
                     sp.update(v)

@@ -1,5 +1,6 @@
 """Benchmark prompts: random token ids (exact lengths), groups of random prompts sharing a system prompt (SGLang's
-generated-shared-prefix, for the prefix cache), or a jsonl file of prompts / chat conversations."""
+generated-shared-prefix, for the prefix cache), or a jsonl file of prompts / chat conversations. Requests with images:
+bench/image_dataset.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class BenchRequest:
     output_len: int  # max new tokens
     prompt_ids: list[int] | None = None  # random and generated-shared-prefix datasets: the exact ids
     messages: list[dict] | None = None  # chat form; None means "one user turn holding `prompt`"
+    image_data: list[str] | None = None  # image dataset: data URLs, sent as /generate's image_data (the chat form
+    # holds the same URLs as image_url parts)
 
     def chat_messages(self) -> list[dict]:
         return self.messages if self.messages is not None else [{"role": "user", "content": self.prompt}]
@@ -36,7 +39,7 @@ def uniform_lengths(rng: np.random.Generator, n: int, length: int, range_ratio: 
     return rng.integers(low, length + 1, size=n)  # [n]
 
 
-def _usable_token_ids(tokenizer) -> np.ndarray:
+def usable_token_ids(tokenizer) -> np.ndarray:
     """Every id of the vocabulary except the special ones (BOS/EOS/pad/...): random prompts must not contain an
     EOS or a chat marker that would change how the server treats them."""
     special = set(tokenizer.all_special_ids)
@@ -53,7 +56,7 @@ def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int
     rng = np.random.default_rng(seed)
     in_lens = uniform_lengths(rng, num_prompts, input_len, range_ratio)  # [num_prompts]
     out_lens = uniform_lengths(rng, num_prompts, output_len, range_ratio)  # [num_prompts]
-    vocab = _usable_token_ids(tokenizer)
+    vocab = usable_token_ids(tokenizer)
     reqs = []
     for n_in, n_out in zip(in_lens.tolist(), out_lens.tolist(), strict=True):
         ids = rng.choice(vocab, size=n_in).tolist()  # [n_in]
@@ -73,7 +76,7 @@ def shared_prefix_requests(tokenizer, num_groups: int, prompts_per_group: int, s
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     rng = np.random.default_rng(seed)
-    vocab = _usable_token_ids(tokenizer)
+    vocab = usable_token_ids(tokenizer)
     reqs = []
     for _ in range(num_groups):
         system = rng.choice(vocab, size=system_prompt_len).tolist()  # [system_prompt_len]

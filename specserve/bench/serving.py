@@ -6,6 +6,9 @@ Modelled on sglang.bench_serving (same summary field names). Example:
 The prefix cache (groups of prompts sharing a system prompt; the cache emptied before each run):
     specserve bench --dataset-name generated-shared-prefix --gsp-num-groups 8 --gsp-prompts-per-group 16
         --flush-cache --max-concurrency 16
+Images (a vision-language model; /generate or /v1/chat/completions):
+    specserve bench --dataset-name image --image-count 2 --image-resolution 720p --random-input-len 1000
+        --random-output-len 256 --num-prompts 64 --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from specserve.bench import plot, target
 from specserve.bench.backends import BACKENDS, RequestOutput
 from specserve.bench.datasets import BenchRequest, jsonl_requests, random_requests, shared_prefix_requests
+from specserve.bench.image_dataset import IMAGE_CONTENTS, IMAGE_FORMATS, ImageSpec, image_requests, parse_resolution
 from specserve.bench.metrics import compute_metrics, format_summary
 from specserve.bench.runner import RunConfig, fill_missing_output_lens, run_benchmark, run_warmup
 from specserve.server_args import CommandParser
@@ -52,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: ask /v1/models or /get_model_info)")
     p.add_argument("--tokenizer", default=None,
                    help="HF folder or .gguf file (default: the server's tokenizer/model path when local)")
-    p.add_argument("--dataset-name", choices=("random", "generated-shared-prefix", "jsonl"), default="random",
+    p.add_argument("--dataset-name", choices=("random", "generated-shared-prefix", "jsonl", "image"),
+                   default="random",
                    help="random: random token ids; generated-shared-prefix: groups of random prompts that share a "
-                        "random system prompt (--gsp-*; --num-prompts is ignored); jsonl: --dataset-path")
+                        "random system prompt (--gsp-*; --num-prompts is ignored); jsonl: --dataset-path; image: "
+                        "random text of --random-input-len tokens with generated images (--image-*)")
     p.add_argument("--dataset-path", default=None, help="jsonl with prompt/text/question/instruction or messages")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=1024,
@@ -67,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="tokens of each group's system prompt")
     g.add_argument("--gsp-question-len", type=int, default=128, help="tokens of each prompt's own question")
     g.add_argument("--gsp-output-len", type=int, default=256, help="output tokens per request")
+    g = p.add_argument_group("image dataset (SGLang's flags and defaults)")
+    g.add_argument("--image-count", type=int, default=1, help="images per request")
+    g.add_argument("--image-resolution", default="1080p",
+                   help="4k, 1080p, 720p, 360p or HEIGHTxWIDTH (e.g. 1080x1920)")
+    g.add_argument("--image-format", choices=IMAGE_FORMATS, default="jpeg")
+    g.add_argument("--image-content", choices=IMAGE_CONTENTS, default="random", help="random noise or blank white")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--max-concurrency", default=None, help="int, or a comma list for a sweep (e.g. 1,4,16)")
     p.add_argument("--request-rate", type=float, default=math.inf,
@@ -90,6 +102,9 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int | None], dict]:
     concurrencies = parse_concurrency(args.max_concurrency)
     if args.dataset_name == "jsonl" and not args.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
+    if args.dataset_name == "image" and BACKENDS[args.backend].kind == "completions":
+        raise ValueError("--dataset-name image needs a backend that sends images: specserve, sglang (/generate "
+                         "image_data) or openai-chat (image_url parts)")
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     if args.warmup_requests < 0:
@@ -107,7 +122,25 @@ def _check_args(args: argparse.Namespace) -> tuple[list[int | None], dict]:
     return concurrencies, extra
 
 
-def _load_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+def _image_tokens(model_dir: str | None, width: int, height: int) -> int | None:
+    """The placeholder tokens one width x height image expands to, from the checkpoint's image processor when its
+    config is here; None otherwise (the server's counts are used)."""
+    from specserve.multimodal.image_processing import QwenImageProcessor
+
+    if model_dir is None:
+        return None
+    try:
+        return QwenImageProcessor.from_model_dir(model_dir).num_tokens_for(width, height)
+    except (OSError, ValueError):
+        return None
+
+
+def _load_requests(args: argparse.Namespace, tokenizer, model_dir: str | None = None) -> list[BenchRequest]:
+    if args.dataset_name == "image":
+        width, height = parse_resolution(args.image_resolution)
+        spec = ImageSpec(args.image_count, width, height, args.image_format, args.image_content)
+        return image_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                              args.random_range_ratio, spec, args.seed, _image_tokens(model_dir, width, height))
     if args.dataset_name == "random":
         return random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.seed)
@@ -149,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         tokenizer = target.resolve_tokenizer(args.tokenizer, model_info)
-        requests = _load_requests(args, tokenizer)
+        requests = _load_requests(args, tokenizer, target.local_model_dir(args.tokenizer, model_info))
     except (ValueError, OSError) as e:
         print(f"specserve bench: {e}", file=sys.stderr)
         return 2
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name != "jsonl"
+    images = sum(len(r.image_data or ()) for r in requests)
     print(f"#Prompts: {len(requests)}  #Input tokens: {sum(r.prompt_len for r in requests)}  "
-          f"#Output tokens (max): {sum(r.output_len for r in requests)}  model: {model}  url: {base}")
+          f"#Output tokens (max): {sum(r.output_len for r in requests)}" + (f"  #Images: {images}" if images else "")
+          + f"  model: {model}  url: {base}")
     cfg = RunConfig(backend=backend, url=base + backend.path, model=model, ignore_eos=ignore_eos, extra_body=extra,
                     headers=headers, request_rate=args.request_rate, seed=args.seed, disable_tqdm=args.disable_tqdm)
 
@@ -180,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                   "request_rate": args.request_rate, "max_concurrency": conc, "num_prompts": len(requests),
                   "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
                   "random_range_ratio": args.random_range_ratio}
+        if args.dataset_name == "image":
+            result.update(image_count=args.image_count, image_resolution=args.image_resolution,
+                          image_format=args.image_format, image_content=args.image_content)
         result.update(compute_metrics(outputs, duration))
         result["server_accept_length"], result["server_accept_length_scope"] = target.run_accept_length(
             before, target.SpecCounters.read(base, headers))

@@ -78,6 +78,16 @@ def _tokenizer_from_path(path: str):
     return AutoTokenizer.from_pretrained(path)  # a hub id (needs network)
 
 
+def local_model_dir(explicit: str | None, model_info: dict | None) -> str | None:
+    """The first folder here among --tokenizer, the server's tokenizer_path and model_path (None: none is local):
+    where the image dataset looks for the checkpoint's image preprocessor config."""
+    info = model_info or {}
+    for p in (explicit, info.get("tokenizer_path"), info.get("model_path")):
+        if p and os.path.isdir(p):
+            return p
+    return None
+
+
 def resolve_tokenizer(explicit: str | None, model_info: dict | None):
     """--tokenizer when given; else the server's tokenizer_path / model_path when that path exists here; else the
     embedded default model's GGUF when the server serves it. Raises ValueError with what to pass otherwise."""
