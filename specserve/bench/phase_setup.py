@@ -122,12 +122,16 @@ def random_draft(cfg: ModelConfig, target, dtype: torch.dtype, device: torch.dev
     return draft
 
 
-def preset_config(preset: str, layers: int = 0) -> ModelConfig:
+def preset_config(preset: str, layers: int = 0, architecture: str | None = None) -> ModelConfig:
     """The model config of a named preset (PRESETS), parsed as the family parses a checkpoint's. layers > 0: only
-    the first `layers` layers (per-layer lists cut alike), for a card the preset does not fit."""
+    the first `layers` layers (per-layer lists cut alike), for a card the preset does not fit. architecture: read
+    the shapes as another architecture of the same family (e.g. Qwen3-Next's as a Qwen3.5 vision-language model's
+    language side, which adds interleaved mRoPE)."""
     from transformers import AutoConfig
 
     spec = dict(PRESETS[preset])
+    if architecture:
+        spec["architectures"] = [architecture]
     if layers:
         spec["num_hidden_layers"] = layers
         for k in ("layer_types", "mlp_layer_types", "indexer_types"):
@@ -144,9 +148,10 @@ def preset_config(preset: str, layers: int = 0) -> ModelConfig:
 
 
 def random_models(preset: str, dtype: torch.dtype, device: torch.device, max_positions: int, seed: int = 0,
-                  layers: int = 0):
-    """Target and MTP draft with random weights, made on the device (nothing to carry); layers: preset_config's."""
-    cfg = preset_config(preset, layers)
+                  layers: int = 0, architecture: str | None = None):
+    """Target and MTP draft with random weights, made on the device (nothing to carry); layers, architecture:
+    preset_config's."""
+    cfg = preset_config(preset, layers, architecture)
     with torch.device("meta"):
         target = model_class(cfg.architecture)(cfg, max_positions)
     target = materialize(target, cfg, dtype, device, max_positions)  # a 30B model has no room for float32
