@@ -72,7 +72,8 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     schedule_conservativeness: float = 1.0  # scales the growth reserved at admission (engine/scheduler.py)
     disable_radix_cache: bool = False  # SGLang's flag: turns the prefix (radix) cache off (kvcache/radix_cache.py)
-    model_loader_extra_config: str | None = None  # SGLang's online quantisation (JSON); refused unless empty
+    quantization: str | None = None  # "fp8": online FP8 of a bf16/fp16 checkpoint (layers/quant.py OnlineFp8)
+    model_loader_extra_config: str | None = None  # SGLang's loader options (JSON): online_quant_config only
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
@@ -258,6 +259,8 @@ class ServerArgs:
             setattr(self, name, _flag_value(flag, attention_backend_name, getattr(self, name)))
         _flag_value("--cuda-graph-backend-decode", cuda_graph_backend_decode_name, self.cuda_graph_backend_decode)
         _flag_value("--model-loader-extra-config", model_loader_extra_config, self.model_loader_extra_config)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization {self.quantization!r} is not supported (fp8 is)")
         if self.cuda_graph_max_bs_decode is not None:
             if self.cuda_graph_max_bs not in (None, self.cuda_graph_max_bs_decode):
                 raise ValueError(f"--cuda-graph-max-bs {self.cuda_graph_max_bs} and --cuda-graph-max-bs-decode "
@@ -380,9 +383,13 @@ class ServerArgs:
         a("--context-length", type=int, default=None,
           help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
         a("--trust-remote-code", action="store_true", help="let transformers run a checkpoint's own config code")
+        a("--quantization", choices=("fp8",), default=None,
+          help="fp8: quantise a bf16/fp16 checkpoint's linear layers to FP8 at load (a scale per output row, the "
+               "input per token at each call; FP8 GEMMs on a GPU). An FP8 checkpoint is served in FP8 without it")
         a("--model-loader-extra-config", type=_cli_type(model_loader_extra_config), default=None,
-          help="SGLang's loader options as JSON; online quantisation is not supported yet, so only an empty "
-               "object is accepted")
+          help="SGLang's loader options as JSON: {\"online_quant_config\": {\"global_quant_config\": \"ptpc_fp8\", "
+               "\"exclude_layer\": [globs]}} quantises as --quantization fp8 does, except the modules the globs "
+               "match (checkpoint names, e.g. \"*.mlp.gate\", \"*expert*\")")
 
         a = g["parallelism"].add_argument
         a("--tp-size", "--tp", dest="tp_size", type=int, default=1,
@@ -636,15 +643,15 @@ def cuda_graph_backend_decode_name(value: str) -> str:
 
 
 def model_loader_extra_config(value: str | None) -> str | None:
-    """SGLang's loader options (online quantisation among them): only an empty one is accepted."""
+    """SGLang's loader options: online quantisation (layers/quant.py OnlineFp8) is the one supported."""
+    from specserve.layers.quant import OnlineFp8
+
     if value is None:
         return None
     try:
-        config = json.loads(value) if value.strip() else {}
+        OnlineFp8.from_flags(None, value)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON: {e}") from None
-    if config:
-        raise ValueError("online quantisation (loader options) is not supported yet")
     return value
 
 

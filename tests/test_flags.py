@@ -29,7 +29,8 @@ REFERENCE = [
     "EAGLE --speculative-num-steps 4 --speculative-eagle-topk 1 --sampling-defaults openai",
     "--model-path M --host 0.0.0.0 --port 8016 --trust-remote-code --tp-size 4 --mem-fraction-static 0.8 "
     "--disable-radix-cache --max-running-requests 128 --enable-return-hidden-states --kv-cache-dtype fp8_e4m3 "
-    "--model-loader-extra-config '{\"quantization\": \"fp8\"}' --speculative-algorithm EAGLE "
+    "--model-loader-extra-config '{\"online_quant_config\":{\"global_quant_config\":\"ptpc_fp8\",\"exclude_layer\":"
+    "[\"lm_head\",\"model.embed_tokens\",\"*.mlp.gate\",\"*expert*\"]}}' --speculative-algorithm EAGLE "
     "--speculative-draft-attention-backend aiter --speculative-num-steps 3 --speculative-eagle-topk 1 "
     "--speculative-num-draft-tokens 4",
 ]
@@ -39,8 +40,6 @@ REFUSED = {
     ("--speculative-draft-attention-backend", "aiter"): "argument --speculative-draft-attention-backend: aiter is "
                                                         "AMD ROCm's kernel library",
     ("--kv-cache-dtype", "fp8_e4m3"): "quantised (FP8/FP4) KV caches are not supported yet",
-    ("--model-loader-extra-config", '{"quantization": "fp8"}'): "online quantisation (loader options) is not "
-                                                                 "supported yet",
 }
 
 
@@ -78,7 +77,7 @@ def test_reference_launch_commands(cmd, capsys):
     assert a.trust_remote_code and a.disable_radix_cache and a.host == "0.0.0.0"
     for pair in refused:  # each refused value alone: its one line, the flag named
         assert REFUSED[pair] in _error(_without(argv, refused - {pair}), capsys)
-    assert len(refused) == (0, 1, 3)[cmd]
+    assert len(refused) == (0, 1, 2)[cmd]
     if cmd == 0:
         assert (a.tp_size, a.ep_size, a.moe_expert_parallel) == (2, 1, False)  # each expert split over the ranks
         assert (a.kv_cache_dtype, a.page_size, a.context_length, a.max_running_requests, a.mem_fraction_static) == \
@@ -103,7 +102,14 @@ def test_sglang_flag_values(capsys):
                          (["--cuda-graph-backend-decode", "piecewise"], "full CUDA graphs only"),
                          (["--kv-cache-dtype", "fp8_e5m2"], "not supported yet"),
                          (["--tp", "4", "--ep-size", "2"], "--ep-size 2 must be 1"),
-                         (["--model-loader-extra-config", "{"], "not JSON")):
+                         (["--model-loader-extra-config", "{"], "not JSON"),
+                         (["--model-loader-extra-config", '{"quantization": "fp8"}'], "unsupported keys"),
+                         (["--model-loader-extra-config", '{"online_quant_config": {"global_quant_config": "w4a16"}}'],
+                          "'w4a16' is not supported"),
+                         (["--model-loader-extra-config",
+                           '{"online_quant_config": {"global_quant_config": "ptpc_fp8", "exclude_layer": "lm_head"}}'],
+                          "must be a list"),
+                         (["--quantization", "awq"], "invalid choice")):
         assert needle in _error(argv, capsys)
     from specserve.server_args import ServerArgs
 

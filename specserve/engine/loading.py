@@ -4,6 +4,7 @@ tensor-parallel follower ranks (engine/tp_ranks.py), which build their model run
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from specserve.defaults import embedded_draft_path, embedded_model_path
 from specserve.distributed.tp import TP1, TPGroup
 from specserve.engine.model_runner import ModelRunner
-from specserve.layers.quant import quantize_draft
+from specserve.layers.quant import OnlineFp8, quantize_draft, quantize_fp8_online
 from specserve.models.loader import (
     LoadedTarget,
     ModelSource,
@@ -23,6 +24,8 @@ from specserve.models.loader import (
 from specserve.models.registry import config_from_hf
 from specserve.models.token_map import load_token_map
 from specserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,6 +68,11 @@ def load_models(args: ServerArgs, device: torch.device, tp: TPGroup = TP1) -> Lo
     draft = None
     if args.spec_enabled:
         draft = load_mtp_draft(target, draft_path, dtype, device, max_positions, token_map)
+    online = OnlineFp8.from_flags(args.quantization, args.model_loader_extra_config)
+    if online is not None and target.fp8 is None:  # (an FP8 checkpoint is served in its own FP8)
+        n = sum(quantize_fp8_online(m, online) for m in (target.model, draft) if m is not None)
+        logger.info("online FP8: %d linear layers quantised (a scale per output row)", n)
+    if draft is not None:
         quantize_draft(draft, args.speculative_draft_model_quantization, device)
     return LoadedModels(src, target, draft, dtype, context_len)
 

@@ -44,6 +44,7 @@ class DSAIndexer(nn.Module):
         self.wk = Linear(hidden_size, head_dim)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
         self.weights_proj = Linear(hidden_size, n_heads)
+        self.weights_proj.fp8_capable = False  # float32 (loader.keep_float32_params); its input is cast to it
         self.rotary = rotary  # shared module, over the rope dims
 
     def cache_spec(self) -> LatentCacheSpec:

@@ -5,6 +5,12 @@ Tensor-parallel variants (a rank's slice of each weight) are in layers/parallel.
 On CPU in float32, small row counts run through oneDNN with a prepacked copy of the weight, and a drafter's layers
 through its weight-only int8 copy (layers/cpu_linear.py); everything else (GPU, other dtypes, training, large row
 counts) is plain F.linear.
+
+FP8: a Linear (one device) may hold its weight in float8 e4m3 with float32 scales (`weight_scale`, a buffer: per
+128 x 128 block of an FP8 checkpoint, or per output row from online quantisation); its forward then quantises the
+input per token (per group of the block's columns) and multiplies in FP8 (kernels/ops.py fp8_linear: Triton on a
+GPU, a dequantising reference on a CPU). `load_fp8` takes a checkpoint's Fp8Weight, `quantize_fp8` a loaded
+weight.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from torch import nn
 
 from specserve.kernels import ops
 from specserve.layers.cpu_linear import Int8Weight, PackedWeight, int8_cpu_linear, packed_cpu_linear
+from specserve.weights.fp8 import Fp8Weight
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class Linear(nn.Module):
@@ -29,14 +38,71 @@ class Linear(nn.Module):
         # calls of at most this many rows (0: none; at most ops.GEMV_MAX_ROWS) through the one-launch Triton GEMV
         # (--decode-gemv, set by the layer that owns it: models/decoder_layer.py PreNormDecoderLayer.set_decode_gemv)
         self.decode_gemv = 0
+        # whether this layer may hold an FP8 weight (False where a kernel reads the weight itself rather than
+        # through forward: MLA's absorbed kv_b_proj, routers, the DSA indexer), set by the layer that owns it
+        self.fp8_capable = True
+        self.loaded_plain = False  # a plain part was loaded (MergedLinear): later FP8 parts come dequantized
+        self.fp8_block: tuple[int, int] | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype in FP8_DTYPES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            return ops.fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, self.bias)
         if x.dim() == 2 and x.shape[0] <= self.decode_gemv:
             return ops.gemv(x, self.weight, self.bias)
         y = int8_cpu_linear(x, self.weight, self.bias, self.int8)
         if y is None:
             y = packed_cpu_linear(x, self.weight, self.bias, self.packed)
         return F.linear(x, self.weight, self.bias) if y is None else y
+
+
+    def to_fp8(self, block: tuple[int, int] | None) -> None:
+        """Replace the weight by an FP8 one of the same shape (zeros) and scales (ones) for `block` (None: one scale
+        per output row), on the weight's device; the loader then copies the checkpoint's values in."""
+        out, inp = self.weight.shape
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.zeros((out, inp), dtype=torch.float8_e4m3fn, device=dev),
+                                   requires_grad=False)  # [out, in]
+        shape = (out,) if block is None else (-(-out // block[0]), -(-inp // block[1]))
+        self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=dev))
+        self.fp8_block = block
+        self.decode_gemv = 0  # the bf16 GEMV cannot read FP8
+
+    def fp8_ready(self, w: Fp8Weight) -> bool:
+        """Whether this layer keeps `w` in FP8 (converting itself on the first one): one device, and the FP8
+        weights it already holds have the same block. A layer that cannot is given the weight dequantized."""
+        if (type(self) not in (Linear, MergedLinear) or not self.fp8_capable or self.weight.shape[1] != w.shape[1]
+                or w.q.dtype != torch.float8_e4m3fn):
+            return False
+        if not self.is_fp8:
+            if self.loaded_plain:
+                return False
+            if not all(self._block_aligned(w.block)):
+                return False
+            self.to_fp8(w.block)
+        return self.fp8_block == w.block
+
+    def _block_aligned(self, block: tuple[int, int] | None):
+        yield True
+
+    def load_fp8(self, w: Fp8Weight) -> None:
+        """A whole FP8 weight (fp8_ready first)."""
+        copy_checked(self.weight, w.q, "FP8 weight")
+        copy_checked(self.weight_scale, w.scale, "FP8 weight scale")
+
+    def quantize_fp8(self) -> None:
+        """Online FP8 (--quantization fp8): this layer's loaded weight -> FP8 with one scale per output row (the
+        input is quantised per token at each call)."""
+        from specserve.kernels.reference_fp8 import quantize_weight_channels
+
+        wq, scale = quantize_weight_channels(self.weight.detach())  # [out, in] fp8, [out]
+        self.to_fp8(None)
+        with torch.no_grad():
+            self.weight.copy_(wq)
+            self.weight_scale.copy_(scale)
 
 
 class MergedLinear(Linear):
@@ -53,8 +119,28 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = (off, size)
             off += size
 
-    def load_shard(self, shard: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def _block_aligned(self, block: tuple[int, int] | None):
+        """Every part starts on a scale block (its scales are then rows of the whole weight's)."""
+        for off, _ in self.shard_offsets.values():
+            yield block is None or off % block[0] == 0
+
+    def load_shard(self, shard: str, tensor: torch.Tensor | Fp8Weight, is_bias: bool = False) -> None:
         off, size = self.shard_offsets[shard]
+        if isinstance(tensor, Fp8Weight):
+            if not self.fp8_ready(tensor):
+                tensor = tensor.dequantize(self.weight.dtype, self.weight.device)
+            else:
+                if tensor.shape[0] != size:
+                    raise ValueError(f"shard {shard!r}: expected {size} rows, checkpoint has {tuple(tensor.shape)}")
+                first = off if self.fp8_block is None else off // self.fp8_block[0]  # its first scale row
+                with torch.no_grad():
+                    self.weight[off:off + size].copy_(tensor.q)
+                    self.weight_scale[first:first + tensor.scale.shape[0]].copy_(tensor.scale)
+                return
+        elif self.is_fp8 and not is_bias:
+            raise ValueError(f"shard {shard!r}: a plain weight for a projection whose other parts are FP8")
+        if not is_bias:
+            self.loaded_plain = True
         target = self.bias if is_bias else self.weight
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard!r}: expected {size} rows, checkpoint has {tuple(tensor.shape)}")
@@ -65,6 +151,8 @@ class MergedLinear(Linear):
 def copy_checked(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
     """Copy a checkpoint tensor into a parameter (or a slice of one) of the same shape, casting dtype and moving
     device as needed; a clear error naming `what` otherwise."""
+    if isinstance(tensor, Fp8Weight):  # a parameter that does not compute in FP8 takes the weight dequantized
+        tensor = tensor.dequantize(target.dtype, target.device)
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(f"{what}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
     with torch.no_grad():

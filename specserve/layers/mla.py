@@ -72,6 +72,7 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
         self.kv_b_proj = heads_out(kv_lora_rank, qk_nope_head_dim + v_head_dim)
+        self.kv_b_proj.fp8_capable = False  # absorbed: its weight is read per head (below), not through forward
         self.o_proj = (Linear(num_heads * v_head_dim, hidden_size, bias=bias) if tp.size == 1
                        else RowParallelLinear(full_heads * v_head_dim, hidden_size, tp, bias=bias))
         self.rotary = rotary  # shared module, over the rope dims

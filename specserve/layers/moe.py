@@ -18,6 +18,7 @@ from specserve.kernels import ops
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.linear import Linear, MergedLinear, copy_checked
 from specserve.layers.parallel import MergedColumnParallelLinear, RowParallelLinear
+from specserve.weights.fp8 import Fp8Weight
 
 ROUTERS = ("softmax", "grouped_sigmoid")
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -174,6 +175,7 @@ class SparseMoEBlock(nn.Module):
         extra = int(self.fused_shared)
         gate_row = int(self.fused_shared and shared_expert_gated)
         self.gate = Linear(hidden_size, num_experts + gate_row)  # [E (+ 1), H] router (+ the shared expert's gate)
+        self.gate.fp8_capable = False  # the routing kernels read gate.weight themselves
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts)) if router == "grouped_sigmoid"
                                         else None)  # [E]; a Parameter so the loader's all-loaded check covers it
         self.experts = FusedMoE(local + extra, hidden_size, moe_intermediate_size, expert_tp)
@@ -289,6 +291,27 @@ class SparseMoEBlock(nn.Module):
                 self.shared_expert.gate_up_proj.load_shard(shard, tensor)
                 self.pending["shared_expert.gate_up_proj.weight"].discard(shard)
                 return True
+        return False
+
+    def load_fp8_weight(self, rest: str, w: Fp8Weight) -> bool:
+        """load_weight for an FP8 checkpoint weight kept in FP8: the shared expert's projections (not fused into
+        the routed experts). False: the caller loads it dequantized through load_weight."""
+        parts = rest.split(".")
+        if (self.shared_expert is None or len(parts) != 3 or parts[0] not in ("shared_expert", "shared_experts")
+                or parts[2] != "weight"):
+            return False
+        if parts[1] == "down_proj":
+            down = self.shared_expert.down_proj
+            if not down.fp8_ready(w):
+                return False
+            down.load_fp8(w)
+            self.pending["shared_expert.down_proj.weight"].clear()
+            return True
+        if parts[1] in ("gate_proj", "up_proj") and self.shared_expert.gate_up_proj.fp8_ready(w):
+            shard = parts[1].removesuffix("_proj")
+            self.shared_expert.gate_up_proj.load_shard(shard, w)
+            self.pending["shared_expert.gate_up_proj.weight"].discard(shard)
+            return True
         return False
 
     def _load_piece(self, name: str, piece: str, target: torch.Tensor, tensor: torch.Tensor) -> bool:

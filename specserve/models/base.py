@@ -174,7 +174,9 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target = self.load_tensor(self, params, name, tensor)
+            target, tensor = tensor_loading.load_fp8_or_plain(self, name, tensor)
+            if target is None:
+                target = self.load_tensor(self, params, name, tensor)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.config.architecture}")
             loaded.add(target)

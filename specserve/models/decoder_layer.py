@@ -78,9 +78,9 @@ class PreNormDecoderLayer(nn.Module):
             projs = None
         gate_up, down = gated_mlp_projections(self.mlp)
 
-        def use(linear) -> bool:
-            return linear is not None and (mode == "triton" or (mode == "auto"
-                                                                and prefer_fused([tuple(linear.weight.shape)])))
+        def use(linear) -> bool:  # (the fused GEMVs read bf16 weights: an FP8 layer keeps its own forward)
+            return linear is not None and not linear.is_fp8 and (
+                mode == "triton" or (mode == "auto" and prefer_fused([tuple(linear.weight.shape)])))
 
         self.fused_in = bool(projs) and use(projs[0])
         self.fused_mlp = use(gate_up)

@@ -23,7 +23,7 @@ from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
 from specserve.models.registry import config_from_hf, model_class
-from specserve.weights.fp8 import Fp8Format, dequantize_stream, fp8_format
+from specserve.weights.fp8 import Fp8Format, dequantize_stream, fp8_format, pair_stream
 from specserve.weights.gguf_loader import iter_gguf
 from specserve.weights.safetensors_loader import iter_safetensors, tensor_names
 
@@ -145,13 +145,17 @@ def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, d
     return tqdm(it, desc=desc, total=total, unit="tensor", leave=False, disable=None)
 
 
-def _dequantized(tensors, fp8: Fp8Format | None, device: torch.device):
-    """The checkpoint's tensors with FP8 weights dequantized as they stream (weights/fp8.py, on the model's device),
-    when it has them."""
+def _fp8_paired(tensors, fp8: Fp8Format | None, tp: TPGroup):
+    """The checkpoint's tensors with each FP8 weight and its scale paired (weights/fp8.py Fp8Weight): the layers
+    that compute in FP8 keep them, the others take them dequantized. Above one rank every weight is dequantized as
+    it streams (tensor-parallel slices of FP8 blocks are not kept in FP8 yet)."""
     if fp8 is None:
         return tensors
-    logger.info("FP8 checkpoint: weights dequantized to the model dtype at load (blocks %s)", fp8.block)
-    return dequantize_stream(tensors, fp8, device)
+    if tp.size > 1:
+        logger.info("FP8 checkpoint under --tp-size %d: weights dequantized at load", tp.size)
+        return dequantize_stream(tensors, fp8)
+    logger.info("FP8 checkpoint: weights kept in FP8 (blocks %s)", fp8.block)
+    return pair_stream(tensors, fp8)
 
 
 def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int,
@@ -178,7 +182,7 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
             yield name, tensor
 
     with torch.no_grad():
-        loaded = model.load_weights(_dequantized(target_only(), fp8, device))
+        loaded = model.load_weights(_fp8_paired(target_only(), fp8, tp))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
@@ -223,7 +227,7 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
         names = names - {vocab_name}
     with torch.no_grad():
         tensors = _stream(draft_src, draft_cfg, names, "Loading MTP weights")
-        draft.load_weights(_dequantized(tensors, fp8, device), layer_index)
+        draft.load_weights(_fp8_paired(tensors, fp8, target.config.tp), layer_index)
     draft.share_target(target.model.embed_tokens, target.model.lm_head)
     if head_from_target:
         draft.restrict_vocab(vocab.to(torch.int64))

@@ -39,6 +39,7 @@ from specserve.kernels import ops
 from specserve.kvcache.cache_spec import CacheSpec
 from specserve.layers.embedding import LMHead, VocabEmbedding
 from specserve.layers.linear import Linear
+from specserve.models import tensor_loading
 from specserve.models.config import ModelConfig
 from specserve.models.registry import model_class
 
@@ -190,7 +191,9 @@ class MTPDraftModel(nn.Module):
                 self.draft_vocab.copy_(tensor.to(torch.int64))
                 loaded.add(ours)
                 continue
-            target = self.family.load_tensor(self, params, ours, tensor)
+            target, tensor = tensor_loading.load_fp8_or_plain(self, ours, tensor)
+            if target is None:
+                target = self.family.load_tensor(self, params, ours, tensor)
             if target is None:
                 raise ValueError(f"MTP tensor {name!r} (as {ours!r}) matches no draft parameter")
             loaded.add(target)

@@ -46,6 +46,7 @@ from specserve.models.base import CausalLM
 from specserve.models.config import ModelConfig, optional, require, text_config
 from specserve.models.decoder_layer import PreNormDecoderLayer
 from specserve.models.qwen3_5_vision import Qwen3_5VisionConfig, Qwen3_5VisionEncoder
+from specserve.weights.fp8 import Fp8Weight
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _LINEAR_ATTN = ".linear_attn."
@@ -286,6 +287,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
         def text_only():
             for name, tensor in weights:
+                if isinstance(tensor, Fp8Weight) and name.startswith(_VISION_PREFIXES):
+                    tensor = tensor.dequantize(torch.float32)  # the tower computes in the model dtype
                 ours = self.visual.load_tensor(name, tensor)
                 if ours is not None:
                     vision_loaded.add("visual." + ours)

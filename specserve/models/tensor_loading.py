@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.moe import SparseMoEBlock
+from specserve.weights.fp8 import Fp8Weight
 
 # checkpoint projection -> (our fused projection, its shard)
 _SHARDS = {
@@ -36,6 +38,55 @@ def load_checkpoint_tensor(root: nn.Module, params: dict[str, nn.Parameter], nam
         if isinstance(block, SparseMoEBlock):
             return name if block.load_weight(name[offset + len(_MLP):], tensor) else None
     return load_fused_or_param(root, params, name, tensor)
+
+
+def load_fp8_or_plain(root: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight
+                      ) -> tuple[str | None, torch.Tensor | None]:
+    """(our parameter's name, None) when `tensor` is an FP8 weight now loaded in FP8 (load_fp8_weight); else
+    (None, the tensor to load as usual: an FP8 weight dequantized to float32, or the tensor as it came)."""
+    if not isinstance(tensor, Fp8Weight):
+        return None, tensor
+    target = load_fp8_weight(root, name, tensor)
+    return (target, None) if target is not None else (None, tensor.dequantize(torch.float32))
+
+
+def load_fp8_weight(root: nn.Module, name: str, w: Fp8Weight) -> str | None:
+    """Keep a checkpoint's FP8 weight in FP8 where the layer it names computes in FP8 (a Linear on one device, a
+    q/k/v or gate/up part of a fused one, an MoE block's experts and shared expert); returns our parameter's name,
+    or None: the caller loads it dequantized like a plain tensor (any other parameter, a tensor-parallel slice)."""
+    offset = name.find(_MLP)
+    if offset >= 0:
+        try:
+            block = root.get_submodule(name[:offset + len(_MLP) - 1])
+        except AttributeError:
+            block = None
+        if isinstance(block, SparseMoEBlock):
+            return name if block.load_fp8_weight(name[offset + len(_MLP):], w) else None
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-1] != "weight":
+        return None
+    module_name, shard = ".".join(parts[:-1]), None
+    module = _submodule(root, module_name)
+    if module is None and parts[-2] in _SHARDS:
+        fused, shard = _SHARDS[parts[-2]]
+        module_name = ".".join(parts[:-2] + [fused])
+        module = _submodule(root, module_name)
+    if not isinstance(module, Linear) or not module.fp8_ready(w):
+        return None
+    if shard is None:
+        module.load_fp8(w)
+    elif isinstance(module, MergedLinear):
+        module.load_shard(shard, w)
+    else:
+        return None
+    return f"{module_name}.weight"
+
+
+def _submodule(root: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def finish_loading(root: nn.Module, loaded: set[str]) -> set[str]:
@@ -80,6 +131,8 @@ def copy_param(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor)
     if name not in params:
         return None
     param = params[name]
+    if isinstance(tensor, Fp8Weight):
+        tensor = tensor.dequantize(param.dtype, param.device)
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: parameter shape {tuple(param.shape)} != checkpoint shape {tuple(tensor.shape)}")
     with torch.no_grad():

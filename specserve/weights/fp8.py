@@ -3,10 +3,12 @@ ship): each quantized linear weight is float8 (e4m3) with a float32 `weight_scal
 block of `weight_block_size` = [rows, cols] (128 x 128 in those releases) or one per tensor without a block size.
 The real weight is `weight * scale_inv` broadcast over its block.
 
-The loader dequantizes such weights as they stream (`dequantize_stream`), so an FP8 checkpoint loads into the
-model dtype (bfloat16 on a GPU): the weights then take twice the FP8 bytes, and the GEMMs run in bfloat16 (no FP8
-GEMM here yet). A weight and its scale may come in either order and from different shards: the first of the two
-waits (one tensor each) until the other arrives.
+The loader pairs each FP8 weight with its scale as they stream (`pair_stream`) and hands the model an `Fp8Weight`:
+a layer that computes in FP8 (layers/linear.py Linear, layers/moe.py FusedMoE) keeps the FP8 values and the scales
+as they are; any other parameter gets the weight dequantized into its own dtype (`Fp8Weight.dequantize`). A weight
+and its scale may come in either order and from different shards: the first of the two waits (one tensor each)
+until the other arrives. One scale per tensor becomes one per row (the same value), so a fused projection whose
+parts have different scales (q, k, v) holds them side by side.
 """
 
 from __future__ import annotations
@@ -63,23 +65,70 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,
     return w * s.repeat_interleave(bo, dim=0)[:o].repeat_interleave(bi, dim=1)[:, :i]
 
 
-def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format,
-                      device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a checkpoint -> the same with every FP8 weight dequantized (float32, on `device`) and the
-    scales consumed; other tensors pass through. An FP8 weight without its scale (or a scale without its weight)
-    at the end is an error."""
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One checkpoint weight kept in FP8: q [O, I] float8; scale [ceil(O / bo), ceil(I / bi)] float32 with a block,
+    or [O] (one per row) without one (a per-tensor scale expanded to its rows)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """[O, I] in `dtype` (computed in float32 on `device`, default the weight's)."""
+        if self.block is None:
+            w = self.q.to(device or self.q.device).to(torch.float32)
+            return (w * self.scale.to(w.device, torch.float32)[:, None]).to(dtype)
+        return dequantize(self.q, self.scale, Fp8Format(self.block), device).to(dtype)
+
+    def rows(self, start: int, size: int) -> Fp8Weight:
+        """Rows [start, start + size) of the weight with their scales: a whole number of scale blocks (a fused
+        projection's part, a tensor-parallel slice); ValueError otherwise."""
+        if self.block is None:
+            return Fp8Weight(self.q[start:start + size], self.scale[start:start + size], None)
+        bo = self.block[0]
+        if start % bo or (size % bo and start + size != self.q.shape[0]):
+            raise ValueError(f"rows {start}..{start + size} do not fall on the FP8 scale blocks of {bo} rows")
+        return Fp8Weight(self.q[start:start + size], self.scale[start // bo:-(-(start + size) // bo)], self.block)
+
+
+def paired(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format) -> Fp8Weight:
+    """A checkpoint's FP8 weight and its scale -> Fp8Weight (shapes checked; a per-tensor scale one per row)."""
+    if weight.dim() != 2:
+        raise ValueError(f"an FP8 weight must be 2-D, got {tuple(weight.shape)}")
+    s = scale_inv.to(torch.float32)
+    if fmt.block is None or s.numel() == 1:
+        return Fp8Weight(weight, s.reshape(1).expand(weight.shape[0]).contiguous(), None)
+    bo, bi = fmt.block
+    o, i = weight.shape
+    want = (-(-o // bo), -(-i // bi))
+    if tuple(s.shape) != want:
+        raise ValueError(f"FP8 scale of shape {tuple(s.shape)} does not fit a {o} x {i} weight in {bo} x {bi} "
+                         f"blocks (expected {want})")
+    return Fp8Weight(weight, s, fmt.block)
+
+
+def pair_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
+                ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+    """(name, tensor) of a checkpoint -> the same with every FP8 weight and its scale as one Fp8Weight under the
+    weight's name; other tensors pass through. An FP8 weight without its scale (or a scale without its weight) at
+    the end is an error."""
     weights: dict[str, torch.Tensor] = {}  # FP8 weights waiting for their scale
     scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight, by the weight's name
     for name, t in tensors:
         if name.endswith(SCALE_SUFFIX):
             wname = name[:-len(SCALE_SUFFIX)]
             if wname in weights:
-                yield wname, dequantize(weights.pop(wname), t, fmt, device)
+                yield wname, paired(weights.pop(wname), t, fmt)
             else:
                 scales[wname] = t
         elif t.dtype in _FP8:
             if name in scales:
-                yield name, dequantize(t, scales.pop(name), fmt, device)
+                yield name, paired(t, scales.pop(name), fmt)
             else:
                 weights[name] = t
         else:
@@ -88,3 +137,10 @@ def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Forma
         left = sorted(weights) + sorted(n + SCALE_SUFFIX for n in scales)
         raise ValueError(f"FP8 checkpoint: {len(left)} weight(s) without their scale or scale(s) without their "
                          f"weight, e.g. {left[0]}")
+
+
+def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format,
+                      device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """pair_stream with every FP8 weight dequantized (float32, on `device`): the checkpoint as a plain one."""
+    for name, t in pair_stream(tensors, fmt):
+        yield name, t.dequantize(torch.float32, device) if isinstance(t, Fp8Weight) else t
