@@ -12,9 +12,9 @@ nearest even like torch, and e4m3 keeps its own type for the tensor-core dot.
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0
-MIN_AMAX: tl.constexpr = 1e-10
-_ROUND_MAGIC: tl.constexpr = 12582912.0  # 1.5 * 2^23: y + M - M rounds |y| < 2^22 to an integer, ties to even
+FP8_MAX = tl.constexpr(448.0)
+MIN_AMAX = tl.constexpr(1e-10)
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: y + M - M rounds |y| < 2^22 to an integer, ties to even
 
 
 @triton.jit
@@ -34,8 +34,10 @@ def round_to(v, dt: tl.constexpr, RNE: tl.constexpr):
     if RNE and dt == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # ties to even on the dropped 16 bits
-        return bits.to(tl.float32, bitcast=True)
-    return v.to(dt).to(tl.float32)
+        r = bits.to(tl.float32, bitcast=True)
+    else:
+        r = v.to(dt).to(tl.float32)
+    return r
 
 
 @triton.jit
@@ -46,6 +48,8 @@ def quantize_rows(a, RNE: tl.constexpr):
     af = a.to(tl.float32)
     s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), MIN_AMAX), FP8_MAX)  # [M]
     q = tl.clamp(tl.math.div_rn(af, s[:, None]), -FP8_MAX, FP8_MAX)
-    if RNE:
-        return _round_e4m3(q), s
-    return q.to(tl.float8e4nv), s
+    if RNE:  # one return: the compiler types every return of a function alike, constexpr branches included
+        q = _round_e4m3(q)
+    else:
+        q = q.to(tl.float8e4nv)
+    return q, s
