@@ -34,7 +34,7 @@ import triton.language as tl
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.reference_moe_fp8 import check_fp8_moe
 from specserve.kernels.triton_dot import dot
-from specserve.kernels.triton_fp8 import quantize_rows, round_to
+from specserve.kernels.triton_fp8 import dot_e4m3, quantize_rows, round_to
 from specserve.kernels.tuned_h200 import MOE_TILES
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
@@ -210,9 +210,9 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
                 kb = (k0 // BLOCK_K) * stride_sk
                 sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)  # [N]
                 su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-                acc_g += dot(qa, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION) * (
+                acc_g += dot_e4m3(qa, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT) * (
                     sa[:, None] * sg[None, :])
-                acc_u += dot(qa, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION) * (
+                acc_u += dot_e4m3(qa, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT) * (
                     sa[:, None] * su[None, :])
             else:
                 acc_g += dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
@@ -255,7 +255,7 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
             if FP8:
                 qa, sa = quantize_rows(a, RNE)  # [M, K] e4m3, [M]
                 sw = tl.load(s_ptrs + (k0 // BLOCK_K) * stride_sk, mask=n_ok, other=0.0)  # [N]
-                acc += dot(qa, w, F32_DOT, PRECISION) * (sa[:, None] * sw[None, :])
+                acc += dot_e4m3(qa, w, F32_DOT) * (sa[:, None] * sw[None, :])
             else:
                 acc += dot(a, w, F32_DOT, PRECISION)
         # each expert's product rounded to x's dtype, as the reference does before its weighted sum
@@ -413,7 +413,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg_gu, cfg_down = _gemm_configs(block_m) if tiles is None else tiles
     if fp8:
         cfg_gu, cfg_down = _fp8_configs(cfg_gu, cfg_down, bk, tiles)
-        precision = "ieee"  # the e4m3 x e4m3 dot accumulates in float32 whatever this says
         s13, s2 = w13_scale, w2_scale
         fp8_args = dict(FP8=True, BN_W=bn, RNE=f32_dot)  # RNE: the interpreter's casts truncate (triton_fp8.py)
     else:
