@@ -136,6 +136,12 @@ def main() -> None:
             check(f"moe fp8 E{e} H{h} I{i} T{t}", tm, ["_gate_up_kernel", "_down_kernel", "_sum_k_kernel", *align],
                   lambda w13=w13, w2=w2, s13=s13, s2=s2, x=x, ids=ids, wts=wts: tm.fused_moe(
                       x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=(128, 128)), F32_DOT=False, RNE=False)
+    # and the GPU tests' 16 x 16 blocks: a K step below the e4m3 dot's least K of 32 (triton_fp8.dot_e4m3: float16)
+    w13, w2 = torch.empty(4, 64, 64, dtype=fp8), torch.empty(4, 64, 32, dtype=fp8)
+    s13, s2 = torch.ones(4, 4, 4), torch.ones(4, 4, 2)
+    check("moe fp8 16 x 16 blocks", tm, ["_gate_up_kernel", "_down_kernel"],
+          lambda: tm.fused_moe(torch.randn(1, 64).to(BF16), w13, w2, torch.rand(1, 2), torch.arange(2)[None],
+                               w13_scale=s13, w2_scale=s2, block=(16, 16)), F32_DOT=False, RNE=False)
     # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)
     x, r = torch.randn(1, 2048).to(BF16), torch.randn(1, 2048).to(BF16)
     for gdc in (False, True):  # and launched with PDL (a config's PDL key)

@@ -59,10 +59,13 @@ def quantize_rows(a, RNE: tl.constexpr):
 def dot_e4m3(q, w, F32_DOT: tl.constexpr):
     """q [M, K] from quantize_rows, w [K, N] e4m3 -> q @ w float32 [M, N]. F32_DOT (CPU tensors): both as float32
     (e4m3 values are exact in float32; the interpreter's narrow dots are wrong); else the e4m3 tensor-core dot,
-    accumulating in float32. if/else, not an early return: the compiler builds the statements after a constexpr
+    accumulating in float32; below K = 32 (the e4m3 dot's least K; test-sized 16-wide blocks) as float16, where
+    e4m3 values are exact too. if/else, not an early return: the compiler builds the statements after a constexpr
     branch's return too."""
     if F32_DOT:
         r = tl.dot(q.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    elif q.shape[1] < 32:
+        r = tl.dot(q.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
     else:
         r = tl.dot(q, w, out_dtype=tl.float32)
     return r
