@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+          torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 BF16 = torch.bfloat16
 
 
@@ -123,6 +123,25 @@ def main() -> None:
         x, ids, wts = torch.randn(1, h).to(BF16), torch.arange(top)[None], torch.rand(1, top)
         check(f"moe direct E{e} I{i}", tm, ["_gate_up_kernel", "_down_kernel"],
               lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: tm.fused_moe(x, w13, w2, wts, ids))
+    # the FP8 MoE (W8A8, 128 x 128 weight blocks): Qwen3-30B-A3B's and DeepSeek-V3/GLM-like experts, one token
+    # (direct) and 64 (aligned: 512 pairs, the three alignment kernels, recorded too: nothing runs on CPU here).
+    # F32_DOT / RNE off, as CUDA tensors launch them: the e4m3 dot and the hardware e4m3 cast, not the CPU upcast
+    fp8, align = torch.float8_e4m3fn, ["_count_kernel", "_offsets_kernel", "_place_kernel"]
+    for e, h, i, top in ((128, 2048, 768, 8), (256, 7168, 2048, 8)):
+        w13, w2 = torch.empty(e, 2 * i, h, dtype=fp8), torch.empty(e, h, i, dtype=fp8)  # never touched: no pages
+        s13, s2 = torch.ones(e, 2 * i // 128, h // 128), torch.ones(e, h // 128, i // 128)
+        for t in (1, 64):
+            x, wts = torch.randn(t, h).to(BF16), torch.rand(t, top)
+            ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)])
+            check(f"moe fp8 E{e} H{h} I{i} T{t}", tm, ["_gate_up_kernel", "_down_kernel", "_sum_k_kernel", *align],
+                  lambda w13=w13, w2=w2, s13=s13, s2=s2, x=x, ids=ids, wts=wts: tm.fused_moe(
+                      x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=(128, 128)), F32_DOT=False, RNE=False)
+    # and the GPU tests' 16 x 16 blocks: a K step below the e4m3 dot's least K of 32 (triton_fp8_tiles.dot_e4m3)
+    w13, w2 = torch.empty(4, 64, 64, dtype=fp8), torch.empty(4, 64, 32, dtype=fp8)
+    s13, s2 = torch.ones(4, 4, 4), torch.ones(4, 4, 2)
+    check("moe fp8 16 x 16 blocks", tm, ["_gate_up_kernel", "_down_kernel"],
+          lambda: tm.fused_moe(torch.randn(1, 64).to(BF16), w13, w2, torch.rand(1, 2), torch.arange(2)[None],
+                               w13_scale=s13, w2_scale=s2, block=(16, 16)), F32_DOT=False, RNE=False)
     # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)
     x, r = torch.randn(1, 2048).to(BF16), torch.randn(1, 2048).to(BF16)
     for gdc in (False, True):  # and launched with PDL (a config's PDL key)

@@ -3,6 +3,13 @@ MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and
 
     python3 scripts/gpu/bench_moe.py [--tokens 1 8 64 512] [--iters 200]
     python3 scripts/gpu/bench_moe.py --sweep [--tokens 1 4] [--iters 50]
+    python3 scripts/gpu/bench_moe.py --fp8 [--block 128 128] [--tokens 1 8 64 512]
+    python3 scripts/gpu/bench_moe.py --fp8 --hidden 7168 --inter 2048 --experts 256  # DeepSeek-V3 / GLM-like
+
+`--fp8`: the same weights quantized to float8_e4m3fn with a float32 scale per --block (bn x bk, 128 x 128 as FP8
+checkpoints), activations quantized in the GEMMs (W8A8); at each T the FP8 fused MoE against the bf16 one, both
+graphed, L2 flushed; FP8 checked against its reference (kernels/reference_moe_fp8.py) and its error against the
+bf16 reference printed. The bandwidth column counts the chosen experts' FP8 weights and scales.
 
 `--sweep`: at each T, the gate/up and the down GEMM's launch configs (BLOCK_N x BLOCK_K x (warps, stages)) tried one
 kernel at a time (the other at its default), graphed, L2 flushed; prints the fastest few and the default's time.
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
+from specserve.kernels.reference_moe_fp8 import fused_moe_fp8_ref, quantize_blocks
 from specserve.kernels.triton_moe import _gemm_configs, fused_moe, moe_block_m
 
 PEAK_BW = 4.2e12  # bytes/s: the H200 copy bandwidth measured here
@@ -150,6 +158,52 @@ def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
               f"({aligned_ms / direct_ms:.2f}x)")
 
 
+def quantize_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, N/bn, K/bk]), one expert at a time (the float32
+    temporaries of all experts at once would not fit at DeepSeek-V3's shapes)."""
+    pairs = [quantize_blocks(w[e], block) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def bench_fp8_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, fp8_weights: tuple, block: tuple[int, int],
+                     g: torch.Generator, args, flush) -> None:
+    """One row of the --fp8 table: T tokens routed top-k by random logits, bf16 and FP8 fused MoE, both graphed."""
+    h, i, k = w13.shape[2], w2.shape[2], args.top_k
+    q13, s13, q2, s2 = fp8_weights
+    moe_args, want_bf16 = moe_inputs(t, w13, w2, k, g)
+    x, _, _, topk_weights, topk_ids = moe_args
+    fp8_args = (x, q13, q2, topk_weights, topk_ids)
+    fp8_kw = dict(w13_scale=s13, w2_scale=s2, block=block)
+    got = fused_moe(*fp8_args, **fp8_kw)
+    err_ref = rel_err(got, fused_moe_fp8_ref(x, q13, s13, q2, s2, block, topk_weights, topk_ids))
+    assert err_ref < 3e-2, f"FP8 kernel differs from the FP8 reference at T={t}: {err_ref:.3g}"
+    err_bf16 = rel_err(got, want_bf16)
+    replay_bf16, _ = graphed(lambda: fused_moe(*moe_args))
+    replay_fp8, graph_out = graphed(lambda: fused_moe(*fp8_args, **fp8_kw))
+    bf16_ms = time_ms(replay_bf16, args.iters, args.warmup, flush)
+    fp8_ms = time_ms(replay_fp8, args.iters, args.warmup, flush)
+    assert torch.equal(graph_out, got), "FP8 graph replay differs from the eager kernel"
+    used = topk_ids.unique().numel()
+    bw = ""
+    if t <= 8:  # decode sizes: bandwidth-bound, the chosen experts' FP8 weights and scales
+        nbytes = used * (3 * h * i + (s13[0].numel() + s2[0].numel()) * 4)
+        gbs = nbytes / (fp8_ms * 1e-3) / 1e9
+        bw = f"{gbs:7.0f} {gbs * 1e9 / PEAK_BW:7.1%}"
+    print(f"{t:5d} {used:7d} {bf16_ms:9.3f} {fp8_ms:9.3f} {bf16_ms / fp8_ms:7.2f}x {bw:>15} {err_ref:9.2e} "
+          f"{err_bf16:9.2e}")
+
+
+def bench_fp8(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
+    block = tuple(args.block)
+    q13, s13 = quantize_experts(w13, block)
+    q2, s2 = quantize_experts(w2, block)
+    print(f"FP8 W8A8, weight blocks {block[0]} x {block[1]}: bf16 and FP8 fused MoE, graphed")
+    print(f"{'T':>5} {'experts':>7} {'bf16 ms':>9} {'fp8 ms':>9} {'speedup':>8} {'GB/s':>7} {'of peak':>7} "
+          f"{'err ref':>9} {'err bf16':>9}")
+    for t in args.tokens:
+        bench_fp8_tokens(t, w13, w2, (q13, s13, q2, s2), block, g, args, flush)
+
+
 SWEEP_N = (16, 32, 64, 128)
 SWEEP_K = (64, 128, 256)
 SWEEP_WARPS_STAGES = ((4, 3), (4, 4), (8, 4))
@@ -183,8 +237,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between timed calls")
     p.add_argument("--sweep", action="store_true", help="sweep both GEMMs' launch configs at each T")
+    p.add_argument("--fp8", action="store_true", help="time the FP8 (W8A8, block-scaled) fused MoE against bf16")
+    p.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("BN", "BK"),
+                   help="--fp8: the weights' scale block (rows, columns)")
     p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     args = p.parse_args()
+    if args.fp8 and args.sweep:
+        p.error("--sweep times the bf16 kernels only")
     tee_stdout_to(args.output_file)
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -198,6 +257,9 @@ def main() -> None:
     if args.sweep:
         for t in args.tokens:
             sweep_tokens(t, w13, w2, g, args, flush)
+        return
+    if args.fp8:
+        bench_fp8(w13, w2, g, args, flush)
         return
     print(f"{'T':>5} {'experts':>7} {'loop ms':>9} {'fused ms':>9} {'graph ms':>9} {'speedup':>8} "
           f"{'graph x':>8} {'GB/s':>7} {'of peak':>7} {'err loop':>9} {'err fused':>9}")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import reference as ref
+from specserve.kernels import reference_moe_fp8 as ref_fp8
 from specserve.kernels.availability import triton_kernels
 from specserve.kernels.rope_store import RopeStore
 
@@ -112,10 +113,18 @@ def topk_two_stage(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> tuple[to
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """Routed experts (kernels/reference.py fused_moe): x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K]
     float32, topk_ids [T, K] int64 -> [T, H]. The Triton grouped GEMM on CUDA reads only the chosen experts' weights
-    and never syncs with the host (capturable)."""
+    and never syncs with the host (capturable).
+    FP8 weights when the scales are given (kernels/reference_moe_fp8.py): w13, w2 float8_e4m3fn, w13_scale
+    [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)] float32, block (bn, bk)."""
+    if w13_scale is not None or w2_scale is not None:
+        if (tk := _kernels(x, w13, w2)) is not None:
+            return tk.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
+                                block=block)
+        return ref_fp8.fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids)
     if (tk := _kernels(x, w13, w2)) is not None:
         return tk.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)

@@ -16,6 +16,9 @@ Capturable with fixed shapes: nothing is read back to the host and every buffer 
     direct path) the down GEMM's last program per column block does it instead (an arrival counter). The sums
     never use float atomics, so the result is deterministic run to run (it may differ from the reference's
     expert-order float32 sum in the last bit).
+FP8 weights (W8A8, block-scaled; reference: kernels/reference_moe_fp8.py): a constexpr FP8 branch of both GEMMs
+quantizes each activation tile per row in registers (kernels/triton_fp8_tiles.py), dots e4m3 x e4m3 and scales each K
+step's product by the rows' and the weight blocks' scales; alignment, direct path and sums are the bf16 path's.
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
 (One token as two plain GEMVs, gate/up per expert slot and down summing the slots in registers, was measured no
 faster than the direct path and removed.)
@@ -29,7 +32,9 @@ import triton
 import triton.language as tl
 
 from specserve.kernels.counters import arrival_counters
+from specserve.kernels.reference_moe_fp8 import check_fp8_moe
 from specserve.kernels.triton_dot import dot
+from specserve.kernels.triton_fp8_tiles import dot_e4m3, quantize_rows, round_to
 from specserve.kernels.tuned_h200 import MOE_TILES
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
@@ -172,9 +177,14 @@ def _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
-                    inter, stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                    DIRECT: tl.constexpr):
+                    inter, stride_xt, stride_we, stride_wn, s_ptr, stride_se, stride_sn, stride_sk,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    F32_DOT: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
+                    BN_W: tl.constexpr, RNE: tl.constexpr):
+    """FP8: w is e4m3 with a float32 scale per BN_W x BLOCK_K block (s [E, 2I / BN_W, ceil(H / BLOCK_K)]); each K
+    step quantizes its x tile per row (one group: BLOCK_K is the block's width), dots the e4m3 tiles and scales the
+    product by the row's scale times each column's block scale (a column vector: any BLOCK_N). RNE: the
+    interpreter's roundings done explicitly (triton_fp8_tiles.py)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
@@ -187,27 +197,42 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
         x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]  # [M, K]
         g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N] gate rows
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
+        sg_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] FP8: the gate columns' block rows
+        su_ptrs = s_ptr + e * stride_se + ((n + inter) // BN_W) * stride_sn  # [N] and the up columns'
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k_ok = k0 + k < hidden
             a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = k_ok[:, None] & n_ok[None, :]
-            acc_g += dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
-            acc_u += dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+            if FP8:
+                qa, sa = quantize_rows(a, RNE)  # [M, K] e4m3, [M]
+                kb = (k0 // BLOCK_K) * stride_sk
+                sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)  # [N]
+                su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
+                acc_g += dot_e4m3(qa, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT) * (
+                    sa[:, None] * sg[None, :])
+                acc_u += dot_e4m3(qa, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT) * (
+                    sa[:, None] * su[None, :])
+            else:
+                acc_g += dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+                acc_u += dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
         dt = act_ptr.dtype.element_ty
-        gate = acc_g.to(dt).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        gate = round_to(acc_g, dt, RNE)
+        act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dt, RNE) * round_to(acc_u, dt, RNE), dt, RNE)
         tl.store(act_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], act.to(dt),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
-                 inter, stride_we, stride_wn, wts_ptr, out_ptr, counter_ptr, TOP_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
-                 PRECISION: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr):
-    """SUM (one token, direct): the last of the TOP_K programs of column block pid_n to finish (counter pid_n) also
+                 inter, stride_we, stride_wn, wts_ptr, out_ptr, counter_ptr, s_ptr, stride_se, stride_sn, stride_sk,
+                 TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 F32_DOT: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr,
+                 FP8: tl.constexpr, BN_W: tl.constexpr, RNE: tl.constexpr):
+    """FP8 (as _gate_up_kernel's): the act tile quantized per (pair, BLOCK_K columns of I) each K step, w2's block
+    scales s [E, ceil(H / BN_W), ceil(I / BLOCK_K)].
+    SUM (one token, direct): the last of the TOP_K programs of column block pid_n to finish (counter pid_n) also
     sums their outputs into out [1, H] as _sum_k_kernel does (weights wts [K], in k order, float32), and resets
     the counter to 0: no sum launch."""
     pid_m = tl.program_id(0)
@@ -221,14 +246,21 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
         k = tl.arange(0, BLOCK_K)
         a_ptrs = act_ptr + rows[:, None] * inter + k[None, :]  # [M, K]
         w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N]
+        s_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] FP8: the columns' block rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k_ok = k0 + k < inter
             a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), F32_DOT, PRECISION)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                qa, sa = quantize_rows(a, RNE)  # [M, K] e4m3, [M]
+                sw = tl.load(s_ptrs + (k0 // BLOCK_K) * stride_sk, mask=n_ok, other=0.0)  # [N]
+                acc += dot_e4m3(qa, w, F32_DOT) * (sa[:, None] * sw[None, :])
+            else:
+                acc += dot(a, w, F32_DOT, PRECISION)
         # each expert's product rounded to x's dtype, as the reference does before its weighted sum
-        tl.store(y_ptr + rows[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(y_ptr + rows[:, None] * hidden + n[None, :], round_to(acc, y_ptr.dtype.element_ty, RNE).to(
+            y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
         if SUM:
             # The barrier orders every thread's y stores before the one-thread atomic, whose release makes them
             # visible at GPU scope to the program that acquires the final count; it reads y through L2 (.cg).
@@ -240,12 +272,14 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
                     wk = tl.load(wts_ptr + kk).to(tl.float32)
                     total += wk * tl.load(y_ptr + kk * hidden + n, mask=n_ok, other=0.0,
                                           cache_modifier=".cg").to(tl.float32)
-                tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+                tl.store(out_ptr + n, round_to(total, out_ptr.dtype.element_ty, RNE).to(out_ptr.dtype.element_ty),
+                         mask=n_ok)
                 tl.store(counter, 0)  # the next launch (or graph replay) counts from 0 again
 
 
 @triton.jit
-def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                  RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -253,7 +287,8 @@ def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr,
     for k in tl.static_range(TOP_K):  # fixed order: deterministic
         wk = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
         acc += wk * tl.load(y_ptr + (t * TOP_K + k) * hidden + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + t * stride_ot + cols, round_to(acc, out_ptr.dtype.element_ty, RNE).to(
+        out_ptr.dtype.element_ty), mask=ok)
 
 
 def moe_block_m(n_pairs: int, num_experts: int) -> int:
@@ -308,11 +343,31 @@ def _gemm_configs(block_m: int) -> tuple[dict, dict]:
     return dict(gate_up), dict(down)
 
 
+def _fp8_configs(cfg_gu: dict, cfg_down: dict, bk: int, tiles) -> tuple[dict, dict]:
+    """The tiles for FP8 weights: BLOCK_K is the weight block's width bk (an activation group is one K step; the
+    tuned tiles' BLOCK_N stand: block scales are loaded per column). Explicit tiles must already have it."""
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"FP8 fused MoE: the weight block's width {bk} must be a power of two >= 16 (one K step "
+                         f"of the GEMMs)")
+    if tiles is not None:
+        if any(c["BLOCK_K"] != bk for c in tiles):
+            raise ValueError(f"FP8 fused MoE: tiles' BLOCK_K must be the weight block's width {bk}, got "
+                             f"{[c['BLOCK_K'] for c in tiles]}")
+        return cfg_gu, cfg_down
+    return {**cfg_gu, "BLOCK_K": bk}, {**cfg_down, "BLOCK_K": bk}
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, direct: bool | None = None,
-              tiles: tuple[dict, dict] | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, direct: bool | None = None, tiles: tuple[dict, dict] | None = None,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
     int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable.
+
+    FP8 (W8A8, block-scaled; reference: kernels/reference_moe_fp8.py) when the scales are given: w13, w2
+    float8_e4m3fn with float32 scales w13_scale [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)] per
+    block = (bn, bk) of weights (I % bn == 0); the GEMMs quantize their activation tiles themselves (x per token and
+    bk columns of H, the act per pair and bk columns of I): no extra launch. ValueError on shapes that do not fit.
 
     direct (default: at one token): no alignment; each (token, k) pair is a block of its own whose expert the GEMMs
     read from topk_ids (a router's top-k experts of one token are distinct, so each is read once), and at one token
@@ -321,12 +376,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     No programmatic dependent launch here: it slowed a Qwen3-30B-A3B decode step at batch 1 (the next kernel's
     early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone.
     tiles: (gate/up, down) launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of `_gemm_configs`'
-    (scripts/gpu/bench_moe.py --sweep tries them)."""
+    (scripts/gpu/bench_moe.py --sweep tries them; with FP8, BLOCK_K must be bk)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
-    assert w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
-    assert w13.dtype == x.dtype == w2.dtype and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    fp8 = w13_scale is not None or w2_scale is not None
+    if fp8:
+        bn, bk = check_fp8_moe(x, w13, w13_scale, w2, w2_scale, block)
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"FP8 fused MoE: x must be float32, bfloat16 or float16, got {x.dtype}")
+        assert w13.stride(-1) == 1 and w2.stride(-1) == 1
+    else:
+        assert w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
+        assert w13.dtype == x.dtype == w2.dtype and w13.stride(-1) == 1 and w2.stride(-1) == 1
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)  # [T, H]
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
@@ -349,22 +411,32 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     f32_dot = not x.is_cuda
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch reference
     cfg_gu, cfg_down = _gemm_configs(block_m) if tiles is None else tiles
-    if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones, down
-        # to tl.dot's least K of 16 (triton 3.6 rejects less on the GPU; the interpreter does not)
-        cfg_gu, cfg_down = ({**c, "BLOCK_K": max(16, c["BLOCK_K"] // 2)} for c in (cfg_gu, cfg_down))
+    if fp8:
+        cfg_gu, cfg_down = _fp8_configs(cfg_gu, cfg_down, bk, tiles)
+        s13, s2 = w13_scale, w2_scale
+        fp8_args = dict(FP8=True, BN_W=bn, RNE=f32_dot)  # RNE: the interpreter's casts truncate (triton_fp8_tiles.py)
+    else:
+        s13 = s2 = ids  # unused: the bf16 kernels read no scales
+        fp8_args = dict(FP8=False, BN_W=1, RNE=False)
+        if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones,
+            # down to tl.dot's least K of 16 (triton 3.6 rejects less on the GPU; the interpreter does not)
+            cfg_gu, cfg_down = ({**c, "BLOCK_K": max(16, c["BLOCK_K"] // 2)} for c in (cfg_gu, cfg_down))
+    s13_strides = s13.stride() if fp8 else (0, 0, 0)
+    s2_strides = s2.stride() if fp8 else (0, 0, 0)
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
         x, w13, act, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, **cfg_gu)
+        w13.stride(1), s13, *s13_strides, TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision,
+        DIRECT=direct, **fp8_args, **cfg_gu)
     grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
     fused_sum = direct and num_tokens == 1 and grid_down[1] <= SUM_COUNTERS
     wts = topk_weights.reshape(-1)  # [T*K]
     _down_kernel[grid_down](
         act, w2, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
-        wts, out, _counters(dev) if fused_sum else ids, TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot,
-        PRECISION=precision, DIRECT=direct, SUM=fused_sum, **cfg_down)
+        wts, out, _counters(dev) if fused_sum else ids, s2, *s2_strides, TOP_K=top_k, BLOCK_M=block_m,
+        F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, SUM=fused_sum, **fp8_args, **cfg_down)
     if fused_sum:
         return out
-    block = min(1024, triton.next_power_of_2(hidden))
-    _sum_k_kernel[(num_tokens, triton.cdiv(hidden, block))](y, wts, out, hidden, out.stride(0), TOP_K=top_k,
-                                                            BLOCK=block, num_warps=4)
+    sum_block = min(1024, triton.next_power_of_2(hidden))
+    _sum_k_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](y, wts, out, hidden, out.stride(0), TOP_K=top_k,
+                                                                BLOCK=sum_block, RNE=fp8_args["RNE"], num_warps=4)
     return out

@@ -1,0 +1,71 @@
+"""FP8 (e4m3) activation quantization inside Triton kernels: the rule of reference_moe_fp8._quantize_groups applied
+to a register tile, one group per row, so a GEMM quantizes its own activation tile without another launch.
+
+RNE (set with F32_DOT, i.e. under Triton's interpreter on CPU tensors) rounds explicitly: the interpreter's
+float32 -> float8e4nv cast does not round like torch's `.to(torch.float8_e4m3fn)` (triton 3.9: it truncates, and
+some values near a binade's top come out a binade low, e.g. 0.1222 -> 0.0625; 7% of random values differ), and its
+float32 -> bfloat16 cast truncates. The explicit rounding was checked equal to torch's casts on 2^18 random values
+spanning e4m3's whole range, subnormals and ties included. On the GPU the hardware casts (cvt.rn) round to
+nearest even like torch, and e4m3 keeps its own type for the tensor-core dot.
+"""
+
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)
+MIN_AMAX = tl.constexpr(1e-10)
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: y + M - M rounds |y| < 2^22 to an integer, ties to even
+
+
+@triton.jit
+def _round_e4m3(v):
+    """float32 v (|v| <= 448) -> the nearest e4m3 value (ties to even) as float32: v rounded at its e4m3 ulp,
+    2^(exponent - 3), subnormals (below 2^-6) at 2^-9. The ulp is a power of two, so v / ulp and r * ulp are
+    exact."""
+    exp = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) - 3
+    ulp = ((exp + 127) << 23).to(tl.float32, bitcast=True)
+    return ((v / ulp + _ROUND_MAGIC) - _ROUND_MAGIC) * ulp
+
+
+@triton.jit
+def round_to(v, dt: tl.constexpr, RNE: tl.constexpr):
+    """float32 v rounded to dtype dt, returned as float32. RNE: explicit round to nearest even for bfloat16 (the
+    interpreter's cast truncates); float32 and the hardware cast pass through tl's cast."""
+    if RNE and dt == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # ties to even on the dropped 16 bits
+        r = bits.to(tl.float32, bitcast=True)
+    else:
+        r = v.to(dt).to(tl.float32)
+    return r
+
+
+@triton.jit
+def quantize_rows(a, RNE: tl.constexpr):
+    """a [M, G] (one group per row; columns past the data must be 0) -> (q [M, G], s [M] float32): s =
+    max(amax, 1e-10) / 448, q = clamp(a / s, -448, 448) in e4m3 (float32 holding e4m3 values when RNE), so that
+    a ~= q * s. Divisions are IEEE (div_rn) to match torch's; Triton's `/` is approximate on the GPU."""
+    af = a.to(tl.float32)
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), MIN_AMAX), FP8_MAX)  # [M]
+    q = tl.clamp(tl.math.div_rn(af, s[:, None]), -FP8_MAX, FP8_MAX)
+    if RNE:  # one return: the compiler types every return of a function alike, constexpr branches included
+        q = _round_e4m3(q)
+    else:
+        q = q.to(tl.float8e4nv)
+    return q, s
+
+
+@triton.jit
+def dot_e4m3(q, w, F32_DOT: tl.constexpr):
+    """q [M, K] from quantize_rows, w [K, N] e4m3 -> q @ w float32 [M, N]. F32_DOT (CPU tensors): both as float32
+    (e4m3 values are exact in float32; the interpreter's narrow dots are wrong); else the e4m3 tensor-core dot,
+    accumulating in float32; below K = 32 (the e4m3 dot's least K; test-sized 16-wide blocks) as float16, where
+    e4m3 values are exact too. if/else, not an early return: the compiler builds the statements after a constexpr
+    branch's return too."""
+    if F32_DOT:
+        r = tl.dot(q.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    elif q.shape[1] < 32:
+        r = tl.dot(q.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+    else:
+        r = tl.dot(q, w, out_dtype=tl.float32)
+    return r

@@ -1,0 +1,237 @@
+"""The FP8 (W8A8, block-scaled) fused MoE: the Triton kernel (kernels/triton_moe.py with scales) against its torch
+reference (kernels/reference_moe_fp8.py) on the same FP8 inputs, at one token (the direct path), 3 and 20 tokens,
+blocks 16x16 and 32x32, x float32 and bfloat16; the in-kernel activation quantization against the reference's rule
+bit for bit; the reference against the unquantized MoE on the original float weights; unused experts never read;
+bad shapes rejected. On CPU the kernels run under Triton's interpreter (tiny shapes: it is slow)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest.py does the same)
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from specserve.kernels import ops  # noqa: E402
+from specserve.kernels import reference as ref  # noqa: E402
+from specserve.kernels.reference_moe_fp8 import _quantize_groups, fused_moe_fp8_ref, quantize_blocks  # noqa: E402
+from specserve.kernels.triton_fp8_tiles import quantize_rows  # noqa: E402
+from specserve.kernels.triton_moe import fused_moe  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+RNE = DEV.type == "cpu"  # the kernels' explicit rounding (triton_fp8_tiles.py) runs where the interpreter does
+HIDDEN, INTER = 64, 32
+
+
+def _moe(e: int, h: int, i: int, block: tuple[int, int], g: torch.Generator):
+    """-> ((w13, s13, w2, s2) FP8 weights and block scales, (w13, w2) the float32 weights they quantize)."""
+    w13f = torch.randn((e, 2 * i, h), generator=g) / h ** 0.5  # [E, 2I, H]
+    w2f = torch.randn((e, h, i), generator=g) / i ** 0.5  # [E, H, I]
+    (w13, s13), (w2, s2) = quantize_blocks(w13f, block), quantize_blocks(w2f, block)
+    return tuple(t.to(DEV) for t in (w13, s13, w2, s2)), (w13f.to(DEV), w2f.to(DEV))
+
+
+def _routing(t: int, e: int, k: int, g: torch.Generator):
+    """k distinct experts per token, as a top-k router picks -> (topk_weights [t, k] float32, topk_ids [t, k])."""
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return (torch.rand((t, k), generator=g) + 0.1).to(DEV), ids.to(DEV)
+
+
+def _assert_kernel_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The kernel's roundings are the reference's (x's dtype at the same points, e4m3 by the same rule), so under
+    the interpreter they differ only where float32 sums run in another order: per K step (the kernel scales each
+    step's e4m3 product) against whole dequantized rows (the reference). Measured there: float32 within 5e-7 of the
+    output's largest value, bfloat16 bit for bit; bounds: float32 1e-5 of that scale, bfloat16 one bf16 ulp (2^-8)
+    of it (a float32 difference can tip a rounding). On the GPU (not measured here) silu's exp and division are
+    approximate, and an intermediate tipped by an ulp can tip its e4m3 rounding (1/16 of that value): the bf16
+    suite's GPU bound, 2e-2 of the scale."""
+    scale = want.float().abs().max().item()
+    if DEV.type == "cuda":
+        atol = 2e-2 * scale
+    else:
+        atol = (1e-5 if got.dtype == torch.float32 else 2 ** -8) * scale
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [(16, 16), (32, 32)])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 3), (3, 4, 2), (20, 6, 3)])
+def test_fp8_kernel_matches_reference(dtype, block, t, e, k):
+    g = torch.Generator().manual_seed(t * 7 + e + block[0])
+    (w13, s13, w2, s2), _ = _moe(e, HIDDEN, INTER, block, g)
+    base = (torch.randn((t, HIDDEN + 5), generator=g) * 2).to(dtype).to(DEV)
+    x = base[:, 2:2 + HIDDEN]  # [T, H] row-strided view, as a slice of a fused buffer
+    wts, ids = _routing(t, e, k, g)
+    got = fused_moe(x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=block)
+    assert got.shape == (t, HIDDEN) and got.dtype == dtype
+    want = fused_moe_fp8_ref(x, w13, s13, w2, s2, block, wts, ids)
+    _assert_kernel_matches(got, want)
+    assert torch.equal(fused_moe(x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=block), got)
+    if t <= 3:  # the direct path (default at one token) and the aligned one: the same result bit for bit
+        other = fused_moe(x, w13, w2, wts, ids, direct=t != 1, w13_scale=s13, w2_scale=s2, block=block)
+        assert torch.equal(other, got)
+
+
+def test_fp8_kernel_ragged_blocks():
+    """Dims that are not whole blocks: H 80 with bk 32 (a last activation group and weight block 16 wide), H rows of
+    w2 over bn 32 (a last block of 16 rows), narrower column tiles than the weight blocks (BLOCK_N 16 < bn 32)."""
+    g = torch.Generator().manual_seed(5)
+    h, i, block = 80, 32, (32, 32)
+    (w13, s13, w2, s2), _ = _moe(5, h, i, block, g)
+    x = torch.randn((3, h), generator=g).to(torch.bfloat16).to(DEV)
+    wts, ids = _routing(3, 5, 2, g)
+    want = fused_moe_fp8_ref(x, w13, s13, w2, s2, block, wts, ids)
+    cfg = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
+    for tiles in (None, (cfg, cfg)):
+        got = fused_moe(x, w13, w2, wts, ids, tiles=tiles, w13_scale=s13, w2_scale=s2, block=block)
+        _assert_kernel_matches(got, want)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, G: tl.constexpr, RNE: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, G)
+    q, s = quantize_rows(tl.load(x_ptr + r * G + c)[None, :], RNE)  # [1, G], [1]
+    tl.store(q_ptr + r * G + c[None, :], q.to(tl.float32))
+    tl.store(s_ptr + r + tl.arange(0, 1), s)
+
+
+def test_in_kernel_quantization_is_the_reference_rule():
+    """quantize_rows (what both GEMMs do to their activation tiles) gives _quantize_groups' scales and e4m3 values
+    bit for bit: rows of widely spread magnitudes (subnormal e4m3 values, ties), an all-zero row, bfloat16 input."""
+    g = torch.Generator().manual_seed(0)
+    rows, group = 64, 32
+    x = torch.randn((rows, group), generator=g) * torch.exp(torch.randn((rows, group), generator=g) * 3)
+    x[0] = 0.0
+    x[1, :4] = torch.tensor([448.0, 1.5 * 2 ** -9, 2 ** -10, 15.5])  # amax 448: scale 1, the ties kept as they are
+    for xin in (x, x.to(torch.bfloat16)):
+        xin = xin.to(DEV)
+        q, s = torch.empty((rows, group), device=DEV), torch.empty(rows, device=DEV)
+        _quantize_kernel[(rows,)](xin, q, s, G=group, RNE=RNE)
+        want_q, want_s = _quantize_groups(xin, group)
+        assert torch.equal(s, want_s[:, 0])
+        assert torch.equal(q, want_q.float())
+
+
+def test_fp8_reference_vs_unquantized():
+    """The FP8 MoE against the float32 one on the original weights (before quantization), Gaussian x and weights:
+    four e4m3 roundings (x, w13, the act, w2; 3 mantissa bits, up to 1/16 relative each) compound to a relative
+    error, by norm, of 0.058-0.062 on average and at most 0.076 over 40 seeds x {float32, bfloat16 x} x blocks
+    {16, 32} at these shapes (T 20, E 8, top 3). Bound 0.10; the bound fails for a scale off by a block (a wrong
+    scale index costs far more) or a dropped scale factor."""
+    for seed, (dtype, block) in enumerate([(torch.float32, (16, 16)), (torch.bfloat16, (32, 32))]):
+        g = torch.Generator().manual_seed(100 + seed)
+        (w13, s13, w2, s2), (w13f, w2f) = _moe(8, HIDDEN, INTER, block, g)
+        x = torch.randn((20, HIDDEN), generator=g).to(DEV)
+        wts, ids = _routing(20, 8, 3, g)
+        got = fused_moe_fp8_ref(x.to(dtype), w13, s13, w2, s2, block, wts, ids).float()
+        want = ref.fused_moe(x, w13f, w2f, wts, ids)
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 0.10, f"{dtype} {block}: relative error {err:.3f}"
+
+
+def test_unused_expert_never_read():
+    """Experts no token chose hold NaN weights (e4m3fn's 0x7F) and NaN scales: the output is that of clean ones,
+    bit for bit, on both paths and in the reference. (Triton's interpreter loads 0x7F as 480, not NaN: the NaN
+    scales catch a read there.)"""
+    g = torch.Generator().manual_seed(9)
+    block = (16, 16)
+    (w13, s13, w2, s2), _ = _moe(8, HIDDEN, INTER, block, g)
+    for t in (1, 3):
+        x = torch.randn((t, HIDDEN), generator=g).to(torch.bfloat16).to(DEV)
+        wts, ids = _routing(t, 4, 2, g)  # experts 4..7 unused
+        ids[0, 0] = 6  # and one in the middle used
+        clean = fused_moe(x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=block)
+        unused = torch.ones(8, dtype=torch.bool, device=DEV)
+        unused[ids.reshape(-1)] = False
+        assert unused.sum() >= 3
+        poisoned = [w.clone() for w in (w13, s13, w2, s2)]
+        for w in poisoned:
+            if w.dtype == torch.float8_e4m3fn:
+                w.view(torch.uint8)[unused] = 0x7F
+            else:
+                w[unused] = float("nan")
+        assert torch.isnan(poisoned[0][unused].float()).all()
+        p13, ps13, p2, ps2 = poisoned
+        for direct in (False, True):
+            got = fused_moe(x, p13, p2, wts, ids, direct=direct, w13_scale=ps13, w2_scale=ps2, block=block)
+            assert torch.equal(got, clean)
+        assert torch.equal(fused_moe_fp8_ref(x, p13, ps13, p2, ps2, block, wts, ids),
+                           fused_moe_fp8_ref(x, w13, s13, w2, s2, block, wts, ids))
+
+
+def test_ops_dispatch():
+    """ops.fused_moe with scales: the FP8 reference on CPU, the kernel on CUDA."""
+    g = torch.Generator().manual_seed(3)
+    block = (32, 32)
+    (w13, s13, w2, s2), _ = _moe(4, HIDDEN, INTER, block, g)
+    x = torch.randn((3, HIDDEN), generator=g).to(torch.bfloat16).to(DEV)
+    wts, ids = _routing(3, 4, 2, g)
+    got = ops.fused_moe(x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=block)
+    want = fused_moe_fp8_ref(x, w13, s13, w2, s2, block, wts, ids)
+    if DEV.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        _assert_kernel_matches(got, want)
+
+
+def test_bad_shapes_rejected():
+    g = torch.Generator().manual_seed(1)
+    (w13, s13, w2, s2), _ = _moe(4, HIDDEN, INTER, (16, 16), g)
+    x = torch.randn((2, HIDDEN), generator=g).to(DEV)
+    wts, ids = _routing(2, 4, 2, g)
+    fns = (lambda *a, **kw: fused_moe(x, *a[:2], wts, ids, w13_scale=a[2], w2_scale=a[3], **kw),
+           lambda *a, **kw: ops.fused_moe(x, *a[:2], wts, ids, w13_scale=a[2], w2_scale=a[3], **kw),
+           lambda *a, **kw: fused_moe_fp8_ref(x, a[0], a[2], a[1], a[3], kw["block"], wts, ids))
+    for fn in fns:
+        # I = 32 is no multiple of bn = 64 (the scales shaped as that block would need: 1 row block of gate+up)
+        with pytest.raises(ValueError, match="multiple of the weight block's rows"):
+            fn(w13, w2, s13[:, :1, :4], s2[:, :1, :2], block=(64, 16))
+        with pytest.raises(ValueError, match=r"w13_scale must be float32 \(4, 4, 4\)"):
+            fn(w13, w2, s13[:, :, :3], s2, block=(16, 16))
+        with pytest.raises(ValueError, match=r"w2_scale must be float32 \(4, 4, 2\)"):
+            fn(w13, w2, s13, s2.transpose(1, 2), block=(16, 16))
+        with pytest.raises(ValueError, match="block must be two positive ints"):
+            fn(w13, w2, s13, s2, block=None)
+        with pytest.raises(ValueError, match="must be float8_e4m3fn"):
+            fn(w13.float(), w2, s13, s2, block=(16, 16))
+    with pytest.raises(ValueError, match="power of two"):  # the kernel's K step is one block: a power of two
+        (w13b, s13b), (w2b, s2b) = quantize_blocks(w13.float(), (16, 24)), quantize_blocks(w2.float(), (16, 24))
+        fused_moe(x, w13b, w2b, wts, ids, w13_scale=s13b, w2_scale=s2b, block=(16, 24))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5])
+def test_fp8_cuda_graph_replay(t):
+    """Captured once (one token: the direct path), replayed with new routings and inputs: the reference's result,
+    Qwen3-like 128 x 128 blocks."""
+    g = torch.Generator().manual_seed(0)
+    e, h, i, k, block = 16, 256, 128, 4, (128, 128)
+    (w13, s13, w2, s2), _ = _moe(e, h, i, block, g)
+    x = torch.randn((t, h), generator=g).to(torch.bfloat16).to(DEV)
+    wts, ids = _routing(t, e, k, g)
+    kw = dict(w13_scale=s13, w2_scale=s2, block=block)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles) outside the capture
+        fused_moe(x, w13, w2, wts, ids, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, wts, ids, **kw)
+    for seed in range(3):
+        g.manual_seed(100 + seed)
+        new_wts, new_ids = _routing(t, e, k, g)
+        wts.copy_(new_wts)
+        ids.copy_(new_ids)
+        x.copy_(torch.randn((t, h), generator=g).to(torch.bfloat16).to(DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_kernel_matches(out, fused_moe_fp8_ref(x, w13, s13, w2, s2, block, wts, ids))
