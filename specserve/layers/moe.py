@@ -50,15 +50,86 @@ class FusedMoE(nn.Module):
         self.tp = tp
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
+        self.fp8_block: tuple[int, int] | None = None  # FP8 experts: one scale per block (to_fp8)
+        self.loaded_plain = False  # a plain piece was loaded: later FP8 pieces come dequantized
         # Pieces still unwritten per parameter (plain attribute: not state, survives to_empty()).
         self.pending: dict[str, set[tuple[int, str]]] = {
             "w13": {(i, p) for i in range(num_experts) for p in ("gate_proj", "up_proj")},
             "w2": {(i, "down_proj") for i in range(num_experts)},
         }
 
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13.dtype == torch.float8_e4m3fn
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H] in x's dtype."""
+        if self.is_fp8:
+            return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, w13_scale=self.w13_scale,
+                                 w2_scale=self.w2_scale, block=self.fp8_block)
         return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """FP8 experts (zeros, unit scales) with one scale per `block` [rows, cols] of each expert's weights; the
+        loader copies the checkpoint's values in (or quantize_fp8 the loaded ones)."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        bn, bk = block
+        dev = self.w13.device
+        fp8 = torch.float8_e4m3fn
+        self.w13 = nn.Parameter(torch.zeros((e, 2 * i, h), dtype=fp8, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros((e, h, i), dtype=fp8, device=dev), requires_grad=False)
+        self.register_buffer("w13_scale", torch.ones((e, 2 * i // bn, -(-h // bk)), device=dev))  # [E, 2I/bn, H/bk]
+        self.register_buffer("w2_scale", torch.ones((e, -(-h // bn), -(-i // bk)), device=dev))  # [E, H/bn, I/bk]
+        self.fp8_block = block
+
+    def fp8_ready(self, w: Fp8Weight) -> bool:
+        """Whether the experts keep `w` in FP8 (converting on the first one): one device, a block the kernel takes
+        (the gate and up rows each a whole number of blocks; a power-of-two column block of at least 16), no plain
+        piece loaded before, and every FP8 piece in the same block."""
+        if w.block is None or self.tp.size > 1 or w.q.dtype != torch.float8_e4m3fn:
+            return False
+        if not self.is_fp8:
+            bn, bk = w.block
+            if self.loaded_plain or self.intermediate_size % bn or bk < 16 or bk & (bk - 1):
+                return False
+            self.to_fp8(w.block)
+        return self.fp8_block == w.block
+
+    def load_expert_fp8(self, expert: int, proj: str, w: Fp8Weight) -> bool:
+        """load_expert for an FP8 checkpoint piece kept in FP8; False: the caller loads it dequantized."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} outside the layer's {self.num_experts} experts")
+        if proj not in _EXPERT_PROJS or not self.fp8_ready(w):
+            return False
+        i, bn = self.intermediate_size, self.fp8_block[0]
+        if proj == "down_proj":
+            targets, param = (self.w2[expert], self.w2_scale[expert]), "w2"
+        else:
+            rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
+            blocks = slice(rows.start // bn, rows.stop // bn)
+            targets, param = (self.w13[expert, rows], self.w13_scale[expert, blocks]), "w13"
+        copy_checked(targets[0], w.q, f"experts.{expert}.{proj}")
+        copy_checked(targets[1], w.scale, f"experts.{expert}.{proj} scale")
+        self.pending[param].discard((expert, proj))
+        return True
+
+    def quantize_fp8(self, block: tuple[int, int] = (128, 128)) -> bool:
+        """Online FP8 of loaded bf16 experts (--quantization fp8): `block` scales, as FP8 checkpoints hold them
+        (the fused MoE kernel's FP8 path is block-scaled). False (left as they are) where the block does not fit."""
+        from specserve.kernels.reference_moe_fp8 import quantize_blocks
+
+        bn, bk = block
+        if self.is_fp8 or self.tp.size > 1 or self.intermediate_size % bn:
+            return False
+        q13, s13 = quantize_blocks(self.w13.detach(), block)  # [E, 2I, H] fp8, [E, 2I/bn, H/bk]
+        q2, s2 = quantize_blocks(self.w2.detach(), block)  # [E, H, I] fp8, [E, H/bn, I/bk]
+        self.to_fp8(block)
+        with torch.no_grad():
+            self.w13.copy_(q13)
+            self.w2.copy_(q2)
+            self.w13_scale.copy_(s13)
+            self.w2_scale.copy_(s2)
+        return True
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """One per-expert HF tensor: gate_proj / up_proj [I, H], down_proj [H, I]."""
@@ -75,7 +146,10 @@ class FusedMoE(nn.Module):
             target, param = self.w2[expert], "w2"
         else:
             raise ValueError(f"unknown expert projection {proj!r} (expected one of {_EXPERT_PROJS})")
+        if self.is_fp8 and not isinstance(tensor, Fp8Weight):
+            raise ValueError(f"experts.{expert}.{proj}: a plain weight for experts whose other pieces are FP8")
         copy_checked(target, tensor, f"experts.{expert}.{proj}")
+        self.loaded_plain = True
         self.pending[param].discard((expert, proj))
 
     def load_fused(self, name: str, tensor: torch.Tensor) -> None:
@@ -297,6 +371,17 @@ class SparseMoEBlock(nn.Module):
         """load_weight for an FP8 checkpoint weight kept in FP8: the shared expert's projections (not fused into
         the routed experts). False: the caller loads it dequantized through load_weight."""
         parts = rest.split(".")
+        e = self.num_experts
+        if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[3] == "weight":
+            if int(parts[1]) >= e:
+                raise ValueError(f"expert {parts[1]} outside the layer's {e} experts")
+            j = int(parts[1]) - self.expert_start
+            if not 0 <= j < self.experts.num_experts - int(self.fused_shared):
+                return True  # another rank's expert: skipped, as load_weight does
+            return self.experts.load_expert_fp8(j, parts[2], w)
+        if (self.fused_shared and len(parts) == 3 and parts[0] in ("shared_expert", "shared_experts")
+                and parts[2] == "weight"):
+            return self.experts.load_expert_fp8(e, parts[1], w)
         if (self.shared_expert is None or len(parts) != 3 or parts[0] not in ("shared_expert", "shared_experts")
                 or parts[2] != "weight"):
             return False

@@ -19,6 +19,7 @@ from torch import nn
 from specserve.layers.cpu_linear import Int8Weight
 from specserve.layers.embedding import LMHead
 from specserve.layers.linear import Linear, MergedLinear
+from specserve.layers.moe import FusedMoE
 
 
 def quantize_weights_int8(model: nn.Module) -> int:
@@ -48,10 +49,12 @@ ONLINE_QUANT_SCHEMES = ("ptpc_fp8",)  # SGLang's name: per-token activations, pe
 @dataclass(frozen=True)
 class OnlineFp8:
     """Online FP8 of a bf16/fp16 checkpoint: every linear layer that computes through its forward (one device)
-    quantised at load, one scale per output row (the input per token at each call), except the modules whose name
-    matches one of `exclude` (fnmatch globs over our module names and, for a fused projection, its checkpoint
-    parts' names: `model.layers.3.self_attn.q_proj` names the fused qkv_proj). Embeddings and the lm-head are not
-    linear layers here and stay in the model dtype."""
+    quantised at load, one scale per output row (the input per token at each call), and the routed experts in
+    128 x 128 blocks (the fused MoE kernel's FP8 form, the input per token per 128 columns), except the modules
+    whose name matches one of `exclude` (fnmatch globs over our module names and, for a fused projection, its
+    checkpoint parts' names: `model.layers.3.self_attn.q_proj` names the fused qkv_proj; the experts are
+    `model.layers.3.mlp.experts`). Embeddings and the lm-head are not linear layers here and stay in the model
+    dtype."""
 
     exclude: tuple[str, ...] = ()
 
@@ -86,7 +89,7 @@ class OnlineFp8:
             raise ValueError("online_quant_config.exclude_layer must be a list of non-empty strings (globs)")
         return OnlineFp8(tuple(exclude))
 
-    def excluded(self, name: str, module: Linear) -> bool:
+    def excluded(self, name: str, module: nn.Module) -> bool:
         names = [name]
         if isinstance(module, MergedLinear):  # a fused projection also answers to its checkpoint parts' names
             prefix = name.rpartition(".")[0]
@@ -99,7 +102,9 @@ def quantize_fp8_online(model: nn.Module, config: OnlineFp8) -> int:
     per-row scales, one layer at a time (the bf16 copy of that layer freed as it goes). Returns how many."""
     count = 0
     for name, module in model.named_modules():
-        if (type(module) in (Linear, MergedLinear) and module.fp8_capable and not module.is_fp8
+        if isinstance(module, FusedMoE) and not config.excluded(name, module):
+            count += module.quantize_fp8()  # 128 x 128 blocks (the fused MoE kernel's FP8 form)
+        elif (type(module) in (Linear, MergedLinear) and module.fp8_capable and not module.is_fp8
                 and not config.excluded(name, module)):
             module.quantize_fp8()
             count += 1
