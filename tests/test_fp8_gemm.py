@@ -266,3 +266,27 @@ def test_kernel_launchers_check_their_arguments():
         tf.fp8_gemv(x, wq, sw, (32, 32))
     with pytest.raises(ValueError, match="one of"):
         tf.quantize_act_groups_triton(x, 48)
+
+
+# on a GPU: capturable -----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(128, 128), None])
+@pytest.mark.parametrize("m", [1, 8, 40])
+def test_fp8_linear_replays_in_a_cuda_graph(block, m):
+    """No host sync and launch shapes from shapes only: captured once, replayed over new x, as eager calls give."""
+    n, k = SHAPES[block]
+    wq, sw = _weights(n, k, block)
+    x = _x(m, k, torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        tf.fp8_linear(x, wq, sw, block)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tf.fp8_linear(x, wq, sw, block)
+    for seed in (2, 3):
+        x.copy_(_x(m, k, torch.bfloat16, seed=seed))
+        graph.replay()
+        assert torch.equal(y, tf.fp8_linear(x, wq, sw, block))
