@@ -78,7 +78,34 @@ def check(label: str, module, names: list[str], launch, **override) -> None:
     assert launched, f"{label}: nothing was launched"
 
 
+def fp8_cases() -> None:
+    """The FP8 linear kernels (kernels/triton_fp8.py) at Llama-3.1-8B's projections (qkv, gate_up, down), block
+    (128, 128) and per-channel: the decode GEMV at 1 row (CUDA cores) and 8 rows (tensor-core tile), the activation
+    quantisers and the GEMM at 64 rows. The launchers see CPU tensors, so the GPU's launch options are put back:
+    fp8 tl.dot operands, no interpreter rounding fix-up."""
+    from specserve.kernels import reference_fp8 as rf
+    from specserve.kernels import triton_fp8 as tf
+
+    gpu = dict(DOT_DTYPE="fp8", EXACT_FIRST=False)
+    for n, k in ((6144, 4096), (28672, 4096), (4096, 14336)):
+        wq = torch.empty(n, k, dtype=rf.FP8)
+        for block in ((128, 128), None):
+            sw = torch.ones(n) if block is None else torch.ones(-(-n // 128), -(-k // 128))
+            for m in (1, 8, 64, 256):
+                x = torch.randn(m, k).to(BF16)
+                check(f"fp8 linear {n}x{k} block={block} rows={m}", tf,
+                      ["_fp8_mm_kernel", "_quant_groups_kernel", "_quant_tokens_kernel"],
+                      lambda x=x, wq=wq, sw=sw, block=block: tf.fp8_linear(x, wq, sw, block), **gpu)
+    # the GEMV's narrowest column tile (an H100's choice for N = 6144: two programs a SM), on both product paths
+    wq, sw = torch.empty(6144, 4096, dtype=rf.FP8), torch.ones(48, 32)
+    for m in (1, 8):
+        x = torch.randn(m, 4096).to(BF16)
+        check(f"fp8 gemv BLOCK_N=16 rows={m}", tf, ["_fp8_mm_kernel"],
+              lambda x=x: tf.fp8_gemv(x, wq, sw, (128, 128)), BLOCK_N=16, **gpu)
+
+
 def main() -> None:
+    fp8_cases()
     from specserve.kernels import triton_attention as ta
     from specserve.kernels import triton_gemv as tg
     from specserve.kernels import triton_moe as tm

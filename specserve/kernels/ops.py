@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import reference as ref
-from specserve.kernels import reference_moe_fp8 as ref_fp8
+from specserve.kernels import reference_fp8 as ref_fp8
+from specserve.kernels import reference_moe_fp8 as ref_moe_fp8
 from specserve.kernels.availability import triton_kernels
 from specserve.kernels.rope_store import RopeStore
 
@@ -124,7 +125,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         if (tk := _kernels(x, w13, w2)) is not None:
             return tk.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,
                                 block=block)
-        return ref_fp8.fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids)
+        return ref_moe_fp8.fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, block, topk_weights, topk_ids)
     if (tk := _kernels(x, w13, w2)) is not None:
         return tk.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
@@ -266,6 +267,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
     if (tk := _kernels(x, w)) is not None:
         return tk.gemv(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear over an FP8 (e4m3) weight: x [..., K], wq [N, K] float8_e4m3fn with float32 scales sw (block
+    (bn, bk): [ceil(N/bn), ceil(K/bk)], x quantised per token per bk columns; None: per-channel [N], x per token)
+    -> [..., N] in x's dtype (reference_fp8.fp8_linear_ref has the rule). On CUDA the Triton kernels
+    (triton_fp8.fp8_linear: one GEMV launch up to 16 rows, else quantise + fp8 GEMM; capturable); elsewhere the
+    reference, which dequantises to float32."""
+    if (tk := _kernels(x, wq)) is not None:
+        return tk.fp8_linear(x, wq, sw, block, bias)
+    return ref_fp8.fp8_linear_ref(x, wq, sw, block, bias)
 
 
 def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,

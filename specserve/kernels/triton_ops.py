@@ -5,6 +5,7 @@ speculative/ngram.py's dispatch. Each kernel lives in a small file by job; this 
 from specserve.kernels.triton_accept import accept_greedy_triton, accept_sampling_q_triton, accept_sampling_triton
 from specserve.kernels.triton_act import silu_and_mul
 from specserve.kernels.triton_candidates import sample_candidates_triton
+from specserve.kernels.triton_fp8 import fp8_linear
 from specserve.kernels.triton_gdn import causal_conv_states_triton, gated_delta_rule_states_triton
 from specserve.kernels.triton_gdn_chunked import causal_conv_prefill_triton, gated_delta_rule_prefill_triton
 from specserve.kernels.triton_gdn_gates import gated_rms_norm_triton, gdn_gating_triton
@@ -26,7 +27,8 @@ from specserve.kernels.triton_sample import probs_triton, sample_triton
 from specserve.kernels.triton_top1 import row_top1_triton
 
 __all__ = ["accept_greedy_triton", "accept_sampling_q_triton", "accept_sampling_triton", "add_rms_norm",
-           "causal_conv_prefill_triton", "causal_conv_states_triton", "fused_moe", "gated_delta_rule_prefill_triton",
+           "causal_conv_prefill_triton", "causal_conv_states_triton", "fp8_linear", "fused_moe",
+           "gated_delta_rule_prefill_triton",
            "gated_delta_rule_states_triton", "gated_rms_norm_triton", "gdn_gating_triton", "gemv",
            "grouped_router_fits", "grouped_router_topk_triton", "lookup_drafts_triton", "norm_gemv",
            "norm_gemv_rope_store", "norm_router_topk_triton", "probs_triton", "qk_norm_rope_store_triton",

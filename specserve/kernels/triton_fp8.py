@@ -1,0 +1,348 @@
+"""FP8 (W8A8, e4m3) linear layers in Triton: y [M, N] = x [M, K] @ W^T (+ bias), W kept in e4m3 on the GPU with
+float32 scales, the products taken in fp8 (references: kernels/reference_fp8.py, which states the quantisation rule
+these kernels follow bit for bit: per group, s = max(amax, 1e-10) / 448, q = e4m3(clamp(x / s, -448, 448))).
+
+Two weight layouts:
+  block-scaled (block = (bn, bk), DeepSeek-V3 / GLM / Qwen FP8 checkpoints): sw [ceil(N/bn), ceil(K/bk)]; the
+    activations quantised per token per bk columns, sx [M, ceil(K/bk)], so each K step of bk columns meets one
+    activation scale per row and one weight scale per output block;
+  per-channel (block None, online "ptpc" quantisation of a bf16 checkpoint): sw [N]; activations per token, sx [M];
+    the scales multiply the float32 sum once at the end.
+
+Kernels:
+  `quantize_act_groups_triton` / `quantize_act_tokens_triton`: the activation quantisers (one program per row and
+    run of groups; one program per row, two passes over it, for per-token scales).
+  `fp8_gemm`: prefill-sized products of quantised activations: tiles [BLOCK_M, BLOCK_N], a K loop over BLOCK_K
+    columns, an fp8 x fp8 tl.dot (Hopper's fp8 tensor cores) into float32. Block case: BLOCK_K == bk and BLOCK_N
+    divides bn (a tile never straddles two weight blocks), and each K step's partial product is scaled by
+    sx[:, kb] * sw[nb, kb] before it is added. Channel case: one scale multiply after the loop.
+  `fp8_gemv`: decode rows (M <= 16): one launch over the raw activation, each program owning BLOCK_N output columns
+    over all of K (grid over N only; no split-K, deterministic). It quantises its x rows itself by the same rule
+    (x is a few rows: every program recomputing it costs far less than a quantise launch and its round trip), so
+    its results equal quantize + fp8_gemm up to float32 summation order. Decode is memory bound and the point of
+    FP8 there is reading half the weight bytes: the weight tile [BLOCK_N, BLOCK_K] is loaded K-contiguous (BLOCK_K
+    bytes a row). Up to 4 rows the products are taken on CUDA cores (a [rows, BLOCK_N, BLOCK_K] broadcast product
+    reduced over K each step); 5..16 rows pad to a 16-row tensor-core tile, the same product as fp8_gemm's.
+    Per-channel: a prologue pass over x finds each row's amax (x comes from L2 after the first programs).
+  `fp8_linear`: the front door: x [..., K] -> [..., N] in x's dtype; M <= GEMV_MAX_ROWS rows take fp8_gemv, more
+    quantize + fp8_gemm.
+All four kernels are the same `_fp8_mm_kernel` or the quantisers; grids and configs come from shapes only, no host
+sync: every launch is CUDA-graph capturable.
+
+Rounding, measured on triton 3.9:
+  * The interpreter's float32 -> e4m3 conversion (CPU tests) is wrong wherever rounding carries into the next
+    binade (125.6 -> 64 instead of 128, 0.0147 -> 0.0137 instead of 0.0156, subnormals -> 0): ~2.5% of Gaussian
+    values. So under the interpreter (EXACT_FIRST) `_to_e4m3` first rounds to e4m3's grid in float32 arithmetic and
+    the conversion only meets exact values: then it agrees with torch's cast bit for bit (tests/test_fp8_gemm.py
+    checks random, wide-range and every midpoint +-1 ulp). On the GPU the conversion is the hardware's
+    round-to-nearest-even (cvt.rn.satfinite), torch's rounding, and EXACT_FIRST is off.
+  * x / s uses div_rn (correctly rounded, as torch's `/`): Triton's `/` on float32 is the GPU's approximate
+    division, which could move a quotient across an e4m3 midpoint.
+  * bfloat16 outputs are rounded to nearest even by hand (`_out`): the interpreter's conversion truncates.
+  * On sm_90 an fp8 x fp8 warpgroup MMA accumulates in the tensor core at reduced precision unless told otherwise;
+    max_num_imprecise_acc = BLOCK_K promotes the sum to float32 every K step (DeepGEMM's choice, every 128 values),
+    so GPU sums within a K step may differ from float32 ones by about 2^-13 of the step's sum.
+
+fp8 tensors are passed as they are (the interpreter loads float8_e4m3fn pointers); `F32_DOT` (CPU tensors only,
+see kernels/triton_dot.py) upcasts the dot's operands to float32 (every e4m3 value and every product of two is
+exact in float32, so only the summation order changes); on the GPU a bk = 16 block (below an fp8 tl.dot's K of 32)
+takes the dot in bfloat16, which also holds every e4m3 value exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.kernels.launch import target_programs
+from specserve.kernels.reference_fp8 import check_block, check_scales
+
+GEMV_MAX_ROWS = 16  # rows fp8_linear sends to fp8_gemv (decode, verify); more take quantize + fp8_gemm
+_CUDA_CORE_ROWS = 4  # fp8_gemv's rows up to which products run on CUDA cores; more on a 16-row tensor-core tile
+
+
+@triton.jit
+def _to_e4m3(y, EXACT_FIRST: tl.constexpr):
+    """float32 y (|y| <= 448) -> e4m3 rounded to nearest even. EXACT_FIRST (the interpreter, see the module doc):
+    round to e4m3's grid in float32 first: the step of y's binade is 2^(max(e, -6) - 3), and |y| / step (< 16,
+    exact) is rounded to an integer by adding and taking off 2^23; the sign is put back by its bit, so -0 stays
+    -0."""
+    if EXACT_FIRST:
+        bits = y.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127  # y's binade (0: -127)
+        step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        r = ((tl.abs(y) / step + 8388608.0) - 8388608.0) * step  # power-of-two divisor and product: exact
+        y = tl.where(bits < 0, -r, r)  # the sign bit's test: -0.0 too
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _scale(amax):
+    """The rule's scale of a group of largest magnitude amax (float32): max(amax, 1e-10) / 448, correctly
+    rounded."""
+    return tl.math.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
+
+
+@triton.jit
+def _quantize(xf, s, EXACT_FIRST: tl.constexpr):
+    """xf [R, C] float32, s [R] float32 scales -> e4m3 [R, C]: clamp(x / s, -448, 448), correctly rounded
+    quotient."""
+    q = tl.math.div_rn(xf, tl.broadcast_to(s[:, None], xf.shape))
+    return _to_e4m3(tl.clamp(q, -448.0, 448.0), EXACT_FIRST)
+
+
+@triton.jit
+def _out(acc, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """float32 acc -> DTYPE; ROUND_BF16 (DTYPE bfloat16): rounded to nearest even by hand (the interpreter's
+    conversion truncates)."""
+    if ROUND_BF16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        acc = bits.to(tl.float32, bitcast=True)
+    return acc.to(DTYPE)
+
+
+@triton.jit
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_x, stride_q, stride_s,
+                         GROUP: tl.constexpr, GROUPS: tl.constexpr, EXACT_FIRST: tl.constexpr):
+    """Program (row m, run j): groups j*GROUPS .. + GROUPS of row m of x [M, K] -> q [M, K] e4m3 and s [M, G]."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
+    ok = (k < K) & (g[:, None] < n_groups)
+    xf = tl.load(x_ptr + m * stride_x + k, mask=ok, other=0.0).to(tl.float32)
+    s = _scale(tl.max(tl.abs(xf), axis=1))  # [GROUPS]
+    tl.store(q_ptr + m * stride_q + k, _quantize(xf, s, EXACT_FIRST), mask=ok)
+    tl.store(s_ptr + m * stride_s + g, s, mask=g < n_groups)
+
+
+@triton.jit
+def _quant_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr,
+                         EXACT_FIRST: tl.constexpr):
+    """Program m: row m of x [M, K] -> q [M, K] e4m3 and s [M]: its amax over K, then the quantised row."""
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([1], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xf = tl.load(x_ptr + m * stride_x + k0 + cols[None, :], mask=(k0 + cols[None, :]) < K, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(xf.to(tl.float32)), axis=1))
+    s = _scale(amax)  # [1]
+    for k0 in range(0, K, BLOCK_K):
+        ok = (k0 + cols[None, :]) < K
+        xf = tl.load(x_ptr + m * stride_x + k0 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(q_ptr + m * stride_q + k0 + cols[None, :], _quantize(xf, s, EXACT_FIRST), mask=ok)
+    tl.store(s_ptr + m + tl.arange(0, 1), s)
+
+
+@triton.jit
+def _product(xq, w, DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IMPRECISE: tl.constexpr):
+    """xq [BLOCK_M, BLOCK_K] e4m3 x w [BLOCK_N, BLOCK_K] e4m3 -> sum over K [BLOCK_M, BLOCK_N] float32. DOT: on
+    tensor cores, in DOT_DTYPE ("fp8" itself; "bf16" for K tiles below fp8's 32; "f32" on the interpreter, all
+    exact for e4m3 values); else on CUDA cores (a few rows: the broadcast product, reduced over K)."""
+    if DOT:
+        if DOT_DTYPE == "fp8":
+            part = tl.dot(xq, tl.trans(w), max_num_imprecise_acc=IMPRECISE)
+        elif DOT_DTYPE == "f32":
+            part = tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(xq.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    else:
+        part = tl.sum(xq.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return part
+
+
+@triton.jit
+def _fp8_mm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K,
+                   stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+                   BN_W: tl.constexpr, BLOCKWISE: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IMPRECISE: tl.constexpr, EXACT_FIRST: tl.constexpr,
+                   ROUND_BF16: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Tile (BLOCK_M rows, BLOCK_N output columns) of y [M, N] = x [M, K] @ w[N, K]^T with scales.
+    QUANT_X: x is the raw activation, quantised here by the rule (fp8_gemv); else x is e4m3 with scales sx
+    (BLOCKWISE: [M, ceil(K/BLOCK_K)], else [M]). BLOCKWISE: BLOCK_K == bk, BLOCK_N divides BN_W (= bn), sw
+    [ceil(N/bn), ceil(K/bk)]; else sw [N]. Tiles run GROUP_M row tiles at a time down a column of tiles, so a
+    column's weight tiles are reused from L2."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    if QUANT_X and not BLOCKWISE:  # per-token scales: each row's amax over all of K first
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xf = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None] & (k0 + rk[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xf.to(tl.float32)), axis=1))
+        sx_row = _scale(amax)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    nb = (pid_n * BLOCK_N) // BN_W  # the tile's weight block row (BLOCKWISE)
+    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        k = kb * BLOCK_K + rk
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        if QUANT_X:
+            xf = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+            if BLOCKWISE:
+                sx = _scale(tl.max(tl.abs(xf), axis=1))  # this group's scales [BLOCK_M]
+            else:
+                sx = sx_row
+            xq = _quantize(xf, sx, EXACT_FIRST)
+        else:
+            xq = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+            if BLOCKWISE:
+                sx = tl.load(sx_ptr + rm * stride_sxm + kb, mask=m_ok, other=0.0)
+        part = _product(xq, w, DOT, DOT_DTYPE, IMPRECISE)  # [BLOCK_M, BLOCK_N] float32
+        if BLOCKWISE:
+            acc += part * (sx[:, None] * tl.load(sw_ptr + nb * stride_swn + kb))
+        else:
+            acc += part
+    if not BLOCKWISE:
+        if not QUANT_X:
+            sx_row = tl.load(sx_ptr + rm, mask=m_ok, other=0.0)
+        acc = acc * (sx_row[:, None] * tl.load(sw_ptr + rn, mask=n_ok, other=0.0)[None, :])
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], _out(acc, y_ptr.dtype.element_ty, ROUND_BF16),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _dot_dtype(device: torch.device, block_k: int) -> str:
+    """The tl.dot operand type: float32 under the interpreter (F32_DOT, kernels/triton_dot.py), fp8 on the GPU,
+    bfloat16 where the K tile is below an fp8 dot's 32."""
+    if device.type != "cuda":
+        return "f32"
+    return "fp8" if block_k >= 32 else "bf16"
+
+
+def _col_tile(n: int, block: tuple[int, int] | None, widest: int) -> int:
+    """BLOCK_N: `widest`, at most bn (a tile inside one weight block: powers of two, so it divides bn)."""
+    return widest if block is None else min(widest, block[0])
+
+
+def _launch(x, sx, wq, sw, block, bias, y, quant_x: bool, block_m: int, block_n: int, block_k: int, dot: bool,
+            num_warps: int, num_stages: int, group_m: int = 1) -> torch.Tensor:
+    m, k = x.shape
+    n = wq.shape[0]
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    if m == 0:
+        return y
+    sx_arg = x if sx is None else sx  # unused under QUANT_X
+    _fp8_mm_kernel[grid](
+        x, sx_arg, wq, sw, bias if bias is not None else y, y, m, n, k,
+        x.stride(0), sx_arg.stride(0), wq.stride(0), sw.stride(0), y.stride(0),
+        BN_W=block[0] if block is not None else 1, BLOCKWISE=block is not None, QUANT_X=quant_x,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, DOT=dot,
+        DOT_DTYPE=_dot_dtype(x.device, block_k), IMPRECISE=block_k, EXACT_FIRST=not x.is_cuda,
+        ROUND_BF16=y.dtype == torch.bfloat16, NUM_STAGES=num_stages, num_warps=num_warps)
+    return y
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-d tensor whose rows are K-contiguous (the kernels' layout); copies only when they are not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def quantize_act_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference_fp8.quantize_act_groups: x [M, K] -> (xq [M, K] e4m3, sx [M, ceil(K / group)] float32)."""
+    check_block((group, group))
+    x = _rows(x)
+    m, k = x.shape
+    n_groups = triton.cdiv(k, group)
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
+    groups = max(1, min(triton.next_power_of_2(n_groups), 1024 // group))  # about 1024 values a program
+    _quant_groups_kernel[(m, triton.cdiv(n_groups, groups))](x, xq, sx, k, n_groups, x.stride(0), xq.stride(0),
+                                                             sx.stride(0), GROUP=group, GROUPS=groups,
+                                                             EXACT_FIRST=not x.is_cuda, num_warps=4)
+    return xq, sx
+
+
+def quantize_act_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference_fp8.quantize_act_tokens: x [M, K] -> (xq [M, K] e4m3, sx [M] float32)."""
+    x = _rows(x)
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty(m, dtype=torch.float32, device=x.device)
+    block_k = min(2048, triton.next_power_of_2(k))
+    _quant_tokens_kernel[(m,)](x, xq, sx, k, x.stride(0), xq.stride(0), BLOCK_K=block_k, EXACT_FIRST=not x.is_cuda,
+                               num_warps=4)
+    return xq, sx
+
+
+def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[int, int] | None,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] e4m3 with sx ([M, ceil(K/bk)] block, [M] channel), wq [N, K] e4m3 with sw ([ceil(N/bn),
+    ceil(K/bk)] or [N]), bias [N] or None -> y [M, N] out_dtype: float32 sums of (xq sx)(wq sw) + bias."""
+    check_scales(tuple(xq.shape), wq, sw, block, bias)
+    m, k = xq.shape
+    want = (m,) if block is None else (m, triton.cdiv(k, block[1]))
+    if xq.dtype != torch.float8_e4m3fn or tuple(sx.shape) != want or sx.dtype != torch.float32:
+        raise ValueError(f"fp8_gemm: expected xq float8_e4m3fn [M, K] with float32 sx {want}, got xq {xq.dtype} "
+                         f"{tuple(xq.shape)}, sx {sx.dtype} {tuple(sx.shape)}")
+    n = wq.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    block_m = 64 if m <= 64 else 128
+    block_k = 128 if block is None else block[1]
+    block_n = _col_tile(n, block, 128)
+    big = block_m * block_n >= 128 * 128
+    return _launch(_rows(xq), _rows(sx), _rows(wq), sw.contiguous(), block, bias, y, False, block_m, block_n,
+                   block_k, True, 8 if big else 4, 3 if big else 4, group_m=8)
+
+
+def _gemv_config(m: int, n: int, block: tuple[int, int] | None, device: torch.device) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, DOT) for fp8_gemv: CUDA cores up to _CUDA_CORE_ROWS rows (BLOCK_M the rows
+    padded to a power of two, BLOCK_M * BLOCK_N * BLOCK_K <= 8192 products a step: 64 a thread at 4 warps), a
+    16-row tensor-core tile above; BLOCK_K = bk (block) or 128; BLOCK_N the widest of 64, 32, 16 that still gives
+    about two programs per SM (target_programs), within one weight block."""
+    block_k = 128 if block is None else block[1]
+    dot = m > _CUDA_CORE_ROWS
+    block_m = 16 if dot else triton.next_power_of_2(m)
+    target = target_programs(device, cpu=1)
+    block_n = 16
+    for cand in (64, 32, 16):
+        if (dot or block_m * cand * block_k <= 8192) and triton.cdiv(n, cand) >= target:
+            block_n = cand
+            break
+    return block_m, _col_tile(n, block, block_n), block_k, dot
+
+
+def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[int, int] | None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode rows: x [M <= 16, K] (raw activation, any float dtype) -> y [M, N] in x's dtype, quantised in the
+    kernel by the rule; equal to fp8_gemm(*quantize(x), ...) up to float32 summation order. One launch."""
+    check_scales(tuple(x.shape), wq, sw, block, bias)
+    m, k = x.shape
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"fp8_gemv takes at most {GEMV_MAX_ROWS} rows, got {m} (use fp8_linear)")
+    n = wq.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, dot = _gemv_config(m, n, block, x.device)
+    return _launch(_rows(x), None, _rows(wq), sw.contiguous(), block, bias, y, True, block_m, block_n, block_k,
+                   dot, 4, 4)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype (reference_fp8.fp8_linear_ref): up to GEMV_MAX_ROWS rows one fp8_gemv
+    launch; more the activation quantiser, then fp8_gemm. The choice is by shape only (capturable)."""
+    check_scales(tuple(x.shape), wq, sw, block, bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        y = fp8_gemv(x2, wq, sw, block, bias)
+    else:
+        xq, sx = quantize_act_tokens_triton(x2) if block is None else quantize_act_groups_triton(x2, block[1])
+        y = fp8_gemm(xq, sx, wq, sw, block, bias, x.dtype)
+    return y.reshape(*lead, wq.shape[0])
