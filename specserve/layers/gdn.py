@@ -50,6 +50,8 @@ class GatedDeltaNet(nn.Module):
                  "a": num_v_heads}  # [q | k | v] = the conv's channels
         if tp.size == 1:
             self.in_proj = MergedLinear(hidden_size, parts)
+            self.in_proj.part_names = ["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                       "in_proj_a"]  # Qwen3-Next's fused and Qwen3.5's split checkpoint names
             self.out_proj = Linear(self.value_dim, hidden_size)
         else:
             units = {"q": head_k_dim, "k": head_k_dim, "v": head_v_dim, "z": head_v_dim, "b": 1, "a": 1}

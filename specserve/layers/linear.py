@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.kernels import ops
+from specserve.kernels.reference_fp8 import BLOCK_SIZES as FP8_BLOCK_SIZES
 from specserve.layers.cpu_linear import Int8Weight, PackedWeight, int8_cpu_linear, packed_cpu_linear
 from specserve.weights.fp8 import Fp8Weight
 
@@ -64,12 +65,23 @@ class Linear(nn.Module):
         per output row), on the weight's device; the loader then copies the checkpoint's values in."""
         out, inp = self.weight.shape
         dev = self.weight.device
+        self.plain_dtype = self.weight.dtype  # to_plain's
         self.weight = nn.Parameter(torch.zeros((out, inp), dtype=torch.float8_e4m3fn, device=dev),
                                    requires_grad=False)  # [out, in]
         shape = (out,) if block is None else (-(-out // block[0]), -(-inp // block[1]))
         self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=dev))
         self.fp8_block = block
         self.decode_gemv = 0  # the bf16 GEMV cannot read FP8
+
+    def to_plain(self) -> None:
+        """Back from FP8 to the dtype before to_fp8, the values dequantized (a fused projection whose checkpoint
+        parts come partly plain: e.g. a hybrid model's gate rows kept in bf16 beside FP8 ones)."""
+        from specserve.kernels.reference_fp8 import dequantize_weight
+
+        w = dequantize_weight(self.weight, self.weight_scale, self.fp8_block).to(self.plain_dtype)  # [out, in]
+        del self.weight_scale
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.fp8_block = None
 
     def fp8_ready(self, w: Fp8Weight) -> bool:
         """Whether this layer keeps `w` in FP8 (converting itself on the first one): one device, and the FP8
@@ -78,7 +90,7 @@ class Linear(nn.Module):
                 or w.q.dtype != torch.float8_e4m3fn):
             return False
         if not self.is_fp8:
-            if self.loaded_plain:
+            if self.loaded_plain or (w.block is not None and any(b not in FP8_BLOCK_SIZES for b in w.block)):
                 return False
             if not all(self._block_aligned(w.block)):
                 return False
@@ -93,13 +105,14 @@ class Linear(nn.Module):
         copy_checked(self.weight, w.q, "FP8 weight")
         copy_checked(self.weight_scale, w.scale, "FP8 weight scale")
 
-    def quantize_fp8(self) -> None:
+    def quantize_fp8(self, block: tuple[int, int] | None = None) -> None:
         """Online FP8 (--quantization fp8): this layer's loaded weight -> FP8 with one scale per output row (the
-        input is quantised per token at each call)."""
-        from specserve.kernels.reference_fp8 import quantize_weight_channels
+        input is quantised per token at each call); with `block`, one per block as FP8 checkpoints hold them."""
+        from specserve.kernels.reference_fp8 import quantize_weight_blocks, quantize_weight_channels
 
-        wq, scale = quantize_weight_channels(self.weight.detach())  # [out, in] fp8, [out]
-        self.to_fp8(None)
+        w = self.weight.detach()
+        wq, scale = quantize_weight_channels(w) if block is None else quantize_weight_blocks(w, block)
+        self.to_fp8(block)
         with torch.no_grad():
             self.weight.copy_(wq)
             self.weight_scale.copy_(scale)
@@ -113,6 +126,8 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
         super().__init__(in_features, sum(shard_sizes.values()), bias)
+        # the checkpoint's names of the parts (last name component), for exclusion globs (layers/quant.py)
+        self.part_names: list[str] = [f"{name}_proj" for name in shard_sizes]
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         off = 0
         for name, size in shard_sizes.items():
@@ -138,7 +153,7 @@ class MergedLinear(Linear):
                     self.weight_scale[first:first + tensor.scale.shape[0]].copy_(tensor.scale)
                 return
         elif self.is_fp8 and not is_bias:
-            raise ValueError(f"shard {shard!r}: a plain weight for a projection whose other parts are FP8")
+            self.to_plain()  # the parts loaded in FP8 dequantized: the projection computes in the model dtype
         if not is_bias:
             self.loaded_plain = True
         target = self.bias if is_bias else self.weight

@@ -75,12 +75,23 @@ class FusedMoE(nn.Module):
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         bn, bk = block
         dev = self.w13.device
+        self.plain_dtype = self.w13.dtype  # to_plain's
         fp8 = torch.float8_e4m3fn
         self.w13 = nn.Parameter(torch.zeros((e, 2 * i, h), dtype=fp8, device=dev), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros((e, h, i), dtype=fp8, device=dev), requires_grad=False)
         self.register_buffer("w13_scale", torch.ones((e, 2 * i // bn, -(-h // bk)), device=dev))  # [E, 2I/bn, H/bk]
         self.register_buffer("w2_scale", torch.ones((e, -(-h // bn), -(-i // bk)), device=dev))  # [E, H/bn, I/bk]
         self.fp8_block = block
+
+    def to_plain(self) -> None:
+        """Back from FP8 to the dtype before to_fp8, the values dequantized."""
+        from specserve.kernels.reference_moe_fp8 import dequantize_blocks
+
+        w13 = dequantize_blocks(self.w13, self.w13_scale, self.fp8_block).to(self.plain_dtype)  # [E, 2I, H]
+        w2 = dequantize_blocks(self.w2, self.w2_scale, self.fp8_block).to(self.plain_dtype)  # [E, H, I]
+        del self.w13_scale, self.w2_scale
+        self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
+        self.fp8_block = None
 
     def fp8_ready(self, w: Fp8Weight) -> bool:
         """Whether the experts keep `w` in FP8 (converting on the first one): one device, a block the kernel takes
@@ -138,6 +149,8 @@ class FusedMoE(nn.Module):
         i = self.intermediate_size
         if self.tp.size > 1 and proj in _EXPERT_PROJS:  # this rank's intermediate features: rows, or down's columns
             tensor = self.tp.shard(tensor, 1 if proj == "down_proj" else 0, f"experts.{expert}.{proj}")
+        if self.is_fp8:  # a plain piece after FP8 ones: all of them dequantized, the experts in the model dtype
+            self.to_plain()
         if proj == "gate_proj":
             target, param = self.w13[expert, :i], "w13"
         elif proj == "up_proj":
@@ -146,8 +159,6 @@ class FusedMoE(nn.Module):
             target, param = self.w2[expert], "w2"
         else:
             raise ValueError(f"unknown expert projection {proj!r} (expected one of {_EXPERT_PROJS})")
-        if self.is_fp8 and not isinstance(tensor, Fp8Weight):
-            raise ValueError(f"experts.{expert}.{proj}: a plain weight for experts whose other pieces are FP8")
         copy_checked(target, tensor, f"experts.{expert}.{proj}")
         self.loaded_plain = True
         self.pending[param].discard((expert, proj))
