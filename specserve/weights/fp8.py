@@ -40,7 +40,7 @@ def fp8_format(hf_config) -> Fp8Format | None:
                          "quant_method 'fp8')")
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"FP8 activation scheme {q['activation_scheme']!r} is not supported (only 'dynamic': "
-                         "weights are dequantized at load, activations stay in the model dtype)")
+                         "activations quantised per token at each call; static input scales are not read)")
     block = q.get("weight_block_size")
     return Fp8Format(tuple(int(b) for b in block) if block else None)
 
