@@ -118,7 +118,9 @@ class ServerArgs:
     port: int = 30000
     log_level: str = "info"
     skip_warmup: bool = False
-    max_request_body_mb: float = 16.0  # larger request bodies get a 413 before they are parsed
+    # larger request bodies get a 413 before they are parsed; 32: one image at --max-encoded-image-mb (20 MiB, 26.7
+    # MiB in base64) fits with its text
+    max_request_body_mb: float = 32.0
     # SGLang's --api-key: every route but /health needs "Authorization: Bearer <key>" (compared in constant time)
     api_key: str | None = field(default=None, repr=False)
     # A connection must send a request's headers within this many seconds, and its body within the body timeout,
@@ -502,7 +504,8 @@ class ServerArgs:
         a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"), help="logging")
         a("--skip-warmup", action="store_true", help="serve without the warm-up generation")
         a("--max-request-body-mb", type=float, default=d["max_request_body_mb"].default,
-          help="HTTP request bodies larger than this get a 413 before they are read whole (default 16)")
+          help="HTTP request bodies larger than this get a 413 before they are read whole (default 32: one "
+               "20 MiB image in base64 and its text)")
         a("--api-key", default=None,
           help="every route but /health needs the header 'Authorization: Bearer <key>' (others get a 401); a "
                "request's own rid is scoped to the credential that sent it")

@@ -125,7 +125,7 @@ def test_info_routes_show_no_paths_pids_or_key_unless_asked():
     assert info["model_path"] == "Model-7B" and info["tokenizer_path"] == "tok" and "engine_pid" not in info
     assert json.loads(texts[0])["data"][0]["root"] == "Model-7B"
     assert json.loads(texts[1])["model_path"] == "Model-7B"
-    assert info["max_request_body_mb"] == 16.0 and "api_key" not in info  # the harmless arguments stay
+    assert info["max_request_body_mb"] == 32.0 and "api_key" not in info  # the harmless arguments stay
     # the operator's view: whole paths and the pid, never the key
     http = _client(ServerArgs(**args, show_internal_info=True))
     info = http.get("/get_server_info", headers=ok).json()
