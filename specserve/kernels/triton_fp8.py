@@ -29,24 +29,27 @@ Kernels:
 All four kernels are the same `_fp8_mm_kernel` or the quantisers; grids and configs come from shapes only, no host
 sync: every launch is CUDA-graph capturable.
 
-Rounding, measured on triton 3.9:
+Rounding (the interpreter's measured on triton 3.9; the GPU's read from the sm_90 PTX, not run here):
   * The interpreter's float32 -> e4m3 conversion (CPU tests) is wrong wherever rounding carries into the next
     binade (125.6 -> 64 instead of 128, 0.0147 -> 0.0137 instead of 0.0156, subnormals -> 0): ~2.5% of Gaussian
     values. So under the interpreter (EXACT_FIRST) `_to_e4m3` first rounds to e4m3's grid in float32 arithmetic and
     the conversion only meets exact values: then it agrees with torch's cast bit for bit (tests/test_fp8_gemm.py
-    checks random, wide-range and every midpoint +-1 ulp). On the GPU the conversion is the hardware's
-    round-to-nearest-even (cvt.rn.satfinite), torch's rounding, and EXACT_FIRST is off.
-  * x / s uses div_rn (correctly rounded, as torch's `/`): Triton's `/` on float32 is the GPU's approximate
-    division, which could move a quotient across an e4m3 midpoint.
+    checks random, wide-range, every e4m3 value, every midpoint and the float32 values either side of it, and
+    -0). On the GPU the conversion is the hardware's round-to-nearest-even (PTX cvt.rn.satfinite.e4m3x2.f32),
+    torch's rounding, and EXACT_FIRST is off (the same test checks it there).
+  * x / s and amax / 448 use div_rn (PTX div.rn.f32, correctly rounded, as torch's `/`): Triton's `/` on float32
+    is the GPU's approximate division (div.full.f32), which could move a quotient across an e4m3 midpoint.
   * bfloat16 outputs are rounded to nearest even by hand (`_out`): the interpreter's conversion truncates.
   * On sm_90 an fp8 x fp8 warpgroup MMA accumulates in the tensor core at reduced precision unless told otherwise;
     max_num_imprecise_acc = BLOCK_K promotes the sum to float32 every K step (DeepGEMM's choice, every 128 values),
-    so GPU sums within a K step may differ from float32 ones by about 2^-13 of the step's sum.
+    so GPU sums within a K step may differ from float32 ones (not measured here; tests/test_fp8_gemm.py bounds it
+    on a GPU by 5e-4 of the sum of magnitudes). The 16-row tiles (mma.sync) and the CUDA-core path sum in float32.
 
-fp8 tensors are passed as they are (the interpreter loads float8_e4m3fn pointers); `F32_DOT` (CPU tensors only,
-see kernels/triton_dot.py) upcasts the dot's operands to float32 (every e4m3 value and every product of two is
-exact in float32, so only the summation order changes); on the GPU a bk = 16 block (below an fp8 tl.dot's K of 32)
-takes the dot in bfloat16, which also holds every e4m3 value exactly.
+fp8 tensors are passed as they are (the interpreter loads float8_e4m3fn pointers, checked: no uint8 views needed).
+DOT_DTYPE "f32" (CPU tensors only: the interpreter's low-precision tl.dot is unreliable, as kernels/triton_dot.py's
+F32_DOT says) upcasts the dot's operands to float32 (every e4m3 value and every product of two is exact in float32,
+so only the summation order changes); on the GPU "fp8", except a bk = 16 block (below an fp8 tl.dot's K of 32):
+"bf16", which also holds every e4m3 value exactly.
 """
 
 from __future__ import annotations
