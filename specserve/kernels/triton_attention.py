@@ -60,14 +60,13 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
     causal mask (used when MASKED); m_i, l_i [M] running max / sum (base 2); acc [M, BLOCK_D] float32. An FP8 cache:
     k_scale_ptr / v_scale_ptr [S, Hkv] row scales (stride_ss per slot), the tiles dequantized to q's dtype."""
     kv_mask = key_ok[:, None] & d_ok[None, :]
-    fp8 = k_cache_ptr.dtype.element_ty.is_fp8()
-    k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :], mask=kv_mask,
-                other=0.0)  # [BLOCK_N, BLOCK_D]
-    if fp8:
-        k = dequantize(k, tl.load(k_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
+    k_raw = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :], mask=kv_mask,
+                    other=0.0)  # [BLOCK_N, BLOCK_D] in the cache's dtype
+    if k_cache_ptr.dtype.element_ty.is_fp8():
+        k = dequantize(k_raw, tl.load(k_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
                        F32_DOT)
     else:
-        k = k.to(q.dtype)
+        k = k_raw.to(q.dtype)
     s = dot(q, tl.trans(k), F32_DOT, PRECISION) * qk_scale  # [M, BLOCK_N]
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -75,13 +74,13 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])  # [M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :], mask=kv_mask,
-                other=0.0)  # [BLOCK_N, BLOCK_D]
-    if fp8:
-        v = dequantize(v, tl.load(v_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
+    v_raw = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :], mask=kv_mask,
+                    other=0.0)  # [BLOCK_N, BLOCK_D] in the cache's dtype
+    if v_cache_ptr.dtype.element_ty.is_fp8():
+        v = dequantize(v_raw, tl.load(v_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
                        F32_DOT)
     else:
-        v = v.to(q.dtype)
+        v = v_raw.to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, F32_DOT, PRECISION)
     return m_new, l_i, acc
 
