@@ -16,9 +16,12 @@ from typing import NoReturn
 SPEC_ALGORITHMS = ("MTP", "EAGLE", "NEXTN")
 SPEC_OFF = "NONE"  # explicit "no speculation" (the embedded default model speculates unless told not to)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# fp8_e4m3 / fp8_e5m2: MHA K/V in an 8-bit float with a float32 scale per (token, KV head) (kvcache/kv_pool.py)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPE_ALIASES = {"bf16": "bfloat16"}  # SGLang's spelling
-NOT_YET_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")  # SGLang's quantised KV caches (not implemented yet)
+# the torch dtype of each --kv-cache-dtype name that is not torch's own (engine/model_runner.py resolves them)
+KV_CACHE_TORCH_NAMES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+NOT_YET_KV_CACHE_DTYPES = ("fp4_e2m1",)  # SGLang's FP4 KV cache (not implemented yet)
 QUANTIZATIONS = ("none", "int8")  # of a draft's weights (layers/quant.py)
 DRAFT_SAMPLING = ("argmax", "sample")  # how sampled requests' drafts are chosen (speculative/draft_state.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -409,8 +412,9 @@ class ServerArgs:
         a = g["memory and scheduling"].add_argument
         a("--page-size", type=int, default=d["page_size"].default, help="KV tokens per page of the page table")
         a("--kv-cache-dtype", type=_cli_type(kv_cache_dtype_name), default="auto", choices=KV_CACHE_DTYPES,
-          help="KV cache dtype (auto: --dtype's; bf16 is accepted for bfloat16); FP8 KV caches are not supported "
-               "yet")
+          help="KV cache dtype (auto: --dtype's; bf16 is accepted for bfloat16). fp8_e4m3 / fp8_e5m2: K and V of "
+               "attention (MHA) layers in 8 bits with a float32 scale per token and KV head, about twice the tokens "
+               "in the same memory; not yet for MLA latents (DeepSeek / GLM families)")
         a("--mem-fraction-static", type=float, default=None,
           help="share of the GPU's memory for weights and caches (default 0.85)")
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
@@ -619,11 +623,11 @@ def embedded_draft_quantization(device_type: str) -> str:
 
 # ---------------------------------------------------------------------- values SGLang's flags take
 def kv_cache_dtype_name(value: str) -> str:
-    """A --kv-cache-dtype value by its canonical name (SGLang's bf16 is bfloat16); quantised caches are refused by
-    name rather than as an unknown choice."""
+    """A --kv-cache-dtype value by its canonical name (SGLang's bf16 is bfloat16); an FP4 cache is refused by name
+    rather than as an unknown choice."""
     name = KV_CACHE_DTYPE_ALIASES.get(value, value)
     if name in NOT_YET_KV_CACHE_DTYPES:
-        raise ValueError(f"{value}: quantised (FP8/FP4) KV caches are not supported yet; use one of "
+        raise ValueError(f"{value}: FP4 KV caches are not supported yet; use one of "
                          f"{', '.join(KV_CACHE_DTYPES)} (or bf16)")
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"{value!r} is not one of {', '.join(KV_CACHE_DTYPES)} (or bf16)")

@@ -18,7 +18,8 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
+          torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
+          torch.float8_e5m2: "fp8e5"}
 BF16 = torch.bfloat16
 
 
@@ -223,6 +224,50 @@ def main() -> None:
     check("prefill attention", ta, ["_varlen_kernel"],
           lambda: ta.varlen_attention(qp, kc, vc, table, rows, lens, torch.zeros(1, dtype=torch.int64),
                                       torch.full((1,), 100, dtype=torch.int64), 100, d ** -0.5))
+    fp8_kv_cases(hq, hkv, d, slots)
+
+
+def fp8_kv_cases(hq: int, hkv: int, d: int, slots: int) -> None:
+    """The FP8 KV cache's kernels (kernels/triton_kv_fp8.py inside them), Llama-3.1-8B's heads, each cache format:
+    the stores (store_kv, the q/k prep), decode with split merge, verify width 4, the attention's own prep store, a
+    prefill. Compiled as on the GPU: hardware casts and dots (F32_DOT / RNE off; CPU tensors would set them)."""
+    from specserve.kernels import triton_attention as ta
+    from specserve.kernels import triton_kv as tkv
+    from specserve.kernels import triton_qk_prep as tq
+
+    table = torch.arange(slots, dtype=torch.int64)[None]  # [1, slots]
+    rows, lens = torch.zeros(1, dtype=torch.int64), torch.full((1,), 513, dtype=torch.int64)
+    cs, one = torch.randn(4096, d), torch.ones(d, dtype=BF16)
+    for fmt, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        kc, vc = torch.zeros(slots, hkv, d, dtype=dt), torch.zeros(slots, hkv, d, dtype=dt)
+        sc = dict(k_scale=torch.ones(slots, hkv), v_scale=torch.ones(slots, hkv))
+        k, v = torch.randn(3, hkv, d).to(BF16), torch.randn(3, hkv, d).to(BF16)
+        check(f"fp8 {fmt} store_kv", tkv, ["_store_kv_kernel"],
+              lambda kc=kc, vc=vc, k=k, v=v, sc=sc: tkv.store_kv(kc, vc, torch.arange(3), k, v, **sc), RNE=False)
+        q = torch.randn(3, hq, d).to(BF16)
+        check(f"fp8 {fmt} q/k prep with norms", tq, ["_qk_prep_kernel"],
+              lambda kc=kc, vc=vc, q=q, k=k, v=v, sc=sc: tq.qk_norm_rope_store_triton(
+                  q, k, v, kc, vc, torch.arange(3), cs, torch.arange(3), None, one, one, 1e-6, **sc), RNE=False)
+        for width, splits in ((1, 8), (4, 8)):
+            qw = torch.randn(width, hq, d).to(BF16)
+            check(f"fp8 {fmt} decode attention width {width} splits {splits}", ta, ["_fixed_width_kernel"],
+                  lambda kc=kc, vc=vc, qw=qw, width=width, splits=splits, sc=sc: ta.fixed_width_attention(
+                      qw, kc, vc, table, rows, lens, width, splits, d ** -0.5, **sc), F32_DOT=False)
+        for width, norms in ((1, True), (4, False)):
+            qkv = torch.randn(width, (hq + 2 * hkv) * d).to(BF16)
+            qw, kw, vw = qkv.split([hq * d, hkv * d, hkv * d], -1)
+            prep = ta.AttnPrep(kw.view(width, hkv, d), vw.view(width, hkv, d), torch.arange(width), cs,
+                               torch.arange(width), *((one, one) if norms else (None, None)))
+            check(f"fp8 {fmt} decode attention with the q/k prep, width {width} norms {norms}", ta,
+                  ["_fixed_width_kernel"],
+                  lambda kc=kc, vc=vc, qw=qw, width=width, prep=prep, sc=sc: ta.fixed_width_attention(
+                      qw.view(width, hq, d), kc, vc, table, rows, lens, width, 8, d ** -0.5, prep=prep, **sc),
+                  F32_DOT=False)
+        qp = torch.randn(100, hq, d).to(BF16)
+        check(f"fp8 {fmt} prefill attention", ta, ["_varlen_kernel"],
+              lambda kc=kc, vc=vc, qp=qp, sc=sc: ta.varlen_attention(
+                  qp, kc, vc, table, rows, lens, torch.zeros(1, dtype=torch.int64),
+                  torch.full((1,), 100, dtype=torch.int64), 100, d ** -0.5, **sc), F32_DOT=False)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ REFUSED = {
     ("--attention-backend", "aiter"): "argument --attention-backend: aiter is AMD ROCm's kernel library",
     ("--speculative-draft-attention-backend", "aiter"): "argument --speculative-draft-attention-backend: aiter is "
                                                         "AMD ROCm's kernel library",
-    ("--kv-cache-dtype", "fp8_e4m3"): "quantised (FP8/FP4) KV caches are not supported yet",
 }
 
 
@@ -77,7 +76,7 @@ def test_reference_launch_commands(cmd, capsys):
     assert a.trust_remote_code and a.disable_radix_cache and a.host == "0.0.0.0"
     for pair in refused:  # each refused value alone: its one line, the flag named
         assert REFUSED[pair] in _error(_without(argv, refused - {pair}), capsys)
-    assert len(refused) == (0, 1, 2)[cmd]
+    assert len(refused) == (0, 1, 1)[cmd]
     if cmd == 0:
         assert (a.tp_size, a.ep_size, a.moe_expert_parallel) == (2, 1, False)  # each expert split over the ranks
         assert (a.kv_cache_dtype, a.page_size, a.context_length, a.max_running_requests, a.mem_fraction_static) == \
@@ -90,6 +89,7 @@ def test_reference_launch_commands(cmd, capsys):
         assert (a.tp_size, a.ep_size, a.max_running_requests, a.port) == (4, 4, 128, 8016)
         assert a.enable_return_hidden_states
         assert (a.speculative_num_steps, a.speculative_num_draft_tokens) == (3, 4)
+        assert a.kv_cache_dtype == "fp8_e4m3"  # FP8 K/V (MHA layers; an MLA model is refused at engine start)
 
 
 def test_sglang_flag_values(capsys):
@@ -100,7 +100,7 @@ def test_sglang_flag_values(capsys):
     assert parse_args(["--cuda-graph-bs-decode", "1", "2"]).cuda_graph_bs == [1, 2]
     for argv, needle in ((["--cuda-graph-max-bs", "8", "--cuda-graph-max-bs-decode", "16"], "differ"),
                          (["--cuda-graph-backend-decode", "piecewise"], "full CUDA graphs only"),
-                         (["--kv-cache-dtype", "fp8_e5m2"], "not supported yet"),
+                         (["--kv-cache-dtype", "fp4_e2m1"], "FP4 KV caches are not supported yet"),
                          (["--tp", "4", "--ep-size", "2"], "--ep-size 2 must be 1"),
                          (["--model-loader-extra-config", "{"], "not JSON"),
                          (["--model-loader-extra-config", '{"quantization": "fp8"}'], "unsupported keys"),
@@ -115,6 +115,9 @@ def test_sglang_flag_values(capsys):
 
     # Engine(**kwargs) takes the same values and gives the same messages
     assert ServerArgs(model_path="/m", kv_cache_dtype="bf16").kv_cache_dtype == "bfloat16"
+    for name in ("fp8_e4m3", "fp8_e5m2"):
+        assert parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == ServerArgs(model_path="/m",
+                                                                                   kv_cache_dtype=name).kv_cache_dtype
     with pytest.raises(ValueError, match="--attention-backend: aiter is AMD ROCm"):
         ServerArgs(model_path="/m", attention_backend="aiter")
 

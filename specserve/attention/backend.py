@@ -68,13 +68,22 @@ class AttentionBackend(abc.ABC):
         """layer's (k_cache, v_cache) [S, Hkv, D] (its layer.cache_index in the MHA pool)."""
         return self.kv_pool.k[layer.cache_index], self.kv_pool.v[layer.cache_index]
 
+    def layer_scales(self, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """layer's (k_scale, v_scale) [S, Hkv] float32 row scales in an FP8 pool; (None, None) otherwise. Every
+        writer and reader of layer_kv's caches takes them too."""
+        if not self.kv_pool.is_fp8:
+            return None, None
+        return self.kv_pool.k_scale[layer.cache_index], self.kv_pool.v_scale[layer.cache_index]
+
     def store_or_prep(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer, fb: ForwardBatch,
                       prep: QKPrep | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store k, v at fb.out_cache_loc in layer.cache_index's K/V, after prep's norms and rotary on q and k (one
-        op, q and k written in place) when given -> (the q to attend with, k_cache, v_cache) [S, Hkv, D]."""
+        """Store k, v at fb.out_cache_loc in layer.cache_index's K/V (an FP8 pool: quantized, with its row scales),
+        after prep's norms and rotary on q and k (one op, q and k written in place) when given -> (the q to attend
+        with, k_cache, v_cache) [S, Hkv, D]."""
         k_cache, v_cache = self.layer_kv(layer)
+        k_scale, v_scale = self.layer_scales(layer)
         if prep is None:
-            self.store_kv(k_cache, v_cache, fb.out_cache_loc, k, v)
+            self.store_kv(k_cache, v_cache, fb.out_cache_loc, k, v, k_scale, v_scale)
         else:
-            q, _ = prep.store(q, k, v, k_cache, v_cache, fb.out_cache_loc, self.qk_norm_rope_store)
+            q, _ = prep.store(q, k, v, k_cache, v_cache, fb.out_cache_loc, self.qk_norm_rope_store, k_scale, v_scale)
         return q, k_cache, v_cache

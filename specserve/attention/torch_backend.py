@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from specserve.attention.backend import AttentionBackend
 from specserve.batch import ForwardBatch, extend_starts
+from specserve.kernels.reference_kv_fp8 import dequantize_kv
 
 
 @dataclass
@@ -41,6 +42,15 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     each slot's contiguous Hkv x D block at once, where advanced indexing goes element by element (on the CPU
     several times slower, a visible share of a SmolLM2 verify step)."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+def _read(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows at slots [..] of cache [S, Hkv, D] in dtype -> [.., Hkv, D]; an FP8 cache (scale [S, Hkv])
+    dequantized (reference_kv_fp8.dequantize_kv: stored * scale in float32, then rounded to dtype)."""
+    rows = _gather(cache, slots)
+    if scale is None:
+        return rows.to(dtype)
+    return dequantize_kv(rows, _gather(scale, slots), dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -97,18 +107,20 @@ class TorchAttentionBackend(AttentionBackend):
     # ---------------------------------------------------------------- attention
     def forward(self, q, k, v, layer, fb: ForwardBatch, prep=None) -> torch.Tensor:
         q, k_cache, v_cache = self.store_or_prep(q, k, v, layer, fb, prep)
+        k_scale, v_scale = self.layer_scales(layer)
         meta = self.meta
         if isinstance(meta, _FixedMeta):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]
-            kk, vv = (_gather(c, meta.kv_slots).to(q.dtype) for c in (k_cache, v_cache))  # [bs, kv, Hkv, D]
+            kk = _read(k_cache, k_scale, meta.kv_slots, q.dtype)  # [bs, kv, Hkv, D]
+            vv = _read(v_cache, v_scale, meta.kv_slots, q.dtype)
             qq = q.view(bs, w, layer.num_heads, layer.head_dim).transpose(1, 2)  # [bs, Hq, w, D]
             o = F.scaled_dot_product_attention(qq, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=meta.mask,
                                                scale=layer.scaling, enable_gqa=True)
             return o.transpose(1, 2).reshape(bs * w, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         for q0, e, slots, mask in meta.pieces:
-            kk = _gather(k_cache, slots).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, s, D]
-            vv = _gather(v_cache, slots).to(q.dtype).transpose(0, 1)[None]
+            kk = _read(k_cache, k_scale, slots, q.dtype).transpose(0, 1)[None]  # [1, Hkv, s, D]
+            vv = _read(v_cache, v_scale, slots, q.dtype).transpose(0, 1)[None]
             qq = q[q0:q0 + e].transpose(0, 1)[None]  # [1, Hq, e, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None], scale=layer.scaling,
                                                enable_gqa=True)

@@ -131,18 +131,22 @@ class TritonAttentionBackend(AttentionBackend):
         meta = self.meta
         table = self.req_to_token.table
         attn_prep = self._attn_prep(q, k, v, fb, prep) if isinstance(meta, _FixedMeta) else None
+        k_scale, v_scale = self.layer_scales(layer)  # [S, Hkv] row scales of an FP8 pool, else None
         if attn_prep is not None:  # the attention kernel preps q and stores the new K/V itself
             k_cache, v_cache = self.layer_kv(layer)
             return fixed_width_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.width,
-                                         meta.num_splits, layer.scaling, block_n=self.block_n, prep=attn_prep)
+                                         meta.num_splits, layer.scaling, block_n=self.block_n, prep=attn_prep,
+                                         k_scale=k_scale, v_scale=v_scale)
         q, k_cache, v_cache = self.store_or_prep(q, k, v, layer, fb, prep)  # [S, Hkv, D] caches
         if q.stride(-1) != 1:
             q = q.contiguous()
         if isinstance(meta, _FixedMeta):
             return fixed_width_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.width,
-                                         meta.num_splits, layer.scaling, block_n=self.block_n)
+                                         meta.num_splits, layer.scaling, block_n=self.block_n, k_scale=k_scale,
+                                         v_scale=v_scale)
         return varlen_attention(q, k_cache, v_cache, table, meta.rows, meta.seq_lens, meta.q_starts, meta.ext_lens,
-                                meta.max_ext, layer.scaling, block_m=self.block_m, block_n=self.block_n)
+                                meta.max_ext, layer.scaling, block_m=self.block_m, block_n=self.block_n,
+                                k_scale=k_scale, v_scale=v_scale)
 
     def _attn_prep(self, q, k, v, fb: ForwardBatch, prep) -> AttnPrep | None:
         """prep as the attention kernel's AttnPrep where prep_in_attention holds and the kernel takes it, else None

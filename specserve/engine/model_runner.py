@@ -37,14 +37,14 @@ from specserve.graphs.prefill import PrefillRunner
 from specserve.graphs.step_graph import DecodeStepGraph
 from specserve.graphs.step_hidden import StepHidden
 from specserve.kvcache.allocator import PageAllocator
-from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token
+from specserve.kvcache.cache_spec import bytes_per_state_row, bytes_per_token, is_fp8
 from specserve.kvcache.caches import ModelCaches
 from specserve.kvcache.manager import KVManager
 from specserve.kvcache.req_to_token import ReqToTokenPool
 from specserve.layers.sampler import check_sampling_kernels
 from specserve.models.config import ModelConfig
 from specserve.models.decoder_layer import set_decode_gemv
-from specserve.server_args import ServerArgs
+from specserve.server_args import KV_CACHE_TORCH_NAMES, ServerArgs
 from specserve.speculative.draft_lag import DraftLag
 from specserve.speculative.worker import SpecWorker, WorkerSettings
 
@@ -67,6 +67,22 @@ def default_capture_bs(max_bs: int) -> list[int]:
     return sorted(set(out))
 
 
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype's torch dtype: auto is the model's; fp8_e4m3 / fp8_e5m2 (SGLang's names) are
+    float8_e4m3fn / float8_e5m2; the others are torch's own names."""
+    if name == "auto":
+        return model_dtype
+    return getattr(torch, KV_CACHE_TORCH_NAMES.get(name, name))
+
+
+def check_kv_cache_dtype(name: str, kv_dtype: torch.dtype, specs: list) -> None:
+    """An FP8 KV cache is implemented for MHA K/V only: a model whose caches hold MLA latents (DeepSeek / GLM
+    families, target or draft) is refused before anything is allocated. Recurrent state keeps its own dtypes."""
+    if is_fp8(kv_dtype) and any(s.kind is CacheKind.MLA for s in specs):
+        raise ValueError(f"--kv-cache-dtype {name} is implemented for MHA caches; MLA latents (DeepSeek / GLM "
+                         f"families) are not supported in FP8 yet: use --kv-cache-dtype auto or bfloat16")
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, target: torch.nn.Module, cfg: ModelConfig, draft: torch.nn.Module | None,
                  device: torch.device, dtype: torch.dtype, context_len: int):
@@ -87,12 +103,13 @@ class ModelRunner:
         self.context_len = context_len
         self.num_steps = args.num_draft_steps  # N (0 without speculation)
         self.page_size = args.page_size
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
         self.kv_dtype = kv_dtype
 
         # ---- sizing: one budget for every pool (token slots of target and draft, then state rows)
         target_specs = target.cache_specs()
         draft_specs = draft.cache_specs() if draft is not None else []
+        check_kv_cache_dtype(args.kv_cache_dtype, kv_dtype, target_specs + draft_specs)
         self.kind_dtypes = ({CacheKind.INDEX_KEYS: torch.float8_e4m3fn} if args.indexer_cache_dtype == "fp8_e4m3"
                             else {})
         if args.mla_prefill == "mha" and any(s.kind is CacheKind.INDEX_KEYS for s in target_specs):

@@ -56,26 +56,29 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, position
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
+             v: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """k, v [T, Hkv, D] into the caches at loc [T]; k_scale, v_scale [S, Hkv]: an FP8 cache's row scales."""
     if k.is_cuda and (tk := triton_kernels()) is not None:
-        return tk.store_kv(k_cache, v_cache, loc, k, v)
-    return ref.store_kv(k_cache, v_cache, loc, k, v)
+        return tk.store_kv(k_cache, v_cache, loc, k, v, k_scale, v_scale)
+    return ref.store_kv(k_cache, v_cache, loc, k, v, k_scale, v_scale)
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, loc: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                        mrope_section: list[int] | None, q_norm_w: torch.Tensor | None = None,
                        k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, weight_offset: float = 0.0,
-                       mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       mrope_interleaved: bool = False, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head q/k RMSNorm (weights given), rotary on the first cos_sin_cache.shape[1] dims, K/V store at loc
-    (reference.qk_norm_rope_store): q and k written in place; returns the (q, k) to attend with. One capturable
-    kernel on CUDA (triton_qk_prep.py)."""
+    (reference.qk_norm_rope_store; k_scale, v_scale: an FP8 cache's row scales): q and k written in place; returns
+    the (q, k) to attend with. One capturable kernel on CUDA (triton_qk_prep.py)."""
     weights = [w for w in (q_norm_w, k_norm_w) if w is not None]
     if (tk := _kernels(q, k, v, *weights)) is not None:
         return tk.qk_norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, cos_sin_cache, positions, mrope_section,
-                                            q_norm_w, k_norm_w, eps, weight_offset, mrope_interleaved)
+                                            q_norm_w, k_norm_w, eps, weight_offset, mrope_interleaved, k_scale,
+                                            v_scale)
     return ref.qk_norm_rope_store(q, k, v, k_cache, v_cache, loc, cos_sin_cache, positions, mrope_section,
-                                  q_norm_w, k_norm_w, eps, weight_offset, mrope_interleaved)
+                                  q_norm_w, k_norm_w, eps, weight_offset, mrope_interleaved, k_scale, v_scale)
 
 
 def row_top1(x: torch.Tensor, vocab_map: torch.Tensor | None = None,
@@ -297,7 +300,7 @@ def norm_gemv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
     q, k, v = y.split([hq * d, hkv * d, hkv * d], dim=-1)
     ref.qk_norm_rope_store(q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), rope.k_cache, rope.v_cache,
                            rope.loc, rope.cos_sin_cache, rope.positions, None, rope.q_norm_w, rope.k_norm_w, rope.eps,
-                           rope.weight_offset)
+                           rope.weight_offset, k_scale=rope.k_scale, v_scale=rope.v_scale)
     return y, h
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels.reference_kv_fp8 import store_kv_fp8
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
     """x [T, H], w [H] -> [T, H] in x's dtype (statistics in float32). weight_offset 1.0: a zero-centred norm
@@ -78,8 +80,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """Write k, v [T, kv_heads, D] at slots loc [T]."""
+             v: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write k, v [T, kv_heads, D] at slots loc [T]. With k_scale, v_scale [S, kv_heads] float32 (an FP8 cache)
+    each row is quantized with its own scale (reference_kv_fp8.py)."""
+    if k_scale is not None:
+        store_kv_fp8(k_cache, k_scale, loc, k)
+        store_kv_fp8(v_cache, v_scale, loc, v)
+        return
     k_cache[loc] = k.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
 
@@ -88,11 +95,12 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
                        v_cache: torch.Tensor, loc: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
                        mrope_section: list[int] | None, q_norm_w: torch.Tensor | None = None,
                        k_norm_w: torch.Tensor | None = None, eps: float = 1e-6, weight_offset: float = 0.0,
-                       mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       mrope_interleaved: bool = False, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What an attention layer does between its qkv projection and the attention, composed of the ops above:
     rms_norm of each head of q [T, Hq, D] and k [T, Hkv, D] with q_norm_w / k_norm_w [D] (when given), rotary on
     the first rot_dim = cos_sin_cache.shape[1] dims of each head (the rest unchanged; positions [3, T]: the mRoPE
-    layout of rope_cos_sin), store_kv(k, v) at loc [T].
+    layout of rope_cos_sin), store_kv(k, v) at loc [T] (quantized with k_scale, v_scale for an FP8 cache).
 
     q and k are written back in place (copy_, outside autograd); returns the normed, rotated (q, k) as the ops
     produce them (new tensors, in the dtype of x * w when the norm weight's dtype differs from x's)."""
@@ -107,7 +115,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     else:  # partial rotary: the leading dims rotate in place (of q and k themselves when there is no norm)
         qn[..., :rot_dim] = apply_rope(qn[..., :rot_dim], cos, sin)
         kn[..., :rot_dim] = apply_rope(kn[..., :rot_dim], cos, sin)
-    store_kv(k_cache, v_cache, loc, kn, v)
+    store_kv(k_cache, v_cache, loc, kn, v, k_scale, v_scale)
     if qn is not q:
         with torch.no_grad():  # a side effect for other readers; autograd follows the returned tensors
             q.copy_(qn)

@@ -16,7 +16,9 @@ class RopeStore:
     """Rotary on all D dims of the q and k heads at positions [M], K and V stored at cache slots loc [M] of
     k_cache / v_cache [S, Hkv, D]. cos_sin_cache [P, D] float32: cos in the first half of a row, sin in the second
     (layers/rotary.py). q_norm_w / k_norm_w [D] (both or neither): each q and k head RMS-normed first (eps,
-    weight_offset as layers/norm.py RMSNorm's), as kernels/triton_qk_prep.py does."""
+    weight_offset as layers/norm.py RMSNorm's), as kernels/triton_qk_prep.py does. k_scale / v_scale [S, Hkv]
+    float32: an FP8 cache's row scales (kernels/reference_kv_fp8.py); the GEMV epilogue does not quantize, so
+    `fits` refuses them and the caller runs the unfused ops, which do."""
     cos_sin_cache: torch.Tensor
     positions: torch.Tensor
     loc: torch.Tensor
@@ -29,6 +31,8 @@ class RopeStore:
     k_norm_w: torch.Tensor | None = None
     eps: float = 1e-6
     weight_offset: float = 0.0
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def __post_init__(self):
         if (self.q_norm_w is None) != (self.k_norm_w is None):
@@ -49,7 +53,8 @@ class RopeStore:
         block_n = config["BLOCK_N"]
         qk_cols, v_cols = (self.num_q_heads + self.num_kv_heads) * d, self.num_kv_heads * d
         return (
-            (m == 1 or bool(config.get("GEMV"))) and block_n >= 2 and d % 2 == 0 and (d // 2) % (block_n // 2) == 0
+            self.k_scale is None and self.v_scale is None and (m == 1 or bool(config.get("GEMV")))
+            and block_n >= 2 and d % 2 == 0 and (d // 2) % (block_n // 2) == 0
             and w.shape[0] == qk_cols + v_cols and qk_cols % block_n == 0 and v_cols % block_n == 0
             and self.cos_sin_cache.shape[1] == d and self.cos_sin_cache.dtype == torch.float32
             and self.cos_sin_cache.stride(-1) == 1 and self.positions.shape == (m,) and self.loc.shape == (m,)

@@ -23,6 +23,12 @@ Two kernels:
 Softmax runs in base 2 (exp2, scores pre-multiplied by scale * log2 e), statistics and accumulators in float32.
 `F32_DOT` computes the products in float32: set for CPU tensors only, where the Triton interpreter's bfloat16
 tl.dot is wrong (triton 3.9); probabilities are still rounded to the value dtype first, as on the GPU.
+
+An FP8 cache (k_cache / v_cache in float8_e4m3fn or float8_e5m2, with k_scale / v_scale [S, Hkv] float32 row scales;
+kernels/triton_kv_fp8.py) is dequantized inside each key tile (stored * scale in float32, rounded to q's dtype) before
+the dot, and the prep's in-kernel store quantizes by the store rule. Whether the cache is FP8 is read from its element
+type at compile time, so other caches compile exactly as before. Under the interpreter (F32_DOT) the roundings are
+explicit (the interpreter's narrowing casts truncate), so results equal the torch reference bit for bit.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import triton.language as tl
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.launch import one_wave_pdl, pdl_enter, pdl_kwargs
 from specserve.kernels.triton_dot import dot
+from specserve.kernels.triton_kv import kv_scale_args
+from specserve.kernels.triton_kv_fp8 import dequantize, fp8_quantize, fp8_scale, store_rows_fp8, tile_amax
 from specserve.kernels.triton_qk_prep import _normed, _rotated, _rounds_to_x
 
 _LOG2E = 1.4426950408889634
@@ -44,15 +52,21 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max:
 
 @triton.jit
 def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                  d, d_ok, key_ok, visible, m_i, l_i, acc, qk_scale,
+                  d, d_ok, key_ok, visible, m_i, l_i, acc, qk_scale, k_scale_ptr, v_scale_ptr, stride_ss,
                   MASKED: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax step over a block of BLOCK_N keys.
 
     q [M, BLOCK_D]; slot [BLOCK_N] int64 KV slots; key_ok [BLOCK_N] keys that exist; visible [M, BLOCK_N] the
-    causal mask (used when MASKED); m_i, l_i [M] running max / sum (base 2); acc [M, BLOCK_D] float32."""
+    causal mask (used when MASKED); m_i, l_i [M] running max / sum (base 2); acc [M, BLOCK_D] float32. An FP8 cache:
+    k_scale_ptr / v_scale_ptr [S, Hkv] row scales (stride_ss per slot), the tiles dequantized to q's dtype."""
     kv_mask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :], mask=kv_mask,
-                other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    k_raw = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :], mask=kv_mask,
+                    other=0.0)  # [BLOCK_N, BLOCK_D] in the cache's dtype
+    if k_cache_ptr.dtype.element_ty.is_fp8():
+        k = dequantize(k_raw, tl.load(k_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
+                       F32_DOT)
+    else:
+        k = k_raw.to(q.dtype)
     s = dot(q, tl.trans(k), F32_DOT, PRECISION) * qk_scale  # [M, BLOCK_N]
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -60,8 +74,13 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])  # [M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :], mask=kv_mask,
-                other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    v_raw = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :], mask=kv_mask,
+                    other=0.0)  # [BLOCK_N, BLOCK_D] in the cache's dtype
+    if v_cache_ptr.dtype.element_ty.is_fp8():
+        v = dequantize(v_raw, tl.load(v_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
+                       F32_DOT)
+    else:
+        v = v_raw.to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, F32_DOT, PRECISION)
     return m_new, l_i, acc
 
@@ -90,11 +109,12 @@ def _prep_rows(row_ptrs, ok, i, w_ptr, eps, cs_ptr, pos, stride_cs, head_dim,
 @triton.jit
 def _store_new_kv(k_new_ptr, v_new_ptr, loc_ptr, pos_ptr, cs_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, b, kv_head,
                   seq_len, start, end, head_dim, eps, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
-                  stride_pos, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  stride_pos, stride_kcs, stride_kch, stride_vcs, stride_vch, k_scale_ptr, v_scale_ptr, stride_ss,
                   W: tl.constexpr, HAS_NORM: tl.constexpr, W_OFFSET: tl.constexpr, K_ROUND: tl.constexpr,
-                  BLOCK_W: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_W: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, RNE: tl.constexpr):
     """The new tokens of request b whose keys fall in [start, end): key head kv_head prepped, stored with its value
-    at the token's slot; then a barrier, so the program's loads of its range see them."""
+    at the token's slot (an FP8 cache: quantized, their scales beside them); then a barrier, so the program's loads
+    of its range see them."""
     jn = tl.arange(0, BLOCK_W)
     n_new = seq_len - W + jn  # [BLOCK_W] sequence index of new token jn
     own = (jn < W) & (n_new >= start) & (n_new < end)
@@ -105,12 +125,22 @@ def _store_new_kv(k_new_ptr, v_new_ptr, loc_ptr, pos_ptr, cs_ptr, kw_ptr, k_cach
     k1, k2 = _prep_rows(k_new_ptr + tok[:, None] * stride_knt + kv_head * stride_knh, own, i, kw_ptr, eps, cs_ptr,
                         pos, stride_cs, head_dim, HAS_NORM, W_OFFSET, K_ROUND, BLOCK_HALF)
     cache_row = k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch  # [BLOCK_W, 1]
-    tl.store(cache_row + i[None, :], k1.to(k_cache_ptr.dtype.element_ty), mask=own[:, None])
-    tl.store(cache_row + BLOCK_HALF + i[None, :], k2.to(k_cache_ptr.dtype.element_ty), mask=own[:, None])
     d = tl.arange(0, BLOCK_D)
     v = tl.load(v_new_ptr + tok[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :], mask=own[:, None])
-    tl.store(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
-             v.to(v_cache_ptr.dtype.element_ty), mask=own[:, None])
+    v_dst = v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :]  # [BLOCK_W, BLOCK_D]
+    cdt = k_cache_ptr.dtype.element_ty
+    if cdt.is_fp8():  # one scale per key over both rotation halves (rows not owned are 0)
+        f1, f2 = k1.to(tl.float32), k2.to(tl.float32)
+        sc = fp8_scale(tl.maximum(tile_amax(f1), tile_amax(f2)), cdt)  # [BLOCK_W]
+        tl.store(cache_row + i[None, :], fp8_quantize(f1, sc, cdt, RNE), mask=own[:, None])
+        tl.store(cache_row + BLOCK_HALF + i[None, :], fp8_quantize(f2, sc, cdt, RNE), mask=own[:, None])
+        tl.store(k_scale_ptr + slot * stride_ss + kv_head, sc, mask=own)
+        store_rows_fp8(v_dst, v.to(tl.float32), own[:, None] & (d < BLOCK_D)[None, :],
+                       v_scale_ptr + slot * stride_ss + kv_head, own, RNE)
+    else:
+        tl.store(cache_row + i[None, :], k1.to(cdt), mask=own[:, None])
+        tl.store(cache_row + BLOCK_HALF + i[None, :], k2.to(cdt), mask=own[:, None])
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=own[:, None])
     tl.debug_barrier()  # every thread's stores before any thread's loads of the range (block scope)
 
 
@@ -120,7 +150,7 @@ def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, se
                         stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_table,
                         stride_ot, stride_oh,
                         k_new_ptr, v_new_ptr, loc_ptr, cs_ptr, pos_ptr, qw_ptr, kw_ptr, eps, stride_knt, stride_knh,
-                        stride_vnt, stride_vnh, stride_cs, stride_pos,
+                        stride_vnt, stride_vnh, stride_cs, stride_pos, k_scale_ptr, v_scale_ptr, stride_ss,
                         W: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32_DOT: tl.constexpr,
                         PRECISION: tl.constexpr, MERGE: tl.constexpr, GDC: tl.constexpr,
@@ -162,8 +192,8 @@ def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, se
     if PREP:
         _store_new_kv(k_new_ptr, v_new_ptr, loc_ptr, pos_ptr, cs_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, b, kv_head,
                       seq_len, start, end, head_dim, eps, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
-                      stride_pos, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                      W, HAS_NORM, W_OFFSET, K_ROUND, BLOCK_W, BLOCK_D // 2, BLOCK_D)
+                      stride_pos, stride_kcs, stride_kch, stride_vcs, stride_vch, k_scale_ptr, v_scale_ptr, stride_ss,
+                      W, HAS_NORM, W_OFFSET, K_ROUND, BLOCK_W, BLOCK_D // 2, BLOCK_D, F32_DOT)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -176,7 +206,7 @@ def _fixed_width_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, se
         visible = key_ok[None, :] & (n[None, :] <= q_idx[:, None])
         m_i, l_i, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch,
                                       stride_vcs, stride_vch, d, d_ok, key_ok, visible, m_i, l_i, acc, qk_scale,
-                                      True, F32_DOT, PRECISION)
+                                      k_scale_ptr, v_scale_ptr, stride_ss, True, F32_DOT, PRECISION)
 
     has_mass = l_i > 0.0  # False for rows that see no key of this split
     o = acc / tl.where(has_mass, l_i, 1.0)[:, None]  # [M, BLOCK_D]
@@ -243,7 +273,7 @@ def _merge_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, head_di
 def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, seq_lens_ptr, q_starts_ptr, ext_lens_ptr,
                    out_ptr, qk_scale, head_dim,
                    stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_table,
-                   stride_ot, stride_oh,
+                   stride_ot, stride_oh, k_scale_ptr, v_scale_ptr, stride_ss,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     m_block = tl.program_id(0)
@@ -278,7 +308,7 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, seq_len
             slot = tl.load(table_row + n).to(tl.int64)
             m_i, l_i, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch,
                                           stride_vcs, stride_vch, d, d_ok, n >= 0, n >= 0, m_i, l_i, acc,
-                                          qk_scale, False, F32_DOT, PRECISION)
+                                          qk_scale, k_scale_ptr, v_scale_ptr, stride_ss, False, F32_DOT, PRECISION)
         # the diagonal band: keys up to the block's last query, causal mask
         hi = prefix + tl.minimum(m0 + BLOCK_M, ext)
         for n0 in range(full_end, hi, BLOCK_N):
@@ -288,7 +318,7 @@ def _varlen_kernel(q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, rows_ptr, seq_len
             visible = key_ok[None, :] & (n[None, :] <= q_idx[:, None])
             m_i, l_i, acc = _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch,
                                           stride_vcs, stride_vch, d, d_ok, key_ok, visible, m_i, l_i, acc,
-                                          qk_scale, True, F32_DOT, PRECISION)
+                                          qk_scale, k_scale_ptr, v_scale_ptr, stride_ss, True, F32_DOT, PRECISION)
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -344,12 +374,16 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           rows: torch.Tensor, seq_lens: torch.Tensor, width: int, num_splits: int, scaling: float,
                           block_n: int = 64, out: torch.Tensor | None = None,
                           merge_in_kernel: bool = True, num_stages: int = 2,
-                          prep: AttnPrep | None = None) -> torch.Tensor:
+                          prep: AttnPrep | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [bs * width, Hq, D]; rows, seq_lens [bs] (device); -> out [bs * width, Hq, D] in q's dtype. num_stages:
     the key loop's software pipelining depth (a launch option; the backend keeps the default).
 
     prep (AttnPrep.fits): q is not yet normed or rotated and the new tokens' k, v not yet stored; the kernel does
     both as qk_norm_rope_store_triton would (q is left as it was; the caches get the new keys and values).
+
+    k_scale, v_scale [S, Hkv] float32: the row scales of an FP8 cache (kernels/triton_kv_fp8.py), read with it
+    (and, with prep, written for the new tokens).
 
     With key splits, the split of each (request, KV head) that finishes last merges them (merge_in_kernel; else a
     second kernel does). Every argument that shapes the launch (bs, width, num_splits) is a host int, so this is
@@ -362,6 +396,7 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if num_tokens == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    k_scale, v_scale, stride_ss = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
     block_m = max(16, triton.next_power_of_2(width * group))
     block_d = triton.next_power_of_2(head_dim)
     f32_dot, precision = _dot_flags(q)
@@ -376,8 +411,8 @@ def fixed_width_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _fixed_width_kernel[(bs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, seq_lens, out, part_o, part_lse, counters, scaling * _LOG2E, num_q_heads,
         head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1), *_prep_args(prep, q),
-        W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        v_cache.stride(1), table.stride(0), out.stride(0), out.stride(1), *_prep_args(prep, q), k_scale, v_scale,
+        stride_ss, W=width, GROUP=group, NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         F32_DOT=f32_dot, PRECISION=precision, MERGE=merge, GDC=gdc, **_prep_flags(prep, q, width), num_warps=4,
         num_stages=num_stages, **pdl_kwargs(gdc),
     )
@@ -417,9 +452,11 @@ def _prep_flags(prep: AttnPrep | None, q: torch.Tensor, width: int) -> dict:
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                      rows: torch.Tensor, seq_lens: torch.Tensor, q_starts: torch.Tensor, ext_lens: torch.Tensor,
                      max_ext: int, scaling: float, block_m: int = 64, block_n: int = 64,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (requests' new tokens back to back); rows, seq_lens, q_starts, ext_lens [bs] (device);
-    max_ext: host bound on ext_lens (sizes the grid) -> out [T, Hq, D]."""
+    max_ext: host bound on ext_lens (sizes the grid) -> out [T, Hq, D]. k_scale, v_scale [S, Hkv] float32: the row
+    scales of an FP8 cache."""
     num_tokens, num_q_heads, head_dim = q.shape
     bs = rows.shape[0]
     group = num_q_heads // k_cache.shape[1]
@@ -427,12 +464,13 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_tokens == 0 or max_ext == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    k_scale, v_scale, stride_ss = kv_scale_args(k_cache, v_cache, k_scale, v_scale)
     block_d = triton.next_power_of_2(head_dim)
     f32_dot, precision = _dot_flags(q)
     _varlen_kernel[(triton.cdiv(max_ext, block_m), num_q_heads, bs)](
         q, k_cache, v_cache, table, rows, seq_lens, q_starts, ext_lens, out, scaling * _LOG2E, head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        table.stride(0), out.stride(0), out.stride(1),
+        table.stride(0), out.stride(0), out.stride(1), k_scale, v_scale, stride_ss,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, F32_DOT=f32_dot, PRECISION=precision,
         num_warps=4 if block_m * block_d <= 64 * 128 else 8, num_stages=2,
     )

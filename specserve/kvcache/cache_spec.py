@@ -30,7 +30,9 @@ class MHACacheSpec:
     kind: CacheKind = CacheKind.MHA
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * _itemsize(dtype)
+        """In an 8-bit float dtype each (token, KV head) row of K and of V also keeps a float32 scale
+        (kvcache/kv_pool.py KVPool)."""
+        return 2 * self.num_kv_heads * (self.head_dim * _itemsize(dtype) + (4 if is_fp8(dtype) else 0))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,12 @@ from specserve.kvcache.cache_spec import LatentCacheSpec, MHACacheSpec, is_fp8
 
 
 class KVPool:
-    """K/V of every MHA layer: layer i (its MHA cache index) has k[i], v[i] of [num_slots, kv_heads, head_dim]."""
+    """K/V of every MHA layer: layer i (its MHA cache index) has k[i], v[i] of [num_slots, kv_heads, head_dim].
+
+    In an 8-bit float dtype (--kv-cache-dtype fp8_e4m3 / fp8_e5m2) each (slot, KV head) row of K and of V has its
+    own float32 scale, k_scale[i], v_scale[i] of [num_slots, kv_heads] (row = stored * scale; the rule:
+    kernels/reference_kv_fp8.py); else k_scale and v_scale are None. The scales are fixed allocations of the pool,
+    so captured graphs read and write them through fixed pointers."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
@@ -22,6 +27,17 @@ class KVPool:
                   range(num_layers)]
         self.v = [torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in
                   range(num_layers)]
+        # [num_slots, kv_heads] per layer; ones, so the zero rows of unwritten slots (dummy slot 0) read as zeros
+        self.k_scale = self.v_scale = None
+        if is_fp8(dtype):
+            self.k_scale = [torch.ones((num_slots, num_kv_heads), dtype=torch.float32, device=device) for _ in
+                            range(num_layers)]
+            self.v_scale = [torch.ones((num_slots, num_kv_heads), dtype=torch.float32, device=device) for _ in
+                            range(num_layers)]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_scale is not None
 
     @staticmethod
     def from_specs(specs: list[MHACacheSpec], num_slots: int, dtype: torch.dtype, device: torch.device) -> KVPool:

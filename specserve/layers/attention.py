@@ -43,12 +43,15 @@ class QKPrep:
         return self.rotary(self.positions, q, k)
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              loc: torch.Tensor, fused: Callable = ops.qk_norm_rope_store) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norms and rotary on q, k (written in place), then k, v stored at loc [T], by `fused` (an
-        ops.qk_norm_rope_store signature) -> the (q, k) to attend with."""
+              loc: torch.Tensor, fused: Callable = ops.qk_norm_rope_store, k_scale: torch.Tensor | None = None,
+              v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms and rotary on q, k (written in place), then k, v stored at loc [T] (an FP8 cache: quantized with
+        its row scales k_scale, v_scale [S, Hkv]), by `fused` (an ops.qk_norm_rope_store signature) -> the (q, k)
+        to attend with."""
         cos_sin, positions, qw, kw, eps, offset = self.kernel_args()
+        scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
         return fused(q, k, v, k_cache, v_cache, loc, cos_sin, positions, self.rotary.mrope_section, qw, kw, eps,
-                     offset, mrope_interleaved=self.rotary.mrope_interleaved)
+                     offset, mrope_interleaved=self.rotary.mrope_interleaved, **scales)
 
     def kernel_args(self) -> tuple:
         """(cos_sin [P, rot_dim] float32, positions as the table is read, q norm weight, k norm weight, eps,
@@ -66,7 +69,8 @@ class StoredQK:
     and k already rotated in place, k and v already stored; store() has nothing left to do."""
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              loc: torch.Tensor, fused: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              loc: torch.Tensor, fused: Callable | None = None, k_scale: torch.Tensor | None = None,
+              v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
 
@@ -93,3 +97,8 @@ class PagedAttention(nn.Module):
         """This layer's (k_cache, v_cache) [S, Hkv, D] in the step's paged MHA backend, for a projection that stores
         into them itself (StoredQK; decode rows only, which a cacheless training backend never runs)."""
         return fb.backend(CacheKind.MHA).layer_kv(self)
+
+    def kv_scales(self, fb: ForwardBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This layer's (k_scale, v_scale) [S, Hkv] row scales in an FP8 cache, (None, None) otherwise: whoever
+        writes kv_caches writes these too."""
+        return fb.backend(CacheKind.MHA).layer_scales(self)

@@ -161,8 +161,9 @@ class DenseAttention(nn.Module):
         if self.qk_norm:
             norms = dict(q_norm_w=self.q_norm.weight, k_norm_w=self.k_norm.weight, eps=self.q_norm.eps,
                          weight_offset=self.q_norm.weight_offset)
+        k_scale, v_scale = self.attn.kv_scales(fb)  # an FP8 cache's: the GEMV epilogue refuses it (RopeStore.fits)
         rope = RopeStore(self.rotary.cos_sin_cache, positions, fb.out_cache_loc, *self.attn.kv_caches(fb),
-                         self.num_heads, self.num_kv_heads, self.head_dim, **norms)
+                         self.num_heads, self.num_kv_heads, self.head_dim, **norms, k_scale=k_scale, v_scale=v_scale)
         out = ops.norm_gemv_rope_store(hidden, residual, norm.weight, norm.eps, norm.weight_offset,
                                        self.qkv_proj.weight, self.qkv_proj.bias, rope)
         if out is None:
