@@ -28,7 +28,10 @@ _ROWS_PER_CHUNK = 1024  # weight rows quantised at a time: a float32 copy of 102
 
 def _quantize_groups(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """xf [..., G, g] float32 -> (e4m3 [..., G, g], float32 scales [..., G]): the rule over the last dim."""
-    s = xf.abs().amax(dim=-1).clamp_min(MIN_AMAX) / FP8_MAX  # [..., G]
+    amax = xf.abs().amax(dim=-1).clamp_min(MIN_AMAX)  # [..., G]
+    # divided by a tensor, not a Python number: on CUDA torch turns a division by a scalar into a product with
+    # its rounded reciprocal, one ulp off the kernels' correctly rounded quotient (and torch's on a CPU)
+    s = amax / amax.new_tensor(FP8_MAX)  # [..., G]
     return (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 

@@ -28,7 +28,8 @@ def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     groups = -(-n // group)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group - n))  # zero columns change no amax
     xg = xf.unflatten(-1, (groups, group))  # [..., G, group]
-    s = xg.abs().amax(-1).clamp_min(MIN_AMAX) / FP8_MAX  # [..., G]
+    amax = xg.abs().amax(-1).clamp_min(MIN_AMAX)  # [..., G]
+    s = amax / amax.new_tensor(FP8_MAX)  # [..., G] (a tensor divisor: reference_fp8._quantize_groups says why)
     q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.flatten(-2)[..., :n], s
 
