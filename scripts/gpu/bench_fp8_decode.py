@@ -24,6 +24,7 @@ import torch
 from specserve.bench.phase_setup import fake_requests, make_runners, random_models, release
 from specserve.bench.phases import timeit
 from specserve.engine.steps import run_decode, run_spec_step
+from specserve.kvcache.cache_spec import bytes_per_token
 from specserve.layers.linear import Linear, MergedLinear
 from specserve.layers.moe import FusedMoE
 
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--no-spec", action="store_true", help="the plain decode step only")
+    p.add_argument("--kv", action="store_true",
+                   help="compare the KV cache instead: bf16 weights, a bf16 cache against --kv-cache-dtype fp8_e4m3 "
+                        "(bytes per token and the decode step)")
     p.add_argument("--output-file", default=None)
     a = p.parse_args(argv)
     dev = torch.device("cuda")
@@ -72,12 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     top_k = getattr(cfg, "num_experts_per_tok", 0) or 1
     rows = []
     for mode in ("bf16", "fp8"):
-        if mode == "fp8":
+        if mode == "fp8" and not a.kv:
             n = quantize(target, a.scheme) + quantize(draft, a.scheme)
             print(f"quantised {n} layers to FP8 ({a.scheme})", flush=True)
         torch.cuda.empty_cache()
+        kv = "fp8_e4m3" if a.kv and mode == "fp8" else "auto"
         pair = make_runners(target, draft, cfg, torch.bfloat16, dev, 3, max(bss), ctx, disable_graphs=False,
-                            capture_bs=sorted(set(bss)))
+                            capture_bs=sorted(set(bss)), kv_cache_dtype=kv)
+        if a.kv:
+            per_tok = bytes_per_token(target.cache_specs(), pair.plain.kv_dtype, {})
+            print(f"KV {kv}: {per_tok} bytes per token over the target's layers (the tokens a given memory holds "
+                  "scale with its inverse)", flush=True)
         for bs in bss:
             reqs = fake_requests(pair.plain, bs, a.prefix_len, seed=bs)
             plain_ms = timeit(lambda r=reqs, mr=pair.plain: run_decode(mr, r), dev, a.iters)
@@ -88,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 spec_ms = timeit(lambda r=reqs, mr=pair.spec: run_spec_step(mr, r), dev, a.iters)
                 release(pair.spec, reqs)
             nbytes = step_bytes(target, top_k * (1 if bs == 1 else bs))
-            row = {"preset": a.preset, "layers": cfg.num_layers, "scheme": a.scheme, "weights": mode, "bs": bs,
+            row = {"preset": a.preset, "layers": cfg.num_layers, "scheme": "kv" if a.kv else a.scheme,
+                   "weights": mode, "bs": bs,
                    "plain_step_ms": plain_ms, "spec_iter_ms": spec_ms, "step_weight_gb": nbytes / 1e9,
                    "gbps": nbytes / 1e9 / (plain_ms * 1e-3)}
             rows.append(row)

@@ -186,7 +186,8 @@ class Pair:
 def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int, max_bs: int, context_len: int,
                  disable_graphs: bool, attention_backend: str = "auto", capture_bs: list[int] | None = None,
                  prefill_graph_tokens: int = 0, decode_gemv: str = "auto", adaptive: bool | None = None,
-                 spec_prefill_graph_tokens: int = 0, indexer_cache_dtype: str = "auto") -> Pair:
+                 spec_prefill_graph_tokens: int = 0, indexer_cache_dtype: str = "auto",
+                 kv_cache_dtype: str = "auto") -> Pair:
     """capture_bs: the batch sizes to capture (default: the engine's ladder up to max_bs). prefill_graph_tokens:
     the plain runner's prefill graphs up to this many tokens (0: none); spec_prefill_graph_tokens: the spec runner's
     (its prefills and the draft's catch-ups after plain steps).
@@ -196,7 +197,8 @@ def make_runners(target, draft, cfg: ModelConfig, dtype, device, num_steps: int,
     tokens = max_bs * (context_len + num_steps + 2) + 1024
     common = dict(max_total_tokens=tokens, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                   cuda_graph_bs=capture_bs, disable_cuda_graph=disable_graphs, attention_backend=attention_backend,
-                  context_length=context_len, decode_gemv=decode_gemv, indexer_cache_dtype=indexer_cache_dtype)
+                  context_length=context_len, decode_gemv=decode_gemv, indexer_cache_dtype=indexer_cache_dtype,
+                  kv_cache_dtype=kv_cache_dtype)
     plain = ModelRunner(ServerArgs(cuda_graph_max_prefill_tokens=prefill_graph_tokens, **common), target, cfg, None,
                         device, dtype, context_len)
     spec = ModelRunner(ServerArgs(speculative_algorithm="MTP", speculative_num_steps=num_steps,

@@ -67,7 +67,6 @@ def default_capture_bs(max_bs: int) -> list[int]:
     return sorted(set(out))
 
 
-
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """--kv-cache-dtype's torch dtype: auto is the model's; fp8_e4m3 / fp8_e5m2 (SGLang's names) are
     float8_e4m3fn / float8_e5m2; the others are torch's own names."""
@@ -82,6 +81,7 @@ def check_kv_cache_dtype(name: str, kv_dtype: torch.dtype, specs: list) -> None:
     if is_fp8(kv_dtype) and any(s.kind is CacheKind.MLA for s in specs):
         raise ValueError(f"--kv-cache-dtype {name} is implemented for MHA caches; MLA latents (DeepSeek / GLM "
                          f"families) are not supported in FP8 yet: use --kv-cache-dtype auto or bfloat16")
+
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, target: torch.nn.Module, cfg: ModelConfig, draft: torch.nn.Module | None,
