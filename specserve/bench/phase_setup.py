@@ -241,7 +241,10 @@ def randomize_token_caches(caches) -> None:
     for kind, pool in caches.pools.items():
         if kind is CacheKind.MHA:
             for t in (*pool.k, *pool.v):
-                t.normal_()
+                if t.dtype.itemsize == 1:  # fp8 K/V: a bfloat16 draw (normal_ has no 8-bit kernel), unit scales
+                    t.copy_(torch.randn(t.shape, device=t.device, dtype=torch.bfloat16))
+                else:
+                    t.normal_()
         elif kind.token_indexed:
             for t in pool.rows:
                 if t.dtype.itemsize == 1:
