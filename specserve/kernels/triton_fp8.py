@@ -16,18 +16,22 @@ Kernels:
     columns, an fp8 x fp8 tl.dot (Hopper's fp8 tensor cores) into float32. Block case: BLOCK_K == bk and BLOCK_N
     divides bn (a tile never straddles two weight blocks), and each K step's partial product is scaled by
     sx[:, kb] * sw[nb, kb] before it is added. Channel case: one scale multiply after the loop.
-  `fp8_gemv`: decode rows (M <= 16): one launch over the raw activation, each program owning BLOCK_N output columns
-    over all of K (grid over N only; no split-K, deterministic). It quantises its x rows itself by the same rule
-    (x is a few rows: every program recomputing it costs far less than a quantise launch and its round trip), so
-    its results equal quantize + fp8_gemm up to float32 summation order. Decode is memory bound and the point of
-    FP8 there is reading half the weight bytes: the weight tile [BLOCK_N, BLOCK_K] is loaded K-contiguous (BLOCK_K
-    bytes a row). Up to 4 rows the products are taken on CUDA cores (a [rows, BLOCK_N, BLOCK_K] broadcast product
-    reduced over K each step); 5..16 rows pad to a 16-row tensor-core tile, the same product as fp8_gemm's.
-    Per-channel: a prologue pass over x finds each row's amax (x comes from L2 after the first programs).
+  `fp8_gemv`: decode rows (M <= 16), `_fp8_gemv_kernel`, one launch over the raw activation, built for memory
+    bandwidth (the point of FP8 at decode is reading half the weight bytes). Grid (N / BLOCK_N column tiles,
+    SPLIT_K): each program a contiguous run of whole K steps, so even N = 4096 gives several programs a SM
+    (gemv_config: about _PROGRAMS_PER_SM). A step reads 512 bytes of each of its BLOCK_N weight rows, as
+    512 / group sub-steps of one scale group each (group = bk; 128 per-channel): [BLOCK_N, group] e4m3 tiles,
+    16-byte loads. Each program quantises its x columns itself by the same rule (block: per group; per-channel: the
+    row's amax over all of K first: x is a few rows, read from L2), so its results equal quantize + fp8_gemm up to
+    float32 summation order. Block scales fold into x (a tile lies inside one weight block row: one weight scale a
+    sub-step). Up to 4 rows the products are taken on CUDA cores (per row a [BLOCK_N, group] float32 accumulator,
+    reduced over K once after the loop); 5..16 rows pad to a 16-row tensor-core tile, the same product as
+    fp8_gemm's. Split K: float32 partials [SPLIT_K, M, N]; the last program of a column tile to arrive (an arrival
+    counter, kernels/counters.py) sums them in split order: deterministic, no float atomics, no second launch.
   `fp8_linear`: the front door: x [..., K] -> [..., N] in x's dtype; M <= GEMV_MAX_ROWS rows take fp8_gemv, more
     quantize + fp8_gemm.
-All four kernels are the same `_fp8_mm_kernel` or the quantisers; grids and configs come from shapes only, no host
-sync: every launch is CUDA-graph capturable.
+fp8_gemm is `_fp8_mm_kernel`; grids and configs come from shapes (and the SM count) only, no host sync: every launch
+is CUDA-graph capturable.
 
 Rounding (the interpreter's measured on triton 3.9; the GPU's read from the sm_90 PTX, not run here):
   * The interpreter's float32 -> e4m3 conversion (CPU tests) is wrong wherever rounding carries into the next
@@ -43,7 +47,8 @@ Rounding (the interpreter's measured on triton 3.9; the GPU's read from the sm_9
   * On sm_90 an fp8 x fp8 warpgroup MMA accumulates in the tensor core at reduced precision unless told otherwise;
     max_num_imprecise_acc = BLOCK_K promotes the sum to float32 every K step (DeepGEMM's choice, every 128 values),
     so GPU sums within a K step may differ from float32 ones (not measured here; tests/test_fp8_gemm.py bounds it
-    on a GPU by 5e-4 of the sum of magnitudes). The 16-row tiles (mma.sync) and the CUDA-core path sum in float32.
+    on a GPU by 5e-4 of the sum of magnitudes). The GEMV's 16-row tiles (mma.sync) and CUDA-core path sum in
+    float32.
 
 fp8 tensors are passed as they are (the interpreter loads float8_e4m3fn pointers, checked: no uint8 views needed).
 DOT_DTYPE "f32" (CPU tensors only: the interpreter's low-precision tl.dot is unreliable, as kernels/triton_dot.py's
@@ -263,9 +268,9 @@ def _gemv_x(x_rows, m_ok, k, k_ok, sx_row, sw_row, kg, K, GROUP: tl.constexpr, B
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, K_SPLIT,
+def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N, K, K_SPLIT, SPLIT_K,
                      stride_xm, stride_wn, stride_swn, stride_ym,
-                     BN_W: tl.constexpr, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BN_W: tl.constexpr, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      TILES_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
                      GROUPS: tl.constexpr, ROW_K: tl.constexpr, DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
                      EXACT_FIRST: tl.constexpr, ROUND_BF16: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -279,8 +284,9 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N
     TILES_M = M, each row a [BLOCK_N, GROUP] float32 tile of products with the shared weight tile, accumulated
     elementwise and reduced over GROUP once after the loop (the weight tile's load layout, 16 bytes a thread, is
     the product's: no shuffles in the loop). DOT: one 16-row tile, a tensor-core product per sub-step.
-    SPLIT_K > 1: each program stores its sums in part [SPLIT_K, M, N]; the last of a tile's SPLIT_K programs to
-    arrive (counter pid_n) adds them in split order (deterministic), finishes y and resets the counter."""
+    SPLIT (SPLIT_K > 1 programs along K; a runtime value, so one compiled kernel serves every split): each program
+    stores its sums in part [SPLIT_K, M, N]; the last of a tile's SPLIT_K programs to arrive (counter pid_n) adds
+    them in split order (deterministic), finishes y and resets the counter."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -329,7 +335,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N
             sums = sums + (accs[t],)
         else:
             sums = sums + (tl.sum(accs[t], axis=1)[None, :],)
-    if SPLIT_K == 1:
+    if not SPLIT:
         for t in tl.static_range(TILES_M):
             _gemv_epilogue(sums[t], sxs[t], sw_ptr, b_ptr, y_ptr, rms[t], rn, rms[t] < M, n_ok, stride_ym,
                            BLOCKWISE, HAS_BIAS, ROUND_BF16)
@@ -346,7 +352,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N
                 mn = rms[t][:, None] * N + rn[None, :]
                 mn_ok = (rms[t] < M)[:, None] & n_ok[None, :]
                 total = tl.zeros([TILE_M, BLOCK_N], tl.float32)
-                for s_i in tl.static_range(SPLIT_K):  # fixed order: bit-identical run to run
+                for s_i in range(SPLIT_K):  # fixed order: bit-identical run to run
                     total += tl.load(part_ptr + s_i * M * N + mn, mask=mn_ok, other=0.0, cache_modifier=".cg")
                 _gemv_epilogue(total, sxs[t], sw_ptr, b_ptr, y_ptr, rms[t], rn, rms[t] < M, n_ok, stride_ym,
                                BLOCKWISE, HAS_BIAS, ROUND_BF16)
@@ -452,7 +458,7 @@ class GemvConfig:
 GEMV_COUNTERS = 8192  # arrival counters (one per column tile) of split-K launches; more tiles never split
 _CHANNEL_GROUP = 128  # per-channel weights' sub-step: 128 bytes a row, one full cache line
 _STEP_BYTES = 512  # weight bytes of each row a K step: 32 threads x 16-byte loads over 4 rows of a tile per warp
-_PROGRAMS_PER_SM = 4  # split K until the grid has this many programs a SM (every SM several tiles' loads in flight)
+_PROGRAMS_PER_SM = 4  # split K until the grid has this many programs a SM (at least one full wave of resident ones)
 _MAX_SPLIT = 16  # beyond this the partial sums' traffic (SPLIT_K x M x N float32) stops being small
 
 
@@ -462,23 +468,31 @@ def _gemv_group(k: int, block: tuple[int, int] | None) -> int:
 
 
 def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int) -> GemvConfig:
-    """fp8_gemv's launch from the shape and the SM count (4 warps).
-    BLOCK_K: _STEP_BYTES of each weight row a step (whole scale groups; fewer where K is shorter), so a program has
-    BLOCK_N x 512 bytes in flight a step.
-    BLOCK_N: a sub-step's [BLOCK_N, 128] e4m3 tile is 16 bytes a thread at 16 rows (the least for 16-byte loads);
-    CUDA cores keep a [BLOCK_N, 128] float32 accumulator per row: 32 rows at one row of x (32 a thread), 16 at 2..4
-    rows (up to 64 a thread); the tensor-core tile 32. At most bn (a tile inside one weight block row).
-    SPLIT_K: enough programs along K for _PROGRAMS_PER_SM a SM (N = 4096 at 32 columns is 128 tiles: 5 splits on
-    132 SMs), at most one per K step and _MAX_SPLIT; none when the tiles alone fill the device (gate_up's 896)."""
+    """fp8_gemv's launch from the shape and the SM count (4 warps, 2 stages: the next step's tiles copied to shared
+    memory while this one's are multiplied).
+    BLOCK_K: _STEP_BYTES of each weight row a step (whole scale groups; fewer where K is shorter).
+    BLOCK_N: a sub-step's [BLOCK_N, 128] e4m3 tile is 16 bytes a thread at 16 rows (the least for 16-byte loads).
+    One row: 32, a 16 kB step a program; ptxas (sm_90, read from compile_for_gpu's PTX, not timed) gives it 147
+    registers, so 3 programs a SM, 48 kB of weights in flight (16 rows: 80 registers, 6 programs, also 48 kB, but
+    each thread's 16 x values, quantised once and broadcast through shared memory, then serve half as many weight
+    bytes: more instructions a byte; 64 x 256: 168 registers, the same bytes, x shared by 4 rows). 2..4 rows: 16
+    (a [16, 128] float32 accumulator per row; 168 registers at 4 rows). 5..16 rows (a 16-row tensor-core tile):
+    32. At most bn (a tile inside one weight block row). scripts/gpu/sweep_fp8_gemv.py times the alternatives.
+    SPLIT_K: gemv_split (N = 4096 at 32 columns is 128 tiles: 5 splits on 132 SMs; gate_up's 896 tiles none)."""
     group = _gemv_group(k, block)
     block_k = group * max(1, min(_STEP_BYTES // group, triton.cdiv(k, group)))
     block_n = 32 if m == 1 or m > _CUDA_CORE_ROWS else 16
     block_n = min(block_n, block[0] if block is not None else block_n)
+    return GemvConfig(block_n, block_k, gemv_split(n, k, block_n, block_k, sms), 4, 2)
+
+
+def gemv_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    """SPLIT_K for column tiles of block_n and K steps of block_k: enough programs for _PROGRAMS_PER_SM a SM, at
+    most one a K step and _MAX_SPLIT; 1 beyond GEMV_COUNTERS tiles."""
     tiles = triton.cdiv(n, block_n)
-    split = min(triton.cdiv(_PROGRAMS_PER_SM * sms, tiles), triton.cdiv(k, block_k), _MAX_SPLIT)
     if tiles > GEMV_COUNTERS:
-        split = 1
-    return GemvConfig(block_n, block_k, max(1, split), 4, 2)
+        return 1
+    return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sms, tiles), triton.cdiv(k, block_k), _MAX_SPLIT))
 
 
 def _gemv_counters(device: torch.device) -> torch.Tensor:
@@ -512,10 +526,10 @@ def fp8_gemv_with(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tu
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     counters = _gemv_counters(x.device) if split > 1 else y
     _fp8_gemv_kernel[(tiles, split)](
-        x, wq, sw, bias if bias is not None else y, part, counters, y, m, n, k, k_split,
+        x, wq, sw, bias if bias is not None else y, part, counters, y, m, n, k, k_split, split,
         x.stride(0), wq.stride(0), sw.stride(0), y.stride(0),
         BN_W=block[0] if block is not None else 1, BLOCKWISE=block is not None, HAS_BIAS=bias is not None,
-        SPLIT_K=split, TILES_M=triton.cdiv(m, tile_m), TILE_M=tile_m, BLOCK_N=block_n, GROUP=group,
+        SPLIT=split > 1, TILES_M=triton.cdiv(m, tile_m), TILE_M=tile_m, BLOCK_N=block_n, GROUP=group,
         GROUPS=cfg.block_k // group, ROW_K=min(triton.next_power_of_2(k), max(group, 4096 // tile_m)), DOT=dot,
         DOT_DTYPE=_dot_dtype(x.device, group), EXACT_FIRST=not x.is_cuda, ROUND_BF16=y.dtype == torch.bfloat16,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
