@@ -278,12 +278,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N
     columns pid_s * K_SPLIT .. + K_SPLIT (whole steps of GROUPS * GROUP), x the raw activation quantised here by
     the rule. Each step is GROUPS sub-steps of one scale group (GROUP = bk, or 128 per-channel): a [BLOCK_N, GROUP]
     e4m3 weight tile (GROUP contiguous bytes a row) and the x group, quantised (block: its own amax; per-channel:
-    the row's, found first over all of K). Block scales fold into x: BLOCK_N divides bn, so a sub-step meets one
-    weight scale per row, and sx * sw multiplies the e4m3 x values (or the tensor-core partial) before the sum.
+    the row's, found first over all of K, ROW_K columns a step: 32 values a thread). Block scales fold into x:
+    BLOCK_N divides bn, so a sub-step meets one weight scale per row, and sx * sw multiplies the e4m3 x values (or
+    the tensor-core partial) before the sum.
     Rows: TILES_M tiles of TILE_M rows, each with its own accumulator (a tuple). CUDA cores (not DOT): TILE_M = 1,
     TILES_M = M, each row a [BLOCK_N, GROUP] float32 tile of products with the shared weight tile, accumulated
-    elementwise and reduced over GROUP once after the loop (the weight tile's load layout, 16 bytes a thread, is
-    the product's: no shuffles in the loop). DOT: one 16-row tile, a tensor-core product per sub-step.
+    elementwise and reduced over GROUP once after the loop (in the sm_90 TTGIR the products keep the weight tile's
+    load layout, 16 bytes a thread; x's group is quantised one or two values a thread and reaches that layout through
+    shared memory). DOT: one 16-row tile, a tensor-core product per sub-step.
     SPLIT (SPLIT_K > 1 programs along K; a runtime value, so one compiled kernel serves every split): each program
     stores its sums in part [SPLIT_K, M, N]; the last of a tile's SPLIT_K programs to arrive (counter pid_n) adds
     them in split order (deterministic), finishes y and resets the counter."""
@@ -530,7 +532,7 @@ def fp8_gemv_with(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tu
         x.stride(0), wq.stride(0), sw.stride(0), y.stride(0),
         BN_W=block[0] if block is not None else 1, BLOCKWISE=block is not None, HAS_BIAS=bias is not None,
         SPLIT=split > 1, TILES_M=triton.cdiv(m, tile_m), TILE_M=tile_m, BLOCK_N=block_n, GROUP=group,
-        GROUPS=cfg.block_k // group, ROW_K=min(triton.next_power_of_2(k), max(group, 4096 // tile_m)), DOT=dot,
+        GROUPS=cfg.block_k // group, ROW_K=4096 // tile_m, DOT=dot,
         DOT_DTYPE=_dot_dtype(x.device, group), EXACT_FIRST=not x.is_cuda, ROUND_BF16=y.dtype == torch.bfloat16,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return y
