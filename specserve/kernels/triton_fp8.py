@@ -166,15 +166,14 @@ def _product(xq, w, DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IMPRECISE: tl.co
 @triton.jit
 def _fp8_mm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K,
                    stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
-                   BN_W: tl.constexpr, BLOCKWISE: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BN_W: tl.constexpr, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, IMPRECISE: tl.constexpr, EXACT_FIRST: tl.constexpr,
-                   ROUND_BF16: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Tile (BLOCK_M rows, BLOCK_N output columns) of y [M, N] = x [M, K] @ w[N, K]^T with scales.
-    QUANT_X: x is the raw activation, quantised here by the rule (fp8_gemv); else x is e4m3 with scales sx
-    (BLOCKWISE: [M, ceil(K/BLOCK_K)], else [M]). BLOCKWISE: BLOCK_K == bk, BLOCK_N divides BN_W (= bn), sw
-    [ceil(N/bn), ceil(K/bk)]; else sw [N]. Tiles run GROUP_M row tiles at a time down a column of tiles, so a
-    column's weight tiles are reused from L2."""
+                   DOT_DTYPE: tl.constexpr, IMPRECISE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
+    """Tile (BLOCK_M rows, BLOCK_N output columns) of y [M, N] = x [M, K] @ w[N, K]^T with scales: x e4m3 with
+    scales sx (BLOCKWISE: [M, ceil(K/BLOCK_K)], else [M]), the products on tensor cores. BLOCKWISE: BLOCK_K == bk,
+    BLOCK_N divides BN_W (= bn), sw [ceil(N/bn), ceil(K/bk)]; else sw [N]. Tiles run GROUP_M row tiles at a time
+    down a column of tiles, so a column's weight tiles are reused from L2."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -190,38 +189,21 @@ def _fp8_mm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K,
     n_ok = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    if QUANT_X and not BLOCKWISE:  # per-token scales: each row's amax over all of K first
-        amax = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xf = tl.load(x_rows + k0 + rk[None, :], mask=m_ok[:, None] & (k0 + rk[None, :] < K), other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(xf.to(tl.float32)), axis=1))
-        sx_row = _scale(amax)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     nb = (pid_n * BLOCK_N) // BN_W  # the tile's weight block row (BLOCKWISE)
     for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
         k = kb * BLOCK_K + rk
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K] e4m3
-        x_mask = m_ok[:, None] & k_ok[None, :]
-        if QUANT_X:
-            xf = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-            if BLOCKWISE:
-                sx = _scale(tl.max(tl.abs(xf), axis=1))  # this group's scales [BLOCK_M]
-            else:
-                sx = sx_row
-            xq = _quantize(xf, sx, EXACT_FIRST)
-        else:
-            xq = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
-            if BLOCKWISE:
-                sx = tl.load(sx_ptr + rm * stride_sxm + kb, mask=m_ok, other=0.0)
-        part = _product(xq, w, DOT, DOT_DTYPE, IMPRECISE)  # [BLOCK_M, BLOCK_N] float32
+        xq = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        part = _product(xq, w, True, DOT_DTYPE, IMPRECISE)  # [BLOCK_M, BLOCK_N] float32
         if BLOCKWISE:
+            sx = tl.load(sx_ptr + rm * stride_sxm + kb, mask=m_ok, other=0.0)  # [BLOCK_M] this group's
             acc += part * (sx[:, None] * tl.load(sw_ptr + nb * stride_swn + kb))
         else:
             acc += part
     if not BLOCKWISE:
-        if not QUANT_X:
-            sx_row = tl.load(sx_ptr + rm, mask=m_ok, other=0.0)
+        sx_row = tl.load(sx_ptr + rm, mask=m_ok, other=0.0)
         acc = acc * (sx_row[:, None] * tl.load(sw_ptr + rn, mask=n_ok, other=0.0)[None, :])
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -374,21 +356,20 @@ def _col_tile(n: int, block: tuple[int, int] | None, widest: int) -> int:
     return widest if block is None else min(widest, block[0])
 
 
-def _launch(x, sx, wq, sw, block, bias, y, quant_x: bool, block_m: int, block_n: int, block_k: int, dot: bool,
-            num_warps: int, num_stages: int, group_m: int = 1) -> torch.Tensor:
+def _launch(x, sx, wq, sw, block, bias, y, block_m: int, block_n: int, block_k: int, num_warps: int,
+            num_stages: int, group_m: int = 1) -> torch.Tensor:
     m, k = x.shape
     n = wq.shape[0]
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     if m == 0:
         return y
-    sx_arg = x if sx is None else sx  # unused under QUANT_X
     _fp8_mm_kernel[grid](
-        x, sx_arg, wq, sw, bias if bias is not None else y, y, m, n, k,
-        x.stride(0), sx_arg.stride(0), wq.stride(0), sw.stride(0), y.stride(0),
-        BN_W=block[0] if block is not None else 1, BLOCKWISE=block is not None, QUANT_X=quant_x,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, DOT=dot,
-        DOT_DTYPE=_dot_dtype(x.device, block_k), IMPRECISE=block_k, EXACT_FIRST=not x.is_cuda,
-        ROUND_BF16=y.dtype == torch.bfloat16, NUM_STAGES=num_stages, num_warps=num_warps)
+        x, sx, wq, sw, bias if bias is not None else y, y, m, n, k,
+        x.stride(0), sx.stride(0), wq.stride(0), sw.stride(0), y.stride(0),
+        BN_W=block[0] if block is not None else 1, BLOCKWISE=block is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DOT_DTYPE=_dot_dtype(x.device, block_k), IMPRECISE=block_k, ROUND_BF16=y.dtype == torch.bfloat16,
+        NUM_STAGES=num_stages, num_warps=num_warps)
     return y
 
 
@@ -440,8 +421,8 @@ def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Ten
     block_k = 128 if block is None else block[1]
     block_n = _col_tile(n, block, 128)
     big = block_m * block_n >= 128 * 128
-    return _launch(_rows(xq), _rows(sx), _rows(wq), sw.contiguous(), block, bias, y, False, block_m, block_n,
-                   block_k, True, 8 if big else 4, 3 if big else 4, group_m=8)
+    return _launch(_rows(xq), _rows(sx), _rows(wq), sw.contiguous(), block, bias, y, block_m, block_n, block_k,
+                   8 if big else 4, 3 if big else 4, group_m=8)
 
 
 @dataclass(frozen=True)
