@@ -33,14 +33,19 @@ class _Recorder:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 
-def _compile(kernel, args, kwargs) -> triton.compiler.CompiledKernel:
+def _compile(kernel, args, kwargs, aligned: bool = False) -> triton.compiler.CompiledKernel:
+    """aligned: mark pointers and integers divisible by 16 as such, as the JIT specialises a GPU launch (so the PTX
+    has its 16-byte vector loads and the pipeline's async copies); else nothing is assumed."""
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     kwargs.pop("launch_pdl", None)
     values = dict(zip(kernel.arg_names, args), **kwargs)
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         v = values[name]
+        if aligned and i not in kernel.constexprs and (isinstance(v, torch.Tensor) or (
+                isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0)):
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if i in kernel.constexprs:
             signature[name] = "constexpr"
             constexprs[(i,)] = v
@@ -54,13 +59,14 @@ def _compile(kernel, args, kwargs) -> triton.compiler.CompiledKernel:
             signature[name] = "fp32"
         else:
             raise TypeError(f"{kernel.fn.__name__}.{name}: {type(v).__name__}")
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET,
-                          options=options)
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=TARGET, options=options)
 
 
-def check(label: str, module, names: list[str], launch, **override) -> None:
+def check(label: str, module, names: list[str], launch, aligned: bool = False, **override) -> None:
     """Run launch() with module's kernels `names` recording, then compile every recorded launch (its keyword
-    arguments updated by `override`: a launch option the product's defaults leave off, e.g. GDC)."""
+    arguments updated by `override`: a launch option the product's defaults leave off, e.g. GDC; aligned: as
+    _compile's)."""
     kernels = {n: getattr(module, n) for n in names}
     recorders = {n: _Recorder() for n in names}
     for n in names:
@@ -73,7 +79,7 @@ def check(label: str, module, names: list[str], launch, **override) -> None:
     launched = 0
     for n in names:
         for args, kwargs in recorders[n].launches:
-            compiled = _compile(kernels[n], args, {**kwargs, **override})
+            compiled = _compile(kernels[n], args, {**kwargs, **override}, aligned)
             launched += 1
             print(f"{label}: {n} -> {len(compiled.asm['ptx'])} chars of PTX")
     assert launched, f"{label}: nothing was launched"
@@ -82,7 +88,7 @@ def check(label: str, module, names: list[str], launch, **override) -> None:
 def fp8_cases() -> None:
     """The FP8 linear kernels (kernels/triton_fp8.py) at Llama-3.1-8B's projections (qkv, gate_up, down), block
     (128, 128) and per-channel: the decode GEMV at 1 row (CUDA cores) and 8 rows (tensor-core tile), the activation
-    quantisers and the GEMM at 64 rows. The launchers see CPU tensors, so the GPU's launch options are put back:
+    quantisers and the GEMM at 64 and 256 rows. The launchers see CPU tensors, so the GPU's launch options are put back:
     fp8 tl.dot operands, no interpreter rounding fix-up."""
     from specserve.kernels import reference_fp8 as rf
     from specserve.kernels import triton_fp8 as tf
@@ -95,14 +101,20 @@ def fp8_cases() -> None:
             for m in (1, 8, 64, 256):
                 x = torch.randn(m, k).to(BF16)
                 check(f"fp8 linear {n}x{k} block={block} rows={m}", tf,
-                      ["_fp8_mm_kernel", "_quant_groups_kernel", "_quant_tokens_kernel"],
+                      ["_fp8_mm_kernel", "_fp8_gemv_kernel", "_quant_groups_kernel", "_quant_tokens_kernel"],
                       lambda x=x, wq=wq, sw=sw, block=block: tf.fp8_linear(x, wq, sw, block), **gpu)
-    # the GEMV's narrowest column tile (an H100's choice for N = 6144: two programs a SM), on both product paths
-    wq, sw = torch.empty(6144, 4096, dtype=rf.FP8), torch.ones(48, 32)
-    for m in (1, 8):
-        x = torch.randn(m, 4096).to(BF16)
-        check(f"fp8 gemv BLOCK_N=16 rows={m}", tf, ["_fp8_mm_kernel"],
-              lambda x=x: tf.fp8_gemv(x, wq, sw, (128, 128)), BLOCK_N=16, **gpu)
+    # the split-K decode GEMV at Llama-3.1-8B's four projections, 1 and 4 rows (CUDA cores), block and channel, with
+    # the launch gemv_config picks on an H100's 132 SMs (split K for qkv, o and down), aligned as the JIT
+    # specialises these shapes: 16-byte loads and the pipeline's async copies, as on the GPU
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        wq = torch.empty(n, k, dtype=rf.FP8)
+        for block in ((128, 128), None):
+            sw = torch.ones(n) if block is None else torch.ones(-(-n // 128), -(-k // 128))
+            for m in (1, 4):
+                x, cfg = torch.randn(m, k).to(BF16), tf.gemv_config(m, n, k, block, 132)
+                check(f"fp8 gemv {n}x{k} block={block} rows={m} {cfg}", tf, ["_fp8_gemv_kernel"],
+                      lambda x=x, wq=wq, sw=sw, block=block, cfg=cfg: tf.fp8_gemv_with(x, wq, sw, block, None, cfg),
+                      aligned=True, **gpu)
 
 
 def main() -> None:

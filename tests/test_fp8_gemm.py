@@ -1,8 +1,9 @@
 """FP8 (W8A8 e4m3) linear layers: the quantisation rule of kernels/reference_fp8.py, and the Triton kernels of
 kernels/triton_fp8.py against it on the same quantised inputs (quantisers bit for bit; products up to float32
 summation order). Shapes cover M in {1, 3, 16, 17, 64} (the GEMV's CUDA-core and tensor-core tiles, the GEMM), N and
-K not multiples of the weight block, blocks (16, 16), (32, 32), (128, 128) and per-channel scales, bias or none, x in
-float32 and bfloat16. On CPU the kernels run under Triton's interpreter (conftest.py)."""
+K not multiples of the weight block (nor of the GEMV's tiles: its split-K launches at small shapes too), blocks
+(16, 16), (32, 32), (128, 128) and per-channel scales, bias or none, x in float32 and bfloat16. On CPU the kernels
+run under Triton's interpreter (conftest.py)."""
 
 from __future__ import annotations
 
@@ -201,6 +202,50 @@ def test_fp8_gemv_equals_quantise_then_fp8_gemm(block, m):
     assert bool(((y - y2).abs() <= 2 * SUM_TOL * mag).all())
 
 
+# The split-K GEMV's launches at small shapes: several scale groups a K step (BLOCK_K a multiple of bk), K not a
+# multiple of BLOCK_K, N not a multiple of BLOCK_N, several K splits (the last arriving program sums the partials).
+# block: (N, K, GemvConfig(BLOCK_N, BLOCK_K, SPLIT_K, warps, stages))
+GEMV_CASES = {(16, 16): (40, 200, tf.GemvConfig(16, 64, 2, 4, 2)),
+              (32, 32): (72, 352, tf.GemvConfig(32, 128, 2, 4, 2)),
+              (128, 128): (144, 1100, tf.GemvConfig(32, 256, 3, 4, 2)),
+              None: (72, 600, tf.GemvConfig(16, 256, 3, 4, 2))}
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_split_k_gemv_equals_the_reference_and_is_deterministic(block, m):
+    """Split K (2 or 3 programs a column tile, the last one's range partial), 2..4 scale groups a step, bias, and
+    x in bfloat16 at 3 rows: the product of the reference's quantised values within SUM_TOL; a second launch is bit
+    for bit the first (the partials summed in split order, not by float atomics)."""
+    n, k, cfg = GEMV_CASES[block]
+    k_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k  # fp8_gemv_with's K a program
+    assert triton.cdiv(k, k_split) == cfg.split_k > 1 and k % cfg.block_k and n % cfg.block_n
+    wq, sw = _weights(n, k, block)
+    dtype = torch.bfloat16 if m == 3 else torch.float32
+    x = _x(m, k, dtype)
+    bias = torch.randn(n).to(DEV, dtype)
+    y = tf.fp8_gemv_with(x, wq, sw, block, bias, cfg)
+    assert y.shape == (m, n) and y.dtype == dtype
+    xq, sx = rf.quantize_act_tokens(x) if block is None else rf.quantize_act_groups(x, block[1])
+    _check_product(y, _dequant_x(xq, sx, block), rf.dequantize_weight(wq, sw, block), bias)
+    assert torch.equal(tf.fp8_gemv_with(x, wq, sw, block, bias, cfg), y)
+
+
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_gemv_config_splits_k_to_fill_the_device(block):
+    """On 132 SMs (an H100): N = 4096 splits K so that the grid has about 4 programs a SM; gate_up's 28672 rows
+    fill it without; 512 weight bytes a row a step; 16-row tensor-core tiles from 5 rows; splits never empty."""
+    for m in (1, 4, 16):
+        for n, k in ((4096, 4096), (4096, 14336), (28672, 4096), (2048, 4096)):
+            cfg = tf.gemv_config(m, n, k, block, 132)
+            tiles = triton.cdiv(n, cfg.block_n)
+            assert cfg.block_k == 512 and cfg.block_n >= 16 and 1 <= cfg.split_k <= triton.cdiv(k, cfg.block_k)
+            assert tiles * cfg.split_k >= 4 * 132 or cfg.split_k in (16, triton.cdiv(k, cfg.block_k))
+            assert (cfg.split_k == 1) == (tiles >= 4 * 132)
+    assert tf.gemv_config(1, 4096, 4096, block, 132).split_k > 1
+    assert tf.gemv_config(1, 80, 96, (32, 32), 1).block_k == 96  # K shorter than a step: whole groups only
+
+
 # (e) weight quantisers ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("block", [(16, 16), (64, 32), (128, 128), None])
@@ -291,3 +336,29 @@ def test_fp8_linear_replays_in_a_cuda_graph(block, m):
         x.copy_(_x(m, k, torch.bfloat16, seed=seed))
         graph.replay()
         assert torch.equal(y, tf.fp8_linear(x, wq, sw, block))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(128, 128), None])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_split_k_gemv_replays_in_a_cuda_graph(block, m):
+    """The split-K GEMV at Llama-3.1-8B's o projection (4096 x 4096: split on an H100): captured once, replayed over
+    new x, bit for bit what eager calls give (arrival counters back at 0 after every launch)."""
+    n, k = 4096, 4096
+    wq, sw = _weights(n, k, block)
+    assert tf.gemv_config(m, n, k, block, torch.cuda.get_device_properties(0).multi_processor_count).split_k > 1
+    x = _x(m, k, torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tf.fp8_gemv(x, wq, sw, block)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tf.fp8_gemv(x, wq, sw, block)
+    for seed in (2, 3):
+        x.copy_(_x(m, k, torch.bfloat16, seed=seed))
+        graph.replay()
+        assert torch.equal(y, tf.fp8_gemv(x, wq, sw, block))
+        xq, sx = rf.quantize_act_tokens(x) if block is None else rf.quantize_act_groups(x, block[1])
+        _check_product(y, _dequant_x(xq, sx, block), rf.dequantize_weight(wq, sw, block), None)
