@@ -88,10 +88,26 @@ def test_format_from_config():
         fp8_format(cfg({"quant_method": "fp8", "activation_scheme": "static"}))
 
 
-def _fp8_copies(src: str, root: str, block: tuple[int, int], plain: tuple[str, ...] = ()) -> tuple[str, str]:
+def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] -> (float8 [O, I], scale [O, 1]): compressed-tensors' per-channel layout."""
+    s = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / torch.finfo(FP8).max  # [O, 1]
+    return (w / s).to(FP8), s
+
+
+COMPRESSED_TENSORS_FP8 = {  # llm-compressor's FP8_DYNAMIC scheme: per-channel weights, per-token dynamic inputs
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {"targets": ["Linear"],
+                                  "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                              "dynamic": False, "symmetric": True},
+                                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                        "dynamic": True, "symmetric": True}}}}
+
+
+def _fp8_copies(src: str, root: str, block: tuple[int, int] | None, plain: tuple[str, ...] = ()) -> tuple[str, str]:
     """The checkpoint at src twice: its projection and expert weights in FP8 with block scales (and the config's
-    quantization_config), those whose name holds one of `plain` left as they are, and the same FP8 values
-    dequantized into a plain checkpoint."""
+    quantization_config; block None: compressed-tensors' per-channel `weight_scale`), those whose name holds one of
+    `plain` left as they are, and the same FP8 values dequantized into a plain checkpoint."""
+    suffix = "_scale_inv" if block is not None else "_scale"
     fp8_dir, ref_dir = os.path.join(root, "fp8"), os.path.join(root, "dequantized")
     for d in (fp8_dir, ref_dir):
         shutil.copytree(src, d)
@@ -103,9 +119,13 @@ def _fp8_copies(src: str, root: str, block: tuple[int, int], plain: tuple[str, .
         fp8, ref = {}, {}
         for k, t in tensors.items():
             if t.dim() == 2 and k.endswith("proj.weight") and "embed" not in k and not any(p in k for p in plain):
-                q, s = _quantize(t.float(), block)
-                fp8[k], fp8[k + "_scale_inv"] = q, s
-                ref[k] = _dequantize_blockwise(q, s, block).to(t.dtype)
+                if block is None:
+                    q, s = _quantize_rows(t.float())
+                    ref[k] = (q.float() * s).to(t.dtype)
+                else:
+                    q, s = _quantize(t.float(), block)
+                    ref[k] = _dequantize_blockwise(q, s, block).to(t.dtype)
+                fp8[k], fp8[k + suffix] = q, s
                 quantized += 1
             else:
                 fp8[k] = ref[k] = t
@@ -116,15 +136,16 @@ def _fp8_copies(src: str, root: str, block: tuple[int, int], plain: tuple[str, .
     if os.path.exists(index):  # scales live in the shard of their weight
         with open(index) as f:
             idx = json.load(f)
-        idx["weight_map"].update({k + "_scale_inv": v for k, v in list(idx["weight_map"].items())
+        idx["weight_map"].update({k + suffix: v for k, v in list(idx["weight_map"].items())
                                   if k.endswith("proj.weight") and "embed" not in k
                                   and not any(p in k for p in plain)})
         with open(index, "w") as f:
             json.dump(idx, f)
     with open(os.path.join(fp8_dir, "config.json")) as f:
         c = json.load(f)
-    c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                "weight_block_size": list(block)}
+    c["quantization_config"] = (COMPRESSED_TENSORS_FP8 if block is None else
+                                {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                 "weight_block_size": list(block)})
     with open(os.path.join(fp8_dir, "config.json"), "w") as f:
         json.dump(c, f)
     return fp8_dir, ref_dir
@@ -210,3 +231,48 @@ def test_fp8_checkpoint_with_plain_parts(tmp_path, plain):
     assert not mods["model.layers.0.linear_attn.in_proj"].is_fp8  # one of its parts came plain
     assert not mods["model.layers.0.mlp.experts"].is_fp8  # one expert piece came plain
     assert mods["model.layers.0.linear_attn.out_proj"].is_fp8 and mods["model.layers.3.self_attn.qkv_proj"].is_fp8
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_compressed_tensors_per_channel_checkpoint_loads_in_fp8(tmp_path, family):
+    """llm-compressor's FP8_DYNAMIC layout (`weight_scale` [O, 1], quant_method compressed-tensors): the linear
+    layers keep FP8 with a scale per row, the MTP layer too; per-channel experts (no block: the fused MoE kernel is
+    block-scaled) come dequantized; what every layer holds equals the plain copy."""
+    from helpers import build_tiny_model
+
+    src = build_tiny_model(str(tmp_path / "m"), family, seed=3, mtp_layout="deepseek")
+    fp8_dir, ref_dir = _fp8_copies(src, str(tmp_path), None)
+    dev = torch.device("cpu")
+    got, want = (load_target(ModelSource.resolve(d), torch.float32, dev, 64) for d in (fp8_dir, ref_dir))
+    assert got.fp8 == Fp8Format(None, "_scale")
+    drafts = [load_mtp_draft(t, None, torch.float32, dev, 64) for t in (got, want)]
+    for a_model, b_model in ((got.model, want.model), (drafts[0], drafts[1])):
+        a_sd, b_sd = plain_state(a_model), b_model.state_dict()
+        assert sorted(a_sd) == sorted(b_sd)
+        for name, b in b_sd.items():
+            assert torch.equal(a_sd[name], b), name
+        linears, experts = fp8_modules(a_model)
+        assert linears >= 2 and experts == 0
+    layer = dict(got.model.named_modules())["model.layers.0.self_attn.qkv_proj"]
+    assert layer.is_fp8 and layer.fp8_block is None and layer.weight_scale.shape == (layer.weight.shape[0],)
+
+
+def test_compressed_tensors_configs_refused_clearly():
+    def cfg(q):
+        return SimpleNamespace(quantization_config=q)
+
+    base = json.loads(json.dumps(COMPRESSED_TENSORS_FP8))
+    assert fp8_format(cfg(base)) == Fp8Format(None, "_scale")
+    block = json.loads(json.dumps(base))
+    block["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[128, 128])
+    assert fp8_format(cfg(block)) == Fp8Format((128, 128), "_scale")
+    int4 = json.loads(json.dumps(base))
+    int4["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int")
+    with pytest.raises(ValueError, match="only 8-bit float"):
+        fp8_format(cfg(int4))
+    static = json.loads(json.dumps(base))
+    static["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    with pytest.raises(ValueError, match="static activation scales"):
+        fp8_format(cfg(static))
+    with pytest.raises(ValueError, match="format 'pack-quantized'"):
+        fp8_format(cfg({**base, "format": "pack-quantized"}))

@@ -36,9 +36,10 @@ def _engine(path: str, **kw) -> Engine:
     return Engine(model_path=path, dtype="float32", max_total_tokens=1024, context_length=128, **kw)
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "qwen3_next"])
-def test_fp8_checkpoint_with_mtp_speculates_losslessly(tmp_path, family):
-    fp8_dir, _ = _fp8_copies(_build(family, str(tmp_path / "m")), str(tmp_path), (16, 16))
+@pytest.mark.parametrize("family,block", [("llama", (16, 16)), ("deepseek_v3", (16, 16)), ("qwen3_next", (16, 16)),
+                                          ("llama", None)])  # None: compressed-tensors per-channel
+def test_fp8_checkpoint_with_mtp_speculates_losslessly(tmp_path, family, block):
+    fp8_dir, _ = _fp8_copies(_build(family, str(tmp_path / "m")), str(tmp_path), block)
     with _engine(fp8_dir) as plain:
         want = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     with _engine(fp8_dir, speculative_algorithm="MTP", speculative_num_steps=2) as spec:

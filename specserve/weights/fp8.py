@@ -1,7 +1,9 @@
-"""FP8 checkpoints (`quantization_config.quant_method == "fp8"`, the format DeepSeek-V3 / GLM / Qwen3 FP8 releases
-ship): each quantized linear weight is float8 (e4m3) with a float32 `weight_scale_inv` beside it, one scale per
-block of `weight_block_size` = [rows, cols] (128 x 128 in those releases) or one per tensor without a block size.
-The real weight is `weight * scale_inv` broadcast over its block.
+"""FP8 checkpoints: `quantization_config.quant_method == "fp8"` (the format DeepSeek-V3 / GLM / Qwen3 FP8 releases
+ship: each quantized linear weight float8 e4m3 with a float32 `weight_scale_inv` beside it, one scale per block of
+`weight_block_size` = [rows, cols], 128 x 128 in those releases, or one per tensor without a block size), and
+llm-compressor's "compressed-tensors" FP8 (`weight_scale` per output row, per tensor or per block; activations
+dynamic: the "-FP8-dynamic" / per-token-per-channel releases). The real weight is `weight * scale` broadcast over its
+block or row.
 
 The loader pairs each FP8 weight with its scale as they stream (`pair_stream`) and hands the model an `Fp8Weight`:
 a layer that computes in FP8 (layers/linear.py Linear, layers/moe.py FusedMoE) keeps the FP8 values and the scales
@@ -24,25 +26,58 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 @dataclass(frozen=True)
 class Fp8Format:
-    block: tuple[int, int] | None  # [rows, cols] of one scale's block; None: one scale per tensor
+    block: tuple[int, int] | None  # [rows, cols] of one scale's block; None: one scale per tensor or per row
+    scale_suffix: str = SCALE_SUFFIX  # "<name>.weight<suffix>" scales "<name>.weight"
 
 
 def fp8_format(hf_config) -> Fp8Format | None:
-    """The checkpoint's FP8 weight format from its config (None: not quantized). Other quantization methods are a
-    clear error, never weights read as if they were plain."""
+    """The checkpoint's FP8 weight format from its config (None: not quantized): quant_method "fp8" (block or
+    per-tensor `weight_scale_inv`) or "compressed-tensors" FP8 (llm-compressor's float-quantized checkpoints,
+    e.g. the "-FP8-dynamic" / PTPC releases: per-channel, per-tensor or block `weight_scale`). Other quantization
+    methods are a clear error, never weights read as if they were plain."""
     q = getattr(hf_config, "quantization_config", None)
     if not q:
         return None
     q = q if isinstance(q, dict) else q.to_dict()
     method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(q)
     if method != "fp8":
-        raise ValueError(f"quantization method {method!r} is not supported (FP8 block-scaled checkpoints are: "
-                         "quant_method 'fp8')")
+        raise ValueError(f"quantization method {method!r} is not supported (FP8 checkpoints are: quant_method "
+                         "'fp8', or 'compressed-tensors' with FP8 weights)")
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"FP8 activation scheme {q['activation_scheme']!r} is not supported (only 'dynamic': "
                          "activations quantised per token at each call; static input scales are not read)")
     block = q.get("weight_block_size")
     return Fp8Format(tuple(int(b) for b in block) if block else None)
+
+
+def _compressed_tensors_format(q: dict) -> Fp8Format:
+    """compressed-tensors' config: every config group FP8 (8-bit float) weights with one strategy (channel or tensor:
+    scales per row or per tensor; block: block_structure), activations dynamic 8-bit float or none. Anything else
+    (integer or 4-bit weights, static input scales, mixed strategies) is refused."""
+    if q.get("format") not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"compressed-tensors format {q.get('format')!r} is not supported (float-quantized FP8 is)")
+    blocks = set()
+    for name, group in (q.get("config_groups") or {}).items():
+        w, a = group.get("weights") or {}, group.get("input_activations")
+        if w.get("type") != "float" or int(w.get("num_bits") or 0) != 8:
+            raise ValueError(f"compressed-tensors group {name!r}: only 8-bit float (FP8) weights are supported, got "
+                             f"{w.get('num_bits')}-bit {w.get('type')}")
+        if a is not None and (a.get("type") != "float" or not a.get("dynamic")):
+            raise ValueError(f"compressed-tensors group {name!r}: static activation scales are not supported "
+                             "(activations are quantised per token at each call)")
+        strategy = w.get("strategy")
+        if strategy == "block":
+            blocks.add(tuple(int(b) for b in w.get("block_structure") or ()))
+        elif strategy in ("channel", "tensor"):
+            blocks.add(None)
+        else:
+            raise ValueError(f"compressed-tensors group {name!r}: weight strategy {strategy!r} is not supported "
+                             "(channel, tensor and block are)")
+    if len(blocks) != 1:
+        raise ValueError("compressed-tensors: the config groups must share one FP8 weight layout")
+    return Fp8Format(blocks.pop(), scale_suffix="_scale")
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format,
@@ -101,8 +136,13 @@ def paired(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format) -> Fp8
     if weight.dim() != 2:
         raise ValueError(f"an FP8 weight must be 2-D, got {tuple(weight.shape)}")
     s = scale_inv.to(torch.float32)
-    if fmt.block is None or s.numel() == 1:
+    if s.numel() == 1:
         return Fp8Weight(weight, s.reshape(1).expand(weight.shape[0]).contiguous(), None)
+    if fmt.block is None:  # one scale per output row ([O] or compressed-tensors' [O, 1])
+        if s.numel() != weight.shape[0]:
+            raise ValueError(f"FP8 scale of shape {tuple(s.shape)} fits neither one scale per tensor nor one per row "
+                             f"of a {tuple(weight.shape)} weight")
+        return Fp8Weight(weight, s.reshape(-1).contiguous(), None)
     bo, bi = fmt.block
     o, i = weight.shape
     want = (-(-o // bo), -(-i // bi))
@@ -119,9 +159,10 @@ def pair_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
     the end is an error."""
     weights: dict[str, torch.Tensor] = {}  # FP8 weights waiting for their scale
     scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight, by the weight's name
+    suffix = fmt.scale_suffix
     for name, t in tensors:
-        if name.endswith(SCALE_SUFFIX):
-            wname = name[:-len(SCALE_SUFFIX)]
+        if name.endswith(suffix):
+            wname = name[:-len(suffix)]
             if wname in weights:
                 yield wname, paired(weights.pop(wname), t, fmt)
             else:
@@ -134,7 +175,7 @@ def pair_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
         else:
             yield name, t
     if weights or scales:
-        left = sorted(weights) + sorted(n + SCALE_SUFFIX for n in scales)
+        left = sorted(weights) + sorted(n + suffix for n in scales)
         raise ValueError(f"FP8 checkpoint: {len(left)} weight(s) without their scale or scale(s) without their "
                          f"weight, e.g. {left[0]}")
 
