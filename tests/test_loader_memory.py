@@ -223,3 +223,39 @@ def test_progress_bar_total_is_the_number_of_tensors(checkpoint, monkeypatch):
         indexed = len(json.load(f)["weight_map"])
     assert len(bars) == 1
     assert bars[0].total == len(tensor_names(path)) == indexed == bars[0].count
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(tmp_path_factory, checkpoint):
+    """A random Llama (hidden 512, 12 layers, intermediate 3072) in ~16 MB shards, as an FP8 block-scaled (128 x 128)
+    checkpoint and as the same values dequantized (tests/test_fp8_checkpoint.py _fp8_copies)."""
+    from test_fp8_checkpoint import _fp8_copies
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    root = tmp_path_factory.mktemp("loader_memory_fp8")
+    cfg = LlamaConfig(hidden_size=512, num_hidden_layers=12, intermediate_size=3072, vocab_size=8192,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    src = str(root / "src")
+    model.save_pretrained(src, max_shard_size="16MB")
+    linear = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
+    fp8_dir, ref_dir = _fp8_copies(src, str(root), (128, 128))
+    return dict(fp8=fp8_dir, ref=ref_dir, warm=checkpoint["warm"], linear=linear)
+
+
+def test_fp8_checkpoint_never_takes_its_bf16_size(fp8_checkpoints):
+    """An FP8 checkpoint loaded with a bfloat16 model dtype: its linear layers are made FP8 before anything is
+    allocated (models/loader.py materialize), so the peak holds their FP8 bytes, not bf16 ones; measured against
+    the same values saved dequantized and loaded the same way (the difference is the linear weights' bf16 - FP8
+    bytes, half of it required)."""
+    fp8 = _measure("ours", dict(folder=fp8_checkpoints["fp8"], warm=fp8_checkpoints["warm"]))
+    ref = _measure("ours", dict(folder=fp8_checkpoints["ref"], warm=fp8_checkpoints["warm"]))
+    fp8_peak, ref_peak = fp8["peak"] - fp8["before"], ref["peak"] - ref["before"]
+    saved = fp8_checkpoints["linear"]  # bytes: 2 per value in bf16, 1 in FP8 (scales: 1/4096 of that)
+    print(f"\nFP8 checkpoint: peak - before = {fp8_peak / MB:.1f} MB; its dequantized copy: {ref_peak / MB:.1f} MB; "
+          f"linear weights {saved / 1e6:.1f}M values")
+    assert "torch.float8_e4m3fn" in fp8["dtypes"] and ref["dtypes"] == ["torch.bfloat16"]
+    assert fp8_peak + saved // 2 < ref_peak

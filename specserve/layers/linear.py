@@ -83,19 +83,25 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(w, requires_grad=False)
         self.fp8_block = None
 
+    def accepts_fp8(self, block: tuple[int, int] | None) -> bool:
+        """Whether this layer can hold an FP8 weight with `block` scales (None: per row): one device, read through
+        forward, no plain part loaded yet, a block the kernels take that every fused part starts on."""
+        if type(self) not in (Linear, MergedLinear) or not self.fp8_capable:
+            return False
+        if self.is_fp8:
+            return self.fp8_block == block
+        if self.loaded_plain or (block is not None and any(b not in FP8_BLOCK_SIZES for b in block)):
+            return False
+        return all(self._block_aligned(block))
+
     def fp8_ready(self, w: Fp8Weight) -> bool:
-        """Whether this layer keeps `w` in FP8 (converting itself on the first one): one device, and the FP8
-        weights it already holds have the same block. A layer that cannot is given the weight dequantized."""
-        if (type(self) not in (Linear, MergedLinear) or not self.fp8_capable or self.weight.shape[1] != w.shape[1]
-                or w.q.dtype != torch.float8_e4m3fn):
+        """Whether this layer keeps `w` in FP8 (converting itself on the first one, unless the loader converted it
+        before allocating: models/loader.py). A layer that cannot is given the weight dequantized."""
+        if self.weight.shape[1] != w.shape[1] or w.q.dtype != torch.float8_e4m3fn or not self.accepts_fp8(w.block):
             return False
         if not self.is_fp8:
-            if self.loaded_plain or (w.block is not None and any(b not in FP8_BLOCK_SIZES for b in w.block)):
-                return False
-            if not all(self._block_aligned(w.block)):
-                return False
             self.to_fp8(w.block)
-        return self.fp8_block == w.block
+        return True
 
     def _block_aligned(self, block: tuple[int, int] | None):
         yield True

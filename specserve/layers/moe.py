@@ -93,18 +93,24 @@ class FusedMoE(nn.Module):
         self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         self.fp8_block = None
 
+    def accepts_fp8(self, block: tuple[int, int] | None) -> bool:
+        """Whether the experts can hold FP8 weights with `block` scales: one device, a block the kernel takes (the
+        gate and up rows each a whole number of blocks; a power-of-two column block of at least 16), no plain piece
+        loaded yet."""
+        if block is None or self.tp.size > 1:
+            return False
+        if self.is_fp8:
+            return self.fp8_block == block
+        bn, bk = block
+        return not self.loaded_plain and self.intermediate_size % bn == 0 and bk >= 16 and bk & (bk - 1) == 0
+
     def fp8_ready(self, w: Fp8Weight) -> bool:
-        """Whether the experts keep `w` in FP8 (converting on the first one): one device, a block the kernel takes
-        (the gate and up rows each a whole number of blocks; a power-of-two column block of at least 16), no plain
-        piece loaded before, and every FP8 piece in the same block."""
-        if w.block is None or self.tp.size > 1 or w.q.dtype != torch.float8_e4m3fn:
+        """Whether the experts keep `w` in FP8 (converting on the first one unless converted before allocation)."""
+        if w.q.dtype != torch.float8_e4m3fn or not self.accepts_fp8(w.block):
             return False
         if not self.is_fp8:
-            bn, bk = w.block
-            if self.loaded_plain or self.intermediate_size % bn or bk < 16 or bk & (bk - 1):
-                return False
             self.to_fp8(w.block)
-        return self.fp8_block == w.block
+        return True
 
     def load_expert_fp8(self, expert: int, proj: str, w: Fp8Weight) -> bool:
         """load_expert for an FP8 checkpoint piece kept in FP8; False: the caller loads it dequantized."""
@@ -377,6 +383,20 @@ class SparseMoEBlock(nn.Module):
                 self.pending["shared_expert.gate_up_proj.weight"].discard(shard)
                 return True
         return False
+
+    def fp8_module(self, rest: str) -> nn.Module | None:
+        """The module that would hold the FP8 weight named `rest` (below the block) in FP8: the expert stack (an
+        expert's or the fused shared expert's projection) or a projection of the separate shared expert; None for
+        the router and other tensors."""
+        parts = rest.split(".")
+        if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[3] == "weight":
+            return self.experts
+        if len(parts) == 3 and parts[0] in ("shared_expert", "shared_experts") and parts[2] == "weight":
+            if self.fused_shared:
+                return self.experts
+            if self.shared_expert is not None and parts[1] in _EXPERT_PROJS:
+                return self.shared_expert.down_proj if parts[1] == "down_proj" else self.shared_expert.gate_up_proj
+        return None
 
     def load_fp8_weight(self, rest: str, w: Fp8Weight) -> bool:
         """load_weight for an FP8 checkpoint weight kept in FP8: the shared expert's projections (not fused into

@@ -23,6 +23,7 @@ from specserve.layers.rotary import RotaryEmbedding
 from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
 from specserve.models.registry import config_from_hf, model_class
+from specserve.models.tensor_loading import convert_fp8_holders
 from specserve.weights.fp8 import Fp8Format, dequantize_stream, fp8_format, pair_stream
 from specserve.weights.gguf_loader import iter_gguf
 from specserve.weights.safetensors_loader import iter_safetensors, tensor_names
@@ -103,10 +104,16 @@ def _is_mtp(name: str, num_layers: int) -> bool:
 
 
 def materialize(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> torch.nn.Module:
+                max_positions: int, fp8_names: list[str] | None = None,
+                fp8_block: tuple[int, int] | None = None) -> torch.nn.Module:
     """A model built on the meta device -> uninitialised parameters in `dtype` on `device` (integer buffers keep
-    their dtype), with the rotary tables rebuilt in float32 (accurate angles at long positions)."""
-    model = model.to(dtype=dtype).to_empty(device=device)
+    their dtype), with the rotary tables rebuilt in float32 (accurate angles at long positions). fp8_names: the
+    weights (our names) an FP8 checkpoint holds in FP8; the layers that keep them are made FP8 before anything is
+    allocated (tensor_loading.convert_fp8_holders), so the bf16 size is never allocated."""
+    model = model.to(dtype=dtype)
+    if fp8_names:
+        convert_fp8_holders(model, fp8_names, fp8_block)
+    model = model.to_empty(device=device)
     keep_float32_params(model)
     fresh = model_class(cfg.architecture).make_rotary(cfg, max_positions).cos_sin_cache.to(device)
     for mod in model.modules():
@@ -145,6 +152,12 @@ def _stream(src: ModelSource, cfg: ModelConfig, names: set[str] | None = None, d
     return tqdm(it, desc=desc, total=total, unit="tensor", leave=False, disable=None)
 
 
+def _fp8_weight_names(src: ModelSource, fp8: Fp8Format, among: set[str] | None = None) -> list[str]:
+    """The checkpoint's weights that come with an FP8 scale (their names), from the safetensors headers."""
+    names = tensor_names(src.folder) if among is None else among
+    return [n[:-len(fp8.scale_suffix)] for n in names if n.endswith(fp8.scale_suffix)]
+
+
 def _fp8_paired(tensors, fp8: Fp8Format | None, tp: TPGroup):
     """The checkpoint's tensors with each FP8 weight and its scale paired (weights/fp8.py Fp8Weight): the layers
     that compute in FP8 keep them, the others take them dequantized. Above one rank every weight is dequantized as
@@ -170,7 +183,11 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions)
-    model = materialize(model, cfg, dtype, device, max_positions)
+    fp8_names = None
+    if fp8 is not None and tp.size == 1:
+        fp8_names = [ours for n in _fp8_weight_names(src, fp8) if not _is_mtp(n, cfg.num_layers)
+                     and (ours := cls.checkpoint_name(n)) is not None]
+    model = materialize(model, cfg, dtype, device, max_positions, fp8_names, fp8.block if fp8 else None)
     model.tie_weights()  # to_empty makes new Parameters per module, which unties shared ones
     mtp: list[str] = []
 
@@ -222,7 +239,11 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
     with torch.device("meta"):
         draft = MTPDraftModel(draft_cfg, max_positions, own_embed=own_embed, own_head=own_head,
                               draft_vocab_size=None if vocab is None or head_from_target else int(vocab.shape[0]))
-    draft = materialize(draft, draft_cfg, dtype, device, max_positions)
+    fp8_names = None
+    if fp8 is not None and target.config.tp.size == 1:
+        fp8_names = [ours for n in _fp8_weight_names(draft_src, fp8, names)
+                     if (ours := draft.map_name(n, layer_index)) not in (None, "draft_vocab")]
+    draft = materialize(draft, draft_cfg, dtype, device, max_positions, fp8_names, fp8.block if fp8 else None)
     if head_from_target:
         names = names - {vocab_name}
     with torch.no_grad():

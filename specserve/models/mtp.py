@@ -184,7 +184,7 @@ class MTPDraftModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            ours = self._map_name(name, layer_index)
+            ours = self.map_name(name, layer_index)
             if ours is None:
                 continue
             if ours == "draft_vocab":
@@ -203,7 +203,7 @@ class MTPDraftModel(nn.Module):
             raise ValueError(f"MTP checkpoint lacks: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         return loaded
 
-    def _map_name(self, name: str, layer_index: int | None) -> str | None:
+    def map_name(self, name: str, layer_index: int | None) -> str | None:
         if name in ("draft_vocab", "d2t_ids"):
             return "draft_vocab"
         match = re.match(r"model\.layers\.(\d+)\.(.+)$", name)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specserve.layers.linear import Linear, MergedLinear
-from specserve.layers.moe import SparseMoEBlock
+from specserve.layers.moe import FusedMoE, SparseMoEBlock
 from specserve.weights.fp8 import Fp8Weight
 
 # checkpoint projection -> (our fused projection, its shard)
@@ -43,11 +43,48 @@ def load_checkpoint_tensor(root: nn.Module, params: dict[str, nn.Parameter], nam
 def load_fp8_or_plain(root: nn.Module, name: str, tensor: torch.Tensor | Fp8Weight
                       ) -> tuple[str | None, torch.Tensor | None]:
     """(our parameter's name, None) when `tensor` is an FP8 weight now loaded in FP8 (load_fp8_weight); else
-    (None, the tensor to load as usual: an FP8 weight dequantized to float32, or the tensor as it came)."""
+    (None, the tensor to load as usual: an FP8 weight dequantized to float32, or the tensor as it came). A plain
+    weight for a linear layer made FP8 before allocation (a checkpoint whose scale list said otherwise) turns the
+    layer back to plain values first, so it is never cast into FP8 without scales."""
     if not isinstance(tensor, Fp8Weight):
+        module = fp8_holder(root, name)
+        if type(module) is Linear and module.is_fp8 and name.endswith(".weight"):
+            module.to_plain()
         return None, tensor
     target = load_fp8_weight(root, name, tensor)
     return (target, None) if target is not None else (None, tensor.dequantize(torch.float32))
+
+
+def fp8_holder(root: nn.Module, name: str) -> nn.Module | None:
+    """The module that holds the weight `name` (ours, HF-style) when it is kept in FP8: a Linear (a fused
+    projection for a q/k/v or gate/up part) or an MoE block's expert stack / shared-expert projection; None for
+    names no FP8 layer holds."""
+    offset = name.find(_MLP)
+    if offset >= 0:
+        block = _submodule(root, name[:offset + len(_MLP) - 1])
+        if isinstance(block, SparseMoEBlock):
+            return block.fp8_module(name[offset + len(_MLP):])
+    parts = name.split(".")
+    if len(parts) < 2 or parts[-1] != "weight":
+        return None
+    module = _submodule(root, ".".join(parts[:-1]))
+    if module is None and parts[-2] in _SHARDS:
+        module = _submodule(root, ".".join(parts[:-2] + [_SHARDS[parts[-2]][0]]))
+    return module if isinstance(module, (Linear, FusedMoE)) else None
+
+
+def convert_fp8_holders(root: nn.Module, names, block: tuple[int, int] | None) -> int:
+    """Before the weights are allocated (root on the meta device): the modules that will hold the FP8 weights
+    `names` (ours) made FP8 now, so an FP8 checkpoint never takes its bf16 size on the device, even for a moment.
+    Modules that cannot hold them (accepts_fp8) stay as they are and get the weights dequantized. Returns how
+    many modules were converted."""
+    done = set()
+    for name in names:
+        module = fp8_holder(root, name)
+        if module is not None and id(module) not in done and not module.is_fp8 and module.accepts_fp8(block):
+            module.to_fp8(block)
+            done.add(id(module))
+    return len(done)
 
 
 def load_fp8_weight(root: nn.Module, name: str, w: Fp8Weight) -> str | None:
@@ -56,10 +93,7 @@ def load_fp8_weight(root: nn.Module, name: str, w: Fp8Weight) -> str | None:
     or None: the caller loads it dequantized like a plain tensor (any other parameter, a tensor-parallel slice)."""
     offset = name.find(_MLP)
     if offset >= 0:
-        try:
-            block = root.get_submodule(name[:offset + len(_MLP) - 1])
-        except AttributeError:
-            block = None
+        block = _submodule(root, name[:offset + len(_MLP) - 1])
         if isinstance(block, SparseMoEBlock):
             return name if block.load_fp8_weight(name[offset + len(_MLP):], w) else None
     parts = name.split(".")
