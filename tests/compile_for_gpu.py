@@ -65,17 +65,20 @@ def _compile(kernel, args, kwargs, aligned: bool = False) -> triton.compiler.Com
 
 def check(label: str, module, names: list[str], launch, aligned: bool = False, **override) -> None:
     """Run launch() with module's kernels `names` recording, then compile every recorded launch (its keyword
-    arguments updated by `override`: a launch option the product's defaults leave off, e.g. GDC; aligned: as
-    _compile's)."""
-    kernels = {n: getattr(module, n) for n in names}
+    arguments updated by `override`: a launch option the product's defaults leave off, e.g. GDC; keys a kernel does
+    not take are ignored; aligned: as _compile's). module: a module, or a list of them (each name from the first
+    that has it: a launcher that calls another module's launcher)."""
+    modules = module if isinstance(module, list) else [module]
+    owners = {n: next(m for m in modules if hasattr(m, n)) for n in names}
+    kernels = {n: getattr(owners[n], n) for n in names}
     recorders = {n: _Recorder() for n in names}
     for n in names:
-        setattr(module, n, recorders[n])
+        setattr(owners[n], n, recorders[n])
     try:
         launch()
     finally:
         for n in names:
-            setattr(module, n, kernels[n])
+            setattr(owners[n], n, kernels[n])
     launched = 0
     for n in names:
         for args, kwargs in recorders[n].launches:
@@ -164,24 +167,29 @@ def main() -> None:
         check(f"moe direct E{e} I{i}", tm, ["_gate_up_kernel", "_down_kernel"],
               lambda w13=w13, w2=w2, x=x, ids=ids, wts=wts: tm.fused_moe(x, w13, w2, wts, ids))
     # the FP8 MoE (W8A8, 128 x 128 weight blocks): Qwen3-30B-A3B's and DeepSeek-V3/GLM-like experts, one token
-    # (direct) and 64 (aligned: 512 pairs, the three alignment kernels, recorded too: nothing runs on CPU here).
-    # F32_DOT / RNE off, as CUDA tensors launch them: the e4m3 dot and the hardware e4m3 cast, not the CPU upcast
+    # (direct) and 64 (aligned: 512 pairs, the three alignment kernels, recorded too: nothing runs on CPU here): x's
+    # quantizer (triton_fp8's), the FP8 gate/up GEMM with the act quantized in its epilogue, the FP8 down GEMM.
+    # F32_DOT / RNE / EXACT_FIRST off, as CUDA tensors launch them: the e4m3 dot and the hardware e4m3 cast, not the
+    # CPU upcast and roundings. Aligned (16-byte divisibility), as the JIT specialises the GPU launch.
+    from specserve.kernels import triton_fp8 as tf
     fp8, align = torch.float8_e4m3fn, ["_count_kernel", "_offsets_kernel", "_place_kernel"]
+    gpu_fp8 = dict(F32_DOT=False, RNE=False, EXACT_FIRST=False)
+    moe_fp8 = ["_quant_groups_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel", "_sum_k_kernel", *align]
     for e, h, i, top in ((128, 2048, 768, 8), (256, 7168, 2048, 8)):
         w13, w2 = torch.empty(e, 2 * i, h, dtype=fp8), torch.empty(e, h, i, dtype=fp8)  # never touched: no pages
         s13, s2 = torch.ones(e, 2 * i // 128, h // 128), torch.ones(e, h // 128, i // 128)
         for t in (1, 64):
             x, wts = torch.randn(t, h).to(BF16), torch.rand(t, top)
             ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)])
-            check(f"moe fp8 E{e} H{h} I{i} T{t}", tm, ["_gate_up_kernel", "_down_kernel", "_sum_k_kernel", *align],
+            check(f"moe fp8 E{e} H{h} I{i} T{t}", [tm, tf], moe_fp8,
                   lambda w13=w13, w2=w2, s13=s13, s2=s2, x=x, ids=ids, wts=wts: tm.fused_moe(
-                      x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=(128, 128)), F32_DOT=False, RNE=False)
+                      x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=(128, 128)), aligned=True, **gpu_fp8)
     # and the GPU tests' 16 x 16 blocks: a K step below the e4m3 dot's least K of 32 (triton_fp8_tiles.dot_e4m3)
     w13, w2 = torch.empty(4, 64, 64, dtype=fp8), torch.empty(4, 64, 32, dtype=fp8)
     s13, s2 = torch.ones(4, 4, 4), torch.ones(4, 4, 2)
-    check("moe fp8 16 x 16 blocks", tm, ["_gate_up_kernel", "_down_kernel"],
+    check("moe fp8 16 x 16 blocks", [tm, tf], moe_fp8[:3],
           lambda: tm.fused_moe(torch.randn(1, 64).to(BF16), w13, w2, torch.rand(1, 2), torch.arange(2)[None],
-                               w13_scale=s13, w2_scale=s2, block=(16, 16)), F32_DOT=False, RNE=False)
+                               w13_scale=s13, w2_scale=s2, block=(16, 16)), **gpu_fp8)
     # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)
     x, r = torch.randn(1, 2048).to(BF16), torch.randn(1, 2048).to(BF16)
     for gdc in (False, True):  # and launched with PDL (a config's PDL key)

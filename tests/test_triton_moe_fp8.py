@@ -1,8 +1,10 @@
 """The FP8 (W8A8, block-scaled) fused MoE: the Triton kernel (kernels/triton_moe.py with scales) against its torch
 reference (kernels/reference_moe_fp8.py) on the same FP8 inputs, at one token (the direct path), 3 and 20 tokens,
-blocks 16x16 and 32x32, x float32 and bfloat16; the in-kernel activation quantization against the reference's rule
-bit for bit; the reference against the unquantized MoE on the original float weights; unused experts never read;
-bad shapes rejected. On CPU the kernels run under Triton's interpreter (tiny shapes: it is slow)."""
+blocks 16x16 and 32x32, x float32 and bfloat16; the activation quantization against the reference's rule bit for
+bit: x's up-front quantizer (triton_fp8.quantize_act_groups_triton), the epilogue's tile quantizer
+(triton_fp8_tiles.quantize_groups) and the act the gate/up GEMM hands the down GEMM; the FP8 tile rule; the
+reference against the unquantized MoE on the original float weights; unused experts never read; bad shapes
+rejected. On CPU the kernels run under Triton's interpreter (tiny shapes: it is slow)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,17 @@ import triton.language as tl  # noqa: E402
 
 from specserve.kernels import ops  # noqa: E402
 from specserve.kernels import reference as ref  # noqa: E402
-from specserve.kernels.reference_moe_fp8 import _quantize_groups, fused_moe_fp8_ref, quantize_blocks  # noqa: E402
-from specserve.kernels.triton_fp8_tiles import quantize_rows  # noqa: E402
-from specserve.kernels.triton_moe import fused_moe  # noqa: E402
+from specserve.kernels.reference import silu_and_mul  # noqa: E402
+from specserve.kernels.reference_moe_fp8 import (  # noqa: E402
+    _dequantize_groups,
+    _quantize_groups,
+    dequantize_blocks,
+    fused_moe_fp8_ref,
+    quantize_blocks,
+)
+from specserve.kernels.triton_fp8 import quantize_act_groups_triton  # noqa: E402
+from specserve.kernels.triton_fp8_tiles import quantize_groups  # noqa: E402
+from specserve.kernels.triton_moe import DIRECT_BLOCK_M, _fp8_act, _fp8_configs, _route, fused_moe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,43 +91,116 @@ def test_fp8_kernel_matches_reference(dtype, block, t, e, k):
 
 def test_fp8_kernel_ragged_blocks():
     """Dims that are not whole blocks: H 80 with bk 32 (a last activation group and weight block 16 wide), H rows of
-    w2 over bn 32 (a last block of 16 rows), narrower column tiles than the weight blocks (BLOCK_N 16 < bn 32)."""
+    w2 over bn 32 (a last block of 16 rows), a down tile narrower than the weight blocks (BLOCK_N 16 < bn 32), and
+    K steps of two groups whose second runs past H (it must add nothing), on both paths."""
     g = torch.Generator().manual_seed(5)
     h, i, block = 80, 32, (32, 32)
     (w13, s13, w2, s2), _ = _moe(5, h, i, block, g)
     x = torch.randn((3, h), generator=g).to(torch.bfloat16).to(DEV)
     wts, ids = _routing(3, 5, 2, g)
     want = fused_moe_fp8_ref(x, w13, s13, w2, s2, block, wts, ids)
+    gate_up = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    down = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
+    for tiles in (None, (gate_up, down)):
+        for direct in (False, True):
+            got = fused_moe(x, w13, w2, wts, ids, direct=direct, tiles=tiles, w13_scale=s13, w2_scale=s2,
+                            block=block)
+            _assert_kernel_matches(got, want)
+
+
+def test_fp8_tiles_rule():
+    """The FP8 tiles: BLOCK_K a multiple of bk, the gate/up BLOCK_N too (its epilogue quantizes whole groups).
+    Table tiles are raised to it; explicit ones that break it are refused, not changed."""
+    for bk in (16, 32, 128):
+        for block_m in (16, 64, 128):
+            gate_up, down = _fp8_configs(block_m, bk, 768, 2048, None)
+            assert gate_up["BLOCK_N"] % bk == 0 and gate_up["BLOCK_K"] % bk == 0 and down["BLOCK_K"] % bk == 0
     cfg = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
-    for tiles in (None, (cfg, cfg)):
-        got = fused_moe(x, w13, w2, wts, ids, tiles=tiles, w13_scale=s13, w2_scale=s2, block=block)
-        _assert_kernel_matches(got, want)
+    with pytest.raises(ValueError, match="multiples of the weight block's width 32"):
+        _fp8_configs(16, 32, 768, 2048, (cfg, cfg))  # gate/up BLOCK_N 16 < bk 32
+    with pytest.raises(ValueError, match="multiples of the weight block's width 32"):
+        _fp8_configs(16, 32, 768, 2048, (dict(cfg, BLOCK_N=32), dict(cfg, BLOCK_K=48)))
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, G: tl.constexpr, RNE: tl.constexpr):
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, GROUPS: tl.constexpr, G: tl.constexpr, RNE: tl.constexpr):
     r = tl.program_id(0)
-    c = tl.arange(0, G)
-    q, s = quantize_rows(tl.load(x_ptr + r * G + c)[None, :], RNE)  # [1, G], [1]
-    tl.store(q_ptr + r * G + c[None, :], q.to(tl.float32))
-    tl.store(s_ptr + r + tl.arange(0, 1), s)
+    c = tl.arange(0, GROUPS * G)
+    q, s = quantize_groups(tl.load(x_ptr + r * GROUPS * G + c).to(tl.float32)[None, :], GROUPS, G, RNE)
+    tl.store(q_ptr + r * GROUPS * G + c[None, :], q)  # [1, GROUPS * G] e4m3
+    tl.store(s_ptr + r * GROUPS + tl.arange(0, GROUPS)[None, :], s)
 
 
-def test_in_kernel_quantization_is_the_reference_rule():
-    """quantize_rows (what both GEMMs do to their activation tiles) gives _quantize_groups' scales and e4m3 values
-    bit for bit: rows of widely spread magnitudes (subnormal e4m3 values, ties), an all-zero row, bfloat16 input."""
+def _wide_values(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, cols] float32 of widely spread magnitudes (subnormal e4m3 values, ties), row 0 all zero, -0.0 and
+    amax 448 (scale 1: the ties kept as they are) in row 1."""
+    x = torch.randn((rows, cols), generator=g) * torch.exp(torch.randn((rows, cols), generator=g) * 3)
+    x[0] = 0.0
+    x[1, :5] = torch.tensor([448.0, 1.5 * 2 ** -9, 2 ** -10, 15.5, -0.0])
+    return x
+
+
+def _assert_same_quantization(q: torch.Tensor, s: torch.Tensor, want_q: torch.Tensor, want_s: torch.Tensor):
+    """Bit for bit: the e4m3 bytes (so -0 against +0 counts) and the float32 scales."""
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), want_s.view(torch.int32))
+
+
+def test_tile_quantization_is_the_reference_rule():
+    """quantize_groups (the gate/up GEMM's epilogue quantizes its act tile with it) gives _quantize_groups' scales
+    and e4m3 values bit for bit, one group a row and four: float32 and bfloat16 input."""
     g = torch.Generator().manual_seed(0)
     rows, group = 64, 32
-    x = torch.randn((rows, group), generator=g) * torch.exp(torch.randn((rows, group), generator=g) * 3)
-    x[0] = 0.0
-    x[1, :4] = torch.tensor([448.0, 1.5 * 2 ** -9, 2 ** -10, 15.5])  # amax 448: scale 1, the ties kept as they are
-    for xin in (x, x.to(torch.bfloat16)):
-        xin = xin.to(DEV)
-        q, s = torch.empty((rows, group), device=DEV), torch.empty(rows, device=DEV)
-        _quantize_kernel[(rows,)](xin, q, s, G=group, RNE=RNE)
-        want_q, want_s = _quantize_groups(xin, group)
-        assert torch.equal(s, want_s[:, 0])
-        assert torch.equal(q, want_q.float())
+    for groups in (1, 4):
+        x = _wide_values(rows, groups * group, g)
+        for xin in (x, x.to(torch.bfloat16)):
+            xin = xin.to(DEV)
+            q = torch.empty((rows, groups * group), dtype=torch.float8_e4m3fn, device=DEV)
+            s = torch.empty((rows, groups), device=DEV)
+            _quantize_kernel[(rows,)](xin, q, s, GROUPS=groups, G=group, RNE=RNE)
+            _assert_same_quantization(q, s, *_quantize_groups(xin, group))
+
+
+@pytest.mark.parametrize("group", [16, 32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upfront_quantizer_is_the_moe_rule(dtype, group):
+    """x's quantizer (the dense FP8 linear's, one launch before the gate/up GEMM) equals the MoE reference's
+    _quantize_groups bit for bit: a row-strided x whose width is no multiple of the group (a short last group)."""
+    g = torch.Generator().manual_seed(group)
+    base = _wide_values(12, 3 * group + 24, g).to(dtype).to(DEV)
+    x = base[:, 3:3 + 2 * group + 8]  # [12, 2 group + 8]
+    _assert_same_quantization(*quantize_act_groups_triton(x, group), *_quantize_groups(x, group))
+
+
+def _reference_act(x, w13, s13, block, ids):
+    """The reference's quantized act per pair: (q [T*K, I] e4m3, s [T*K, ceil(I/bk)]), as fused_moe_fp8_ref makes
+    it."""
+    bk = block[1]
+    flat = ids.reshape(-1)  # [T*K]
+    xd = _dequantize_groups(*_quantize_groups(x, bk), bk)  # [T, H]
+    tok = torch.arange(flat.numel(), device=DEV) // ids.shape[1]
+    acts = torch.stack([silu_and_mul((xd[t] @ dequantize_blocks(w13[e], s13[e], block).T).to(x.dtype))
+                        for t, e in zip(tok.tolist(), flat.tolist())])  # [T*K, I] in x's dtype
+    return _quantize_groups(acts, bk)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("block", [(16, 16), (32, 32)])
+def test_epilogue_act_is_the_reference_act(block, direct):
+    """The act the gate/up GEMM quantizes in its epilogue (aq, sa: what the down GEMM reads) against the reference's
+    quantized act, bfloat16 x: bit for bit (the roundings are the reference's; under the interpreter the float32
+    sums of x's dtype come out the same, as the final output's test measures). Through _fp8_act, the internal
+    helper fused_moe calls; a gate/up BLOCK_N of two groups, so a tile quantizes several."""
+    g = torch.Generator().manual_seed(block[0] + direct)
+    e, t, k = 6, 1 if direct else 5, 3
+    (w13, s13, w2, s2), _ = _moe(e, HIDDEN, INTER, block, g)
+    x = (torch.randn((t, HIDDEN), generator=g) * 2).to(torch.bfloat16).to(DEV)
+    _, ids = _routing(t, e, k, g)
+    block_m = DIRECT_BLOCK_M if direct else 16
+    route = (*_route(ids, e, direct, block_m), block_m, k, direct)
+    cfg = dict(BLOCK_N=2 * block[1], BLOCK_K=block[1], num_warps=4, num_stages=2)
+    aq, sa = _fp8_act(x, w13, s13, *block, route, cfg)
+    _assert_same_quantization(aq, sa, *_reference_act(x, w13, s13, block, ids))
 
 
 def test_fp8_reference_vs_unquantized():

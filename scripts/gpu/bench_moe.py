@@ -5,15 +5,21 @@ MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and
     python3 scripts/gpu/bench_moe.py --sweep [--tokens 1 4] [--iters 50]
     python3 scripts/gpu/bench_moe.py --fp8 [--block 128 128] [--tokens 1 8 64 512]
     python3 scripts/gpu/bench_moe.py --fp8 --hidden 7168 --inter 2048 --experts 256  # DeepSeek-V3 / GLM-like
+    python3 scripts/gpu/bench_moe.py --fp8 --sweep [--tokens 1 8 64 512] [--iters 50]
 
 `--fp8`: the same weights quantized to float8_e4m3fn with a float32 scale per --block (bn x bk, 128 x 128 as FP8
-checkpoints), activations quantized in the GEMMs (W8A8); at each T the FP8 fused MoE against the bf16 one, both
-graphed, L2 flushed; FP8 checked against its reference (kernels/reference_moe_fp8.py) and its error against the
-bf16 reference printed. The bandwidth column counts the chosen experts' FP8 weights and scales.
+checkpoints), x quantized once before the gate/up GEMM, the act in its epilogue (W8A8); at each T the FP8 fused
+MoE against the bf16 one, both graphed, L2 flushed; FP8 checked against its reference (kernels/reference_moe_fp8.py)
+and its error against the bf16 reference printed. The bandwidth column counts the chosen experts' FP8 weights and
+scales.
 
 `--sweep`: at each T, the gate/up and the down GEMM's launch configs (BLOCK_N x BLOCK_K x (warps, stages)) tried one
 kernel at a time (the other at its default), graphed, L2 flushed; prints the fastest few and the default's time.
 At T = 1 the table's run also times the direct path against the aligned one, side by side.
+`--fp8 --sweep`: the same for the FP8 GEMMs' tiles (kernels/tuned_h200.py MOE_FP8_TILES, untuned): configs whose
+shared memory would not fit an sm_90 program are left out before compiling; then the fastest gate/up and down
+together, printed as a MOE_FP8_TILES entry for the T's rows per block (50 iterations unless --iters; for T 1 8 64 512
+about 130 kernels to compile, estimated at 2-3 minutes in all, not yet timed on a GPU; T 64 reuses T 8's kernels).
 
 Both are checked against kernels/reference.py once before timing. Times are CUDA-event medians over --iters calls,
 each after an L2 flush (the 60 MB L2 would otherwise hold most of a decode step's 75 MB of expert weights). The flush
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +43,7 @@ from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
 from specserve.kernels.reference_moe_fp8 import fused_moe_fp8_ref, quantize_blocks
-from specserve.kernels.triton_moe import _gemm_configs, fused_moe, moe_block_m
+from specserve.kernels.triton_moe import DIRECT_BLOCK_M, _fp8_configs, _gemm_configs, fused_moe, moe_block_m
 
 PEAK_BW = 4.2e12  # bytes/s: the H200 copy bandwidth measured here
 
@@ -106,16 +113,17 @@ def moe_inputs(t: int, w13: torch.Tensor, w2: torch.Tensor, k: int, g: torch.Gen
     return moe_args, ref.fused_moe(*moe_args)
 
 
-def sweep_one_kernel(moe_args, want, configs: list[dict], default: tuple[dict, dict], which: int, base: float, args,
-                     flush, label: str) -> None:
-    """Times fused_moe (graphed) with kernel `which` (0 gate/up, 1 down) at each of configs and the other at its
-    default, each output checked against the reference; prints the fastest few against `base` (ms)."""
+def sweep_one_kernel(run, want, configs: list[dict], default: tuple[dict, dict], which: int, base: float, args,
+                     flush, label: str) -> list[tuple[float, dict, str]]:
+    """Times run(tiles) (fused_moe with those tiles, graphed) with kernel `which` (0 gate/up, 1 down) at each of
+    configs and the other at its default, each output checked against the reference `want`; prints the fastest few
+    against `base` (ms) and returns the rows (ms, config, error name), fastest first."""
     rows = []
     for cfg in configs:
         tiles = (cfg, default[1]) if which == 0 else (default[0], cfg)
         try:
-            got = fused_moe(*moe_args, tiles=tiles)
-            replay, _ = graphed(lambda tiles=tiles: fused_moe(*moe_args, tiles=tiles))
+            got = run(tiles)
+            replay, _ = graphed(lambda tiles=tiles: run(tiles))
         except Exception as exc:  # noqa: BLE001 - a config past a resource limit: skipped
             rows.append((float("inf"), cfg, type(exc).__name__))
             continue
@@ -126,6 +134,7 @@ def sweep_one_kernel(moe_args, want, configs: list[dict], default: tuple[dict, d
     print(f"  {'gate/up' if which == 0 else 'down'}: fastest of {len(rows)} ({label} us)")
     for ms, cfg, _ in rows[:6]:
         print(f"    {ms * 1e3:7.1f}  {base / ms:5.2f}x  {cfg}")
+    return rows
 
 
 def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
@@ -204,6 +213,17 @@ def bench_fp8(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flu
         bench_fp8_tokens(t, w13, w2, (q13, s13, q2, s2), block, g, args, flush)
 
 
+def sweep_fp8(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
+    block = tuple(args.block)
+    q13, s13 = quantize_experts(w13, block)
+    q2, s2 = quantize_experts(w2, block)
+    print(f"FP8 W8A8 tiles sweep, weight blocks {block[0]} x {block[1]}")
+    start = time.perf_counter()
+    for t in args.tokens:
+        sweep_fp8_tokens(t, w13, w2, (q13, s13, q2, s2), block, g, args, flush)
+        print(f"  ({time.perf_counter() - start:.0f} s so far)")
+
+
 SWEEP_N = (16, 32, 64, 128)
 SWEEP_K = (64, 128, 256)
 SWEEP_WARPS_STAGES = ((4, 3), (4, 4), (8, 4))
@@ -222,7 +242,68 @@ def sweep_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
     configs = [dict(BLOCK_N=n, BLOCK_K=kk, num_warps=warps, num_stages=stages)
                for n, kk, (warps, stages) in itertools.product(SWEEP_N, SWEEP_K, SWEEP_WARPS_STAGES)]
     for which in (0, 1):
-        sweep_one_kernel(moe_args, want, configs, default, which, base, args, flush, "whole fused_moe")
+        sweep_one_kernel(lambda tiles: fused_moe(*moe_args, tiles=tiles), want, configs, default, which, base, args,
+                         flush, "whole fused_moe")
+
+
+# The FP8 sweep's space (bk = 128: BLOCK_K and the gate/up BLOCK_N multiples of it, as the FP8 kernels require)
+FP8_SWEEP_GATE_UP_N = (128, 256)
+FP8_SWEEP_DOWN_N = (32, 64, 128, 256)
+FP8_SWEEP_K = (128, 256)
+FP8_SWEEP_WARPS_STAGES = ((4, 3), (4, 4), (8, 3), (8, 4))
+SM90_SHARED = 227 * 1024  # bytes of shared memory a program may take on sm_90
+
+
+def fp8_stage_bytes(block_m: int, cfg: dict, gate_up: bool) -> int:
+    """Shared memory of the pipeline's buffers (num_stages - 1 of them, as Triton's pipeliner allocates): the e4m3
+    activation tile and the weight tile(s) a K step (gate/up: the gate's and the up's)."""
+    per_stage = block_m * cfg["BLOCK_K"] + (2 if gate_up else 1) * cfg["BLOCK_K"] * cfg["BLOCK_N"]
+    return per_stage * max(1, cfg["num_stages"] - 1)
+
+
+def fp8_sweep_configs(block_m: int, bk: int, gate_up: bool) -> list[dict]:
+    """The configs to time for one FP8 GEMM: the sweep space at multiples of bk, less those whose pipeline buffers
+    (plus a margin for the epilogue's layout conversions) would not fit (not compiled at all: compiling dominates
+    the sweep's time)."""
+    widths = FP8_SWEEP_GATE_UP_N if gate_up else FP8_SWEEP_DOWN_N
+    configs = []
+    for n, kk, (warps, stages) in itertools.product(widths, FP8_SWEEP_K, FP8_SWEEP_WARPS_STAGES):
+        cfg = dict(BLOCK_N=max(n, bk) if gate_up else n, BLOCK_K=max(kk, bk), num_warps=warps, num_stages=stages)
+        if cfg not in configs and fp8_stage_bytes(block_m, cfg, gate_up) + 16 * 1024 <= SM90_SHARED:
+            configs.append(cfg)
+    return configs
+
+
+def sweep_fp8_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, fp8_weights: tuple, block: tuple[int, int],
+                     g: torch.Generator, args, flush) -> None:
+    """The FP8 GEMMs' tiles at T tokens (direct path at T = 1, else aligned): each kernel's configs with the other
+    at its default (the table's), then the fastest of each together; outputs checked against the FP8 reference."""
+    e, h, i, k = w13.shape[0], w13.shape[2], w2.shape[2], args.top_k
+    q13, s13, q2, s2 = fp8_weights
+    moe_args, _ = moe_inputs(t, w13, w2, k, g)
+    x, _, _, topk_weights, topk_ids = moe_args
+    want = fused_moe_fp8_ref(x, q13, s13, q2, s2, block, topk_weights, topk_ids)
+
+    def run(tiles):
+        return fused_moe(x, q13, q2, topk_weights, topk_ids, tiles=tiles, w13_scale=s13, w2_scale=s2, block=block)
+
+    block_m = DIRECT_BLOCK_M if t == 1 else moe_block_m(t * k, e)
+    default = _fp8_configs(block_m, block[1], i, h, None)
+    replay, _ = graphed(lambda: run(None))
+    base = time_ms(replay, args.iters, args.warmup, flush)
+    print(f"\nT {t} (block_m {block_m}): default {base * 1e3:.1f} us  gate/up {default[0]}  down {default[1]}")
+    best = []
+    for which in (0, 1):
+        rows = sweep_one_kernel(run, want, fp8_sweep_configs(block_m, block[1], which == 0), default, which, base,
+                                args, flush, "whole fused_moe")
+        best.append(rows[0][1] if rows and rows[0][0] < float("inf") else default[which])
+    tiles = tuple(best)
+    replay, got = graphed(lambda: run(tiles))
+    both = time_ms(replay, args.iters, args.warmup, flush)  # replays: `got` holds the output after
+    assert rel_err(got, want) < 3e-2, f"{tiles} differs from the reference"
+    print(f"  both fastest: {both * 1e3:.1f} us ({base / both:.2f}x the default); MOE_FP8_TILES entry:")
+    print(f"    {block_m}: (dict({', '.join(f'{a}={b}' for a, b in tiles[0].items())}),\n"
+          f"         dict({', '.join(f'{a}={b}' for a, b in tiles[1].items())})),")
 
 
 def main() -> None:
@@ -232,18 +313,19 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--iters", type=int, default=None, help="timed calls a median (default 200; --fp8 --sweep 50)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between timed calls")
-    p.add_argument("--sweep", action="store_true", help="sweep both GEMMs' launch configs at each T")
+    p.add_argument("--sweep", action="store_true", help="sweep both GEMMs' launch configs at each T (with --fp8: "
+                   "the FP8 GEMMs')")
     p.add_argument("--fp8", action="store_true", help="time the FP8 (W8A8, block-scaled) fused MoE against bf16")
     p.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("BN", "BK"),
                    help="--fp8: the weights' scale block (rows, columns)")
     p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     args = p.parse_args()
-    if args.fp8 and args.sweep:
-        p.error("--sweep times the bf16 kernels only")
+    if args.iters is None:
+        args.iters = 50 if args.fp8 and args.sweep else 200
     tee_stdout_to(args.output_file)
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -254,6 +336,9 @@ def main() -> None:
     flush = l2_flush(args.no_flush, dev)
     print(f"{torch.cuda.get_device_name()}: H {h}, I {i}, E {e}, top-{k}, {dtype}; median of {args.iters} "
           f"(L2 {'warm' if flush is None else 'flushed'})")
+    if args.fp8 and args.sweep:
+        sweep_fp8(w13, w2, g, args, flush)
+        return
     if args.sweep:
         for t in args.tokens:
             sweep_tokens(t, w13, w2, g, args, flush)

@@ -22,8 +22,9 @@ MIN_AMAX = 1e-10  # an all-zero group still gets a finite, nonzero scale
 def _quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] -> (q [..., n] float8_e4m3fn, scales [..., ceil(n / group)] float32), per group of `group`
     columns (the last one may be shorter): amax = max |x_g|, s = max(amax, 1e-10) / 448, q = clamp(x_g / s, -448,
-    448) rounded to e4m3 (nearest even), all in float32. x_g ~= q * s. The rule the Triton kernels apply to their
-    activation tiles (kernels/triton_fp8_tiles.py); the dense FP8 linear uses the same one."""
+    448) rounded to e4m3 (nearest even), all in float32. x_g ~= q * s. The rule the Triton kernel applies: to x
+    by the dense FP8 linear's quantizer (kernels/triton_fp8.py), to the act in its gate/up GEMM's epilogue
+    (kernels/triton_fp8_tiles.py quantize_groups)."""
     n = x.shape[-1]
     groups = -(-n // group)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group - n))  # zero columns change no amax

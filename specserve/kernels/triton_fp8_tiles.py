@@ -1,5 +1,6 @@
-"""FP8 (e4m3) activation quantization inside Triton kernels: the rule of reference_moe_fp8._quantize_groups applied
-to a register tile, one group per row, so a GEMM quantizes its own activation tile without another launch.
+"""FP8 (e4m3) helpers inside Triton kernels: the rule of reference_moe_fp8._quantize_groups applied to a register
+tile (per row and group of columns: the fused MoE's gate/up GEMM quantizes its output, the down GEMM's input, in its
+epilogue), the e4m3 cast, rounding to a float dtype, and the e4m3 dot.
 
 RNE (set with F32_DOT, i.e. under Triton's interpreter on CPU tensors) rounds explicitly: the interpreter's
 float32 -> float8e4nv cast does not round like torch's `.to(torch.float8_e4m3fn)` (triton 3.9: it truncates, and
@@ -41,23 +42,33 @@ def round_to(v, dt: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
-def quantize_rows(a, RNE: tl.constexpr):
-    """a [M, G] (one group per row; columns past the data must be 0) -> (q [M, G], s [M] float32): s =
-    max(amax, 1e-10) / 448, q = clamp(a / s, -448, 448) in e4m3 (float32 holding e4m3 values when RNE), so that
-    a ~= q * s. Divisions are IEEE (div_rn) to match torch's; Triton's `/` is approximate on the GPU."""
-    af = a.to(tl.float32)
-    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(af), axis=1), MIN_AMAX), FP8_MAX)  # [M]
-    q = tl.clamp(tl.math.div_rn(af, s[:, None]), -FP8_MAX, FP8_MAX)
-    if RNE:  # one return: the compiler types every return of a function alike, constexpr branches included
-        q = _round_e4m3(q)
-    else:
-        q = q.to(tl.float8e4nv)
-    return q, s
+def to_e4m3(v, RNE: tl.constexpr):
+    """float32 v (|v| <= 448) -> e4m3, rounded to nearest even. RNE: rounded to e4m3's grid in float32 first (the
+    interpreter's cast is only right on values it holds exactly), the sign put back by its bit so -0 stays -0 as
+    torch keeps it; on the GPU the hardware cast (cvt.rn) rounds so itself."""
+    if RNE:
+        r = _round_e4m3(v)
+        v = tl.where(v.to(tl.int32, bitcast=True) < 0, -tl.abs(r), r)
+    return v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def quantize_groups(a, GROUPS: tl.constexpr, GROUP: tl.constexpr, RNE: tl.constexpr):
+    """a [M, GROUPS * GROUP] float32 (columns past the data must be 0) -> (q [M, GROUPS * GROUP] e4m3, s [M, GROUPS]
+    float32), the rule per row and group of GROUP columns: s = max(amax, 1e-10) / 448, q = clamp(a / s, -448, 448)
+    in e4m3, so that a ~= q * s. Divisions are IEEE (div_rn) to match torch's; Triton's `/` is approximate on the
+    GPU. A GEMM's epilogue quantizes its output tile with it (whole groups a tile: no cross-program amax)."""
+    m: tl.constexpr = a.shape[0]
+    a3 = tl.reshape(a, [m, GROUPS, GROUP])  # [M, GROUPS, GROUP]
+    amax = tl.maximum(tl.max(tl.abs(a3), axis=2), MIN_AMAX)  # [M, GROUPS]
+    s = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    q = tl.clamp(tl.math.div_rn(a3, tl.broadcast_to(s[:, :, None], a3.shape)), -FP8_MAX, FP8_MAX)
+    return to_e4m3(tl.reshape(q, [m, GROUPS * GROUP]), RNE), s
 
 
 @triton.jit
 def dot_e4m3(q, w, F32_DOT: tl.constexpr):
-    """q [M, K] from quantize_rows, w [K, N] e4m3 -> q @ w float32 [M, N]. F32_DOT (CPU tensors): both as float32
+    """q [M, K] e4m3 (quantize_groups'), w [K, N] e4m3 -> q @ w float32 [M, N]. F32_DOT (CPU tensors): both as float32
     (e4m3 values are exact in float32; the interpreter's narrow dots are wrong); else the e4m3 tensor-core dot,
     accumulating in float32; below K = 32 (the e4m3 dot's least K; test-sized 16-wide blocks) as float16, where
     e4m3 values are exact too. if/else, not an early return: the compiler builds the statements after a constexpr

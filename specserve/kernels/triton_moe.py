@@ -16,13 +16,17 @@ Capturable with fixed shapes: nothing is read back to the host and every buffer 
     direct path) the down GEMM's last program per column block does it instead (an arrival counter). The sums
     never use float atomics, so the result is deterministic run to run (it may differ from the reference's
     expert-order float32 sum in the last bit).
-FP8 weights (W8A8, block-scaled; reference: kernels/reference_moe_fp8.py): a constexpr FP8 branch of both GEMMs
-quantizes each activation tile per row in registers (kernels/triton_fp8_tiles.py), dots e4m3 x e4m3 and scales each K
-step's product by the rows' and the weight blocks' scales; alignment, direct path and sums are the bf16 path's.
+FP8 weights (W8A8, block-scaled; reference: kernels/reference_moe_fp8.py) take their own two GEMMs, fed quantized
+activations so no program re-quantizes what another already did: x is quantized once (triton_fp8's dense-linear
+quantizer, one small launch: xq [T, H] e4m3, sx [T, H/bk]); `_gate_up_fp8_kernel` dots e4m3 tiles a scale group at a
+time (a K step is one or more groups of bk columns, each product scaled by its rows' and columns' scales) and
+quantizes its act tile in the epilogue (its BLOCK_N covers whole bk groups: aq [T*K, I] e4m3, sa [T*K, I/bk]);
+`_down_fp8_kernel` reads those. Their tiles: tuned_h200.MOE_FP8_TILES (untuned). Alignment, direct path and sums are
+the bf16 path's.
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
 (One token as two plain GEMVs, gate/up per expert slot and down summing the slots in registers, was measured no
 faster than the direct path and removed.)
-The GEMMs' tiles are tuned per rows a block: kernels/tuned_h200.py MOE_TILES.
+The bf16 GEMMs' tiles are tuned per rows a block: kernels/tuned_h200.py MOE_TILES.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import triton.language as tl
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.reference_moe_fp8 import check_fp8_moe
 from specserve.kernels.triton_dot import dot
-from specserve.kernels.triton_fp8_tiles import dot_e4m3, quantize_rows, round_to
-from specserve.kernels.tuned_h200 import MOE_TILES
+from specserve.kernels.triton_fp8 import quantize_act_groups_triton
+from specserve.kernels.triton_fp8_tiles import dot_e4m3, quantize_groups, round_to
+from specserve.kernels.tuned_h200 import MOE_FP8_TILES, MOE_TILES
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
 DIRECT_BLOCK_M = 16  # rows of a direct block (one pair in row 0): the tile of the aligned path at one token
@@ -177,14 +182,9 @@ def _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
-                    inter, stride_xt, stride_we, stride_wn, s_ptr, stride_se, stride_sn, stride_sk,
-                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    F32_DOT: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
-                    BN_W: tl.constexpr, RNE: tl.constexpr):
-    """FP8: w is e4m3 with a float32 scale per BN_W x BLOCK_K block (s [E, 2I / BN_W, ceil(H / BLOCK_K)]); each K
-    step quantizes its x tile per row (one group: BLOCK_K is the block's width), dots the e4m3 tiles and scales the
-    product by the row's scale times each column's block scale (a column vector: any BLOCK_N). RNE: the
-    interpreter's roundings done explicitly (triton_fp8_tiles.py)."""
+                    inter, stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                    DIRECT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
@@ -197,44 +197,47 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
         x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]  # [M, K]
         g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N] gate rows
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
-        sg_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] FP8: the gate columns' block rows
-        su_ptrs = s_ptr + e * stride_se + ((n + inter) // BN_W) * stride_sn  # [N] and the up columns'
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k_ok = k0 + k < hidden
             a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = k_ok[:, None] & n_ok[None, :]
-            if FP8:
-                qa, sa = quantize_rows(a, RNE)  # [M, K] e4m3, [M]
-                kb = (k0 // BLOCK_K) * stride_sk
-                sg = tl.load(sg_ptrs + kb, mask=n_ok, other=0.0)  # [N]
-                su = tl.load(su_ptrs + kb, mask=n_ok, other=0.0)
-                acc_g += dot_e4m3(qa, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT) * (
-                    sa[:, None] * sg[None, :])
-                acc_u += dot_e4m3(qa, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT) * (
-                    sa[:, None] * su[None, :])
-            else:
-                acc_g += dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
-                acc_u += dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+            acc_g += dot(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
+            acc_u += dot(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT, PRECISION)
         dt = act_ptr.dtype.element_ty
-        gate = round_to(acc_g, dt, RNE)
-        act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dt, RNE) * round_to(acc_u, dt, RNE), dt, RNE)
+        gate = acc_g.to(dt).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
         tl.store(act_ptr + pair[:, None].to(tl.int64) * inter + n[None, :], act.to(dt),
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
+def _sum_pairs(y_ptr, wts_ptr, out_ptr, counter_ptr, pid_n, n, n_ok, hidden, n_pairs, TOP_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, RNE: tl.constexpr):
+    """One token (direct): the last of the TOP_K programs of column block pid_n to finish (counter pid_n) sums their
+    outputs y [K, H] at columns n [BLOCK_N] into out [1, H] as _sum_k_kernel does (weights wts [K], in k order,
+    float32), and resets the counter to 0: no sum launch.
+    The barrier orders every thread's y stores before the one-thread atomic, whose release makes them visible at GPU
+    scope to the program that acquires the final count; it reads y through L2 (.cg)."""
+    tl.debug_barrier()
+    counter = counter_ptr + pid_n
+    if tl.atomic_add(counter, 1, sem="acq_rel") == n_pairs - 1:
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for kk in tl.static_range(TOP_K):  # fixed order: deterministic, _sum_k_kernel's sum
+            wk = tl.load(wts_ptr + kk).to(tl.float32)
+            total += wk * tl.load(y_ptr + kk * hidden + n, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        tl.store(out_ptr + n, round_to(total, dt, RNE).to(dt), mask=n_ok)
+        tl.store(counter, 0)  # the next launch (or graph replay) counts from 0 again
+
+
+@triton.jit
 def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
-                 inter, stride_we, stride_wn, wts_ptr, out_ptr, counter_ptr, s_ptr, stride_se, stride_sn, stride_sk,
-                 TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 F32_DOT: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr,
-                 FP8: tl.constexpr, BN_W: tl.constexpr, RNE: tl.constexpr):
-    """FP8 (as _gate_up_kernel's): the act tile quantized per (pair, BLOCK_K columns of I) each K step, w2's block
-    scales s [E, ceil(H / BN_W), ceil(I / BLOCK_K)].
-    SUM (one token, direct): the last of the TOP_K programs of column block pid_n to finish (counter pid_n) also
-    sums their outputs into out [1, H] as _sum_k_kernel does (weights wts [K], in k order, float32), and resets
-    the counter to 0: no sum launch."""
+                 inter, stride_we, stride_wn, wts_ptr, out_ptr, counter_ptr, TOP_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr):
+    """SUM (one token, direct): the k outputs summed in-kernel (_sum_pairs)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
@@ -246,35 +249,113 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
         k = tl.arange(0, BLOCK_K)
         a_ptrs = act_ptr + rows[:, None] * inter + k[None, :]  # [M, K]
         w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N]
-        s_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] FP8: the columns' block rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k_ok = k0 + k < inter
             a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8:
-                qa, sa = quantize_rows(a, RNE)  # [M, K] e4m3, [M]
-                sw = tl.load(s_ptrs + (k0 // BLOCK_K) * stride_sk, mask=n_ok, other=0.0)  # [N]
-                acc += dot_e4m3(qa, w, F32_DOT) * (sa[:, None] * sw[None, :])
-            else:
-                acc += dot(a, w, F32_DOT, PRECISION)
+            acc += dot(a, tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0), F32_DOT, PRECISION)
         # each expert's product rounded to x's dtype, as the reference does before its weighted sum
-        tl.store(y_ptr + rows[:, None] * hidden + n[None, :], round_to(acc, y_ptr.dtype.element_ty, RNE).to(
-            y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(y_ptr + rows[:, None] * hidden + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
         if SUM:
-            # The barrier orders every thread's y stores before the one-thread atomic, whose release makes them
-            # visible at GPU scope to the program that acquires the final count; it reads y through L2 (.cg).
-            tl.debug_barrier()
-            counter = counter_ptr + pid_n
-            if tl.atomic_add(counter, 1, sem="acq_rel") == n_pairs - 1:
-                total = tl.zeros([BLOCK_N], tl.float32)
-                for kk in tl.static_range(TOP_K):  # fixed order: deterministic, _sum_k_kernel's sum
-                    wk = tl.load(wts_ptr + kk).to(tl.float32)
-                    total += wk * tl.load(y_ptr + kk * hidden + n, mask=n_ok, other=0.0,
-                                          cache_modifier=".cg").to(tl.float32)
-                tl.store(out_ptr + n, round_to(total, out_ptr.dtype.element_ty, RNE).to(out_ptr.dtype.element_ty),
-                         mask=n_ok)
-                tl.store(counter, 0)  # the next launch (or graph replay) counts from 0 again
+            _sum_pairs(y_ptr, wts_ptr, out_ptr, counter_ptr, pid_n, n, n_ok, hidden, n_pairs, TOP_K, BLOCK_N, False)
+
+
+@triton.jit
+def _scaled_step(acc, a_ptrs, sa_ptrs, w_ptrs, sw_ptrs, row_ok, n_ok, kg, k, k_dim, n_groups, stride_sk,
+                 GROUP: tl.constexpr, F32_DOT: tl.constexpr):
+    """acc [M, N] + the products of one scale group of GROUP columns from kg (a multiple of GROUP): the e4m3 tiles
+    a [M, GROUP] (a_ptrs [M, GROUP] at column 0) and w [GROUP, N] (w_ptrs), times the rows' scales sa [M]
+    (sa_ptrs [M] at group 0) and the columns' weight block scales sw [N] (sw_ptrs [N] at group 0, groups
+    stride_sk apart). A group past k_dim (the last step's tail) loads nothing and adds 0."""
+    g = kg // GROUP
+    k_ok = kg + k < k_dim  # [GROUP]
+    a = tl.load(a_ptrs + kg, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, GROUP] e4m3
+    w = tl.load(w_ptrs + kg, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [GROUP, N] e4m3
+    # the group's scales; g as a vector: under the interpreter g can be a Python int, which a mask cannot take
+    sa = tl.load(sa_ptrs + g, mask=row_ok & (tl.zeros(row_ok.shape, tl.int32) + g < n_groups), other=0.0)  # [M]
+    sw = tl.load(sw_ptrs + g * stride_sk, mask=n_ok & (tl.zeros(n_ok.shape, tl.int32) + g < n_groups),
+                 other=0.0)  # [N]
+    return acc + dot_e4m3(a, w, F32_DOT) * (sa[:, None] * sw[None, :])
+
+
+@triton.jit
+def _gate_up_fp8_kernel(xq_ptr, sx_ptr, w_ptr, s_ptr, aq_ptr, sa_ptr, ids_ptr, sorted_ptr, block_expert_ptr,
+                        num_padded_ptr, n_pairs, hidden, inter, x_groups, a_groups, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_sk, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUP: tl.constexpr, GROUPS: tl.constexpr, BN_W: tl.constexpr, ACT_DTYPE: tl.constexpr,
+                        F32_DOT: tl.constexpr, RNE: tl.constexpr, DIRECT: tl.constexpr):
+    """The gate/up GEMM on FP8 inputs: xq [T, H] e4m3 with scales sx [T, x_groups] (quantized once, before),
+    w13 e4m3 with a float32 scale per BN_W x GROUP block (s [E, 2I / BN_W, x_groups]). A K step is GROUPS scale
+    groups of GROUP columns, each its own e4m3 dot scaled by the rows' and the columns' scales (_scaled_step).
+    Epilogue: the reference's roundings (gate, up, silu and the product in ACT_DTYPE, x's dtype), then the act
+    quantized by the rule per (pair, GROUP columns of I): BLOCK_N is a multiple of GROUP, so a program holds whole
+    groups -> aq [T*K, I] e4m3 and sa [T*K, a_groups] float32, the down GEMM's input."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
+    if live:
+        row_ok = pair < n_pairs
+        rows = pair.to(tl.int64)
+        tok = rows // TOP_K
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter  # columns past I: zero weights, so a zero act that changes no group's amax
+        k = tl.arange(0, GROUP)
+        x_ptrs = xq_ptr + tok[:, None] * hidden + k[None, :]  # [M, GROUP]
+        sx_ptrs = sx_ptr + tok * x_groups  # [M]
+        g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [GROUP, N] gate rows
+        u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
+        sg_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] the gate columns' block rows
+        su_ptrs = s_ptr + e * stride_se + ((n + inter) // BN_W) * stride_sn  # [N] and the up columns'
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, GROUP * GROUPS):
+            for j in tl.static_range(GROUPS):
+                kg = k0 + j * GROUP
+                acc_g = _scaled_step(acc_g, x_ptrs, sx_ptrs, g_ptrs, sg_ptrs, row_ok, n_ok, kg, k, hidden, x_groups,
+                                     stride_sk, GROUP, F32_DOT)
+                acc_u = _scaled_step(acc_u, x_ptrs, sx_ptrs, u_ptrs, su_ptrs, row_ok, n_ok, kg, k, hidden, x_groups,
+                                     stride_sk, GROUP, F32_DOT)
+        gate = round_to(acc_g, ACT_DTYPE, RNE)
+        act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), ACT_DTYPE, RNE) * round_to(acc_u, ACT_DTYPE, RNE),
+                       ACT_DTYPE, RNE)  # [M, N] float32 holding ACT_DTYPE values, the reference's act
+        q, s = quantize_groups(act, BLOCK_N // GROUP, GROUP, RNE)  # [M, N] e4m3, [M, N / GROUP]
+        tl.store(aq_ptr + rows[:, None] * inter + n[None, :], q, mask=row_ok[:, None] & n_ok[None, :])
+        g = pid_n * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
+        tl.store(sa_ptr + rows[:, None] * a_groups + g[None, :], s, mask=row_ok[:, None] & (g < a_groups)[None, :])
+
+
+@triton.jit
+def _down_fp8_kernel(aq_ptr, sa_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+                     n_pairs, hidden, inter, a_groups, stride_we, stride_wn, stride_se, stride_sn, stride_sk, wts_ptr,
+                     out_ptr, counter_ptr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP: tl.constexpr, GROUPS: tl.constexpr, BN_W: tl.constexpr, F32_DOT: tl.constexpr,
+                     RNE: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr):
+    """The down GEMM on the gate/up GEMM's quantized act: aq [T*K, I] e4m3 with scales sa [T*K, a_groups], w2 e4m3
+    with block scales s [E, ceil(H / BN_W), a_groups]; K steps as _gate_up_fp8_kernel's. Each pair's output rounded
+    to y's dtype (x's), as the reference does before its weighted sum. SUM: _sum_pairs (one token)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
+    if live:
+        row_ok = pair < n_pairs
+        rows = pair.to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < hidden
+        k = tl.arange(0, GROUP)
+        a_ptrs = aq_ptr + rows[:, None] * inter + k[None, :]  # [M, GROUP]
+        w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [GROUP, N]
+        sw_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] the columns' block rows
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, GROUP * GROUPS):
+            for j in tl.static_range(GROUPS):
+                acc = _scaled_step(acc, a_ptrs, sa_ptr + rows * a_groups, w_ptrs, sw_ptrs, row_ok, n_ok,
+                                   k0 + j * GROUP, k, inter, a_groups, stride_sk, GROUP, F32_DOT)
+        dt = y_ptr.dtype.element_ty
+        tl.store(y_ptr + rows[:, None] * hidden + n[None, :], round_to(acc, dt, RNE).to(dt),
+                 mask=row_ok[:, None] & n_ok[None, :])
+        if SUM:
+            _sum_pairs(y_ptr, wts_ptr, out_ptr, counter_ptr, pid_n, n, n_ok, hidden, n_pairs, TOP_K, BLOCK_N, RNE)
 
 
 @triton.jit
@@ -343,18 +424,68 @@ def _gemm_configs(block_m: int) -> tuple[dict, dict]:
     return dict(gate_up), dict(down)
 
 
-def _fp8_configs(cfg_gu: dict, cfg_down: dict, bk: int, tiles) -> tuple[dict, dict]:
-    """The tiles for FP8 weights: BLOCK_K is the weight block's width bk (an activation group is one K step; the
-    tuned tiles' BLOCK_N stand: block scales are loaded per column). Explicit tiles must already have it."""
+def _fp8_configs(block_m: int, bk: int, inter: int, hidden: int, tiles) -> tuple[dict, dict]:
+    """(gate/up, down) FP8 launch configs: explicit `tiles`, else tuned_h200.MOE_FP8_TILES's first entry of at least
+    block_m rows (its last beyond) with BLOCK_K raised to bk, the gate/up BLOCK_N to bk (whole act groups a
+    program), and column tiles no wider than the (power-of-two-padded) output, which only trims test-sized shapes.
+    Explicit tiles that break the rule are refused rather than changed (a sweep must time what it names)."""
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"FP8 fused MoE: the weight block's width {bk} must be a power of two >= 16 (one K step "
                          f"of the GEMMs)")
     if tiles is not None:
-        if any(c["BLOCK_K"] != bk for c in tiles):
-            raise ValueError(f"FP8 fused MoE: tiles' BLOCK_K must be the weight block's width {bk}, got "
-                             f"{[c['BLOCK_K'] for c in tiles]}")
-        return cfg_gu, cfg_down
-    return {**cfg_gu, "BLOCK_K": bk}, {**cfg_down, "BLOCK_K": bk}
+        gate_up, down = (dict(c) for c in tiles)
+        if any(c["BLOCK_K"] % bk for c in tiles) or gate_up["BLOCK_N"] % bk:
+            raise ValueError(f"FP8 fused MoE: tiles' BLOCK_K and the gate/up tile's BLOCK_N must be multiples of the "
+                             f"weight block's width {bk}, got {[(c['BLOCK_N'], c['BLOCK_K']) for c in tiles]}")
+        return gate_up, down
+    most = next((rows for rows in MOE_FP8_TILES if block_m <= rows), max(MOE_FP8_TILES))
+    gate_up, down = (dict(c) for c in MOE_FP8_TILES[most])
+    gate_up["BLOCK_N"] = max(bk, min(gate_up["BLOCK_N"], triton.next_power_of_2(inter)))
+    down["BLOCK_N"] = max(16, min(down["BLOCK_N"], triton.next_power_of_2(hidden)))
+    for cfg, k_dim in ((gate_up, hidden), (down, inter)):
+        cfg["BLOCK_K"] = bk * max(1, min(cfg["BLOCK_K"] // bk, triton.cdiv(k_dim, bk)))
+    return gate_up, down
+
+
+def _fp8_launch(cfg: dict, bk: int) -> dict:
+    """A config's BLOCK_K as the FP8 kernels take it: GROUPS scale groups of GROUP = bk columns a K step."""
+    launch = {k: v for k, v in cfg.items() if k != "BLOCK_K"}
+    return dict(launch, GROUP=bk, GROUPS=cfg["BLOCK_K"] // bk)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _fp8_act(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int, route: tuple, cfg: dict
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 gate/up: x [T, H] quantized once by the dense FP8 linear's quantizer (the rule, per token and bk columns:
+    reference_moe_fp8._quantize_groups bit for bit) -> xq [T, H] e4m3, sx [T, ceil(H/bk)]; then the GEMM, whose
+    epilogue quantizes the act -> (aq [T*K, I] e4m3, sa [T*K, ceil(I/bk)] float32). route: (ids, sorted_ids,
+    block_expert, num_padded, blocks, block_m, top_k, direct). Exposed for the tests (the act against the
+    reference's quantized act)."""
+    ids, sorted_ids, block_expert, num_padded, blocks, block_m, top_k, direct = route
+    xq, sx = quantize_act_groups_triton(x, bk)  # [T, H], [T, ceil(H / bk)]
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    n_pairs = num_tokens * top_k
+    aq = torch.empty((n_pairs, inter), dtype=torch.float8_e4m3fn, device=x.device)  # [T*K, I]
+    sa = torch.empty((n_pairs, triton.cdiv(inter, bk)), dtype=torch.float32, device=x.device)  # [T*K, I / bk]
+    _gate_up_fp8_kernel[(blocks, triton.cdiv(inter, cfg["BLOCK_N"]))](
+        xq, sx, w13, s13, aq, sa, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, sx.shape[1],
+        sa.shape[1], w13.stride(0), w13.stride(1), *s13.stride(), TOP_K=top_k, BLOCK_M=block_m, BN_W=bn,
+        ACT_DTYPE=_TL_DTYPES[x.dtype], F32_DOT=not x.is_cuda, RNE=not x.is_cuda, DIRECT=direct,
+        **_fp8_launch(cfg, bk))
+    return aq, sa
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int, direct: bool, block_m: int) -> tuple:
+    """(ids, sorted_ids, block_expert, num_padded, blocks): the GEMMs' blocks, direct (a pair a block, no
+    alignment; the alignment's outputs are then unused stand-ins) or aligned (moe_align)."""
+    ids = topk_ids.reshape(-1)  # [T*K]
+    if direct:
+        return ids, ids, ids, ids, ids.numel()
+    sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
+    return ids, sorted_ids, block_expert, num_padded, block_expert.shape[0]
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -366,24 +497,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     FP8 (W8A8, block-scaled; reference: kernels/reference_moe_fp8.py) when the scales are given: w13, w2
     float8_e4m3fn with float32 scales w13_scale [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)] per
-    block = (bn, bk) of weights (I % bn == 0); the GEMMs quantize their activation tiles themselves (x per token and
-    bk columns of H, the act per pair and bk columns of I): no extra launch. ValueError on shapes that do not fit.
+    block = (bn, bk) of weights (I % bn == 0); x is quantized once per token and bk columns of H (one small launch),
+    the act per pair and bk columns of I in the gate/up GEMM's epilogue (_fp8_act). ValueError on shapes that do not
+    fit.
 
     direct (default: at one token): no alignment; each (token, k) pair is a block of its own whose expert the GEMMs
     read from topk_ids (a router's top-k experts of one token are distinct, so each is read once), and at one token
-    the down GEMM's last program of each column block sums the k outputs (two launches in all instead of four). The
-    result is the aligned path's at one token (a pair per 16-row block there too), bit for bit.
+    the down GEMM's last program of each column block sums the k outputs (two GEMM launches in all instead of four).
+    The result is the aligned path's at one token (a pair per 16-row block there too), bit for bit.
     No programmatic dependent launch here: it slowed a Qwen3-30B-A3B decode step at batch 1 (the next kernel's
     early-resident waiting programs slowed the expert GEMMs), though it gained in fused_moe alone.
-    tiles: (gate/up, down) launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of `_gemm_configs`'
-    (scripts/gpu/bench_moe.py --sweep tries them; with FP8, BLOCK_K must be bk)."""
+    tiles: (gate/up, down) launch configs (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the tables'
+    (scripts/gpu/bench_moe.py --sweep tries them; with FP8, BLOCK_K and the gate/up BLOCK_N multiples of bk)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
     fp8 = w13_scale is not None or w2_scale is not None
     if fp8:
         bn, bk = check_fp8_moe(x, w13, w13_scale, w2, w2_scale, block)
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if x.dtype not in _TL_DTYPES:
             raise ValueError(f"FP8 fused MoE: x must be float32, bfloat16 or float16, got {x.dtype}")
         assert w13.stride(-1) == 1 and w2.stride(-1) == 1
     else:
@@ -397,46 +529,44 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     n_pairs = num_tokens * top_k
     direct = num_tokens == 1 if direct is None else direct
     dev = x.device
-    ids = topk_ids.reshape(-1)  # [T*K]
-    if direct:
-        block_m = DIRECT_BLOCK_M
-        sorted_ids = block_expert = num_padded = ids  # unused by the direct kernels
-        blocks = n_pairs
-    else:
-        block_m = moe_block_m(n_pairs, num_experts)
-        sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, block_m)
-        blocks = block_expert.shape[0]
-    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=dev)  # [T*K, I] silu(gate) * up per pair
+    block_m = DIRECT_BLOCK_M if direct else moe_block_m(n_pairs, num_experts)
+    ids, sorted_ids, block_expert, num_padded, blocks = _route(topk_ids, num_experts, direct, block_m)
     y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=dev)  # [T*K, H] each expert's output per pair
     f32_dot = not x.is_cuda
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch reference
-    cfg_gu, cfg_down = _gemm_configs(block_m) if tiles is None else tiles
+    wts = topk_weights.reshape(-1)  # [T*K]
     if fp8:
-        cfg_gu, cfg_down = _fp8_configs(cfg_gu, cfg_down, bk, tiles)
-        s13, s2 = w13_scale, w2_scale
-        fp8_args = dict(FP8=True, BN_W=bn, RNE=f32_dot)  # RNE: the interpreter's casts truncate (triton_fp8_tiles.py)
+        cfg_gu, cfg_down = _fp8_configs(block_m, bk, inter, hidden, tiles)
+        route = (ids, sorted_ids, block_expert, num_padded, blocks, block_m, top_k, direct)
+        aq, sa = _fp8_act(x, w13, w13_scale, bn, bk, route, cfg_gu)
+        grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
+        fused_sum = direct and num_tokens == 1 and grid_down[1] <= SUM_COUNTERS
+        _down_fp8_kernel[grid_down](
+            aq, sa, w2, w2_scale, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, sa.shape[1],
+            w2.stride(0), w2.stride(1), *w2_scale.stride(), wts, out, _counters(dev) if fused_sum else ids,
+            TOP_K=top_k, BLOCK_M=block_m, BN_W=bn, F32_DOT=f32_dot, RNE=f32_dot, DIRECT=direct, SUM=fused_sum,
+            **_fp8_launch(cfg_down, bk))
+        rne = f32_dot  # the interpreter's bfloat16 cast truncates (triton_fp8_tiles.py)
     else:
-        s13 = s2 = ids  # unused: the bf16 kernels read no scales
-        fp8_args = dict(FP8=False, BN_W=1, RNE=False)
+        act = torch.empty((n_pairs, inter), dtype=x.dtype, device=dev)  # [T*K, I] silu(gate) * up per pair
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32: no TF32, like the torch reference
+        cfg_gu, cfg_down = _gemm_configs(block_m) if tiles is None else tiles
         if x.element_size() > 2:  # float32: halve BLOCK_K to keep the tiles' shared memory that of 16-bit ones,
             # down to tl.dot's least K of 16 (triton 3.6 rejects less on the GPU; the interpreter does not)
             cfg_gu, cfg_down = ({**c, "BLOCK_K": max(16, c["BLOCK_K"] // 2)} for c in (cfg_gu, cfg_down))
-    s13_strides = s13.stride() if fp8 else (0, 0, 0)
-    s2_strides = s2.stride() if fp8 else (0, 0, 0)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
-        x, w13, act, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), s13, *s13_strides, TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision,
-        DIRECT=direct, **fp8_args, **cfg_gu)
-    grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
-    fused_sum = direct and num_tokens == 1 and grid_down[1] <= SUM_COUNTERS
-    wts = topk_weights.reshape(-1)  # [T*K]
-    _down_kernel[grid_down](
-        act, w2, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0), w2.stride(1),
-        wts, out, _counters(dev) if fused_sum else ids, s2, *s2_strides, TOP_K=top_k, BLOCK_M=block_m,
-        F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, SUM=fused_sum, **fp8_args, **cfg_down)
+        _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu["BLOCK_N"]))](
+            x, w13, act, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, x.stride(0),
+            w13.stride(0), w13.stride(1), TOP_K=top_k, BLOCK_M=block_m, F32_DOT=f32_dot, PRECISION=precision,
+            DIRECT=direct, **cfg_gu)
+        grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
+        fused_sum = direct and num_tokens == 1 and grid_down[1] <= SUM_COUNTERS
+        _down_kernel[grid_down](
+            act, w2, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, w2.stride(0),
+            w2.stride(1), wts, out, _counters(dev) if fused_sum else ids, TOP_K=top_k, BLOCK_M=block_m,
+            F32_DOT=f32_dot, PRECISION=precision, DIRECT=direct, SUM=fused_sum, **cfg_down)
+        rne = False
     if fused_sum:
         return out
     sum_block = min(1024, triton.next_power_of_2(hidden))
     _sum_k_kernel[(num_tokens, triton.cdiv(hidden, sum_block))](y, wts, out, hidden, out.stride(0), TOP_K=top_k,
-                                                                BLOCK=sum_block, RNE=fp8_args["RNE"], num_warps=4)
+                                                                BLOCK=sum_block, RNE=rne, num_warps=4)
     return out

@@ -12,7 +12,7 @@ Tables:
   * GEMV_PDL_MAX_BYTES, GEMV_PDL_SHAPES: which GEMVs launch with programmatic dependent launch.
   * FASTER, FASTER_ROWS, FASTER_PREP, FASTER_NORM_PREP: where `--decode-gemv auto` takes the fused GEMVs
     (kernels/gemv_policy.py).
-  * MOE_TILES: kernels/triton_moe.py's grouped-GEMM tiles by rows per block.
+  * MOE_TILES, MOE_FP8_TILES: kernels/triton_moe.py's grouped-GEMM tiles by rows per block (bf16; FP8, untuned).
   * ROUTER: kernels/triton_router.py's launch shape rules.
 """
 
@@ -112,6 +112,28 @@ MOE_TILES: dict[int, tuple[dict[str, int], dict[str, int]]] = {
          dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)),
     128: (dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
           dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)),
+}
+
+# The FP8 (W8A8, block-scaled) path's tiles, as MOE_TILES: rows per block (at most, in order) -> (gate/up, down).
+# UNTUNED: chosen on paper for sm_90 (pipeline stages within the shared memory, 16-byte loads), not yet timed.
+# BLOCK_K is a multiple of the weights' scale block width bk (a K step is BLOCK_K / bk scale groups, each its own
+# e4m3 dot; entries are for bk = 128 and are raised to bk where it is wider); the gate/up BLOCK_N is a multiple of bk
+# too (its epilogue quantizes whole groups of the act; entries are raised to bk). e4m3 tiles of BLOCK_K = 128 are
+# 128 bytes a row: 16-byte loads. Shared memory: Triton's pipeliner keeps num_stages - 1 K steps in flight, each
+# gate/up BLOCK_M x BLOCK_K + 2 x BLOCK_K x BLOCK_N bytes (x, gate and up tiles), down BLOCK_M x BLOCK_K + BLOCK_K x
+# BLOCK_N; Triton's sm_90 compile of Qwen3-30B-A3B's shapes (read from the compiled metadata, not run) gives 16 rows:
+# gate/up 103 KB, down 60 KB; 64 rows: 121 KB, 97 KB (the H100 allows 227 KB a program; both pipelined with
+# cp.async, e4m3 mma.sync at 16 rows, wgmma at 64). Sweep: `python3 scripts/gpu/bench_moe.py --fp8 --sweep --tokens
+# 1 8 64 512` times each GEMM's configs at each T and prints the fastest pair as an entry of this table, keyed by the
+# T's rows per block (Qwen3-30B-A3B's 128 experts, top 8: 16 rows at T 1 (the direct path), 8 and 64; 64 at T 512);
+# where T 1 and T 8/64 disagree on the 16 entry, the decode sizes matter most.
+MOE_FP8_TILES: dict[int, tuple[dict[str, int], dict[str, int]]] = {
+    16: (dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+         dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)),
+    64: (dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+         dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)),
+    128: (dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+          dict(BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3)),
 }
 
 # ---------------------------------------------------------------------------------------------------------------
