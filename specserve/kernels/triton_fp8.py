@@ -202,13 +202,11 @@ def _fp8_mm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K,
             acc += part * (sx[:, None] * tl.load(sw_ptr + nb * stride_swn + kb))
         else:
             acc += part
-    if not BLOCKWISE:
+    if BLOCKWISE:
+        sx_row = tl.zeros([BLOCK_M], tl.float32)  # (unused: the block scales are in acc already)
+    else:
         sx_row = tl.load(sx_ptr + rm, mask=m_ok, other=0.0)
-        acc = acc * (sx_row[:, None] * tl.load(sw_ptr + rn, mask=n_ok, other=0.0)[None, :])
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], _out(acc, y_ptr.dtype.element_ty, ROUND_BF16),
-             mask=m_ok[:, None] & n_ok[None, :])
+    _epilogue(acc, sx_row, sw_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, stride_ym, BLOCKWISE, HAS_BIAS, ROUND_BF16)
 
 
 @triton.jit
@@ -224,7 +222,7 @@ def _row_scales(x_rows, m_ok, K, BLOCK_M: tl.constexpr, ROW_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_epilogue(acc, sx_row, sw_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, stride_ym, BLOCKWISE: tl.constexpr,
+def _epilogue(acc, sx_row, sw_ptr, b_ptr, y_ptr, rm, rn, m_ok, n_ok, stride_ym, BLOCKWISE: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
     """acc [R, BLOCK_N] float32 sums of rows rm (block: already scaled) -> y: the per-channel scales (sx_row [R]),
     the bias, x's dtype."""
@@ -321,7 +319,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N
             sums = sums + (tl.sum(accs[t], axis=1)[None, :],)
     if not SPLIT:
         for t in tl.static_range(TILES_M):
-            _gemv_epilogue(sums[t], sxs[t], sw_ptr, b_ptr, y_ptr, rms[t], rn, rms[t] < M, n_ok, stride_ym,
+            _epilogue(sums[t], sxs[t], sw_ptr, b_ptr, y_ptr, rms[t], rn, rms[t] < M, n_ok, stride_ym,
                            BLOCKWISE, HAS_BIAS, ROUND_BF16)
     else:
         for t in tl.static_range(TILES_M):
@@ -338,7 +336,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, M, N
                 total = tl.zeros([TILE_M, BLOCK_N], tl.float32)
                 for s_i in range(SPLIT_K):  # fixed order: bit-identical run to run
                     total += tl.load(part_ptr + s_i * M * N + mn, mask=mn_ok, other=0.0, cache_modifier=".cg")
-                _gemv_epilogue(total, sxs[t], sw_ptr, b_ptr, y_ptr, rms[t], rn, rms[t] < M, n_ok, stride_ym,
+                _epilogue(total, sxs[t], sw_ptr, b_ptr, y_ptr, rms[t], rn, rms[t] < M, n_ok, stride_ym,
                                BLOCKWISE, HAS_BIAS, ROUND_BF16)
             tl.store(counter, 0)  # the next launch (or graph replay) counts from 0 again
 
