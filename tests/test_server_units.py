@@ -428,7 +428,7 @@ def test_a_batch_of_300000_prompts_is_refused_whole_by_default(bpe):
     down. With the default caps it is a 400 naming the flag, and nothing reaches the engine."""
     client, eng, tm = _caps_client(bpe)
     assert (tm.args.max_prompts_per_request, tm.args.max_n, tm.args.max_queued_requests) == (1024, 64, 4096)
-    assert tm.max_request_tokens == 4 * 64  # default: 4 times the context length
+    assert tm.caps.max_request_tokens == 4 * 64  # default: 4 times the context length
     body = {"input_ids": [[1]] * 300_000, "sampling_params": {"max_new_tokens": 1}}
     _refused(client, "/generate", body, "--max-prompts-per-request")
     _refused(client, "/v1/completions", {"model": "m", "prompt": [[1]] * 300_000}, "--max-prompts-per-request")
@@ -470,8 +470,9 @@ def test_text_over_the_token_cap_is_refused_by_its_length_untokenised(bpe):
     """Text longer than the token cap could hold even at the longest vocabulary entry per token is refused on its
     length (no token counted); text under that bound is tokenised and its tokens counted."""
     client, eng, tm = _caps_client(bpe, **CAPS)
-    per = tm.max_request_tokens * tm.max_token_chars // 3 + 1  # three of these pass the context bound, not the cap
-    assert per <= tm.max_prompt_chars
+    # three of these pass the context bound, not the cap
+    per = tm.caps.max_request_tokens * tm.caps.max_token_chars // 3 + 1
+    assert per <= tm.caps.max_prompt_chars
     r = client.post("/generate", json={"text": ["a" * per] * 3})
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
     assert "--max-request-prompt-tokens" in r.json()["error"]["message"]

@@ -70,16 +70,16 @@ def _prompts(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[list[int
         texts = [body.text] if single else body.text
         if not texts:
             raise bad_request("the 'text' list is empty", param="text")
-        tm.check_prompt_count(len(texts), param="text")  # the caps first: nothing is tokenised past them
-        tm.check_prompt_chars(texts, param="text")
+        tm.caps.check_prompt_count(len(texts), param="text")  # the caps first: nothing is tokenised past them
+        tm.caps.check_prompt_chars(texts, param="text")
         prompts = [tm.encode(t) for t in texts]
-        tm.check_prompt_tokens(prompts, param="text")
+        tm.caps.check_prompt_tokens(prompts, param="text")
     else:
         ids = body.input_ids
         single = not ids or isinstance(ids[0], int)
         if not single:
-            tm.check_prompt_count(len(ids), param="input_ids")
-        tm.check_prompt_tokens([ids] if single else ids, param="input_ids")
+            tm.caps.check_prompt_count(len(ids), param="input_ids")
+        tm.caps.check_prompt_tokens([ids] if single else ids, param="input_ids")
         prompts = [list(ids)] if single else [list(x) for x in ids]
     return prompts, single
 
@@ -90,11 +90,11 @@ def _images(tm: TokenizerManager, body: GenerateRequest, prompts: list[list[int]
     thread's work); the request caps checked on the expanded prompts. Raises 400."""
     if body.image_data is None:
         return prompts, [None] * len(prompts)
-    tm.check_takes_images("image_data")
-    per_prompt = load_generate_images(body.image_data, None if single else len(prompts), tm.image_limits)
-    out = [tm.expand_images(p, imgs, "image_data") for p, imgs in zip(prompts, per_prompt, strict=True)]
+    tm.images.check_takes_images("image_data")
+    per_prompt = load_generate_images(body.image_data, None if single else len(prompts), tm.images.limits)
+    out = [tm.images.expand_images(p, imgs, "image_data") for p, imgs in zip(prompts, per_prompt, strict=True)]
     prompts = [ids for ids, _ in out]
-    tm.check_prompt_tokens(prompts, param="image_data")
+    tm.caps.check_prompt_tokens(prompts, param="image_data")
     return prompts, [pre for _, pre in out]
 
 
@@ -114,7 +114,7 @@ def _requests(tm: TokenizerManager, body: GenerateRequest, owner: str = "",
     else:
         sps = [sps or {}] * n
     # each choice is a request of its own: the choices of all prompts stay within the prompt cap
-    tm.check_prompt_count(n, sum(tm.check_n(sp.get("n", 1), param="sampling_params.n") for sp in sps),
+    tm.caps.check_prompt_count(n, sum(tm.caps.check_n(sp.get("n", 1), param="sampling_params.n") for sp in sps),
                           param="sampling_params.n")
     rids = body.rid
     if isinstance(rids, str):
@@ -133,7 +133,7 @@ def _requests(tm: TokenizerManager, body: GenerateRequest, owner: str = "",
     reqs = []
     for p, im, sp, r, h, lp, k, st in zip(prompts, images, sps, rids, hidden, logprob, top, start, strict=True):
         sp = dict(sp)
-        n = tm.check_n(sp.pop("n", 1), param="sampling_params.n")
+        n = tm.caps.check_n(sp.pop("n", 1), param="sampling_params.n")
         if n > 1 and r is not None:
             raise bad_request("rid can only be given with n = 1", param="rid")
         single = single and n == 1  # SGLang: n samples of one prompt come back as a list
@@ -162,7 +162,7 @@ def native_router(tm: TokenizerManager, probe_ids: list[int]) -> APIRouter:
         prompts, single = await tm.off_loop(_prompts, tm, body)
         images: list = [None] * len(prompts)
         if body.image_data is not None:  # decoded and preprocessed off the event loop, placeholders expanded
-            prompts, images = await tm.off_loop_images(_images, tm, body, prompts, single)
+            prompts, images = await tm.images.off_loop(_images, tm, body, prompts, single)
         reqs, single = await tm.off_loop(_requests, tm, body, owner_of(request), (prompts, single, images))
         await tm.precheck_all(reqs)  # all prompts are checked before any is queued
         if body.stream:

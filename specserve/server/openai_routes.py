@@ -65,7 +65,7 @@ def usage(chunks: list[GenChunk], spec_enabled: bool) -> dict:
 
 def choice_count(tm: TokenizerManager, body) -> int:
     """n, checked: 1..--max-n; with n > 1 no client rid (each choice is a request of its own)."""
-    n = tm.check_n(body.n)
+    n = tm.caps.check_n(body.n)
     if n > 1 and body.rid is not None:
         raise bad_request("rid can only be given with n = 1", param="rid")
     return n
@@ -155,11 +155,12 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         _refuse_unsupported(body, chat=True)
         parser = tm.args.chat_tool_call_parser
         plan = plan_tools(body, parser)
-        messages = template_messages(body.messages, images=tm.takes_images)  # (400 for images a model cannot take)
+        # (a 400 for images a model cannot take)
+        messages = template_messages(body.messages, images=tm.images.takes_images)
         ids = await tm.off_loop(tm.chat_prompt_ids, messages, body.chat_template_kwargs, plan.tools)
         images = None
         if any(isinstance(m["content"], list) for m in messages):  # decoded, preprocessed, placeholders expanded
-            ids, images = await tm.off_loop_images(tm.chat_images, body.messages, ids)
+            ids, images = await tm.images.off_loop(tm.images.chat_images, body.messages, ids)
         max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_new is None:  # the model's default answer length, else all the room the context leaves
             room = max(tm.info.context_len - len(ids), 0)
@@ -180,7 +181,7 @@ def openai_router(tm: TokenizerManager) -> APIRouter:
         # a grammar starts after the reasoning: the engine opens it at the reasoning parser's end marker
         thinking = output.reasoning is not None and output.reasoning.thinking
         n = choice_count(tm, body)
-        tm.check_prompt_count(1, n, param="n")  # (n choices of the one prompt)
+        tm.caps.check_prompt_count(1, n, param="n")  # (n choices of the one prompt)
         reqs = [GenRequest(ids, sp, rid=body.rid, owner=owner_of(request),
                            reasoning_end=THINK_END if thinking else None, return_logprob=bool(body.logprobs),
                            top_logprobs_num=body.top_logprobs or 0, images=images)
@@ -277,18 +278,18 @@ def _prompt_ids(tm: TokenizerManager, prompt, n: int = 1) -> list[list[int]]:
     elif not prompt:
         raise bad_request("the prompt is empty", param="prompt")
     elif isinstance(prompt[0], int):
-        tm.check_prompt_count(1, n)
-        tm.check_prompt_tokens([prompt])
+        tm.caps.check_prompt_count(1, n)
+        tm.caps.check_prompt_tokens([prompt])
         return [list(prompt)]
     else:
         prompts = prompt
-    tm.check_prompt_count(len(prompts), len(prompts) * n)
+    tm.caps.check_prompt_count(len(prompts), len(prompts) * n)
     if isinstance(prompts[0], str):
-        tm.check_prompt_chars(prompts)
+        tm.caps.check_prompt_chars(prompts)
         ids = [tm.encode(p) for p in prompts]
     else:
         ids = [list(p) for p in prompts]
-    tm.check_prompt_tokens(ids)
+    tm.caps.check_prompt_tokens(ids)
     return ids
 
 

@@ -26,13 +26,12 @@ from specserve.engine.sampling_params import (
     input_logprobs_meta,
     logprobs_meta,
 )
-from specserve.multimodal.request_images import PreprocessedImages, preprocess_images
+from specserve.multimodal.request_images import PreprocessedImages
 from specserve.server.control_tokens import ControlTokens
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.engine_client import EngineClient
 from specserve.server.errors import APIError, bad_request, unavailable
-from specserve.server.image_inputs import ImageInput, ImageLimits, as_400, load_chat_images
-from specserve.server.image_processing import QwenImageProcessor, expand_image_placeholders
+from specserve.server.image_requests import ImageRequests
 from specserve.server.logprobs_format import token_decoder
 from specserve.server.messages import (
     EngineInfo,
@@ -44,6 +43,7 @@ from specserve.server.messages import (
 )
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import BodyReader
+from specserve.server.request_caps import RequestCaps
 from specserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -136,17 +136,8 @@ class TokenizerManager:
         # Tokenising and templating run on this one thread, never on the event loop (a long prompt would stall
         # every other client), and one at a time (a fast tokenizer's encode is not safe to call concurrently).
         self._text_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        # Images are decoded and preprocessed on threads of their own (Pillow and NumPy release the GIL), so a
-        # large image does not hold up the tokenising of other requests.
-        self._image_worker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="images")
-        self.image_limits = ImageLimits.from_args(args)
-        self._image_processor = None  # the checkpoint's, built at the first image (server/image_processing.py)
-        # No token covers more characters than the longest vocabulary entry, so a text longer than this cannot
-        # fit the context: it is refused without being tokenised.
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
-        self.max_token_chars = max(longest, 1)
-        self.max_prompt_chars = info.context_len * self.max_token_chars
-        self.max_request_tokens = args.max_request_prompt_tokens or 4 * info.context_len
+        self.caps = RequestCaps(args, tokenizer, info.context_len)
+        self.images = ImageRequests(args, info, self.caps)
         self.bodies = BodyReader(int(args.max_request_body_mb * (1 << 20)), args.http_body_timeout)
         self._decode_token = token_decoder(tokenizer)
         self.control_tokens = ControlTokens.of(tokenizer)
@@ -154,50 +145,6 @@ class TokenizerManager:
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the text worker thread (tokenising, chat templates)."""
         return await asyncio.get_running_loop().run_in_executor(self._text_worker, fn, *args)
-
-    async def off_loop_images(self, fn: Callable, *args):
-        """fn(*args) on an image worker thread (decoding and preprocessing images)."""
-        return await asyncio.get_running_loop().run_in_executor(self._image_worker, fn, *args)
-
-    # ------------------------------------------------------------------ images
-    @property
-    def takes_images(self) -> bool:
-        return self.info.image_token_id is not None
-
-    def check_takes_images(self, param: str) -> None:
-        """400 when the model has no vision tower (a text-only model; images are also off under --tp-size > 1)."""
-        if not self.takes_images:
-            raise bad_request(f"this model does not take images ({self.info.architecture} has no vision tower); "
-                              "send text only", param=param)
-
-    def expand_images(self, input_ids: list[int], images: list[ImageInput],
-                      param: str) -> tuple[list[int], PreprocessedImages | None]:
-        """A prompt with one <|image_pad|> per image and its decoded images -> (the expanded prompt, the images
-        preprocessed for the engine); 400 when the placeholders and the images differ in number or an image is
-        refused. Synchronous and CPU-bound: run it with off_loop_images."""
-        token = self.info.image_token_id
-        if not images:
-            if token is not None and token in input_ids:
-                raise bad_request(f"the prompt holds {input_ids.count(token)} image placeholders but the request "
-                                  "carries no images", param=param)
-            return input_ids, None
-        self.check_takes_images(param)
-        if self._image_processor is None:
-            try:
-                self._image_processor = QwenImageProcessor.from_model_dir(self.info.image_folder)
-            except (OSError, ValueError) as e:
-                raise bad_request(f"this server cannot preprocess images: {e}", param=param) from None
-        pre = as_400(preprocess_images)(images, self._image_processor)
-        ids = expand_image_placeholders(list(input_ids), token, pre.num_tokens, param=param)
-        return ids, pre
-
-    def chat_images(self, messages: list, input_ids: list[int]) -> tuple[list[int], PreprocessedImages | None]:
-        """A chat request's images (its messages' image_url parts) decoded, preprocessed and their placeholders in
-        the rendered prompt expanded; the request caps checked on the expanded prompt. Raises 400."""
-        decoded = load_chat_images(messages, self.image_limits)
-        ids, pre = self.expand_images(input_ids, decoded, "messages")
-        self.check_prompt_tokens([ids], param="messages")
-        return ids, pre
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.engine.start_io(loop, self._on_output, self._on_engine_exit)
@@ -207,51 +154,6 @@ class TokenizerManager:
         return self.engine_exit_reason is None and self.accepting
 
     # ------------------------------------------------------------------ prompts
-    def check_text(self, text: str, param: str = "prompt") -> None:
-        """A prompt the tokenizer can take and the context can hold, checked without tokenising (raises 400)."""
-        if not text:
-            raise bad_request("the prompt is empty", param=param)
-        if len(text) > self.max_prompt_chars:
-            raise bad_request(f"the prompt has {len(text)} characters, more than a context of "
-                              f"{self.info.context_len} tokens can hold", param=param)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise bad_request(f"the text is not valid Unicode: {e.reason} at character {e.start} (a lone "
-                              "surrogate escape such as \\ud800?)", param=param) from None
-
-    def check_prompt_count(self, prompts: int, choices: int | None = None, param: str = "prompt") -> None:
-        """A batch of `prompts` prompts (`choices` in all, counting n of each; None: one each) within
-        --max-prompts-per-request (raises 400); called before any of them is tokenised."""
-        cap = self.args.max_prompts_per_request
-        total = prompts if choices is None else choices
-        if total > cap:
-            what = f"{prompts} prompts" if total == prompts else f"{prompts} prompts, {total} choices in all (n)"
-            raise bad_request(f"the request has {what}; at most {cap} are allowed (--max-prompts-per-request)",
-                              param=param)
-
-    def check_prompt_chars(self, texts: list[str], param: str = "prompt") -> None:
-        """Texts that together may fit --max-request-prompt-tokens, checked without tokenising: no token covers more
-        characters than the longest vocabulary entry, so longer text cannot fit (raises 400)."""
-        chars = sum(len(t) for t in texts)
-        if chars > self.max_request_tokens * self.max_token_chars:
-            raise bad_request(f"the request's prompts have {chars} characters, more than "
-                              f"{self.max_request_tokens} tokens can hold (--max-request-prompt-tokens)", param=param)
-
-    def check_prompt_tokens(self, prompts: list[list[int]], param: str = "prompt") -> None:
-        tokens = sum(len(p) for p in prompts)
-        if tokens > self.max_request_tokens:
-            raise bad_request(f"the request's prompts have {tokens} tokens; at most {self.max_request_tokens} are "
-                              "allowed (--max-request-prompt-tokens)", param=param)
-
-    def check_n(self, n, param: str = "n") -> int:
-        """n (None: 1) within 1..--max-n (raises 400)."""
-        n = 1 if n is None else n
-        cap = self.args.max_n
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cap:
-            raise bad_request(f"{param} must be an integer in [1, {cap}] (--max-n), got {n!r}", param=param)
-        return n
-
     def decode_token(self, tok: int) -> str:
         """One token's text alone (logprobs' token strings), memoised."""
         return self._decode_token(tok)
@@ -261,7 +163,7 @@ class TokenizerManager:
         return self.tokenizer.decode(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.check_text(text)
+        self.caps.check_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_prompt(self, messages: list[dict], template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
@@ -275,7 +177,7 @@ class TokenizerManager:
         "<|im_start|>system") is tokenised as ordinary text; only the template's own markers are control tokens
         (server/control_tokens.py)."""
         prompt, nonce = self._render_chat(messages, template_kwargs, tools)
-        self.check_text(self.control_tokens.restore(prompt, nonce))
+        self.caps.check_text(self.control_tokens.restore(prompt, nonce))
         if not nonce:  # the template already has any BOS it wants
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return self.control_tokens.encode(prompt, nonce)
@@ -298,9 +200,9 @@ class TokenizerManager:
             if isinstance(content, list):  # text and image parts (a vision-language model's user turn)
                 for part in content:
                     if part.get("text"):
-                        self.check_text(part["text"], param="messages")
+                        self.caps.check_text(part["text"], param="messages")
             elif content:  # (an empty assistant turn is fine; the template's output is checked again)
-                self.check_text(content, param="messages")
+                self.caps.check_text(content, param="messages")
         forged = self.control_tokens.present([messages, tools])
         nonce = self.control_tokens.new_nonce([messages, tools]) if forged else ""
         if forged:
@@ -329,7 +231,7 @@ class TokenizerManager:
         if any(t >= vocab for t, _ in sp.bias_items):
             raise bad_request(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         for stop in sp.stop:
-            self.check_text(stop, param="stop")
+            self.caps.check_text(stop, param="stop")
         if not input_ids:
             raise bad_request("the prompt is empty", param="prompt")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in input_ids):
