@@ -127,7 +127,7 @@ def test_generate_route_parsing():
     from specserve.server.native_routes import _requests
     from specserve.server.protocol import GenerateRequest
 
-    class _TM:  # _requests tokenises text only; these bodies give ids, within every request cap
+    class _Caps:  # _requests tokenises text only; these bodies give ids, within every request cap
         def check_prompt_count(self, prompts, choices=None, param="prompt"):
             assert prompts <= 2
 
@@ -136,6 +136,9 @@ def test_generate_route_parsing():
 
         def check_n(self, n, param="n"):
             return n
+
+    class _TM:
+        caps = _Caps()
 
     body = GenerateRequest(input_ids=[[1, 2], [3]], return_hidden_states=[True, False])
     reqs, single = _requests(_TM(), body)
