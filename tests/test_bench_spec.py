@@ -6,6 +6,7 @@ eager prefill)."""
 import json
 
 import pytest
+import torch
 
 from specserve.bench.spec_speed import Bench, SpeedConfig, build_parser, main
 
@@ -97,3 +98,35 @@ def test_bench_spec_compares_mtp_chains(tiny_models, tmp_path):
     for chain in ("prenorm", "normed"):
         b.scheduler(SpeedConfig(3, mtp_chain=chain), 2)
         assert b.draft.chain_prenorm == (chain == "prenorm")
+
+
+def test_bench_spec_compares_fp8(tiny_models, tmp_path, capsys):
+    """--compare-fp8 gives every N of the acceptance table again with FP8 weights (target and draft, online as
+    --quantization fp8) and an fp8_e4m3 KV cache on the same prompts, with the relative change of the mean accept
+    length, and adds FP8 rows (plain and N) to the speed table, each against the FP8 plain run; the FP8 runs really
+    hold FP8 weights and an 8-bit cache."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in ("abc abc abc", "hello there")))
+    out = tmp_path / "res.jsonl"
+    argv = ["--model-path", tiny_models["llama"], "--speculative-draft-model-path", tiny_models["llama_draft"],
+            "--prompts", str(prompts), "--prompts-per-file", "2", "--max-new-tokens", "10", "--accept-steps", "2",
+            "--speed-steps", "2", "--concurrency", "2", "--repeats", "1", "--context-length", "256",
+            "--device", "cpu", "--output-file", str(out), "--compare-fp8"]
+    assert main(argv) == 0
+    res = json.loads(out.read_text().splitlines()[-1])
+    acc = res["acceptance"]
+    assert set(acc["p.jsonl"]) == {"2", "2/fp8"} and all(1.0 <= v <= 3.0 for v in acc["p.jsonl"].values())
+    change = acc["fp8_relative_change"]["2"]
+    assert change == round(acc["mean"]["2/fp8"] / acc["mean"]["2"] - 1, 4)
+    assert [(r["N"], r["fp8"]) for r in res["speed"]] == [(0, False), (2, False), (0, True), (2, True)]
+    fp8_spec = res["speed"][3]
+    assert fp8_spec["same_as_plain"] == 2  # greedy spec == greedy plain holds in FP8 too (against the FP8 plain)
+    assert "FP8 weights + FP8 KV vs float32" in capsys.readouterr().out
+    b = Bench(build_parser().parse_args(argv))
+    sched = b.scheduler(SpeedConfig(2, fp8=True), 2)
+    mr = sched.model_runner
+    assert mr.kv_dtype == torch.float8_e4m3fn
+    target, draft = b.fp8_models
+    assert any(getattr(m, "is_fp8", False) for m in target.model.modules())
+    assert any(getattr(m, "is_fp8", False) for m in draft.modules())
+    assert not any(getattr(m, "is_fp8", False) for m in b.target.model.modules())  # the float run's target untouched

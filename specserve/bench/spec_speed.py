@@ -31,7 +31,7 @@ from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.stop import StopChecker
-from specserve.layers.quant import quantize_draft
+from specserve.layers.quant import OnlineFp8, quantize_draft, quantize_fp8_online
 from specserve.models.loader import ModelSource, load_hf_config, load_mtp_draft, load_target, resolve_dtype
 from specserve.server_args import DRAFT_SAMPLING, QUANTIZATIONS, CommandParser, ServerArgs, embedded_draft_quantization
 from specserve.tokenizer import eos_token_ids, load_tokenizer
@@ -47,10 +47,11 @@ class SpeedConfig:
     prefill_graph: bool = True  # prefill as CUDA graphs (False: eager, --cuda-graph-max-prefill-tokens 0)
     draft_sampling: str = "argmax"  # sampled requests' drafts (--speculative-draft-sampling)
     mtp_chain: str = "normed"  # the draft's chained hidden state (--speculative-mtp-chain)
+    fp8: bool = False  # target and draft with online FP8 weights and an fp8_e4m3 KV cache (--compare-fp8)
 
     @property
     def label(self) -> str:
-        eager = "" if self.prefill_graph else " eager prefill"
+        eager = ("" if self.prefill_graph else " eager prefill") + (" fp8" if self.fp8 else "")
         if self.n == 0:
             return "plain" + eager
         return (f"MTP N={self.n}" + ("" if self.one_graph else " phases") + (" float" if self.float_draft else "")
@@ -60,7 +61,7 @@ class SpeedConfig:
     @property
     def baseline(self) -> SpeedConfig:
         """The plain configuration this one's speed-up is against (the same prefill)."""
-        return SpeedConfig(0, prefill_graph=self.prefill_graph)
+        return SpeedConfig(0, prefill_graph=self.prefill_graph, fp8=self.fp8)
 
 
 @dataclass
@@ -106,15 +107,34 @@ class Bench:
         quantize_draft(self.draft, quant, self.device)
         self.draft_quantization = quant
         self.float_draft = None  # loaded on demand: the same head without int8 (--compare-draft-quantization)
+        self.fp8_models = None  # loaded on demand: target and draft in online FP8 (--compare-fp8)
         self.tokenizer = load_tokenizer(src)
         self.stop = StopChecker(self.tokenizer, eos_token_ids(self.tokenizer, self.target.config.eos_token_ids, {}))
         self.args = args
 
+    def fp8_pair(self) -> tuple:
+        """The target and draft again, given online FP8 as the server gives them under `--quantization fp8` (a scale
+        per output row, the gated delta net's gate rows kept), then the draft's own quantization as for the others."""
+        if self.fp8_models is None:
+            src = ModelSource.resolve(self.model_path)
+            target = load_target(src, self.dtype, self.device, self.max_pos, load_hf_config(src))
+            draft = load_mtp_draft(target, self.draft_path, self.dtype, self.device, self.max_pos)
+            online = OnlineFp8.from_flags("fp8", None)
+            for m in (target.model, draft):
+                quantize_fp8_online(m, online)
+            quantize_draft(draft, self.draft_quantization, self.device)
+            self.fp8_models = (target, draft)
+        return self.fp8_models
+
     def scheduler(self, cfg: SpeedConfig, concurrency: int) -> Scheduler:
         a = self.args
         n = cfg.n
+        target = self.target
         draft = None
-        if n and cfg.float_draft:
+        if cfg.fp8:
+            target, fp8_draft = self.fp8_pair()
+            draft = fp8_draft if n else None
+        elif n and cfg.float_draft:
             if self.float_draft is None:
                 self.float_draft = load_mtp_draft(self.target, self.draft_path, self.dtype, self.device, self.max_pos)
             draft = self.float_draft
@@ -131,9 +151,9 @@ class Bench:
                         speculative_algorithm="MTP" if n else None, speculative_num_steps=n or None,
                         speculative_ngram_lookup=a.speculative_ngram_lookup and bool(n),
                         speculative_ngram_confidence=a.speculative_ngram_confidence,
-                        speculative_draft_sampling=cfg.draft_sampling, speculative_mtp_chain=cfg.mtp_chain)
-        mr = ModelRunner(sa, self.target.model, self.target.config, draft, self.device, self.dtype,
-                         self.context_len)
+                        speculative_draft_sampling=cfg.draft_sampling, speculative_mtp_chain=cfg.mtp_chain,
+                        kv_cache_dtype="fp8_e4m3" if cfg.fp8 else "auto")
+        mr = ModelRunner(sa, target.model, target.config, draft, self.device, self.dtype, self.context_len)
         mr.capture_graphs()
         return Scheduler(mr, self.stop, sa.chunked_prefill_size)
 
@@ -214,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-prefill-graph", action="store_true",
                    help="also time plain and each N with eager prefill (--cuda-graph-max-prefill-tokens 0), "
                         "interleaved with the rest; their speed-ups are against plain with eager prefill")
+    p.add_argument("--compare-fp8", action="store_true",
+                   help="also measure with FP8 weights (online, as --quantization fp8) and an fp8_e4m3 KV cache, "
+                        "target and draft, on the same prompts")
     p.add_argument("--speculative-draft-sampling", choices=DRAFT_SAMPLING, default="argmax",
                    help="sampled requests' drafts: the head's argmax or drawn from its distribution")
     p.add_argument("--compare-draft-sampling", action="store_true",
@@ -253,28 +276,37 @@ def main(argv: list[str] | None = None) -> int:
                     "acceptance": {}, "speed": []}
     if steps:
         # columns: N, or (with --compare-mtp-chain) N with the normed chain, then N with the pre-norm chain
+        # columns: N, or (with --compare-mtp-chain) N with the normed chain, then N with the pre-norm chain; with
+        # --compare-fp8 each of those in the checkpoint's dtype, then with FP8 weights and an FP8 KV cache
         chains = ("normed", "prenorm") if args.compare_mtp_chain else (args.speculative_mtp_chain,)
-        cols = [(n, c) for n in steps for c in chains]
+        fp8s = (False, True) if args.compare_fp8 else (False,)
+        cols = [(n, c, f) for n in steps for c in chains for f in fp8s]
 
-        def key(n: int, chain: str) -> str:
-            return str(n) if len(chains) == 1 else f"{n}/{chain}"
+        def key(n: int, chain: str, fp8: bool) -> str:
+            return str(n) + ("" if len(chains) == 1 else f"/{chain}") + ("/fp8" if fp8 else "")
 
         print(f"\n=== acceptance ({mode}, {args.max_new_tokens} new tokens) ===")
-        print(f"{'file':<28} " + " ".join(f"N={key(n, c):<12}" for n, c in cols))
+        print(f"{'file':<28} " + " ".join(f"N={key(*col):<12}" for col in cols))
         big = max(len(v) for v in sets.values())
         for name, prompts in sets.items():
             row = {}
-            for n, c in cols:
-                cfg = SpeedConfig(n, draft_sampling=args.speculative_draft_sampling, mtp_chain=c)
+            for n, c, f in cols:
+                cfg = SpeedConfig(n, draft_sampling=args.speculative_draft_sampling, mtp_chain=c, fp8=f)
                 sched = b.scheduler(cfg, min(big, 64))  # built and run one at a time: the shared draft's chain
-                row[key(n, c)] = round(accept_length(b.run(sched, prompts, args.max_new_tokens).reqs), 3)
+                row[key(n, c, f)] = round(accept_length(b.run(sched, prompts, args.max_new_tokens).reqs), 3)
                 del sched
             result["acceptance"][name] = row
-            print(f"{name:<28} " + " ".join(f"{row[key(n, c)]:<14.3f}" for n, c in cols))
-        mean = {key(n, c): round(sum(r[key(n, c)] for r in result["acceptance"].values()) / len(sets), 3)
-                for n, c in cols}
+            print(f"{name:<28} " + " ".join(f"{row[key(*col)]:<14.3f}" for col in cols))
+        mean = {key(*col): round(sum(r[key(*col)] for r in result["acceptance"].values()) / len(sets), 3)
+                for col in cols}
         result["acceptance"]["mean"] = mean
-        print(f"{'mean':<28} " + " ".join(f"{mean[key(n, c)]:<14.3f}" for n, c in cols))
+        print(f"{'mean':<28} " + " ".join(f"{mean[key(*col)]:<14.3f}" for col in cols))
+        if args.compare_fp8:  # the issue's bound: FP8 may cost at most 2% of the accept length
+            change = {key(n, c, False): round(mean[key(n, c, True)] / mean[key(n, c, False)] - 1, 4)
+                      for n, c, f in cols if not f}
+            result["acceptance"]["fp8_relative_change"] = change
+            print("FP8 weights + FP8 KV vs " + str(b.dtype).replace("torch.", "") + ", mean accept length: "
+                  + ", ".join(f"N={k} {100 * v:+.1f}%" for k, v in change.items()))
     if speed_steps and conc:
         pool = [x for v in sets.values() for x in v]
         prompts = [pool[i * len(pool) // args.speed_prompts] for i in range(min(args.speed_prompts, len(pool)))]
@@ -295,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                 configs += [SpeedConfig(n, float_draft=True) for n in speed_steps]
             if args.compare_prefill_graph:
                 configs += [SpeedConfig(n, prefill_graph=False) for n in [0] + speed_steps]
+            if args.compare_fp8:
+                configs += [SpeedConfig(n, fp8=True) for n in [0] + speed_steps]
             # one chain for every speculating row: the runners below share the one draft, whose chain the last
             # runner built would otherwise set for all
             configs = [dataclasses.replace(x, mtp_chain=args.speculative_mtp_chain) if x.n else x for x in configs]
@@ -305,7 +339,6 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for cfg in configs:
                     runs[cfg].append(b.run(scheds[cfg], prompts, args.max_new_tokens))
-            plain_out = [r.output_ids for r in runs[plain][0].reqs]
             for cfg in configs:
                 base = statistics.median(r.tok_per_s for r in runs[cfg.baseline])
                 base_decode = statistics.median(r.decode_tok_per_s for r in runs[cfg.baseline])
@@ -320,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                        "prefill_share": round(statistics.median(r.prefill / r.wall for r in runs[cfg]), 3),
                        "accept_length": round(accept_length(reqs), 3)}
                 row["prefill_graph"] = cfg.prefill_graph
+                row["fp8"] = cfg.fp8
                 if n and greedy:  # lossless check: greedy speculative text == greedy plain (bf16 ties may flip a few)
+                    plain_out = [r.output_ids for r in runs[cfg.baseline][0].reqs]  # the same weights and cache
                     row["same_as_plain"] = min(sum(r.output_ids == o for r, o in zip(run.reqs, plain_out))
                                                for run in runs[cfg])
                 row["speedup_vs_plain"] = round(row["tok_per_s"] / base, 3)

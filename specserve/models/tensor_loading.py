@@ -59,18 +59,36 @@ def fp8_holder(root: nn.Module, name: str) -> nn.Module | None:
     """The module that holds the weight `name` (ours, HF-style) when it is kept in FP8: a Linear (a fused
     projection for a q/k/v or gate/up part) or an MoE block's expert stack / shared-expert projection; None for
     names no FP8 layer holds."""
+    moe = _moe_block(root, name)
+    if moe is not None:
+        return moe[0].fp8_module(moe[1])
+    module, _, _ = _weight_module(root, name)
+    return module if isinstance(module, (Linear, FusedMoE)) else None
+
+
+def _moe_block(root: nn.Module, name: str) -> tuple[SparseMoEBlock, str] | None:
+    """(the MoE block, the name inside its mlp) for a weight under a sparse MoE block's `mlp.`; else None."""
     offset = name.find(_MLP)
     if offset >= 0:
         block = _submodule(root, name[:offset + len(_MLP) - 1])
         if isinstance(block, SparseMoEBlock):
-            return block.fp8_module(name[offset + len(_MLP):])
+            return block, name[offset + len(_MLP):]
+    return None
+
+
+def _weight_module(root: nn.Module, name: str) -> tuple[nn.Module | None, str, str | None]:
+    """(module, its name, part) for a `….weight` name: the module it names, or for a q/k/v or gate/up part the
+    fused projection holding it with the part's name; (None, "", None) where neither exists."""
     parts = name.split(".")
     if len(parts) < 2 or parts[-1] != "weight":
-        return None
-    module = _submodule(root, ".".join(parts[:-1]))
-    if module is None and parts[-2] in _SHARDS:
-        module = _submodule(root, ".".join(parts[:-2] + [_SHARDS[parts[-2]][0]]))
-    return module if isinstance(module, (Linear, FusedMoE)) else None
+        return None, "", None
+    module_name = ".".join(parts[:-1])
+    module = _submodule(root, module_name)
+    if module is not None or parts[-2] not in _SHARDS:
+        return module, module_name, None
+    fused, shard = _SHARDS[parts[-2]]
+    module_name = ".".join(parts[:-2] + [fused])
+    return _submodule(root, module_name), module_name, shard
 
 
 def convert_fp8_holders(root: nn.Module, names, block: tuple[int, int] | None) -> int:
@@ -91,20 +109,10 @@ def load_fp8_weight(root: nn.Module, name: str, w: Fp8Weight) -> str | None:
     """Keep a checkpoint's FP8 weight in FP8 where the layer it names computes in FP8 (a Linear on one device, a
     q/k/v or gate/up part of a fused one, an MoE block's experts and shared expert); returns our parameter's name,
     or None: the caller loads it dequantized like a plain tensor (any other parameter, a tensor-parallel slice)."""
-    offset = name.find(_MLP)
-    if offset >= 0:
-        block = _submodule(root, name[:offset + len(_MLP) - 1])
-        if isinstance(block, SparseMoEBlock):
-            return name if block.load_fp8_weight(name[offset + len(_MLP):], w) else None
-    parts = name.split(".")
-    if len(parts) < 2 or parts[-1] != "weight":
-        return None
-    module_name, shard = ".".join(parts[:-1]), None
-    module = _submodule(root, module_name)
-    if module is None and parts[-2] in _SHARDS:
-        fused, shard = _SHARDS[parts[-2]]
-        module_name = ".".join(parts[:-2] + [fused])
-        module = _submodule(root, module_name)
+    moe = _moe_block(root, name)
+    if moe is not None:
+        return name if moe[0].load_fp8_weight(moe[1], w) else None
+    module, module_name, shard = _weight_module(root, name)
     if not isinstance(module, Linear) or not module.fp8_ready(w):
         return None
     if shard is None:
