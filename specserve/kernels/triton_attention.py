@@ -51,6 +51,20 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max:
 
 
 @triton.jit
+def _kv_tile(cache_ptr, scale_ptr, slot, kv_head, stride_cs, stride_ch, stride_ss, d, kv_mask, key_ok,
+             DTYPE: tl.constexpr, F32_DOT: tl.constexpr):
+    """One KV head's rows at slot [BLOCK_N] (dims d [BLOCK_D]) -> [BLOCK_N, BLOCK_D] in DTYPE: the cache's values,
+    an FP8 cache's dequantized by their (slot, head) scales (scale_ptr [S, Hkv], stride_ss per slot)."""
+    raw = tl.load(cache_ptr + slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :], mask=kv_mask, other=0.0)
+    if cache_ptr.dtype.element_ty.is_fp8():
+        tile = dequantize(raw, tl.load(scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), DTYPE,
+                          F32_DOT)
+    else:
+        tile = raw.to(DTYPE)
+    return tile
+
+
+@triton.jit
 def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride_kch, stride_vcs, stride_vch,
                   d, d_ok, key_ok, visible, m_i, l_i, acc, qk_scale, k_scale_ptr, v_scale_ptr, stride_ss,
                   MASKED: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr):
@@ -60,13 +74,8 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
     causal mask (used when MASKED); m_i, l_i [M] running max / sum (base 2); acc [M, BLOCK_D] float32. An FP8 cache:
     k_scale_ptr / v_scale_ptr [S, Hkv] row scales (stride_ss per slot), the tiles dequantized to q's dtype."""
     kv_mask = key_ok[:, None] & d_ok[None, :]
-    k_raw = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :], mask=kv_mask,
-                    other=0.0)  # [BLOCK_N, BLOCK_D] in the cache's dtype
-    if k_cache_ptr.dtype.element_ty.is_fp8():
-        k = dequantize(k_raw, tl.load(k_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
-                       F32_DOT)
-    else:
-        k = k_raw.to(q.dtype)
+    k = _kv_tile(k_cache_ptr, k_scale_ptr, slot, kv_head, stride_kcs, stride_kch, stride_ss, d, kv_mask, key_ok,
+                 q.dtype, F32_DOT)  # [BLOCK_N, BLOCK_D]
     s = dot(q, tl.trans(k), F32_DOT, PRECISION) * qk_scale  # [M, BLOCK_N]
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -74,13 +83,8 @@ def _attend_block(q, k_cache_ptr, v_cache_ptr, slot, kv_head, stride_kcs, stride
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])  # [M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_raw = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :], mask=kv_mask,
-                    other=0.0)  # [BLOCK_N, BLOCK_D] in the cache's dtype
-    if v_cache_ptr.dtype.element_ty.is_fp8():
-        v = dequantize(v_raw, tl.load(v_scale_ptr + slot * stride_ss + kv_head, mask=key_ok, other=0.0), q.dtype,
-                       F32_DOT)
-    else:
-        v = v_raw.to(q.dtype)
+    v = _kv_tile(v_cache_ptr, v_scale_ptr, slot, kv_head, stride_vcs, stride_vch, stride_ss, d, kv_mask, key_ok,
+                 q.dtype, F32_DOT)  # [BLOCK_N, BLOCK_D]
     acc = acc * alpha[:, None] + dot(p.to(q.dtype), v, F32_DOT, PRECISION)
     return m_new, l_i, acc
 
