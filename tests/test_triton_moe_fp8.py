@@ -400,6 +400,8 @@ def test_fp8_channel_ragged_tiles():
     assert gate_up["BLOCK_K"] >= 32 and down["BLOCK_K"] >= 32 and gate_up["BLOCK_N"] >= 16
 
 
+@pytest.mark.skipif(DEV.type == "cuda", reason="bit for bit under the interpreter only: on the GPU silu's exp and "
+                    "division are approximate (the output tests hold the kernel to the reference there)")
 @pytest.mark.parametrize("direct", [False, True])
 def test_channel_act_is_the_reference_act(direct):
     """What the per-channel gate/up GEMM hands the down GEMM: the act (x's dtype, bfloat16) equal to the
