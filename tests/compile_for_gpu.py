@@ -190,6 +190,24 @@ def main() -> None:
     check("moe fp8 16 x 16 blocks", [tm, tf], moe_fp8[:3],
           lambda: tm.fused_moe(torch.randn(1, 64).to(BF16), w13, w2, torch.rand(1, 2), torch.arange(2)[None],
                                w13_scale=s13, w2_scale=s2, block=(16, 16)), **gpu_fp8)
+    # per-channel FP8 experts (compressed-tensors FP8-dynamic: a scale per weight row, x per token, the act per pair
+    # from the gate/up GEMM's partial amaxes): Qwen3-30B-A3B's shapes at one token and 64, and the GPU tests' tiny
+    # ones (a K tile below the e4m3 dot's 32, one amax partial a row)
+    moe_channel = ["_quant_tokens_kernel", "_gate_up_fp8_channel_kernel", "_down_fp8_channel_kernel", "_sum_k_kernel",
+                   *align]
+    e, h, i, top = 128, 2048, 768, 8
+    w13, w2 = torch.empty(e, 2 * i, h, dtype=fp8), torch.empty(e, h, i, dtype=fp8)
+    s13, s2 = torch.ones(e, 2 * i), torch.ones(e, h)
+    for t in (1, 64):
+        x, wts = torch.randn(t, h).to(BF16), torch.rand(t, top)
+        ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)])
+        check(f"moe fp8 per-channel E{e} H{h} I{i} T{t}", [tm, tf], moe_channel,
+              lambda w13=w13, w2=w2, s13=s13, s2=s2, x=x, ids=ids, wts=wts: tm.fused_moe(
+                  x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=None), aligned=True, **gpu_fp8)
+    w13, w2 = torch.empty(4, 32, 16, dtype=fp8), torch.empty(4, 16, 16, dtype=fp8)
+    check("moe fp8 per-channel tiny", [tm, tf], moe_channel[:3],
+          lambda: tm.fused_moe(torch.randn(1, 16).to(BF16), w13, w2, torch.rand(1, 2), torch.arange(2)[None],
+                               w13_scale=torch.ones(4, 32), w2_scale=torch.ones(4, 16), block=None), **gpu_fp8)
     # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)
     x, r = torch.randn(1, 2048).to(BF16), torch.randn(1, 2048).to(BF16)
     for gdc in (False, True):  # and launched with PDL (a config's PDL key)

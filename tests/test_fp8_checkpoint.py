@@ -1,7 +1,8 @@
 """FP8 block-scaled checkpoints (weights/fp8.py): the dequantization against a block-by-block reference, the
 pairing of weights and scales as they stream, the config checks, and a tiny DeepSeek-V3 with its MTP layer saved
 in FP8 that loads (target and draft) into exactly the parameters of the same checkpoint saved dequantized — which
-the other tests hold to transformers."""
+the other tests hold to transformers; compressed-tensors channel / tensor checkpoints (a Llama, a Qwen3-MoE whose
+routed experts stay FP8 with a scale per row) likewise, and the expert stack's per-channel loading piece by piece."""
 
 from __future__ import annotations
 
@@ -88,9 +89,11 @@ def test_format_from_config():
         fp8_format(cfg({"quant_method": "fp8", "activation_scheme": "static"}))
 
 
-def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [O, I] -> (float8 [O, I], scale [O, 1]): compressed-tensors' per-channel layout."""
-    s = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / torch.finfo(FP8).max  # [O, 1]
+def _quantize_rows(w: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [O, I] -> (float8 [O, I], scale [O, 1]): compressed-tensors' per-channel layout; per_tensor: its tensor
+    strategy, scale [1]."""
+    amax = w.abs().amax().reshape(1) if per_tensor else w.abs().amax(dim=1, keepdim=True)  # [1] or [O, 1]
+    s = amax.clamp_min(1e-12) / torch.finfo(FP8).max
     return (w / s).to(FP8), s
 
 
@@ -103,10 +106,20 @@ COMPRESSED_TENSORS_FP8 = {  # llm-compressor's FP8_DYNAMIC scheme: per-channel w
                                                         "dynamic": True, "symmetric": True}}}}
 
 
-def _fp8_copies(src: str, root: str, block: tuple[int, int] | None, plain: tuple[str, ...] = ()) -> tuple[str, str]:
+def _compressed_tensors_config(per_tensor: bool) -> dict:
+    """COMPRESSED_TENSORS_FP8, or with per_tensor the same with the weights' tensor strategy."""
+    config = json.loads(json.dumps(COMPRESSED_TENSORS_FP8))
+    if per_tensor:
+        config["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    return config
+
+
+def _fp8_copies(src: str, root: str, block: tuple[int, int] | None, plain: tuple[str, ...] = (),
+                per_tensor: bool = False) -> tuple[str, str]:
     """The checkpoint at src twice: its projection and expert weights in FP8 with block scales (and the config's
-    quantization_config; block None: compressed-tensors' per-channel `weight_scale`), those whose name holds one of
-    `plain` left as they are, and the same FP8 values dequantized into a plain checkpoint."""
+    quantization_config; block None: compressed-tensors' per-channel `weight_scale`, or with per_tensor its tensor
+    strategy, one scale a weight), those whose name holds one of `plain` left as they are, and the same FP8 values
+    dequantized into a plain checkpoint."""
     suffix = "_scale_inv" if block is not None else "_scale"
     fp8_dir, ref_dir = os.path.join(root, "fp8"), os.path.join(root, "dequantized")
     for d in (fp8_dir, ref_dir):
@@ -120,7 +133,7 @@ def _fp8_copies(src: str, root: str, block: tuple[int, int] | None, plain: tuple
         for k, t in tensors.items():
             if t.dim() == 2 and k.endswith("proj.weight") and "embed" not in k and not any(p in k for p in plain):
                 if block is None:
-                    q, s = _quantize_rows(t.float())
+                    q, s = _quantize_rows(t.float(), per_tensor)
                     ref[k] = (q.float() * s).to(t.dtype)
                 else:
                     q, s = _quantize(t.float(), block)
@@ -143,7 +156,7 @@ def _fp8_copies(src: str, root: str, block: tuple[int, int] | None, plain: tuple
             json.dump(idx, f)
     with open(os.path.join(fp8_dir, "config.json")) as f:
         c = json.load(f)
-    c["quantization_config"] = (COMPRESSED_TENSORS_FP8 if block is None else
+    c["quantization_config"] = (_compressed_tensors_config(per_tensor) if block is None else
                                 {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                  "weight_block_size": list(block)})
     with open(os.path.join(fp8_dir, "config.json"), "w") as f:
@@ -155,7 +168,7 @@ def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """model's state dict with every FP8 weight dequantized (float32) and its scales dropped: what it computes
     with, comparable to a plain checkpoint's parameters."""
     from specserve.kernels.reference_fp8 import dequantize_weight
-    from specserve.kernels.reference_moe_fp8 import dequantize_blocks
+    from specserve.kernels.reference_moe_fp8 import dequantize_experts
     from specserve.layers.linear import Linear
     from specserve.layers.moe import FusedMoE
 
@@ -166,8 +179,8 @@ def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             sd[p + "weight"] = dequantize_weight(m.weight, m.weight_scale, m.fp8_block)
             del sd[p + "weight_scale"]
         elif isinstance(m, FusedMoE) and m.is_fp8:
-            sd[p + "w13"] = dequantize_blocks(m.w13, m.w13_scale, m.fp8_block)
-            sd[p + "w2"] = dequantize_blocks(m.w2, m.w2_scale, m.fp8_block)
+            sd[p + "w13"] = dequantize_experts(m.w13, m.w13_scale, m.fp8_block)
+            sd[p + "w2"] = dequantize_experts(m.w2, m.w2_scale, m.fp8_block)
             del sd[p + "w13_scale"], sd[p + "w2_scale"]
     return sd
 
@@ -233,15 +246,16 @@ def test_fp8_checkpoint_with_plain_parts(tmp_path, plain):
     assert mods["model.layers.0.linear_attn.out_proj"].is_fp8 and mods["model.layers.3.self_attn.qkv_proj"].is_fp8
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_compressed_tensors_per_channel_checkpoint_loads_in_fp8(tmp_path, family):
-    """llm-compressor's FP8_DYNAMIC layout (`weight_scale` [O, 1], quant_method compressed-tensors): the linear
-    layers keep FP8 with a scale per row, the MTP layer too; per-channel experts (no block: the fused MoE kernel is
-    block-scaled) come dequantized; what every layer holds equals the plain copy."""
+@pytest.mark.parametrize("family,per_tensor", [("llama", False), ("qwen3_moe", False), ("qwen3_moe", True)])
+def test_compressed_tensors_per_channel_checkpoint_loads_in_fp8(tmp_path, family, per_tensor):
+    """llm-compressor's FP8_DYNAMIC layout (`weight_scale` [O, 1], quant_method compressed-tensors) and its tensor
+    strategy (`weight_scale` [1]): the linear layers keep FP8 with a scale per row, the MTP layer too, and so do
+    the routed experts (float8 w13 / w2, a scale per row: a tensor's scale on each of its rows, gate and up their
+    own); what every layer holds equals the plain copy."""
     from helpers import build_tiny_model
 
     src = build_tiny_model(str(tmp_path / "m"), family, seed=3, mtp_layout="deepseek")
-    fp8_dir, ref_dir = _fp8_copies(src, str(tmp_path), None)
+    fp8_dir, ref_dir = _fp8_copies(src, str(tmp_path), None, per_tensor=per_tensor)
     dev = torch.device("cpu")
     got, want = (load_target(ModelSource.resolve(d), torch.float32, dev, 64) for d in (fp8_dir, ref_dir))
     assert got.fp8 == Fp8Format(None, "_scale")
@@ -252,9 +266,39 @@ def test_compressed_tensors_per_channel_checkpoint_loads_in_fp8(tmp_path, family
         for name, b in b_sd.items():
             assert torch.equal(a_sd[name], b), name
         linears, experts = fp8_modules(a_model)
-        assert linears >= 2 and experts == 0
+        assert linears >= 2 and experts == (family == "qwen3_moe") * len(_moe_layers(a_model))
     layer = dict(got.model.named_modules())["model.layers.0.self_attn.qkv_proj"]
     assert layer.is_fp8 and layer.fp8_block is None and layer.weight_scale.shape == (layer.weight.shape[0],)
+    if family == "qwen3_moe":
+        _check_fp8_experts_compute_as_dequantized(got.model, want.model, per_tensor)
+
+
+def _moe_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from specserve.layers.moe import SparseMoEBlock
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, SparseMoEBlock)}
+
+
+def _check_fp8_experts_compute_as_dequantized(fp8_model: torch.nn.Module, plain_model: torch.nn.Module,
+                                              per_tensor: bool) -> None:
+    """Each MoE block of the FP8 model keeps per-channel FP8 experts (float8 w13 [E, 2I, H] with w13_scale [E, 2I],
+    w2 with [E, H]; per_tensor: one value over each projection's rows) and its output on random x is the plain
+    copy's within 0.10 relative error by norm: the two differ by the activations' per-token e4m3 rounding (x and
+    the act, 3 mantissa bits each; measured 0.041-0.050 here, float32 model)."""
+    plain_blocks = _moe_layers(plain_model)
+    g = torch.Generator().manual_seed(0)
+    for name, block in _moe_layers(fp8_model).items():
+        experts = block.experts
+        e, i, h = experts.num_experts, experts.intermediate_size, experts.hidden_size
+        assert experts.w13.dtype == FP8 and experts.w2.dtype == FP8 and experts.fp8_per_channel
+        assert experts.w13_scale.shape == (e, 2 * i) and experts.w2_scale.shape == (e, h)
+        if per_tensor:  # one scale per projection: gate rows, up rows, down rows each constant
+            for part in (experts.w13_scale[:, :i], experts.w13_scale[:, i:], experts.w2_scale):
+                assert torch.equal(part, part[:, :1].expand_as(part))
+        x = torch.randn((5, h), generator=g)
+        got, want = block(x), plain_blocks[name](x)
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 0.10, f"{name}: relative error {err:.3f}"
 
 
 def test_compressed_tensors_configs_refused_clearly():
@@ -276,3 +320,56 @@ def test_compressed_tensors_configs_refused_clearly():
         fp8_format(cfg(static))
     with pytest.raises(ValueError, match="format 'pack-quantized'"):
         fp8_format(cfg({**base, "format": "pack-quantized"}))
+
+
+def test_per_channel_experts_made_fp8_on_meta_and_loaded_in_fp8():
+    """The loader's path for per-channel / per-tensor FP8 experts, piece by piece: convert_fp8_holders makes a MoE
+    block's expert stack (a fused gated shared expert as expert E included) FP8 on the meta device, so the stack is
+    never allocated in the model dtype; each checkpoint piece (paired by weights/fp8.py: a per-tensor scale becomes
+    one per row) is kept in FP8, gate and up of an expert with their own per-tensor scales; the stack dequantizes
+    to the pieces' values exactly, also after to_plain; a tensor-parallel stack takes no FP8 (dequantized)."""
+    from torch import nn
+
+    from specserve.distributed.tp import TPGroup
+    from specserve.kernels.reference_moe_fp8 import dequantize_experts
+    from specserve.layers.moe import FusedMoE, SparseMoEBlock
+    from specserve.models.tensor_loading import convert_fp8_holders, load_fp8_weight
+    from specserve.weights.fp8 import paired
+
+    h, i, e = 32, 16, 4
+    with torch.device("meta"):
+        block = SparseMoEBlock(h, i, e, 2, renormalize=True, shared_expert_intermediate_size=i,
+                               shared_expert_gated=True)
+    assert block.fused_shared
+    root = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"mlp": block})])})
+    projs = ("gate_proj", "up_proj", "down_proj")
+    names = ([f"layers.0.mlp.experts.{j}.{p}.weight" for j in range(e) for p in projs]
+             + [f"layers.0.mlp.shared_expert.{p}.weight" for p in projs])
+    assert convert_fp8_holders(root, names, None) == 1
+    experts = block.experts
+    assert experts.w13.is_meta and experts.w13.dtype == FP8 and experts.w2.dtype == FP8 and experts.fp8_per_channel
+    assert experts.w13_scale.shape == (e + 1, 2 * i) and experts.w2_scale.shape == (e + 1, h)
+    root.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(2)
+    fmt = Fp8Format(None, "_scale")
+    want13, want2 = torch.empty((e + 1, 2 * i, h)), torch.empty((e + 1, h, i))
+    for name in names:
+        parts = name.split(".")
+        j = e if parts[3] == "shared_expert" else int(parts[4])
+        proj = parts[-2]
+        w = torch.randn((h, i) if proj == "down_proj" else (i, h), generator=g) * (1 + j + projs.index(proj))
+        fw = paired(*_quantize_rows(w, per_tensor=True), fmt)
+        assert load_fp8_weight(root, name, fw) == name
+        target = want2[j] if proj == "down_proj" else want13[j, :i] if proj == "gate_proj" else want13[j, i:]
+        target.copy_(fw.dequantize(torch.float32))
+    assert experts.loaded_param_names() == {"w13", "w2"}
+    assert experts.w13_scale[0, 0] != experts.w13_scale[0, i]  # gate and up: their own per-tensor scales
+    assert torch.equal(dequantize_experts(experts.w13, experts.w13_scale, None), want13)
+    assert torch.equal(dequantize_experts(experts.w2, experts.w2_scale, None), want2)
+    experts.to_plain()
+    assert experts.w13.dtype == torch.float32 and not hasattr(experts, "w13_scale")
+    assert torch.equal(experts.w13, want13) and torch.equal(experts.w2, want2)
+    assert not FusedMoE(e, h, i, TPGroup(0, 2)).accepts_fp8(None)  # an intermediate slice per rank: dequantized
+    assert experts.quantize_fp8(None) and experts.fp8_per_channel  # online FP8 may ask for per-row scales too
+    back = dequantize_experts(experts.w13, experts.w13_scale, None)  # [E, 2I, H]
+    assert ((back - want13).abs() <= want13.abs().amax(-1, keepdim=True) / 16).all()  # e4m3: within 1/16 of amax

@@ -37,14 +37,16 @@ def _engine(path: str, **kw) -> Engine:
 
 
 @pytest.mark.parametrize("family,block", [("llama", (16, 16)), ("deepseek_v3", (16, 16)), ("qwen3_next", (16, 16)),
-                                          ("llama", None)])  # None: compressed-tensors per-channel
-def test_fp8_checkpoint_with_mtp_speculates_losslessly(tmp_path, family, block):
+                                          ("llama", None), ("qwen3_moe", None)])  # None: compressed-tensors
+def test_fp8_checkpoint_with_mtp_speculates_losslessly(tmp_path, family, block):  # per-channel
     fp8_dir, _ = _fp8_copies(_build(family, str(tmp_path / "m")), str(tmp_path), block)
     with _engine(fp8_dir) as plain:
         want = [o["output_ids"] for o in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     with _engine(fp8_dir, speculative_algorithm="MTP", speculative_num_steps=2) as spec:
         target, draft = spec.core.model_runner.target, spec.core.model_runner.draft
         assert fp8_modules(target)[0] > 0 and fp8_modules(draft)[0] > 0  # the MTP layer kept too, in FP8
+        if family != "llama":  # the routed experts kept in FP8 too (per-channel ones included)
+            assert fp8_modules(target)[1] > 0
         got = spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert spec.scheduler.stats.spec_verify_ct > 0
     assert [o["output_ids"] for o in got] == want

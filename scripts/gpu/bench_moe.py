@@ -4,6 +4,7 @@ MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and
     python3 scripts/gpu/bench_moe.py [--tokens 1 8 64 512] [--iters 200]
     python3 scripts/gpu/bench_moe.py --sweep [--tokens 1 4] [--iters 50]
     python3 scripts/gpu/bench_moe.py --fp8 [--block 128 128] [--tokens 1 8 64 512]
+    python3 scripts/gpu/bench_moe.py --fp8 --per-channel [--tokens 1 8 64 512]  # compressed-tensors FP8-dynamic
     python3 scripts/gpu/bench_moe.py --fp8 --hidden 7168 --inter 2048 --experts 256  # DeepSeek-V3 / GLM-like
     python3 scripts/gpu/bench_moe.py --fp8 --sweep [--tokens 1 8 64 512] [--iters 50]
 
@@ -11,7 +12,8 @@ MoE shapes (H 2048, I 768 per expert, E 128, top-8, bfloat16; random weights and
 checkpoints), x quantized once before the gate/up GEMM, the act in its epilogue (W8A8); at each T the FP8 fused
 MoE against the bf16 one, both graphed, L2 flushed; FP8 checked against its reference (kernels/reference_moe_fp8.py)
 and its error against the bf16 reference printed. The bandwidth column counts the chosen experts' FP8 weights and
-scales.
+scales. `--fp8 --per-channel`: the weights quantized with one scale per row instead (llm-compressor's FP8-dynamic
+experts; the kernels' per-channel path: x per token, the act per pair), same table.
 
 `--sweep`: at each T, the gate/up and the down GEMM's launch configs (BLOCK_N x BLOCK_K x (warps, stages)) tried one
 kernel at a time (the other at its default), graphed, L2 flushed; prints the fastest few and the default's time.
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
-from specserve.kernels.reference_moe_fp8 import fused_moe_fp8_ref, quantize_blocks
+from specserve.kernels.reference_moe_fp8 import fused_moe_fp8_ref, quantize_blocks, quantize_channels
 from specserve.kernels.triton_moe import DIRECT_BLOCK_M, _fp8_configs, _gemm_configs, fused_moe, moe_block_m
 
 PEAK_BW = 4.2e12  # bytes/s: the H200 copy bandwidth measured here
@@ -167,14 +169,14 @@ def bench_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator
               f"({aligned_ms / direct_ms:.2f}x)")
 
 
-def quantize_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, N/bn, K/bk]), one expert at a time (the float32
-    temporaries of all experts at once would not fit at DeepSeek-V3's shapes)."""
-    pairs = [quantize_blocks(w[e], block) for e in range(w.shape[0])]
+def quantize_experts(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, N/bn, K/bk]; block None: [E, N], one a row), one
+    expert at a time (the float32 temporaries of all experts at once would not fit at DeepSeek-V3's shapes)."""
+    pairs = [quantize_channels(w[e]) if block is None else quantize_blocks(w[e], block) for e in range(w.shape[0])]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
-def bench_fp8_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, fp8_weights: tuple, block: tuple[int, int],
+def bench_fp8_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, fp8_weights: tuple, block: tuple[int, int] | None,
                      g: torch.Generator, args, flush) -> None:
     """One row of the --fp8 table: T tokens routed top-k by random logits, bf16 and FP8 fused MoE, both graphed."""
     h, i, k = w13.shape[2], w2.shape[2], args.top_k
@@ -203,10 +205,11 @@ def bench_fp8_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, fp8_weights: t
 
 
 def bench_fp8(w13: torch.Tensor, w2: torch.Tensor, g: torch.Generator, args, flush) -> None:
-    block = tuple(args.block)
+    block = None if args.per_channel else tuple(args.block)
     q13, s13 = quantize_experts(w13, block)
     q2, s2 = quantize_experts(w2, block)
-    print(f"FP8 W8A8, weight blocks {block[0]} x {block[1]}: bf16 and FP8 fused MoE, graphed")
+    layout = "per-channel weight scales" if block is None else f"weight blocks {block[0]} x {block[1]}"
+    print(f"FP8 W8A8, {layout}: bf16 and FP8 fused MoE, graphed")
     print(f"{'T':>5} {'experts':>7} {'bf16 ms':>9} {'fp8 ms':>9} {'speedup':>8} {'GB/s':>7} {'of peak':>7} "
           f"{'err ref':>9} {'err bf16':>9}")
     for t in args.tokens:
@@ -322,8 +325,12 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true", help="time the FP8 (W8A8, block-scaled) fused MoE against bf16")
     p.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("BN", "BK"),
                    help="--fp8: the weights' scale block (rows, columns)")
+    p.add_argument("--per-channel", action="store_true", help="--fp8: one weight scale per row instead of blocks "
+                   "(the table only: the --sweep space is the block path's)")
     p.add_argument("--output-file", default=None, help="also write what is printed (the results) to this file (text)")
     args = p.parse_args()
+    if args.per_channel and (args.sweep or not args.fp8):
+        p.error("--per-channel goes with --fp8 (the table; --sweep tries the block path's tiles)")
     if args.iters is None:
         args.iters = 50 if args.fp8 and args.sweep else 200
     tee_stdout_to(args.output_file)

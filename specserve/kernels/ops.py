@@ -123,7 +123,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     float32, topk_ids [T, K] int64 -> [T, H]. The Triton grouped GEMM on CUDA reads only the chosen experts' weights
     and never syncs with the host (capturable).
     FP8 weights when the scales are given (kernels/reference_moe_fp8.py): w13, w2 float8_e4m3fn, w13_scale
-    [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)] float32, block (bn, bk)."""
+    [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)] float32, block (bn, bk); or per-channel, block
+    None: w13_scale [E, 2I], w2_scale [E, H] (activations then quantized per token / per pair)."""
     if w13_scale is not None or w2_scale is not None:
         if (tk := _kernels(x, w13, w2)) is not None:
             return tk.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale,

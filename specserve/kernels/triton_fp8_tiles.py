@@ -1,6 +1,7 @@
 """FP8 (e4m3) helpers inside Triton kernels: the rule of reference_moe_fp8._quantize_groups applied to a register
 tile (per row and group of columns: the fused MoE's gate/up GEMM quantizes its output, the down GEMM's input, in its
-epilogue), the e4m3 cast, rounding to a float dtype, and the e4m3 dot.
+epilogue; per row with a scale known beforehand: the per-channel down GEMM quantizes its act tiles as it loads
+them), the e4m3 cast, rounding to a float dtype, and the e4m3 dot.
 
 RNE (set with F32_DOT, i.e. under Triton's interpreter on CPU tensors) rounds explicitly: the interpreter's
 float32 -> float8e4nv cast does not round like torch's `.to(torch.float8_e4m3fn)` (triton 3.9: it truncates, and
@@ -53,6 +54,21 @@ def to_e4m3(v, RNE: tl.constexpr):
 
 
 @triton.jit
+def scale_of(amax):
+    """The rule's scale of values of largest magnitude amax (float32, any shape): max(amax, 1e-10) / 448, an IEEE
+    division (div_rn, as torch's; Triton's `/` is approximate on the GPU)."""
+    return tl.math.div_rn(tl.maximum(amax, MIN_AMAX), tl.full(amax.shape, FP8_MAX, tl.float32))
+
+
+@triton.jit
+def quantize_rows(a, s, RNE: tl.constexpr):
+    """a [M, N] float32, s [M] the rows' scales (scale_of their amax over the whole row) -> e4m3 [M, N]:
+    clamp(a / s, -448, 448) rounded to nearest even, the division IEEE."""
+    q = tl.math.div_rn(a, tl.broadcast_to(s[:, None], a.shape))
+    return to_e4m3(tl.clamp(q, -FP8_MAX, FP8_MAX), RNE)
+
+
+@triton.jit
 def quantize_groups(a, GROUPS: tl.constexpr, GROUP: tl.constexpr, RNE: tl.constexpr):
     """a [M, GROUPS * GROUP] float32 (columns past the data must be 0) -> (q [M, GROUPS * GROUP] e4m3, s [M, GROUPS]
     float32), the rule per row and group of GROUP columns: s = max(amax, 1e-10) / 448, q = clamp(a / s, -448, 448)
@@ -60,8 +76,7 @@ def quantize_groups(a, GROUPS: tl.constexpr, GROUP: tl.constexpr, RNE: tl.conste
     GPU. A GEMM's epilogue quantizes its output tile with it (whole groups a tile: no cross-program amax)."""
     m: tl.constexpr = a.shape[0]
     a3 = tl.reshape(a, [m, GROUPS, GROUP])  # [M, GROUPS, GROUP]
-    amax = tl.maximum(tl.max(tl.abs(a3), axis=2), MIN_AMAX)  # [M, GROUPS]
-    s = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    s = scale_of(tl.max(tl.abs(a3), axis=2))  # [M, GROUPS]
     q = tl.clamp(tl.math.div_rn(a3, tl.broadcast_to(s[:, :, None], a3.shape)), -FP8_MAX, FP8_MAX)
     return to_e4m3(tl.reshape(q, [m, GROUPS * GROUP]), RNE), s
 

@@ -23,6 +23,13 @@ time (a K step is one or more groups of bk columns, each product scaled by its r
 quantizes its act tile in the epilogue (its BLOCK_N covers whole bk groups: aq [T*K, I] e4m3, sa [T*K, I/bk]);
 `_down_fp8_kernel` reads those. Their tiles: tuned_h200.MOE_FP8_TILES (untuned). Alignment, direct path and sums are
 the bf16 path's.
+Per-channel FP8 weights (block None: a scale per weight row, w13_scale [E, 2I], w2_scale [E, H]; compressed-tensors'
+channel / tensor checkpoints) take two more GEMMs: x is quantized once per token (triton_fp8's per-token quantizer:
+xq [T, H], sx [T]); `_gate_up_fp8_channel_kernel` runs plain e4m3 dots along K (no scale changes along it) and
+multiplies sx[row] * s[expert, col] once after; the act's scale is per pair, over a whole row of I that no program
+holds, so its epilogue writes the act in x's dtype and each row's amax over its columns; `_down_fp8_channel_kernel`
+takes the max of a row's partials (a few floats), quantizes the act tiles by the rule as it loads them, and scales
+once after its K loop. The same tile table (keyed by rows per block), alignment, direct path and sums.
 `F32_DOT` does the products in float32 on CPU tensors, where the Triton interpreter's bfloat16 tl.dot is wrong.
 (One token as two plain GEMVs, gate/up per expert slot and down summing the slots in registers, was measured no
 faster than the direct path and removed.)
@@ -38,8 +45,8 @@ import triton.language as tl
 from specserve.kernels.counters import arrival_counters
 from specserve.kernels.reference_moe_fp8 import check_fp8_moe
 from specserve.kernels.triton_dot import dot
-from specserve.kernels.triton_fp8 import quantize_act_groups_triton
-from specserve.kernels.triton_fp8_tiles import dot_e4m3, quantize_groups, round_to
+from specserve.kernels.triton_fp8 import quantize_act_groups_triton, quantize_act_tokens_triton
+from specserve.kernels.triton_fp8_tiles import dot_e4m3, quantize_groups, quantize_rows, round_to, scale_of
 from specserve.kernels.tuned_h200 import MOE_FP8_TILES, MOE_TILES
 
 _CHUNK = 128  # most pairs per alignment program: the stable rank within a chunk is a [CHUNK, CHUNK] comparison
@@ -359,6 +366,92 @@ def _down_fp8_kernel(aq_ptr, sa_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, sorted_ptr, b
 
 
 @triton.jit
+def _gate_up_fp8_channel_kernel(xq_ptr, sx_ptr, w_ptr, s_ptr, act_ptr, amax_ptr, ids_ptr, sorted_ptr,
+                                block_expert_ptr, num_padded_ptr, n_pairs, hidden, inter, amax_tiles, stride_we,
+                                stride_wn, stride_se, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT_DTYPE: tl.constexpr,
+                                F32_DOT: tl.constexpr, RNE: tl.constexpr, DIRECT: tl.constexpr):
+    """The gate/up GEMM on per-channel FP8: xq [T, H] e4m3 with one scale per token sx [T] (quantized once,
+    before), w13 e4m3 with one scale per row s [E, 2I]. No scale changes along K, so the K loop is plain e4m3 dots
+    into float32 and the scales multiply once after it (sx[row] * s[expert, col]). Epilogue: the reference's
+    roundings (gate, up, silu and the product in ACT_DTYPE), then the act stored as it is (act [T*K, I] in x's
+    dtype: exact) with each row's largest magnitude over this program's columns (amax [T*K, amax_tiles], column
+    pid_n): the act's per-pair scale needs the whole row, which no one program holds, so the down GEMM takes the
+    max of the row's partials and quantizes its act tiles as it loads them."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
+    if live:
+        row_ok = pair < n_pairs
+        rows = pair.to(tl.int64)
+        tok = rows // TOP_K
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < inter  # columns past I: zero weights and scales, so a zero act that changes no amax
+        k = tl.arange(0, BLOCK_K)
+        x_ptrs = xq_ptr + tok[:, None] * hidden + k[None, :]  # [M, K]
+        g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N] gate rows
+        u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = k0 + k < hidden
+            a = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [M, K] e4m3
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            acc_g += dot_e4m3(a, tl.load(g_ptrs + k0, mask=w_mask, other=0.0), F32_DOT)
+            acc_u += dot_e4m3(a, tl.load(u_ptrs + k0, mask=w_mask, other=0.0), F32_DOT)
+        sx = tl.load(sx_ptr + tok, mask=row_ok, other=0.0)  # [M] the tokens' scales
+        sg = tl.load(s_ptr + e * stride_se + n, mask=n_ok, other=0.0)  # [N] the gate rows' scales
+        su = tl.load(s_ptr + e * stride_se + inter + n, mask=n_ok, other=0.0)  # [N] and the up rows'
+        gate = round_to(acc_g * (sx[:, None] * sg[None, :]), ACT_DTYPE, RNE)
+        up = round_to(acc_u * (sx[:, None] * su[None, :]), ACT_DTYPE, RNE)
+        act = round_to(round_to(gate / (1.0 + tl.exp(-gate)), ACT_DTYPE, RNE) * up, ACT_DTYPE, RNE)  # [M, N]
+        dt = act_ptr.dtype.element_ty
+        tl.store(act_ptr + rows[:, None] * inter + n[None, :], act.to(dt), mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(amax_ptr + rows * amax_tiles + pid_n, tl.max(tl.abs(act), axis=1), mask=row_ok)
+
+
+@triton.jit
+def _down_fp8_channel_kernel(act_ptr, amax_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr,
+                             num_padded_ptr, n_pairs, hidden, inter, amax_tiles, stride_we, stride_wn, stride_se,
+                             wts_ptr, out_ptr, counter_ptr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_TILES: tl.constexpr,
+                             F32_DOT: tl.constexpr, RNE: tl.constexpr, DIRECT: tl.constexpr, SUM: tl.constexpr):
+    """The down GEMM on per-channel FP8: the act [T*K, I] (x's dtype) quantized per pair by the rule as its tiles
+    load (the row's scale from the gate/up GEMM's partial amaxes [T*K, amax_tiles]: the same scale whichever program
+    computes it, so every column block quantizes the act alike), w2 e4m3 with one scale per row s [E, H]; plain
+    e4m3 dots along K, the scales once after (sa[row] * s[expert, col]). Each pair's output rounded to y's dtype
+    (x's), as the reference does before its weighted sum. SUM: _sum_pairs (one token)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    live, e, pair = _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M, DIRECT)
+    if live:
+        row_ok = pair < n_pairs
+        rows = pair.to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < hidden
+        tiles = tl.arange(0, AMAX_TILES)
+        amax = tl.max(tl.load(amax_ptr + rows[:, None] * amax_tiles + tiles[None, :],
+                              mask=row_ok[:, None] & (tiles < amax_tiles)[None, :], other=0.0), axis=1)  # [M]
+        sa = scale_of(amax)  # [M] the pairs' act scales
+        k = tl.arange(0, BLOCK_K)
+        a_ptrs = act_ptr + rows[:, None] * inter + k[None, :]  # [M, K]
+        w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = k0 + k < inter
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [K, N] e4m3
+            acc += dot_e4m3(quantize_rows(a, sa, RNE), w, F32_DOT)
+        sw = tl.load(s_ptr + e * stride_se + n, mask=n_ok, other=0.0)  # [N] the rows' scales
+        acc = acc * (sa[:, None] * sw[None, :])
+        dt = y_ptr.dtype.element_ty
+        tl.store(y_ptr + rows[:, None] * hidden + n[None, :], round_to(acc, dt, RNE).to(dt),
+                 mask=row_ok[:, None] & n_ok[None, :])
+        if SUM:
+            _sum_pairs(y_ptr, wts_ptr, out_ptr, counter_ptr, pid_n, n, n_ok, hidden, n_pairs, TOP_K, BLOCK_N, RNE)
+
+
+@triton.jit
 def _sum_k_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
                   RNE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -478,6 +571,44 @@ def _fp8_act(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, bn: int, bk:
     return aq, sa
 
 
+def _fp8_channel_configs(block_m: int, inter: int, hidden: int, tiles) -> tuple[dict, dict]:
+    """(gate/up, down) per-channel FP8 launch configs: explicit `tiles` as given, else tuned_h200.MOE_FP8_TILES's
+    entry for block_m rows as the block path picks it (the table is keyed by rows per block, not by the weights'
+    layout; a per-channel K step has no scale group to cover, so its tiles serve as they are), column and K tiles
+    no wider than the (power-of-two-padded) dims, which only trims test-sized shapes, and at least 16 (tl.dot's
+    least)."""
+    if tiles is not None:
+        gate_up, down = (dict(c) for c in tiles)
+        return gate_up, down
+    most = next((rows for rows in MOE_FP8_TILES if block_m <= rows), max(MOE_FP8_TILES))
+    gate_up, down = (dict(c) for c in MOE_FP8_TILES[most])
+    for cfg, n_dim, k_dim in ((gate_up, inter, hidden), (down, hidden, inter)):
+        cfg["BLOCK_N"] = max(16, min(cfg["BLOCK_N"], triton.next_power_of_2(n_dim)))
+        cfg["BLOCK_K"] = max(16, min(cfg["BLOCK_K"], triton.next_power_of_2(k_dim)))
+    return gate_up, down
+
+
+def _fp8_channel_act(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, route: tuple, cfg: dict
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel FP8 gate/up: x [T, H] quantized once per token by the dense FP8 linear's quantizer
+    (quantize_act_tokens_triton: reference_moe_fp8._quantize_groups with the row as one group, bit for bit) ->
+    xq [T, H] e4m3, sx [T]; then the GEMM -> (act [T*K, I] in x's dtype, amax [T*K, cdiv(I, BLOCK_N)] float32: the
+    rows' partial amaxes, whose max is the act's per-pair scale's). route as _fp8_act's. Exposed for the tests."""
+    ids, sorted_ids, block_expert, num_padded, blocks, block_m, top_k, direct = route
+    xq, sx = quantize_act_tokens_triton(x)  # [T, H] e4m3, [T]
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    n_pairs = num_tokens * top_k
+    tiles_n = triton.cdiv(inter, cfg["BLOCK_N"])
+    act = torch.empty((n_pairs, inter), dtype=x.dtype, device=x.device)  # [T*K, I]
+    amax = torch.empty((n_pairs, tiles_n), dtype=torch.float32, device=x.device)  # [T*K, I / BLOCK_N]
+    _gate_up_fp8_channel_kernel[(blocks, tiles_n)](
+        xq, sx, w13, s13, act, amax, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter, tiles_n,
+        w13.stride(0), w13.stride(1), s13.stride(0), TOP_K=top_k, BLOCK_M=block_m, ACT_DTYPE=_TL_DTYPES[x.dtype],
+        F32_DOT=not x.is_cuda, RNE=not x.is_cuda, DIRECT=direct, **cfg)
+    return act, amax
+
+
 def _route(topk_ids: torch.Tensor, num_experts: int, direct: bool, block_m: int) -> tuple:
     """(ids, sorted_ids, block_expert, num_padded, blocks): the GEMMs' blocks, direct (a pair a block, no
     alignment; the alignment's outputs are then unused stand-ins) or aligned (moe_align)."""
@@ -495,11 +626,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K]
     int64 -> [T, H] in x's dtype. Launch shapes depend on (T, K, E, H, I) only, so this is capturable.
 
-    FP8 (W8A8, block-scaled; reference: kernels/reference_moe_fp8.py) when the scales are given: w13, w2
-    float8_e4m3fn with float32 scales w13_scale [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)] per
-    block = (bn, bk) of weights (I % bn == 0); x is quantized once per token and bk columns of H (one small launch),
-    the act per pair and bk columns of I in the gate/up GEMM's epilogue (_fp8_act). ValueError on shapes that do not
-    fit.
+    FP8 (W8A8; reference: kernels/reference_moe_fp8.py) when the scales are given: w13, w2 float8_e4m3fn with
+    float32 scales w13_scale [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)] per block = (bn, bk) of
+    weights (I % bn == 0); x is quantized once per token and bk columns of H (one small launch), the act per pair and
+    bk columns of I in the gate/up GEMM's epilogue (_fp8_act). block None: per-channel scales w13_scale [E, 2I],
+    w2_scale [E, H]; x quantized per token, the act per pair (_fp8_channel_act and the down GEMM). ValueError on
+    shapes that do not fit.
 
     direct (default: at one token): no alignment; each (token, k) pair is a block of its own whose expert the GEMMs
     read from topk_ids (a router's top-k experts of one token are distinct, so each is read once), and at one token
@@ -514,10 +646,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     top_k = topk_ids.shape[1]
     fp8 = w13_scale is not None or w2_scale is not None
     if fp8:
-        bn, bk = check_fp8_moe(x, w13, w13_scale, w2, w2_scale, block)
+        fp8_block = check_fp8_moe(x, w13, w13_scale, w2, w2_scale, block)  # None: per-channel scales
         if x.dtype not in _TL_DTYPES:
             raise ValueError(f"FP8 fused MoE: x must be float32, bfloat16 or float16, got {x.dtype}")
         assert w13.stride(-1) == 1 and w2.stride(-1) == 1
+        if fp8_block is None:  # the kernels index a row's scales as consecutive
+            assert w13_scale.stride(-1) == 1 and w2_scale.stride(-1) == 1
     else:
         assert w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
         assert w13.dtype == x.dtype == w2.dtype and w13.stride(-1) == 1 and w2.stride(-1) == 1
@@ -534,7 +668,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     y = torch.empty((n_pairs, hidden), dtype=x.dtype, device=dev)  # [T*K, H] each expert's output per pair
     f32_dot = not x.is_cuda
     wts = topk_weights.reshape(-1)  # [T*K]
-    if fp8:
+    if fp8 and fp8_block is None:
+        cfg_gu, cfg_down = _fp8_channel_configs(block_m, inter, hidden, tiles)
+        route = (ids, sorted_ids, block_expert, num_padded, blocks, block_m, top_k, direct)
+        act, amax = _fp8_channel_act(x, w13, w13_scale, route, cfg_gu)
+        grid_down = (blocks, triton.cdiv(hidden, cfg_down["BLOCK_N"]))
+        fused_sum = direct and num_tokens == 1 and grid_down[1] <= SUM_COUNTERS
+        _down_fp8_channel_kernel[grid_down](
+            act, amax, w2, w2_scale, y, ids, sorted_ids, block_expert, num_padded, n_pairs, hidden, inter,
+            amax.shape[1], w2.stride(0), w2.stride(1), w2_scale.stride(0), wts, out,
+            _counters(dev) if fused_sum else ids, TOP_K=top_k, BLOCK_M=block_m,
+            AMAX_TILES=triton.next_power_of_2(amax.shape[1]), F32_DOT=f32_dot, RNE=f32_dot, DIRECT=direct,
+            SUM=fused_sum, **cfg_down)
+        rne = f32_dot  # the interpreter's bfloat16 cast truncates (triton_fp8_tiles.py)
+    elif fp8:
+        bn, bk = fp8_block
         cfg_gu, cfg_down = _fp8_configs(block_m, bk, inter, hidden, tiles)
         route = (ids, sorted_ids, block_expert, num_padded, blocks, block_m, top_k, direct)
         aq, sa = _fp8_act(x, w13, w13_scale, bn, bk, route, cfg_gu)

@@ -126,7 +126,9 @@ MOE_TILES: dict[int, tuple[dict[str, int], dict[str, int]]] = {
 # cp.async, e4m3 mma.sync at 16 rows, wgmma at 64). Sweep: `python3 scripts/gpu/bench_moe.py --fp8 --sweep --tokens
 # 1 8 64 512` times each GEMM's configs at each T and prints the fastest pair as an entry of this table, keyed by the
 # T's rows per block (Qwen3-30B-A3B's 128 experts, top 8: 16 rows at T 1 (the direct path), 8 and 64; 64 at T 512);
-# where T 1 and T 8/64 disagree on the 16 entry, the decode sizes matter most.
+# where T 1 and T 8/64 disagree on the 16 entry, the decode sizes matter most. Per-channel FP8 experts (no scale
+# groups) take the same entries as they are (triton_moe._fp8_channel_configs): its K step is a plain e4m3 dot, and the
+# down GEMM also quantizes its act tile each step (BLOCK_M x BLOCK_K values, cheap beside the weight tile's load).
 MOE_FP8_TILES: dict[int, tuple[dict[str, int], dict[str, int]]] = {
     16: (dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
          dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)),

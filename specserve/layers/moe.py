@@ -41,6 +41,13 @@ class FusedMoE(nn.Module):
 
     tp: above one rank, each expert's intermediate features are split over the ranks (tensor-parallel MoE): this
     rank keeps its slice of every expert's gate and up rows and down columns, and its output is a partial sum.
+
+    FP8 experts (to_fp8; kernels/reference_moe_fp8.py has both layouts), w13 / w2 float8_e4m3fn with float32 scales:
+    block-scaled, fp8_block = (bn, bk): w13_scale [E, 2I/bn, ceil(H/bk)], w2_scale [E, ceil(H/bn), ceil(I/bk)]
+    (DeepSeek / GLM / Qwen FP8 releases, and online FP8); per-channel, fp8_block None (`fp8_per_channel`):
+    w13_scale [E, 2I], w2_scale [E, H], one scale per weight row (compressed-tensors' channel strategy; a per-tensor
+    checkpoint's scale repeated over its projection's rows, so an expert's gate and up, or a fused shared expert,
+    keep their own).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = TP1):
@@ -50,7 +57,7 @@ class FusedMoE(nn.Module):
         self.tp = tp
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))  # [E, H, I]
-        self.fp8_block: tuple[int, int] | None = None  # FP8 experts: one scale per block (to_fp8)
+        self.fp8_block: tuple[int, int] | None = None  # FP8 experts: one scale per block; None: per row (to_fp8)
         self.loaded_plain = False  # a plain piece was loaded: later FP8 pieces come dequantized
         # Pieces still unwritten per parameter (plain attribute: not state, survives to_empty()).
         self.pending: dict[str, set[tuple[int, str]]] = {
@@ -62,6 +69,11 @@ class FusedMoE(nn.Module):
     def is_fp8(self) -> bool:
         return self.w13.dtype == torch.float8_e4m3fn
 
+    @property
+    def fp8_per_channel(self) -> bool:
+        """FP8 experts with one scale per weight row (w13_scale [E, 2I], w2_scale [E, H]) rather than per block."""
+        return self.is_fp8 and self.fp8_block is None
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_weights [T, K] float32, topk_ids [T, K] int64 -> [T, H] in x's dtype."""
         if self.is_fp8:
@@ -69,40 +81,48 @@ class FusedMoE(nn.Module):
                                  w2_scale=self.w2_scale, block=self.fp8_block)
         return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
-    def to_fp8(self, block: tuple[int, int]) -> None:
-        """FP8 experts (zeros, unit scales) with one scale per `block` [rows, cols] of each expert's weights; the
-        loader copies the checkpoint's values in (or quantize_fp8 the loaded ones)."""
+    def to_fp8(self, block: tuple[int, int] | None) -> None:
+        """FP8 experts (zeros, unit scales) with one scale per `block` [rows, cols] of each expert's weights (None:
+        one per row); the loader copies the checkpoint's values in (or quantize_fp8 the loaded ones)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        bn, bk = block
         dev = self.w13.device
         self.plain_dtype = self.w13.dtype  # to_plain's
         fp8 = torch.float8_e4m3fn
         self.w13 = nn.Parameter(torch.zeros((e, 2 * i, h), dtype=fp8, device=dev), requires_grad=False)
         self.w2 = nn.Parameter(torch.zeros((e, h, i), dtype=fp8, device=dev), requires_grad=False)
-        self.register_buffer("w13_scale", torch.ones((e, 2 * i // bn, -(-h // bk)), device=dev))  # [E, 2I/bn, H/bk]
-        self.register_buffer("w2_scale", torch.ones((e, -(-h // bn), -(-i // bk)), device=dev))  # [E, H/bn, I/bk]
+        if block is None:
+            s13, s2 = (e, 2 * i), (e, h)  # [E, 2I], [E, H]: a scale per row
+        else:
+            bn, bk = block
+            s13, s2 = (e, 2 * i // bn, -(-h // bk)), (e, -(-h // bn), -(-i // bk))  # [E, 2I/bn, H/bk], [E, H/bn, I/bk]
+        self.register_buffer("w13_scale", torch.ones(s13, device=dev))
+        self.register_buffer("w2_scale", torch.ones(s2, device=dev))
         self.fp8_block = block
 
     def to_plain(self) -> None:
         """Back from FP8 to the dtype before to_fp8, the values dequantized."""
-        from specserve.kernels.reference_moe_fp8 import dequantize_blocks
+        from specserve.kernels.reference_moe_fp8 import dequantize_experts
 
-        w13 = dequantize_blocks(self.w13, self.w13_scale, self.fp8_block).to(self.plain_dtype)  # [E, 2I, H]
-        w2 = dequantize_blocks(self.w2, self.w2_scale, self.fp8_block).to(self.plain_dtype)  # [E, H, I]
+        w13 = dequantize_experts(self.w13, self.w13_scale, self.fp8_block).to(self.plain_dtype)  # [E, 2I, H]
+        w2 = dequantize_experts(self.w2, self.w2_scale, self.fp8_block).to(self.plain_dtype)  # [E, H, I]
         del self.w13_scale, self.w2_scale
         self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         self.fp8_block = None
 
     def accepts_fp8(self, block: tuple[int, int] | None) -> bool:
-        """Whether the experts can hold FP8 weights with `block` scales: one device, a block the kernel takes (the
-        gate and up rows each a whole number of blocks; a power-of-two column block of at least 16), no plain piece
-        loaded yet."""
-        if block is None or self.tp.size > 1:
+        """Whether the experts can hold FP8 weights with `block` scales (None: one per row, which every shape
+        takes): one device (a tensor-parallel slice is dequantized), a block the kernel takes (the gate and up rows
+        each a whole number of blocks; a power-of-two column block of at least 16), no plain piece loaded yet."""
+        if self.tp.size > 1:
             return False
         if self.is_fp8:
             return self.fp8_block == block
+        if self.loaded_plain:
+            return False
+        if block is None:
+            return True
         bn, bk = block
-        return not self.loaded_plain and self.intermediate_size % bn == 0 and bk >= 16 and bk & (bk - 1) == 0
+        return self.intermediate_size % bn == 0 and bk >= 16 and bk & (bk - 1) == 0
 
     def fp8_ready(self, w: Fp8Weight) -> bool:
         """Whether the experts keep `w` in FP8 (converting on the first one unless converted before allocation)."""
@@ -118,28 +138,33 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert} outside the layer's {self.num_experts} experts")
         if proj not in _EXPERT_PROJS or not self.fp8_ready(w):
             return False
-        i, bn = self.intermediate_size, self.fp8_block[0]
+        i = self.intermediate_size
         if proj == "down_proj":
             targets, param = (self.w2[expert], self.w2_scale[expert]), "w2"
         else:
             rows = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
-            blocks = slice(rows.start // bn, rows.stop // bn)
-            targets, param = (self.w13[expert, rows], self.w13_scale[expert, blocks]), "w13"
+            bn = 1 if self.fp8_block is None else self.fp8_block[0]  # per-channel: a scale a row
+            scales = slice(rows.start // bn, rows.stop // bn)
+            targets, param = (self.w13[expert, rows], self.w13_scale[expert, scales]), "w13"
         copy_checked(targets[0], w.q, f"experts.{expert}.{proj}")
         copy_checked(targets[1], w.scale, f"experts.{expert}.{proj} scale")
         self.pending[param].discard((expert, proj))
         return True
 
-    def quantize_fp8(self, block: tuple[int, int] = (128, 128)) -> bool:
-        """Online FP8 of loaded bf16 experts (--quantization fp8): `block` scales, as FP8 checkpoints hold them
-        (the fused MoE kernel's FP8 path is block-scaled). False (left as they are) where the block does not fit."""
-        from specserve.kernels.reference_moe_fp8 import quantize_blocks
+    def quantize_fp8(self, block: tuple[int, int] | None = (128, 128)) -> bool:
+        """Online FP8 of loaded bf16 experts (--quantization fp8): `block` scales, as block-scaled FP8 checkpoints
+        hold them (the default: layers/quant.py says why), or None: one scale per row. False (left as they are)
+        where the block does not fit."""
+        from specserve.kernels.reference_moe_fp8 import quantize_blocks, quantize_channels
 
-        bn, bk = block
-        if self.is_fp8 or self.tp.size > 1 or self.intermediate_size % bn:
+        if self.is_fp8 or self.tp.size > 1 or (block is not None and self.intermediate_size % block[0]):
             return False
-        q13, s13 = quantize_blocks(self.w13.detach(), block)  # [E, 2I, H] fp8, [E, 2I/bn, H/bk]
-        q2, s2 = quantize_blocks(self.w2.detach(), block)  # [E, H, I] fp8, [E, H/bn, I/bk]
+        if block is None:
+            q13, s13 = quantize_channels(self.w13.detach())  # [E, 2I, H] fp8, [E, 2I]
+            q2, s2 = quantize_channels(self.w2.detach())  # [E, H, I] fp8, [E, H]
+        else:
+            q13, s13 = quantize_blocks(self.w13.detach(), block)  # [E, 2I, H] fp8, [E, 2I/bn, H/bk]
+            q2, s2 = quantize_blocks(self.w2.detach(), block)  # [E, H, I] fp8, [E, H/bn, I/bk]
         self.to_fp8(block)
         with torch.no_grad():
             self.w13.copy_(q13)
@@ -399,8 +424,10 @@ class SparseMoEBlock(nn.Module):
         return None
 
     def load_fp8_weight(self, rest: str, w: Fp8Weight) -> bool:
-        """load_weight for an FP8 checkpoint weight kept in FP8: the shared expert's projections (not fused into
-        the routed experts). False: the caller loads it dequantized through load_weight."""
+        """load_weight for an FP8 checkpoint weight kept in FP8 (block-scaled or per-channel, as FusedMoE and Linear
+        take them): a routed expert's projection, a fused shared expert's, or the separate shared expert's
+        projections. False: the caller loads it dequantized through load_weight (a tensor-parallel slice, a block
+        the kernels do not take, a stack that already holds a plain piece)."""
         parts = rest.split(".")
         e = self.num_experts
         if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[3] == "weight":
