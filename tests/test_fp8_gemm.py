@@ -362,3 +362,33 @@ def test_split_k_gemv_replays_in_a_cuda_graph(block, m):
         assert torch.equal(y, tf.fp8_gemv(x, wq, sw, block))
         xq, sx = rf.quantize_act_tokens(x) if block is None else rf.quantize_act_groups(x, block[1])
         _check_product(y, _dequant_x(xq, sx, block), rf.dequantize_weight(wq, sw, block), None)
+
+
+@pytest.mark.gpu
+def test_prefill_rows_per_channel_take_cublas_and_equal_the_reference():
+    """Per-channel bf16 inputs of at least cublas_fp8.MIN_ROWS rows without a bias go to cuBLAS's row-wise FP8 GEMM:
+    the same quantised x (our per-token quantiser) and the same product within the fp8 GEMM's bound; replayed in a
+    CUDA graph as eager calls give. With a bias (or fewer rows) the Triton GEMM keeps them."""
+    from specserve.kernels import cublas_fp8
+
+    n, k, m = 256, 512, cublas_fp8.MIN_ROWS + 40
+    wq, sw = _weights(n, k, None)
+    x = _x(m, k, torch.bfloat16)
+    bias = torch.randn(n).to(DEV, torch.bfloat16)
+    assert cublas_fp8.fits(x, wq, None, None)
+    assert not cublas_fp8.fits(x[:cublas_fp8.MIN_ROWS - 1], wq, None, None) and not cublas_fp8.fits(x, wq, None, bias)
+    y = ops.fp8_linear(x, wq, sw, None)
+    xq, sx = rf.quantize_act_tokens(x)
+    _check_product(y, _dequant_x(xq, sx, None), rf.dequantize_weight(wq, sw, None), None)
+    assert torch.equal(y, cublas_fp8.fp8_linear_rowwise(*tf.quantize_act_tokens_triton(x), wq, sw))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tf.fp8_linear(x, wq, sw, None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = tf.fp8_linear(x, wq, sw, None)
+    x.copy_(_x(m, k, torch.bfloat16, seed=5))
+    graph.replay()
+    assert torch.equal(yg, tf.fp8_linear(x, wq, sw, None))
