@@ -413,8 +413,9 @@ class ServerArgs:
         a("--page-size", type=int, default=d["page_size"].default, help="KV tokens per page of the page table")
         a("--kv-cache-dtype", type=_cli_type(kv_cache_dtype_name), default="auto", choices=KV_CACHE_DTYPES,
           help="KV cache dtype (auto: --dtype's; bf16 is accepted for bfloat16). fp8_e4m3 / fp8_e5m2: K and V of "
-               "attention (MHA) layers in 8 bits with a float32 scale per token and KV head, about twice the tokens "
-               "in the same memory; not yet for MLA latents (DeepSeek / GLM families)")
+               "attention (MHA) layers in 8 bits with a float32 scale per token and KV head, MLA latents (DeepSeek / "
+               "GLM families) with a float32 scale per 128 latent values and one for the rope part; about twice "
+               "the tokens in the same memory")
         a("--mem-fraction-static", type=float, default=None,
           help="share of the GPU's memory for weights and caches (default 0.85)")
         a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from memory)")
@@ -577,8 +578,9 @@ class ServerArgs:
           help="prefill kernels of linear-attention (gated delta net) layers: chunked (chunk-parallel, tensor "
                "cores) or recurrent (token by token, the decode kernels)")
         a("--indexer-cache-dtype", default="auto", choices=INDEXER_CACHE_DTYPES,
-          help="the sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): auto (the KV cache's dtype) or "
-               "fp8_e4m3 with a float32 scale per token (the index queries then rounded to e4m3 per head too, as "
+          help="the sparse-attention indexer's key cache (DeepSeek-V3.2, GLM-5): auto (the KV cache's dtype; the "
+               "model's under an fp8 KV cache) or fp8_e4m3 with a float32 scale per token (the index queries then "
+               "rounded to e4m3 per head too, as "
                "DeepSeek-V3.2's fp8 indexer; on a GPU the fp8 products summed in the tensor core)")
         a("--mla-prefill", default="auto", choices=MLA_PREFILL,
           help="MLA attention of eager prefill batches (DeepSeek-V3): absorbed (one latent key/value head, as decode), "

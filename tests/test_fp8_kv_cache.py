@@ -8,7 +8,7 @@
    varlen over a paged prefix, page sizes 1 and 4.
 3. FP8-KV attention against float32-KV attention on Gaussian data: a measured error bound.
 4. The engine: greedy MTP == greedy plain with an FP8 cache (llama, Qwen3-Next); the pool holds about twice the
-   tokens of a 16-bit cache; an MLA model (DeepSeek-V3) is refused.
+   tokens of a 16-bit cache; an MLA model (DeepSeek-V3) gets fp8 latents (tests/test_fp8_mla_cache.py).
 """
 
 from __future__ import annotations
@@ -358,11 +358,15 @@ def test_engine_fp8_pool_holds_about_twice_the_tokens(tmp_path):
     assert held == pool.num_slots * per_tok["fp8_e4m3"]  # the accounting is what the pool allocates
 
 
-def test_engine_refuses_fp8_cache_for_mla(tmp_path):
+def test_engine_builds_fp8_latents_for_mla(tmp_path):
+    """An MLA model (DeepSeek-V3) is no longer refused: its latents are fp8 with group scales (the MLA cache's
+    own tests: tests/test_fp8_mla_cache.py)."""
     from deepseek_helpers import build_tiny_deepseek
 
+    from specserve.batch import CacheKind
     from specserve.engine.engine import Engine
 
     path = build_tiny_deepseek(str(tmp_path / "dsv3"))
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3 is implemented for MHA caches; MLA latents"):
-        Engine(model_path=path, dtype="float32", max_total_tokens=2048, kv_cache_dtype="fp8_e4m3")
+    eng = Engine(model_path=path, dtype="float32", max_total_tokens=2048, kv_cache_dtype="fp8_e4m3")
+    pool = eng.core.model_runner.caches.pools[CacheKind.MLA]
+    assert pool.rows[0].dtype == E4M3 and pool.scales[0].shape == (pool.num_slots, 2)  # 32 latent + 8 rope

@@ -7,7 +7,9 @@
 - prefill as CUDA graphs (token rows through the Triton MLA / indexer / top-k kernels) equals the eager prefill,
   target and MTP layer, DeepSeek-V3 and GLM-5;
 - --attention-backend triton (the Triton absorbed-MLA and indexer-score kernels, sparse rows per query) captures
-  every phase and gives the torch reference's greedy tokens, plain and MTP.
+  every phase and gives the torch reference's greedy tokens, plain and MTP;
+- FP8 MLA latents: the kernel over fp8 rows == over the dequantised rows bit for bit; the Triton backends against
+  the torch reference on the same fp8 cache, greedy MTP == plain.
 """
 
 import pytest
@@ -134,4 +136,49 @@ def test_fp8_indexer_triton_gpu(models):
     assert spec.model_runner.spec.phases.target_verify.backends[CacheKind.INDEX_KEYS].kv_pool.scales is not None
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
     assert spec.model_runner.spec.spec_step_graph.replays > 0
+    spec.check_idle_invariants()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width,sparse", [(1, False), (4, False), (4, True)])
+def test_fp8_latent_kernel_gpu(dtype, width, sparse):
+    """The absorbed-MLA kernel over an fp8 latent cache (group scales, kernels/reference_latent_fp8.py) on the GPU:
+    bit-equal to the same kernel over the rows dequantised to q's dtype (the GPU's casts round to nearest, as
+    torch's), at 64 heads, 512 + 64 rows (5 scales), with key splits; the CPU counterpart runs under the
+    interpreter in tests/test_fp8_mla_cache.py."""
+    from specserve.kernels.reference_latent_fp8 import dequantize_latent, quantize_latent
+    from specserve.kernels.triton_mla import mla_decode_triton
+
+    g = torch.Generator().manual_seed(90 + width)
+    c, r, heads, bs, max_kv, slots = 512, 64, 64, 3, 300, 1000
+    x = torch.randn(slots, c + r, generator=g)
+    x[:, c:] *= 0.01
+    stored, scales = (t.cuda() for t in quantize_latent(x, r, torch.float8_e4m3fn))
+    q = torch.randn(bs * width, heads, c + r, generator=g).to(dtype).cuda()
+    lens = torch.tensor([40, 300, width]).cuda()
+    table = torch.randint(1, slots, (bs, max_kv), generator=g).cuda()
+    sel = (torch.rand(bs, 1, width, max_kv, generator=g) < 0.3).cuda() if sparse else None
+    got = mla_decode_triton(q, stored, table, lens, width, 0.1, c, sel, scales=scales)
+    want = mla_decode_triton(q, dequantize_latent(stored, scales, r, dtype), table, lens, width, 0.1, c, sel)
+    assert torch.equal(got, want)
+
+
+def test_fp8_latents_triton_gpu(models):
+    """--kv-cache-dtype fp8_e4m3 (fp8 MLA latents) on the GPU, GLM-5 with a sparse top-k: the Triton backends'
+    greedy tokens against the torch reference over the same fp8 cache (most prompts: the kernel's dot order may
+    break a near-tie), and greedy MTP through them == their own plain decoding exactly."""
+    prompts = _prompts()
+    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32,
+              kv_cache_dtype="fp8_e4m3")
+    ref = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="torch", **kw)[0],
+                                            prompts, NEW)]
+    plain = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="triton", **kw)[0],
+                                              prompts, NEW)]
+    same = sum(p == r for p, r in zip(plain, ref))
+    assert same >= len(prompts) - 2, f"only {same} of {len(prompts)} prompts equal to the reference"
+    spec, _ = build_scheduler(models["glm"], attention_backend="triton", speculative_algorithm="MTP",
+                              speculative_num_steps=3, **kw)
+    assert spec.model_runner.spec.phases.target_verify.backends[CacheKind.MLA].kv_pool.scales is not None
+    assert all(r.graphs for r in spec.model_runner.spec.phases.all())
+    assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
     spec.check_idle_invariants()

@@ -44,10 +44,10 @@ def _prompt_ids(lens=LENS, seed=7):
     return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
 
 
-def _prefill_logits(path, prompts, mla_prefill, page_size=1, max_scores=None, max_kv_values=None):
+def _prefill_logits(path, prompts, mla_prefill, page_size=1, max_scores=None, max_kv_values=None, **kw):
     """A fresh runner's chunked prefill (chunks of 16, every request in each forward) -> (logits per prompt, the
-    eager MLA backend)."""
-    mr, t = _runner(path, n=0, mla_prefill=mla_prefill, page_size=page_size)
+    eager MLA backend); kw: more server args (e.g. kv_cache_dtype)."""
+    mr, t = _runner(path, n=0, mla_prefill=mla_prefill, page_size=page_size, **kw)
     mla = mr.prefill.eager_backends[CacheKind.MLA]
     if max_scores is not None:
         mla.max_scores, mla.max_kv_values = max_scores, max_kv_values

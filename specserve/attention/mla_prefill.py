@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from specserve.attention.eager_blocks import MAX_SCORES, query_blocks
 from specserve.attention.torch_backend import _ExtendMeta
+from specserve.kernels.reference_latent_fp8 import read_latent
 
 # The most decompressed values (keys and values, [S, heads, nope + v] plus the keys' [S, heads, nope + R]) one
 # request piece materialises at once: its heads go in groups under it (heads attend independently, nothing to merge).
@@ -45,18 +46,19 @@ class MHAPrefillMeta(_ExtendMeta):
 
 def mha_prefill_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, w_kv: torch.Tensor,
                           meta: _ExtendMeta, scaling: float, max_scores: int = MAX_SCORES,
-                          max_kv: int = MAX_KV_VALUES) -> torch.Tensor:
+                          max_kv: int = MAX_KV_VALUES, scales: torch.Tensor | None = None) -> torch.Tensor:
     """q_nope [T, H, nope] and q_rope [T, H, R] (rotated): the query before absorption; rows [slots, C + R] the
     layer's latent cache, this batch's rows already stored; w_kv [H, nope + v, C] kv_b_proj's weight by head ->
-    [T, H, v]. Per request piece: heads in groups of at most max_kv decompressed values, each group's queries in
-    blocks of at most max_scores scores (the absorbed path's bound)."""
+    [T, H, v]. scales [slots, G] float32: an fp8 cache's group scales (the rows read dequantised, in q's dtype:
+    kernels/reference_latent_fp8.py), else None. Per request piece: heads in groups of at most max_kv
+    decompressed values, each group's queries in blocks of at most max_scores scores (the absorbed path's bound)."""
     t, heads, nope = q_nope.shape
     r, c = q_rope.shape[-1], w_kv.shape[2]
     v_dim = w_kv.shape[1] - nope
     q = torch.cat((q_nope, q_rope), dim=-1)  # [T, H, nope + R]
     out = q.new_empty((t, heads, v_dim))
     for q0, e, slots, mask in meta.pieces:
-        lat = rows.index_select(0, slots).to(q.dtype)  # [s, C + R]: the request's prefix and this chunk
+        lat = read_latent(rows, scales, slots, r, q.dtype)  # [s, C + R]: the request's prefix and this chunk
         s = lat.shape[0]
         for h0, h1 in query_blocks(heads, s * (2 * nope + r + v_dim), max_kv):
             hb = h1 - h0

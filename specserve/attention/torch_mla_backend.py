@@ -7,7 +7,9 @@ takes its values from the row's first kv_lora_rank dims, c. So this backend is t
 slots each query sees, causal within its request; graphs/padding.py's padded rows see only slot 0) over a one-head
 cache whose value is a prefix of its key. Capturable in fixed-width modes (decode, verify, the draft phases), like the
 MHA reference; variable-length batches read their lengths on the host (CPU static replay only). Eager prefill of
-dense MLA layers may instead attend decompressed (--mla-prefill; attention/mla_prefill.py).
+dense MLA layers may instead attend decompressed (--mla-prefill; attention/mla_prefill.py). An FP8 latent cache
+(--kv-cache-dtype fp8_e4m3 / fp8_e5m2) keeps a float32 scale per group of each row: every write goes through
+store_latent, every read dequantises (kernels/reference_latent_fp8.py; the Triton kernel inside its key tile).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from specserve.attention.mla_prefill import MAX_KV_VALUES, MHAPrefillMeta, mha_p
 from specserve.attention.torch_backend import TorchAttentionBackend, _ExtendMeta, _FixedMeta
 from specserve.batch import CacheKind, ForwardBatch, ForwardMode
 from specserve.kernels.reference import quantise_rows_fp8
+from specserve.kernels.reference_latent_fp8 import read_latent, store_latent
 
 
 class TorchMLABackend(TorchAttentionBackend):
@@ -54,10 +57,19 @@ class TorchMLABackend(TorchAttentionBackend):
         """The non-absorbed form, where prefill_mha: q_nope [T, H, nope], q_rope [T, H, R] (rotated); latent [T, C + R]
         this batch's new rows (stored at fb.out_cache_loc); w_kv [H, nope + v, C] kv_b_proj's weight -> [T, H, v],
         o_proj's input."""
-        rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
-        rows[fb.out_cache_loc] = latent.to(rows.dtype)
+        rows, scales = self.store_latent(latent, layer, fb)
         return mha_prefill_attention(q_nope, q_rope, rows, w_kv, self.meta, layer.scaling, self.max_scores,
-                                     self.max_kv_values)
+                                     self.max_kv_values, scales)
+
+    def store_latent(self, latent: torch.Tensor, layer, fb: ForwardBatch):
+        """This batch's new rows latent [T, C + R] stored at fb.out_cache_loc (in an fp8 cache quantised with a
+        scale per group: kernels/reference_latent_fp8.py) -> the layer's (rows [slots, C + R], scales [slots, G]
+        float32 or None)."""
+        i = layer.cache_index
+        rows = self.kv_pool.rows[i]
+        scales = None if self.kv_pool.scales is None else self.kv_pool.scales[i]
+        store_latent(rows, scales, fb.out_cache_loc, latent, rows.shape[1] - layer.kv_lora_rank)
+        return rows, scales
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
@@ -65,13 +77,13 @@ class TorchMLABackend(TorchAttentionBackend):
         at fb.out_cache_loc) -> [T, H, C] attention over the latent rows' first C = layer.kv_lora_rank dims.
         selection: the sparse-attention indexer's choice (TorchIndexBackend.select, same metadata layout), ANDed
         with the causal mask; None: dense."""
-        rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
-        rows[fb.out_cache_loc] = latent.to(rows.dtype)
+        rows, scales = self.store_latent(latent, layer, fb)  # [slots, C + R], [slots, G] or None
         c = layer.kv_lora_rank
+        rope = rows.shape[1] - c
         meta = self.meta
         if isinstance(meta, _FixedMeta):
             bs, w = meta.mask.shape[0], meta.mask.shape[2]
-            kv = rows.index_select(0, meta.kv_slots.reshape(-1)).view(bs, 1, -1, rows.shape[1]).to(q.dtype)
+            kv = read_latent(rows, scales, meta.kv_slots.reshape(-1), rope, q.dtype).view(bs, 1, -1, rows.shape[1])
             qq = q.view(bs, w, layer.num_heads, -1).transpose(1, 2)  # [bs, H, w, C + R]
             mask = meta.mask if selection is None else meta.mask & selection  # [bs, 1, w, kv]
             o = F.scaled_dot_product_attention(qq, kv, kv[..., :c], attn_mask=mask, scale=layer.scaling,
@@ -79,7 +91,7 @@ class TorchMLABackend(TorchAttentionBackend):
             return o.transpose(1, 2).reshape(bs * w, layer.num_heads, c)
         out = q.new_empty((q.shape[0], layer.num_heads, c))
         for i, (q0, e, slots, mask) in enumerate(meta.pieces):
-            kv = rows.index_select(0, slots)[None, None].to(q.dtype)  # [1, 1, s, C + R]
+            kv = read_latent(rows, scales, slots, rope, q.dtype)[None, None]  # [1, 1, s, C + R]
             if selection is not None:
                 mask = mask & selection[i]
             for a, b in query_blocks(e, layer.num_heads * slots.numel(), self.max_scores):
@@ -242,16 +254,15 @@ class TritonMLABackend(_TokenRowsGraphs, TorchMLABackend):
         if not isinstance(selection, SparseSelection) and not isinstance(meta, (_FixedMeta, TokenRows)):
             return super().forward(q, latent, layer, fb, selection)  # eager dense prefill: the reference
         mla_decode_triton = self._kernel
-        rows = self.kv_pool.rows[layer.cache_index]  # [slots, C + R]
-        rows[fb.out_cache_loc] = latent.to(rows.dtype)
+        rows, scales = self.store_latent(latent, layer, fb)  # [slots, C + R], [slots, G] or None
         if isinstance(selection, SparseSelection):  # each query token alone over its chosen rows
             return mla_decode_triton(q.contiguous(), rows, selection.slots, selection.counts, 1, layer.scaling,
-                                     layer.kv_lora_rank)
+                                     layer.kv_lora_rank, scales=scales)
         if isinstance(meta, TokenRows):  # each token over its request's page-table row, to its causal length
             return mla_decode_triton(q.contiguous(), rows, self.req_to_token.table, meta.lens, 1, layer.scaling,
-                                     layer.kv_lora_rank, kv_rows=meta.rows)
+                                     layer.kv_lora_rank, kv_rows=meta.rows, scales=scales)
         return mla_decode_triton(q.contiguous(), rows, meta.kv_slots, fb.seq_lens, meta.mask.shape[2],
-                                 layer.scaling, layer.kv_lora_rank, selection)
+                                 layer.scaling, layer.kv_lora_rank, selection, scales=scales)
 
 
 @dataclass

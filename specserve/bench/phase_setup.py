@@ -251,7 +251,7 @@ def randomize_token_caches(caches) -> None:
                     t.copy_(torch.randn(t.shape, device=t.device, dtype=torch.bfloat16))
                 else:
                     t.normal_()
-            for t in getattr(pool, "scales", None) or ():  # fp8 index keys' per-token scales
+            for t in getattr(pool, "scales", None) or ():  # fp8 rows' scales (index keys: per token; latents: groups)
                 t.uniform_(0.5, 1.5)
 
 

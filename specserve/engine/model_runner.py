@@ -75,12 +75,14 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return getattr(torch, KV_CACHE_TORCH_NAMES.get(name, name))
 
 
-def check_kv_cache_dtype(name: str, kv_dtype: torch.dtype, specs: list) -> None:
-    """An FP8 KV cache is implemented for MHA K/V only: a model whose caches hold MLA latents (DeepSeek / GLM
-    families, target or draft) is refused before anything is allocated. Recurrent state keeps its own dtypes."""
-    if is_fp8(kv_dtype) and any(s.kind is CacheKind.MLA for s in specs):
-        raise ValueError(f"--kv-cache-dtype {name} is implemented for MHA caches; MLA latents (DeepSeek / GLM "
-                         f"families) are not supported in FP8 yet: use --kv-cache-dtype auto or bfloat16")
+def token_kind_dtypes(indexer_cache_dtype: str, kv_dtype: torch.dtype,
+                      model_dtype: torch.dtype) -> dict[CacheKind, torch.dtype]:
+    """Token-indexed kinds kept in another dtype than --kv-cache-dtype's: the DSA indexer's keys follow
+    --indexer-cache-dtype alone (fp8_e4m3: e4m3 with a scale per key; auto: the KV cache's 16-bit dtype, the model's
+    under an fp8 KV cache, whose MLA latents are fp8 with group scales while the index keys stay unquantised)."""
+    if indexer_cache_dtype == "fp8_e4m3":
+        return {CacheKind.INDEX_KEYS: torch.float8_e4m3fn}
+    return {CacheKind.INDEX_KEYS: model_dtype} if is_fp8(kv_dtype) else {}
 
 
 class ModelRunner:
@@ -109,9 +111,7 @@ class ModelRunner:
         # ---- sizing: one budget for every pool (token slots of target and draft, then state rows)
         target_specs = target.cache_specs()
         draft_specs = draft.cache_specs() if draft is not None else []
-        check_kv_cache_dtype(args.kv_cache_dtype, kv_dtype, target_specs + draft_specs)
-        self.kind_dtypes = ({CacheKind.INDEX_KEYS: torch.float8_e4m3fn} if args.indexer_cache_dtype == "fp8_e4m3"
-                            else {})
+        self.kind_dtypes = token_kind_dtypes(args.indexer_cache_dtype, kv_dtype, dtype)
         if args.mla_prefill == "mha" and any(s.kind is CacheKind.INDEX_KEYS for s in target_specs):
             logger.warning("--mla-prefill mha: sparse-attention (DSA) layers attend each query's top-k rows, "
                            "absorbed as in every other phase; only dense MLA layers prefill decompressed")

@@ -43,6 +43,11 @@ has fewer than 64 heads, to bound the c tile's registers; at 64 heads 64 keys me
 accumulator and the c tile dominate), num_stages 2. `F32_DOT` computes the products in
 float32: set for CPU tensors only, where the Triton interpreter's bfloat16 tl.dot is wrong (triton 3.9);
 probabilities are still rounded to the value dtype first, as on the GPU.
+
+FP8 latent cache (kernels/reference_latent_fp8.py): the rows are fp8 with a float32 scale per 128 latent values and
+one for the rope part; the key tile's c and k_rope parts are multiplied by their groups' scales in float32 and
+rounded to q's dtype: the dots see what a 16-bit cache of the dequantised rows holds (the value tile is
+that dequantised c).
 """
 
 from __future__ import annotations
@@ -53,21 +58,24 @@ import triton.language as tl
 
 from specserve.kernels.launch import grid_pdl, pdl_kwargs, pdl_wait, target_programs
 from specserve.kernels.triton_dot import dot
+from specserve.kvcache.cache_spec import LATENT_SCALE_GROUP, latent_scale_groups
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(m_old - m_new) stays NaN-free
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, sel_ptr, out_ptr, ws_acc_ptr,
-                       ws_ml_ptr,
-                       qk_scale, num_heads, max_kv, kv_lora_rank, rope_dim,
-                       stride_qt, stride_qh, stride_rs, stride_kvb, stride_kvn, stride_sl,
+def _mla_decode_kernel(q_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr, sel_ptr, out_ptr,
+                       ws_acc_ptr, ws_ml_ptr,
+                       qk_scale, num_heads, max_kv, kv_lora_rank, rope_dim, rope_group,
+                       stride_qt, stride_qh, stride_rs, stride_ss, stride_kvb, stride_kvn, stride_sl,
                        stride_sb, stride_sw, stride_sn, stride_ot, stride_oh,
                        W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr,
-                       HAS_SEL: tl.constexpr, HAS_ROWS: tl.constexpr, F32_DOT: tl.constexpr,
-                       PRECISION: tl.constexpr, PDL: tl.constexpr):
+                       HAS_SEL: tl.constexpr, HAS_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                       F32_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """FP8: rows are fp8 with float32 scales [slots, G] (stride_ss per slot): latent column j in group j // GROUP,
+    the rope part in group rope_group (kernels/reference_latent_fp8.py)."""
     t = tl.program_id(0)  # query token b * W + i
     hb = tl.program_id(1)  # head block
     split = tl.program_id(2)  # run of key blocks
@@ -106,11 +114,20 @@ def _mla_decode_kernel(q_ptr, rows_ptr, kv_slots_ptr, kv_rows_ptr, seq_lens_ptr,
         slot = tl.load(slots_row + n * stride_kvn, mask=key_ok, other=0).to(tl.int64)  # [BLOCK_N]
         row = rows_ptr + slot[:, None] * stride_rs  # [BLOCK_N, 1]
         # the latent rows' c part, loaded once: the key's first C dims for every head, then the value
-        kc = tl.load(row + c[None, :], mask=key_ok[:, None] & c_ok[None, :], other=0.0).to(q_c.dtype)
+        kc = tl.load(row + c[None, :], mask=key_ok[:, None] & c_ok[None, :], other=0.0)
+        if FP8:  # dequantised in float32 by each column's group scale, then rounded as a 16-bit cache would hold it
+            sc = tl.load(scales_ptr + slot[:, None] * stride_ss + (c // GROUP)[None, :],
+                         mask=key_ok[:, None] & c_ok[None, :], other=1.0)  # [BLOCK_N, BLOCK_C]
+            kc = kc.to(tl.float32) * sc
+        kc = kc.to(q_c.dtype)
         s = dot(q_c, tl.trans(kc), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N]
         if HAS_ROPE:
             kr = tl.load(row + kv_lora_rank + r[None, :], mask=key_ok[:, None] & r_ok[None, :],
-                         other=0.0).to(q_c.dtype)  # [BLOCK_N, BLOCK_R]
+                         other=0.0)  # [BLOCK_N, BLOCK_R]
+            if FP8:  # the rope part: one scale per row
+                kr = kr.to(tl.float32) * tl.load(scales_ptr + slot * stride_ss + rope_group, mask=key_ok,
+                                                 other=1.0)[:, None]
+            kr = kr.to(q_c.dtype)
             s += dot(q_r, tl.trans(kr), F32_DOT, PRECISION)
         visible = key_ok
         if HAS_SEL:
@@ -204,7 +221,7 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
                       width: int, scale: float, kv_lora_rank: int, selection: torch.Tensor | None = None, *,
                       block_h: int | None = None, block_n: int | None = None, num_splits: int | None = None,
                       num_warps: int | None = None, num_stages: int = 2, out: torch.Tensor | None = None,
-                      kv_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_rows: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA attention of a fixed-width batch.
 
     q [bs * width, H, C + R] (latent-absorbed nope part | rope part); rows [slots, C + R] the latent cache;
@@ -215,7 +232,10 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     block_h: heads per program (power of two >= 16; default 32 for more than 16 heads and 4 or more tokens, else
     16); block_n: keys per step (default 64 for rows of at most 256 padded dims or 64-head programs, else 32);
     num_splits: key splits per query (default from the launch size, `num_key_splits`);
-    num_warps (default from C and the launch size), num_stages: Triton's launch options."""
+    num_warps (default from C and the launch size), num_stages: Triton's launch options.
+    scales [slots, G] float32: rows are an FP8 latent cache (float8_e4m3fn / float8_e5m2), each group of a row
+    dequantised by its scale inside the key tile (kernels/reference_latent_fp8.py); None: a 16-bit or float32
+    cache."""
     num_tokens, num_heads, dim = q.shape
     max_kv = kv_slots.shape[1]
     bs = kv_slots.shape[0] if kv_rows is None else kv_rows.shape[0]
@@ -223,6 +243,11 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
     assert 0 < c <= dim and rows.shape[1] == dim and num_tokens == bs * width and seq_lens.shape == (bs,)
     assert kv_rows is None or (kv_rows.dtype == torch.int64 and selection is None)
     assert q.stride(-1) == 1 and rows.stride(-1) == 1
+    fp8 = scales is not None
+    assert fp8 == (rows.element_size() == 1), "an fp8 latent cache and its group scales go together"
+    groups = latent_scale_groups(dim, rope)
+    if fp8:
+        assert scales.shape == (rows.shape[0], groups) and scales.dtype == torch.float32 and scales.stride(1) == 1
     if out is None:
         out = torch.empty((num_tokens, num_heads, c), dtype=q.dtype, device=q.device)
     assert out.shape == (num_tokens, num_heads, c) and out.dtype == q.dtype and out.stride(-1) == 1
@@ -254,12 +279,15 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         num_warps = 4 if block_c <= 256 or (few_rows(num_tokens, max_kv) and q.dtype != torch.float32) else 8
     pdl = grid_pdl(q.device, num_tokens * head_blocks * num_splits, num_tokens)
     _mla_decode_kernel[(num_tokens, head_blocks, num_splits)](
-        q, rows, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, sel, out, ws_acc, ws_ml,
-        scale * _LOG2E, num_heads, max_kv, c, rope,
-        q.stride(0), q.stride(1), rows.stride(0), kv_slots.stride(0), kv_slots.stride(1), seq_lens.stride(0),
+        q, rows, scales if fp8 else rows, kv_slots, kv_slots if kv_rows is None else kv_rows, seq_lens, sel, out,
+        ws_acc, ws_ml,
+        scale * _LOG2E, num_heads, max_kv, c, rope, groups - 1,
+        q.stride(0), q.stride(1), rows.stride(0), scales.stride(0) if fp8 else 0, kv_slots.stride(0),
+        kv_slots.stride(1), seq_lens.stride(0),
         *sel_strides, out.stride(0), out.stride(1),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, NUM_SPLITS=num_splits,
-        HAS_ROPE=rope > 0, HAS_SEL=selection is not None, HAS_ROWS=kv_rows is not None, F32_DOT=f32_dot,
+        HAS_ROPE=rope > 0, HAS_SEL=selection is not None, HAS_ROWS=kv_rows is not None, FP8=fp8,
+        GROUP=LATENT_SCALE_GROUP, F32_DOT=f32_dot,
         PRECISION=precision, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(bool(pdl)),
     )

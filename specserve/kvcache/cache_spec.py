@@ -35,21 +35,41 @@ class MHACacheSpec:
         return 2 * self.num_kv_heads * (self.head_dim * _itemsize(dtype) + (4 if is_fp8(dtype) else 0))
 
 
+# An FP8 MLA latent row keeps one float32 scale per this many values of its latent part, and one for its rope part
+# (kernels/reference_latent_fp8.py, the format).
+LATENT_SCALE_GROUP = 128
+
+
+def latent_scale_groups(width: int, rope_dim: int) -> int:
+    """Scales per FP8 MLA latent row of `width` = kv_lora_rank + rope_dim values: cdiv(kv_lora_rank, 128) latent
+    groups, then one for the rope part (512 + 64 -> 5)."""
+    return -(-(width - rope_dim) // LATENT_SCALE_GROUP) + (1 if rope_dim else 0)
+
+
 @dataclass(frozen=True)
 class LatentCacheSpec:
-    """One row of `width` values per token: an MLA latent (kv_lora_rank + qk_rope_head_dim, kind MLA) or a sparse
-    indexer's key (index head dim, kind INDEX_KEYS)."""
+    """One row of `width` values per token: an MLA latent (kv_lora_rank + qk_rope_head_dim, kind MLA; rope_dim its
+    last qk_rope_head_dim values) or a sparse indexer's key (index head dim, kind INDEX_KEYS)."""
 
     width: int
     kind: CacheKind = CacheKind.MLA
+    rope_dim: int = 0
 
     def __post_init__(self):
         if self.kind not in (CacheKind.MLA, CacheKind.INDEX_KEYS):
             raise ValueError(f"a latent cache is MLA or INDEX_KEYS, not {self.kind}")
+        if not 0 <= self.rope_dim < self.width or (self.rope_dim and self.kind is not CacheKind.MLA):
+            raise ValueError(f"rope_dim {self.rope_dim}: an MLA row's last values, fewer than its width {self.width}")
+
+    @property
+    def scale_groups(self) -> int:
+        """float32 scales per row in an 8-bit float dtype: an MLA latent's groups (latent_scale_groups), one per
+        indexer key."""
+        return latent_scale_groups(self.width, self.rope_dim) if self.kind is CacheKind.MLA else 1
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """In an 8-bit float dtype each row also keeps a float32 scale (kvcache/kv_pool.py LatentPool)."""
-        return self.width * _itemsize(dtype) + (4 if is_fp8(dtype) else 0)
+        """In an 8-bit float dtype each row also keeps its float32 scales (kvcache/kv_pool.py LatentPool)."""
+        return self.width * _itemsize(dtype) + (4 * self.scale_groups if is_fp8(dtype) else 0)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.batch import CacheKind
 from specserve.kvcache.cache_spec import LatentCacheSpec, MHACacheSpec, is_fp8
 
 
@@ -54,7 +55,9 @@ class KVPool:
 
 class LatentPool:
     """One row per token per layer (MLA latent or indexer keys): rows[i] of [num_slots, width]. In an 8-bit float
-    dtype each row has a float32 scale, scales[i] of [num_slots] (row = stored * scale)."""
+    dtype each row has float32 scales: an MLA latent one per group of its values, scales[i] of [num_slots, groups]
+    (kernels/reference_latent_fp8.py: 128 latent values a group, the rope part its own), an indexer key one,
+    scales[i] of [num_slots] (row = stored * scale). Ones at init, so unwritten slots (dummy slot 0) read as zeros."""
 
     def __init__(self, specs: list[LatentCacheSpec], num_slots: int, dtype: torch.dtype, device: torch.device):
         self.kind = specs[0].kind
@@ -62,5 +65,5 @@ class LatentPool:
         self.num_slots = num_slots
         self.dtype = dtype
         self.rows = [torch.zeros((num_slots, s.width), dtype=dtype, device=device) for s in specs]
-        self.scales = ([torch.ones(num_slots, dtype=torch.float32, device=device) for _ in specs]
-                       if is_fp8(dtype) else None)
+        self.scales = ([torch.ones((num_slots, s.scale_groups) if s.kind is CacheKind.MLA else num_slots,
+                                   dtype=torch.float32, device=device) for s in specs] if is_fp8(dtype) else None)

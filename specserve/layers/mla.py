@@ -78,7 +78,7 @@ class MLAAttention(nn.Module):
         self.rotary = rotary  # shared module, over the rope dims
 
     def cache_specs(self) -> list[LatentCacheSpec]:
-        mla = LatentCacheSpec(self.kv_lora_rank + self.rope, CacheKind.MLA)
+        mla = LatentCacheSpec(self.kv_lora_rank + self.rope, CacheKind.MLA, self.rope)
         return [mla] if self.indexer is None else [mla, self.indexer.cache_spec()]
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
