@@ -327,7 +327,8 @@ def test_per_channel_experts_made_fp8_on_meta_and_loaded_in_fp8():
     block's expert stack (a fused gated shared expert as expert E included) FP8 on the meta device, so the stack is
     never allocated in the model dtype; each checkpoint piece (paired by weights/fp8.py: a per-tensor scale becomes
     one per row) is kept in FP8, gate and up of an expert with their own per-tensor scales; the stack dequantizes
-    to the pieces' values exactly, also after to_plain; a tensor-parallel stack takes no FP8 (dequantized)."""
+    to the pieces' values exactly, also after to_plain; a tensor-parallel stack keeps its slice in FP8 where the
+    blocks fit it."""
     from torch import nn
 
     from specserve.distributed.tp import TPGroup
@@ -369,7 +370,10 @@ def test_per_channel_experts_made_fp8_on_meta_and_loaded_in_fp8():
     experts.to_plain()
     assert experts.w13.dtype == torch.float32 and not hasattr(experts, "w13_scale")
     assert torch.equal(experts.w13, want13) and torch.equal(experts.w2, want2)
-    assert not FusedMoE(e, h, i, TPGroup(0, 2)).accepts_fp8(None)  # an intermediate slice per rank: dequantized
+    # an intermediate slice per rank: per-channel always kept in FP8; blocks only where the slice is on them
+    assert FusedMoE(e, h, i, TPGroup(1, 2)).accepts_fp8(None)
+    assert FusedMoE(e, h, 32, TPGroup(1, 2)).accepts_fp8((16, 16))
+    assert not FusedMoE(e, h, 32, TPGroup(1, 2)).accepts_fp8((32, 16))
     assert experts.quantize_fp8(None) and experts.fp8_per_channel  # online FP8 may ask for per-row scales too
     back = dequantize_experts(experts.w13, experts.w13_scale, None)  # [E, 2I, H]
     assert ((back - want13).abs() <= want13.abs().amax(-1, keepdim=True) / 16).all()  # e4m3: within 1/16 of amax

@@ -17,11 +17,26 @@ def run_model(path: str, tp: TPGroup, prompts: list[list[int]], steps: int,
               expert_parallel: bool = True) -> list[torch.Tensor]:
     """[prefill logits [T, V], then one [bs, V] per greedy decode step] for `prompts`, on this rank.
     expert_parallel: MoE experts partitioned over the ranks (--ep-size = --tp-size), else each split (--ep-size 1)."""
+    return run_loaded(load_rank_model(path, tp, expert_parallel), path, prompts, steps)
+
+
+def load_rank_model(path: str, tp: TPGroup, expert_parallel: bool = True, online_fp8: bool = False):
+    """This rank's LoadedTarget of `path` on the CPU in float32; online_fp8: then --quantization fp8 applied."""
+    from specserve.layers.quant import OnlineFp8, quantize_fp8_online
+
+    t = load_target(ModelSource.resolve(path), torch.float32, torch.device("cpu"), 600, tp=tp,
+                    expert_parallel=expert_parallel)
+    if online_fp8:
+        quantize_fp8_online(t.model, OnlineFp8())
+    return t
+
+
+def run_loaded(t, path: str, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """run_model's logits for an already loaded target `t`."""
     from specserve.engine.model_runner import ModelRunner
     from specserve.kvcache.manager import KVHandle
 
     cpu = torch.device("cpu")
-    t = load_target(ModelSource.resolve(path), torch.float32, cpu, 600, tp=tp, expert_parallel=expert_parallel)
     args = ServerArgs(model_path=path, max_total_tokens=2048, max_running_requests=8)
     mr = ModelRunner(args, t.model, t.config, None, cpu, torch.float32, 512)
     handles = [KVHandle() for _ in prompts]
@@ -62,6 +77,26 @@ def rank_main(rank: int, size: int, rendezvous: str, path: str, prompts: list[li
     # End the rank here: under load, gloo's threads have once aborted the interpreter's own teardown afterwards
     # ("terminate called without an active exception", SIGABRT), failing a run whose results were all written.
     os._exit(0)
+
+
+def fp8_rank_main(rank: int, size: int, rendezvous: str, jobs: list[tuple[str, bool, bool]],
+                  prompts: list[list[int]], steps: int, out: str) -> None:
+    """jobs: (path, expert_parallel, online_fp8) loaded and run one after the other in this one process launch;
+    each rank saves `out`.{rank}: per job (its logits on rank 0, else None; the (linear layers, expert stacks) it
+    holds in FP8, counted in the rank process)."""
+    from test_fp8_checkpoint import fp8_modules
+
+    torch.set_num_threads(1)
+    tp = init_tp(rank, size, rendezvous, "gloo")
+    results = []
+    for path, expert_parallel, online in jobs:
+        t = load_rank_model(path, tp, expert_parallel, online)
+        logits = run_loaded(t, path, prompts, steps)
+        results.append((logits if rank == 0 else None, fp8_modules(t.model)))
+    torch.save(results, f"{out}.{rank}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # (rank_main says why)
 
 
 def single(path: str, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:

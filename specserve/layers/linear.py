@@ -6,11 +6,11 @@ On CPU in float32, small row counts run through oneDNN with a prepacked copy of 
 through its weight-only int8 copy (layers/cpu_linear.py); everything else (GPU, other dtypes, training, large row
 counts) is plain F.linear.
 
-FP8: a Linear (one device) may hold its weight in float8 e4m3 with float32 scales (`weight_scale`, a buffer: per
-128 x 128 block of an FP8 checkpoint, or per output row from online quantisation); its forward then quantises the
-input per token (per group of the block's columns) and multiplies in FP8 (kernels/ops.py fp8_linear: Triton on a
-GPU, a dequantising reference on a CPU). `load_fp8` takes a checkpoint's Fp8Weight, `quantize_fp8` a loaded
-weight.
+FP8: a Linear (a tensor-parallel one too: its slice) may hold its weight in float8 e4m3 with float32 scales
+(`weight_scale`, a buffer: per 128 x 128 block of an FP8 checkpoint, or per output row from online quantisation);
+its forward then quantises the input per token (per group of the block's columns) and multiplies in FP8
+(kernels/ops.py fp8_linear: Triton on a GPU, a dequantising reference on a CPU). `keep_fp8` takes a checkpoint's
+Fp8Weight (the tensor-parallel layers their slice of it: `fp8_slice`), `quantize_fp8` a loaded weight.
 """
 
 from __future__ import annotations
@@ -84,13 +84,22 @@ class Linear(nn.Module):
         self.fp8_block = None
 
     def accepts_fp8(self, block: tuple[int, int] | None) -> bool:
-        """Whether this layer can hold an FP8 weight with `block` scales (None: per row): one device, read through
-        forward, no plain part loaded yet, a block the kernels take that every fused part starts on."""
-        if type(self) not in (Linear, MergedLinear) or not self.fp8_capable:
+        """Whether this layer can hold an FP8 weight with `block` scales (None: per row): read through forward, no
+        plain part loaded yet, a block the kernels take that every fused part (and a tensor-parallel layer's
+        slice) starts on."""
+        if not self.fp8_capable:
             return False
         if self.is_fp8:
             return self.fp8_block == block
-        if self.loaded_plain or (block is not None and any(b not in FP8_BLOCK_SIZES for b in block)):
+        if self.loaded_plain:
+            return False
+        return self.fp8_blocks_fit(block)
+
+    def fp8_blocks_fit(self, block: tuple[int, int] | None) -> bool:
+        """Whether `block` scales fit this layer's weight: a block the kernels take, on which every fused part and
+        a tensor-parallel layer's slice of the checkpoint tensor start (their scales then a slice of the
+        checkpoint's)."""
+        if block is not None and any(b not in FP8_BLOCK_SIZES for b in block):
             return False
         return all(self._block_aligned(block))
 
@@ -106,8 +115,24 @@ class Linear(nn.Module):
     def _block_aligned(self, block: tuple[int, int] | None):
         yield True
 
+    def fp8_slice(self, w: Fp8Weight) -> Fp8Weight:
+        """This layer's part of a checkpoint's FP8 weight: all of it on one device (the tensor-parallel layers
+        override it with their rank's slice; called only where fp8_blocks_fit)."""
+        return w
+
+    def keep_fp8(self, w: Fp8Weight) -> bool:
+        """Load a checkpoint's (whole) FP8 weight in FP8, this layer's slice of it; False where it cannot hold it
+        (the caller then loads it dequantized)."""
+        if not self.accepts_fp8(w.block):
+            return False
+        part = self.fp8_slice(w)
+        if not self.fp8_ready(part):
+            return False
+        self.load_fp8(part)
+        return True
+
     def load_fp8(self, w: Fp8Weight) -> None:
-        """A whole FP8 weight (fp8_ready first)."""
+        """An FP8 weight of this layer's shape (fp8_ready first)."""
         copy_checked(self.weight, w.q, "FP8 weight")
         copy_checked(self.weight_scale, w.scale, "FP8 weight scale")
 

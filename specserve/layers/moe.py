@@ -18,7 +18,7 @@ from specserve.kernels import ops
 from specserve.layers.activation import silu_and_mul
 from specserve.layers.linear import Linear, MergedLinear, copy_checked
 from specserve.layers.parallel import MergedColumnParallelLinear, RowParallelLinear
-from specserve.weights.fp8 import Fp8Weight
+from specserve.weights.fp8 import Fp8Weight, slice_on_blocks
 
 ROUTERS = ("softmax", "grouped_sigmoid")
 _EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -47,8 +47,12 @@ class FusedMoE(nn.Module):
     (DeepSeek / GLM / Qwen FP8 releases, and online FP8); per-channel, fp8_block None (`fp8_per_channel`):
     w13_scale [E, 2I], w2_scale [E, H], one scale per weight row (compressed-tensors' channel strategy; a per-tensor
     checkpoint's scale repeated over its projection's rows, so an expert's gate and up, or a fused shared expert,
-    keep their own).
+    keep their own). Under tensor parallelism each rank keeps its I slice in FP8 with its scales: w13's gate and up
+    rows and their scale rows, w2's columns with their scale columns (block) or all of w2's row scales (per-channel);
+    block-scaled only where the slice falls on the blocks (fp8_blocks_fit), else dequantized.
     """
+
+    fp8_capable = True  # (as Linear's attribute: the loader asks either)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup = TP1):
         super().__init__()
@@ -111,18 +115,21 @@ class FusedMoE(nn.Module):
 
     def accepts_fp8(self, block: tuple[int, int] | None) -> bool:
         """Whether the experts can hold FP8 weights with `block` scales (None: one per row, which every shape
-        takes): one device (a tensor-parallel slice is dequantized), a block the kernel takes (the gate and up rows
-        each a whole number of blocks; a power-of-two column block of at least 16), no plain piece loaded yet."""
-        if self.tp.size > 1:
-            return False
+        and slice takes): a block that fits (fp8_blocks_fit), no plain piece loaded yet."""
         if self.is_fp8:
             return self.fp8_block == block
-        if self.loaded_plain:
-            return False
+        return not self.loaded_plain and self.fp8_blocks_fit(block)
+
+    def fp8_blocks_fit(self, block: tuple[int, int] | None) -> bool:
+        """A block the kernel takes (the gate and up rows each a whole number of blocks; a power-of-two column
+        block of at least 16) and, under tensor parallelism, this rank's I slice of w2's columns on the blocks
+        (the gate / up row slices are then too: I / size a multiple of bn)."""
         if block is None:
             return True
         bn, bk = block
-        return self.intermediate_size % bn == 0 and bk >= 16 and bk & (bk - 1) == 0
+        i, tp = self.intermediate_size, self.tp
+        return (i % bn == 0 and bk >= 16 and bk & (bk - 1) == 0
+                and slice_on_blocks(tp.rank * i, i, i * tp.size, bk))
 
     def fp8_ready(self, w: Fp8Weight) -> bool:
         """Whether the experts keep `w` in FP8 (converting on the first one unless converted before allocation)."""
@@ -136,9 +143,14 @@ class FusedMoE(nn.Module):
         """load_expert for an FP8 checkpoint piece kept in FP8; False: the caller loads it dequantized."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside the layer's {self.num_experts} experts")
-        if proj not in _EXPERT_PROJS or not self.fp8_ready(w):
+        if proj not in _EXPERT_PROJS or not self.accepts_fp8(w.block):
             return False
         i = self.intermediate_size
+        if self.tp.size > 1:  # this rank's intermediate features: gate / up rows, down's columns (with scales)
+            start = self.tp.rank * i
+            w = w.cols(start, i) if proj == "down_proj" else w.rows(start, i)
+        if not self.fp8_ready(w):
+            return False
         if proj == "down_proj":
             targets, param = (self.w2[expert], self.w2_scale[expert]), "w2"
         else:
@@ -154,10 +166,12 @@ class FusedMoE(nn.Module):
     def quantize_fp8(self, block: tuple[int, int] | None = (128, 128)) -> bool:
         """Online FP8 of loaded bf16 experts (--quantization fp8): `block` scales, as block-scaled FP8 checkpoints
         hold them (the default: layers/quant.py says why), or None: one scale per row. False (left as they are)
-        where the block does not fit."""
+        where the block does not fit. Under tensor parallelism each rank quantises its slice: the same values and
+        scales as the full experts' slice where the blocks fit it (and per-channel for w13's rows; w2's row scales
+        then span this rank's columns only)."""
         from specserve.kernels.reference_moe_fp8 import quantize_blocks, quantize_channels
 
-        if self.is_fp8 or self.tp.size > 1 or (block is not None and self.intermediate_size % block[0]):
+        if self.is_fp8 or not self.fp8_blocks_fit(block):
             return False
         if block is None:
             q13, s13 = quantize_channels(self.w13.detach())  # [E, 2I, H] fp8, [E, 2I]
@@ -426,8 +440,8 @@ class SparseMoEBlock(nn.Module):
     def load_fp8_weight(self, rest: str, w: Fp8Weight) -> bool:
         """load_weight for an FP8 checkpoint weight kept in FP8 (block-scaled or per-channel, as FusedMoE and Linear
         take them): a routed expert's projection, a fused shared expert's, or the separate shared expert's
-        projections. False: the caller loads it dequantized through load_weight (a tensor-parallel slice, a block
-        the kernels do not take, a stack that already holds a plain piece)."""
+        projections. False: the caller loads it dequantized through load_weight (a block the kernels do not
+        take or a tensor-parallel slice off the blocks, a stack that already holds a plain piece)."""
         parts = rest.split(".")
         e = self.num_experts
         if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[3] == "weight":
@@ -444,13 +458,11 @@ class SparseMoEBlock(nn.Module):
                 or parts[2] != "weight"):
             return False
         if parts[1] == "down_proj":
-            down = self.shared_expert.down_proj
-            if not down.fp8_ready(w):
+            if not self.shared_expert.down_proj.keep_fp8(w):
                 return False
-            down.load_fp8(w)
             self.pending["shared_expert.down_proj.weight"].clear()
             return True
-        if parts[1] in ("gate_proj", "up_proj") and self.shared_expert.gate_up_proj.fp8_ready(w):
+        if parts[1] in ("gate_proj", "up_proj") and self.shared_expert.gate_up_proj.accepts_fp8(w.block):
             shard = parts[1].removesuffix("_proj")
             self.shared_expert.gate_up_proj.load_shard(shard, w)
             self.pending["shared_expert.gate_up_proj.weight"].discard(shard)

@@ -53,13 +53,13 @@ ALWAYS_EXCLUDED = ("*.linear_attn.in_proj_ba", "*.linear_attn.in_proj_b", "*.lin
 
 @dataclass(frozen=True)
 class OnlineFp8:
-    """Online FP8 of a bf16/fp16 checkpoint: every linear layer that computes through its forward (one device)
-    quantised at load, one scale per output row (the input per token at each call), and the routed experts in
-    128 x 128 blocks (the fused MoE kernel's FP8 form, the input per token per 128 columns), except the modules
-    whose name matches one of `exclude` (fnmatch globs over our module names and, for a fused projection, its
-    checkpoint parts' names: `model.layers.3.self_attn.q_proj` names the fused qkv_proj; the experts are
-    `model.layers.3.mlp.experts`). Embeddings and the lm-head are not linear layers here and stay in the model
-    dtype."""
+    """Online FP8 of a bf16/fp16 checkpoint: every linear layer that computes through its forward (under
+    tensor parallelism each rank's slice) quantised at load, one scale per output row (the input per token at each
+    call), and the routed experts in 128 x 128 blocks (the fused MoE kernel's FP8 form, the input per token per 128
+    columns), except the modules whose name matches one of `exclude` (fnmatch globs over our module names and, for
+    a fused projection, its checkpoint parts' names: `model.layers.3.self_attn.q_proj` names the fused qkv_proj;
+    the experts are `model.layers.3.mlp.experts`). Embeddings and the lm-head are not linear layers here and stay
+    in the model dtype."""
 
     exclude: tuple[str, ...] = ()
 
@@ -112,7 +112,7 @@ def quantize_fp8_online(model: nn.Module, config: OnlineFp8) -> int:
             # per-channel form the fused MoE kernel also runs, which is not measured faster (bench_moe.py --fp8
             # [--per-channel] compares them on a GPU)
             count += module.quantize_fp8()
-        elif (type(module) in (Linear, MergedLinear) and module.fp8_capable and not module.is_fp8
+        elif (isinstance(module, Linear) and module.fp8_capable and not module.is_fp8
                 and not config.excluded(name, module)):
             module.quantize_fp8()
             count += 1

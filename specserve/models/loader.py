@@ -24,7 +24,7 @@ from specserve.models.config import ModelConfig
 from specserve.models.mtp import MTPDraftModel
 from specserve.models.registry import config_from_hf, model_class
 from specserve.models.tensor_loading import convert_fp8_holders
-from specserve.weights.fp8 import Fp8Format, dequantize_stream, fp8_format, pair_stream
+from specserve.weights.fp8 import Fp8Format, fp8_format, pair_stream
 from specserve.weights.gguf_loader import iter_gguf
 from specserve.weights.safetensors_loader import iter_safetensors, tensor_names
 
@@ -160,14 +160,11 @@ def _fp8_weight_names(src: ModelSource, fp8: Fp8Format, among: set[str] | None =
 
 def _fp8_paired(tensors, fp8: Fp8Format | None, tp: TPGroup):
     """The checkpoint's tensors with each FP8 weight and its scale paired (weights/fp8.py Fp8Weight): the layers
-    that compute in FP8 keep them, the others take them dequantized. Above one rank every weight is dequantized as
-    it streams (tensor-parallel slices of FP8 blocks are not kept in FP8 yet)."""
+    that compute in FP8 keep them (above one rank, their slice with its scales: layers/parallel.py), the others
+    take them dequantized."""
     if fp8 is None:
         return tensors
-    if tp.size > 1:
-        logger.info("FP8 checkpoint under --tp-size %d: weights dequantized at load", tp.size)
-        return dequantize_stream(tensors, fp8)
-    logger.info("FP8 checkpoint: weights kept in FP8 (blocks %s)", fp8.block)
+    logger.info("FP8 checkpoint: weights kept in FP8 (blocks %s, tensor-parallel size %d)", fp8.block, tp.size)
     return pair_stream(tensors, fp8)
 
 
@@ -184,7 +181,7 @@ def load_target(src: ModelSource, dtype: torch.dtype, device: torch.device, max_
     with torch.device("meta"):
         model = cls(cfg, max_positions)
     fp8_names = None
-    if fp8 is not None and tp.size == 1:
+    if fp8 is not None:
         fp8_names = [ours for n in _fp8_weight_names(src, fp8) if not _is_mtp(n, cfg.num_layers)
                      and (ours := cls.checkpoint_name(n)) is not None]
     model = materialize(model, cfg, dtype, device, max_positions, fp8_names, fp8.block if fp8 else None)
@@ -240,7 +237,7 @@ def load_mtp_draft(target: LoadedTarget, draft_path: str | None, dtype: torch.dt
         draft = MTPDraftModel(draft_cfg, max_positions, own_embed=own_embed, own_head=own_head,
                               draft_vocab_size=None if vocab is None or head_from_target else int(vocab.shape[0]))
     fp8_names = None
-    if fp8 is not None and target.config.tp.size == 1:
+    if fp8 is not None:
         fp8_names = [ours for n in _fp8_weight_names(draft_src, fp8, names)
                      if (ours := draft.map_name(n, layer_index)) not in (None, "draft_vocab")]
     draft = materialize(draft, draft_cfg, dtype, device, max_positions, fp8_names, fp8.block if fp8 else None)

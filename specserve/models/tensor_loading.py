@@ -3,10 +3,13 @@
 Our parameter names are the HF checkpoint's, except where we fuse projections: q/k/v into `qkv_proj` and
 gate/up into `gate_up_proj` (each checkpoint tensor is copied into its slice), and an MoE block's per-expert
 tensors, which the block stacks into its [E, ...] tensors as they stream in (layers/moe.py). Under tensor
-parallelism each layer keeps its rank's slice (layers/parallel.py `load_full` / `load_shard`).
+parallelism each layer keeps its rank's slice (layers/parallel.py `load_full` / `load_shard`), of an FP8 weight
+too (with its scales) where the slice falls on the scale blocks.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -21,6 +24,7 @@ _SHARDS = {
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
 _MLP = ".mlp."
+logger = logging.getLogger(__name__)
 
 
 def load_checkpoint_tensor(root: nn.Module, params: dict[str, nn.Parameter], name: str,
@@ -48,7 +52,8 @@ def load_fp8_or_plain(root: nn.Module, name: str, tensor: torch.Tensor | Fp8Weig
     layer back to plain values first, so it is never cast into FP8 without scales."""
     if not isinstance(tensor, Fp8Weight):
         module = fp8_holder(root, name)
-        if type(module) is Linear and module.is_fp8 and name.endswith(".weight"):
+        if isinstance(module, Linear) and not isinstance(module, MergedLinear) and module.is_fp8 \
+                and name.endswith(".weight"):
             module.to_plain()
         return None, tensor
     target = load_fp8_weight(root, name, tensor)
@@ -94,31 +99,42 @@ def _weight_module(root: nn.Module, name: str) -> tuple[nn.Module | None, str, s
 def convert_fp8_holders(root: nn.Module, names, block: tuple[int, int] | None) -> int:
     """Before the weights are allocated (root on the meta device): the modules that will hold the FP8 weights
     `names` (ours) made FP8 now, so an FP8 checkpoint never takes its bf16 size on the device, even for a moment.
-    Modules that cannot hold them (accepts_fp8) stay as they are and get the weights dequantized. Returns how
-    many modules were converted."""
-    done = set()
+    Modules that cannot hold them (accepts_fp8) stay as they are and get the weights dequantized; one log line
+    names those whose blocks do not fall on their parts or tensor-parallel slice. Returns how many modules were
+    converted."""
+    done, misaligned = set(), {}
     for name in names:
         module = fp8_holder(root, name)
-        if module is not None and id(module) not in done and not module.is_fp8 and module.accepts_fp8(block):
+        if module is None or id(module) in done or module.is_fp8:
+            continue
+        if module.accepts_fp8(block):
             module.to_fp8(block)
             done.add(id(module))
+        elif module.fp8_capable and not module.fp8_blocks_fit(block):
+            misaligned.setdefault(id(module), name)
+    if misaligned:
+        logger.info("FP8 checkpoint: %d layer(s) whose parts or tensor-parallel slices do not fall on the %s scale "
+                    "blocks take their weights dequantized (e.g. %s)", len(misaligned), block,
+                    next(iter(misaligned.values())))
     return len(done)
 
 
 def load_fp8_weight(root: nn.Module, name: str, w: Fp8Weight) -> str | None:
-    """Keep a checkpoint's FP8 weight in FP8 where the layer it names computes in FP8 (a Linear on one device, a
-    q/k/v or gate/up part of a fused one, an MoE block's experts and shared expert); returns our parameter's name,
-    or None: the caller loads it dequantized like a plain tensor (any other parameter, a tensor-parallel slice)."""
+    """Keep a checkpoint's FP8 weight in FP8 where the layer it names computes in FP8 (a Linear, a q/k/v or gate/up
+    part of a fused one, an MoE block's experts and shared expert; under tensor parallelism this rank's slice of
+    it); returns our parameter's name, or None: the caller loads it dequantized like a plain tensor (any other
+    parameter, a slice off the scale blocks)."""
     moe = _moe_block(root, name)
     if moe is not None:
         return name if moe[0].load_fp8_weight(moe[1], w) else None
     module, module_name, shard = _weight_module(root, name)
-    if not isinstance(module, Linear) or not module.fp8_ready(w):
+    if not isinstance(module, Linear):
         return None
     if shard is None:
-        module.load_fp8(w)
-    elif isinstance(module, MergedLinear):
-        module.load_shard(shard, w)
+        if not module.keep_fp8(w):
+            return None
+    elif isinstance(module, MergedLinear) and module.accepts_fp8(w.block):
+        module.load_shard(shard, w)  # this part (this rank's rows of it) in FP8, or dequantized by the layer
     else:
         return None
     return f"{module_name}.weight"

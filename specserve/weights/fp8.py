@@ -122,13 +122,31 @@ class Fp8Weight:
 
     def rows(self, start: int, size: int) -> Fp8Weight:
         """Rows [start, start + size) of the weight with their scales: a whole number of scale blocks (a fused
-        projection's part, a tensor-parallel slice); ValueError otherwise."""
+        projection's part, a column-parallel slice); ValueError otherwise."""
         if self.block is None:
             return Fp8Weight(self.q[start:start + size], self.scale[start:start + size], None)
         bo = self.block[0]
-        if start % bo or (size % bo and start + size != self.q.shape[0]):
+        if not slice_on_blocks(start, size, self.q.shape[0], bo):
             raise ValueError(f"rows {start}..{start + size} do not fall on the FP8 scale blocks of {bo} rows")
         return Fp8Weight(self.q[start:start + size], self.scale[start // bo:-(-(start + size) // bo)], self.block)
+
+    def cols(self, start: int, size: int) -> Fp8Weight:
+        """Columns [start, start + size) of the weight (a row-parallel slice of the input features) with their
+        scales: every row's (per-channel: a row's scale covers all its columns), or the scale columns of a whole
+        number of blocks; ValueError otherwise."""
+        if self.block is None:
+            return Fp8Weight(self.q[:, start:start + size], self.scale, None)
+        bi = self.block[1]
+        if not slice_on_blocks(start, size, self.q.shape[1], bi):
+            raise ValueError(f"columns {start}..{start + size} do not fall on the FP8 scale blocks of {bi} columns")
+        return Fp8Weight(self.q[:, start:start + size], self.scale[:, start // bi:-(-(start + size) // bi)],
+                         self.block)
+
+
+def slice_on_blocks(start: int, size: int, full: int, block: int) -> bool:
+    """Whether [start, start + size) of a dimension of `full` is a whole number of scale blocks of `block` (the
+    last block of the full dimension may be partial): its scales are then a slice of the full weight's."""
+    return start % block == 0 and (size % block == 0 or start + size == full)
 
 
 def paired(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format) -> Fp8Weight:
