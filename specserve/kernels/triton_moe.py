@@ -188,6 +188,19 @@ def _block(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m
 
 
 @triton.jit
+def _tile(a_ptr, a_rows, stride_a, w_ptr, e, stride_we, stride_wn, pid_n, n_dim, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """A GEMM program's tile (every expert GEMM here: weights [E, N, K], K contiguous): its columns n [BLOCK_N] of
+    n_dim and n_ok, the K lanes k [BLOCK_K], the input rows' pointers a_ptrs [M, K] (rows a_rows [M] int64 of
+    stride_a) and expert e's weight pointers w_ptrs [K, N] (row n of stride_wn)."""
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a + k[None, :]  # [M, K]
+    w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N]
+    return n, n < n_dim, k, a_ptrs, w_ptrs
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, hidden,
                     inter, stride_xt, stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -198,11 +211,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
     if live:
         row_ok = pair < n_pairs
         tok = (pair // TOP_K).to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter
-        k = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + tok[:, None] * stride_xt + k[None, :]  # [M, K]
-        g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N] gate rows
+        n, n_ok, k, x_ptrs, g_ptrs = _tile(x_ptr, tok, stride_xt, w_ptr, e, stride_we, stride_wn, pid_n, inter,
+                                           BLOCK_N, BLOCK_K)  # g_ptrs: the gate rows
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -251,11 +261,8 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
     if live:
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < hidden
-        k = tl.arange(0, BLOCK_K)
-        a_ptrs = act_ptr + rows[:, None] * inter + k[None, :]  # [M, K]
-        w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N]
+        n, n_ok, k, a_ptrs, w_ptrs = _tile(act_ptr, rows, inter, w_ptr, e, stride_we, stride_wn, pid_n, hidden,
+                                           BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k_ok = k0 + k < inter
@@ -305,12 +312,10 @@ def _gate_up_fp8_kernel(xq_ptr, sx_ptr, w_ptr, s_ptr, aq_ptr, sa_ptr, ids_ptr, s
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
         tok = rows // TOP_K
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter  # columns past I: zero weights, so a zero act that changes no group's amax
-        k = tl.arange(0, GROUP)
-        x_ptrs = xq_ptr + tok[:, None] * hidden + k[None, :]  # [M, GROUP]
+        # columns past I (not n_ok): zero weights, so a zero act that changes no group's amax
+        n, n_ok, k, x_ptrs, g_ptrs = _tile(xq_ptr, tok, hidden, w_ptr, e, stride_we, stride_wn, pid_n, inter,
+                                           BLOCK_N, GROUP)  # x_ptrs [M, GROUP]; g_ptrs [GROUP, N]: the gate rows
         sx_ptrs = sx_ptr + tok * x_groups  # [M]
-        g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [GROUP, N] gate rows
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
         sg_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] the gate columns' block rows
         su_ptrs = s_ptr + e * stride_se + ((n + inter) // BN_W) * stride_sn  # [N] and the up columns'
@@ -347,11 +352,8 @@ def _down_fp8_kernel(aq_ptr, sa_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, sorted_ptr, b
     if live:
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < hidden
-        k = tl.arange(0, GROUP)
-        a_ptrs = aq_ptr + rows[:, None] * inter + k[None, :]  # [M, GROUP]
-        w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [GROUP, N]
+        n, n_ok, k, a_ptrs, w_ptrs = _tile(aq_ptr, rows, inter, w_ptr, e, stride_we, stride_wn, pid_n, hidden,
+                                           BLOCK_N, GROUP)  # [M, GROUP], [GROUP, N]
         sw_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] the columns' block rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, GROUP * GROUPS):
@@ -385,11 +387,9 @@ def _gate_up_fp8_channel_kernel(xq_ptr, sx_ptr, w_ptr, s_ptr, act_ptr, amax_ptr,
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
         tok = rows // TOP_K
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < inter  # columns past I: zero weights and scales, so a zero act that changes no amax
-        k = tl.arange(0, BLOCK_K)
-        x_ptrs = xq_ptr + tok[:, None] * hidden + k[None, :]  # [M, K]
-        g_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N] gate rows
+        # columns past I (not n_ok): zero weights and scales, so a zero act that changes no amax
+        n, n_ok, k, x_ptrs, g_ptrs = _tile(xq_ptr, tok, hidden, w_ptr, e, stride_we, stride_wn, pid_n, inter,
+                                           BLOCK_N, BLOCK_K)  # g_ptrs: the gate rows
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -427,15 +427,12 @@ def _down_fp8_channel_kernel(act_ptr, amax_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, so
     if live:
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < hidden
+        n, n_ok, k, a_ptrs, w_ptrs = _tile(act_ptr, rows, inter, w_ptr, e, stride_we, stride_wn, pid_n, hidden,
+                                           BLOCK_N, BLOCK_K)
         tiles = tl.arange(0, AMAX_TILES)
         amax = tl.max(tl.load(amax_ptr + rows[:, None] * amax_tiles + tiles[None, :],
                               mask=row_ok[:, None] & (tiles < amax_tiles)[None, :], other=0.0), axis=1)  # [M]
         sa = scale_of(amax)  # [M] the pairs' act scales
-        k = tl.arange(0, BLOCK_K)
-        a_ptrs = act_ptr + rows[:, None] * inter + k[None, :]  # [M, K]
-        w_ptrs = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [K, N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k_ok = k0 + k < inter
