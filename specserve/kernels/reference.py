@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels.reference_kv_fp8 import store_kv_fp8
+from specserve.kernels.reference_kv_fp8 import quantize_kv, store_kv_fp8
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
@@ -289,7 +289,4 @@ def quantise_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (e4m3 rows [..., D], float32 scales [...]): each row's largest magnitude maps to e4m3's largest
     finite value, 448 (the DSA index-key cache's fp8 format; the indexer scores' q_fp8 option rounds q's head rows
     the same way in its kernel)."""
-    fp8 = torch.float8_e4m3fn
-    top = torch.finfo(fp8).max
-    scale = x.float().abs().amax(dim=-1).clamp_min(1e-12) / top  # [...]
-    return (x.float() / scale[..., None]).clamp(-top, top).to(fp8), scale
+    return quantize_kv(x, torch.float8_e4m3fn, min_amax=1e-12)  # the FP8 KV rule, its amax floor 1e-12

@@ -19,11 +19,12 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_AMAX = 1e-10  # a row of zeros gets a tiny scale, never a division by zero
 
 
-def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (stored [..., D] in dtype, scales [...] float32) by the rule above."""
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, min_amax: float = MIN_AMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (stored [..., D] in dtype, scales [...] float32) by the rule above (min_amax: the floor of a
+    row's largest magnitude; the DSA index keys' format floors at 1e-12: reference.quantise_rows_fp8)."""
     fmax = FP8_MAX[dtype]
     xf = x.float()
-    s = xf.abs().amax(dim=-1).clamp_min(MIN_AMAX) / fmax  # [...]
+    s = xf.abs().amax(dim=-1).clamp_min(min_amax) / fmax  # [...]
     return (xf / s[..., None]).clamp(-fmax, fmax).to(dtype), s
 
 
