@@ -125,6 +125,8 @@ def main() -> None:
     from specserve.kernels import triton_attention as ta
     from specserve.kernels import triton_gemv as tg
     from specserve.kernels import triton_moe as tm
+    from specserve.kernels import triton_moe_blocks as tmb
+    from specserve.kernels import triton_moe_fp8 as tmf
     from specserve.kernels import triton_qk_prep as tq
     from specserve.kernels import triton_rope as trope
     from specserve.kernels import triton_router as tr
@@ -181,13 +183,13 @@ def main() -> None:
         for t in (1, 64):
             x, wts = torch.randn(t, h).to(BF16), torch.rand(t, top)
             ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)])
-            check(f"moe fp8 E{e} H{h} I{i} T{t}", [tm, tf], moe_fp8,
+            check(f"moe fp8 E{e} H{h} I{i} T{t}", [tm, tmf, tmb, tf], moe_fp8,
                   lambda w13=w13, w2=w2, s13=s13, s2=s2, x=x, ids=ids, wts=wts: tm.fused_moe(
                       x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=(128, 128)), aligned=True, **gpu_fp8)
     # and the GPU tests' 16 x 16 blocks: a K step below the e4m3 dot's least K of 32 (triton_fp8_tiles.dot_e4m3)
     w13, w2 = torch.empty(4, 64, 64, dtype=fp8), torch.empty(4, 64, 32, dtype=fp8)
     s13, s2 = torch.ones(4, 4, 4), torch.ones(4, 4, 2)
-    check("moe fp8 16 x 16 blocks", [tm, tf], moe_fp8[:3],
+    check("moe fp8 16 x 16 blocks", [tm, tmf, tmb, tf], moe_fp8[:3],
           lambda: tm.fused_moe(torch.randn(1, 64).to(BF16), w13, w2, torch.rand(1, 2), torch.arange(2)[None],
                                w13_scale=s13, w2_scale=s2, block=(16, 16)), **gpu_fp8)
     # per-channel FP8 experts (compressed-tensors FP8-dynamic: a scale per weight row, x per token, the act per pair
@@ -201,11 +203,11 @@ def main() -> None:
     for t in (1, 64):
         x, wts = torch.randn(t, h).to(BF16), torch.rand(t, top)
         ids = torch.stack([torch.randperm(e)[:top] for _ in range(t)])
-        check(f"moe fp8 per-channel E{e} H{h} I{i} T{t}", [tm, tf], moe_channel,
+        check(f"moe fp8 per-channel E{e} H{h} I{i} T{t}", [tm, tmf, tmb, tf], moe_channel,
               lambda w13=w13, w2=w2, s13=s13, s2=s2, x=x, ids=ids, wts=wts: tm.fused_moe(
                   x, w13, w2, wts, ids, w13_scale=s13, w2_scale=s2, block=None), aligned=True, **gpu_fp8)
     w13, w2 = torch.empty(4, 32, 16, dtype=fp8), torch.empty(4, 16, 16, dtype=fp8)
-    check("moe fp8 per-channel tiny", [tm, tf], moe_channel[:3],
+    check("moe fp8 per-channel tiny", [tm, tmf, tmb, tf], moe_channel[:3],
           lambda: tm.fused_moe(torch.randn(1, 16).to(BF16), w13, w2, torch.rand(1, 2), torch.arange(2)[None],
                                w13_scale=torch.ones(4, 32), w2_scale=torch.ones(4, 16), block=None), **gpu_fp8)
     # the router with the norm inside (Qwen3-30B-A3B: 128 experts, top 8)

@@ -16,7 +16,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from specserve.kernels import reference as ref  # noqa: E402
-from specserve.kernels.triton_moe import fused_moe, moe_align, moe_block_m  # noqa: E402
+from specserve.kernels.triton_moe import fused_moe  # noqa: E402
+from specserve.kernels.triton_moe_blocks import moe_align, moe_block_m  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

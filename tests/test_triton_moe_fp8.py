@@ -37,16 +37,9 @@ from specserve.kernels.reference_moe_fp8 import (  # noqa: E402
 )
 from specserve.kernels.triton_fp8 import quantize_act_groups_triton  # noqa: E402
 from specserve.kernels.triton_fp8_tiles import quantize_groups  # noqa: E402
-from specserve.kernels.triton_moe import (  # noqa: E402
-    DIRECT_BLOCK_M,
-    _fp8_act,
-    _fp8_channel_act,
-    _fp8_channel_configs,
-    _fp8_configs,
-    _route,
-    fused_moe,
-    moe_block_m,
-)
+from specserve.kernels.triton_moe import fused_moe  # noqa: E402
+from specserve.kernels.triton_moe_blocks import DIRECT_BLOCK_M, moe_block_m, route  # noqa: E402
+from specserve.kernels.triton_moe_fp8 import fp8_act, fp8_channel_act, fp8_channel_configs, fp8_configs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -129,13 +122,13 @@ def test_fp8_tiles_rule():
     Table tiles are raised to it; explicit ones that break it are refused, not changed."""
     for bk in (16, 32, 128):
         for block_m in (16, 64, 128):
-            gate_up, down = _fp8_configs(block_m, bk, 768, 2048, None)
+            gate_up, down = fp8_configs(block_m, bk, 768, 2048, None)
             assert gate_up["BLOCK_N"] % bk == 0 and gate_up["BLOCK_K"] % bk == 0 and down["BLOCK_K"] % bk == 0
     cfg = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
     with pytest.raises(ValueError, match="multiples of the weight block's width 32"):
-        _fp8_configs(16, 32, 768, 2048, (cfg, cfg))  # gate/up BLOCK_N 16 < bk 32
+        fp8_configs(16, 32, 768, 2048, (cfg, cfg))  # gate/up BLOCK_N 16 < bk 32
     with pytest.raises(ValueError, match="multiples of the weight block's width 32"):
-        _fp8_configs(16, 32, 768, 2048, (dict(cfg, BLOCK_N=32), dict(cfg, BLOCK_K=48)))
+        fp8_configs(16, 32, 768, 2048, (dict(cfg, BLOCK_N=32), dict(cfg, BLOCK_K=48)))
 
 
 @triton.jit
@@ -205,7 +198,7 @@ def _reference_act(x, w13, s13, block, ids):
 def test_epilogue_act_is_the_reference_act(block, direct):
     """The act the gate/up GEMM quantizes in its epilogue (aq, sa: what the down GEMM reads) against the reference's
     quantized act, bfloat16 x: bit for bit (the roundings are the reference's; under the interpreter the float32
-    sums of x's dtype come out the same, as the final output's test measures). Through _fp8_act, the internal
+    sums of x's dtype come out the same, as the final output's test measures). Through fp8_act, the internal
     helper fused_moe calls; a gate/up BLOCK_N of two groups, so a tile quantizes several."""
     g = torch.Generator().manual_seed(block[0] + direct)
     e, t, k = 6, 1 if direct else 5, 3
@@ -213,9 +206,9 @@ def test_epilogue_act_is_the_reference_act(block, direct):
     x = (torch.randn((t, HIDDEN), generator=g) * 2).to(torch.bfloat16).to(DEV)
     _, ids = _routing(t, e, k, g)
     block_m = DIRECT_BLOCK_M if direct else 16
-    route = (*_route(ids, e, direct, block_m), block_m, k, direct)
+    pairs = (*route(ids, e, direct, block_m), block_m, k, direct)
     cfg = dict(BLOCK_N=2 * block[1], BLOCK_K=block[1], num_warps=4, num_stages=2)
-    aq, sa = _fp8_act(x, w13, s13, *block, route, cfg)
+    aq, sa = fp8_act(x, w13, s13, *block, pairs, cfg)
     _assert_same_quantization(aq, sa, *_reference_act(x, w13, s13, block, ids))
 
 
@@ -396,7 +389,7 @@ def test_fp8_channel_ragged_tiles():
     for direct in (False, True):
         _assert_kernel_matches(fused_moe(x, w13, w2, wts, ids, direct=direct, tiles=tiles, w13_scale=s13,
                                          w2_scale=s2, block=None), want)
-    gate_up, down = _fp8_channel_configs(16, 768, 2048, None)  # Qwen3-30B-A3B: the table's tiles as they are
+    gate_up, down = fp8_channel_configs(16, 768, 2048, None)  # Qwen3-30B-A3B: the table's tiles as they are
     assert gate_up["BLOCK_K"] >= 32 and down["BLOCK_K"] >= 32 and gate_up["BLOCK_N"] >= 16
 
 
@@ -414,8 +407,8 @@ def test_channel_act_is_the_reference_act(direct):
     x = (torch.randn((t, HIDDEN), generator=g) * 2).to(torch.bfloat16).to(DEV)
     _, ids = _routing(t, e, k, g)
     block_m = DIRECT_BLOCK_M if direct else 16
-    route = (*_route(ids, e, direct, block_m), block_m, k, direct)
-    act, amax = _fp8_channel_act(x, w13, s13, route, dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2))
+    pairs = (*route(ids, e, direct, block_m), block_m, k, direct)
+    act, amax = fp8_channel_act(x, w13, s13, pairs, dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2))
     assert amax.shape == (t * k, 2)
     xd = _dequantize_groups(*_quantize_groups(x, HIDDEN), HIDDEN)  # [T, H] per token
     flat = ids.reshape(-1)

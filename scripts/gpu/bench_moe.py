@@ -45,7 +45,9 @@ from specserve.bench.tee import tee_stdout_to
 from specserve.graphs.capture import capture_graph
 from specserve.kernels import reference as ref
 from specserve.kernels.reference_moe_fp8 import fused_moe_fp8_ref, quantize_blocks, quantize_channels
-from specserve.kernels.triton_moe import DIRECT_BLOCK_M, _fp8_configs, _gemm_configs, fused_moe, moe_block_m
+from specserve.kernels.triton_moe import _gemm_configs, fused_moe
+from specserve.kernels.triton_moe_blocks import DIRECT_BLOCK_M, moe_block_m
+from specserve.kernels.triton_moe_fp8 import fp8_configs
 
 PEAK_BW = 4.2e12  # bytes/s: the H200 copy bandwidth measured here
 
@@ -291,7 +293,7 @@ def sweep_fp8_tokens(t: int, w13: torch.Tensor, w2: torch.Tensor, fp8_weights: t
         return fused_moe(x, q13, q2, topk_weights, topk_ids, tiles=tiles, w13_scale=s13, w2_scale=s2, block=block)
 
     block_m = DIRECT_BLOCK_M if t == 1 else moe_block_m(t * k, e)
-    default = _fp8_configs(block_m, block[1], i, h, None)
+    default = fp8_configs(block_m, block[1], i, h, None)
     replay, _ = graphed(lambda: run(None))
     base = time_ms(replay, args.iters, args.warmup, flush)
     print(f"\nT {t} (block_m {block_m}): default {base * 1e3:.1f} us  gate/up {default[0]}  down {default[1]}")

@@ -12,7 +12,8 @@ Tables:
   * GEMV_PDL_MAX_BYTES, GEMV_PDL_SHAPES: which GEMVs launch with programmatic dependent launch.
   * FASTER, FASTER_ROWS, FASTER_PREP, FASTER_NORM_PREP: where `--decode-gemv auto` takes the fused GEMVs
     (kernels/gemv_policy.py).
-  * MOE_TILES, MOE_FP8_TILES: kernels/triton_moe.py's grouped-GEMM tiles by rows per block (bf16; FP8, untuned).
+  * MOE_TILES, MOE_FP8_TILES: the grouped-GEMM tiles by rows per block of kernels/triton_moe.py (bf16)
+    and kernels/triton_moe_fp8.py (FP8, untuned).
   * ROUTER: kernels/triton_router.py's launch shape rules.
 """
 
@@ -127,8 +128,9 @@ MOE_TILES: dict[int, tuple[dict[str, int], dict[str, int]]] = {
 # 1 8 64 512` times each GEMM's configs at each T and prints the fastest pair as an entry of this table, keyed by the
 # T's rows per block (Qwen3-30B-A3B's 128 experts, top 8: 16 rows at T 1 (the direct path), 8 and 64; 64 at T 512);
 # where T 1 and T 8/64 disagree on the 16 entry, the decode sizes matter most. Per-channel FP8 experts (no scale
-# groups) take the same entries as they are (triton_moe._fp8_channel_configs): its K step is a plain e4m3 dot, and the
-# down GEMM also quantizes its act tile each step (BLOCK_M x BLOCK_K values, cheap beside the weight tile's load).
+# groups) take the same entries as they are (triton_moe_fp8.fp8_channel_configs): its K step is a plain e4m3 dot,
+# and the down GEMM also quantizes its act tile each step (BLOCK_M x BLOCK_K values, cheap beside the weight
+# tile's load).
 MOE_FP8_TILES: dict[int, tuple[dict[str, int], dict[str, int]]] = {
     16: (dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
          dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)),
