@@ -25,19 +25,9 @@ from specserve.bench.phase_setup import fake_requests, make_runners, random_mode
 from specserve.bench.phases import timeit
 from specserve.engine.steps import run_decode, run_spec_step
 from specserve.kvcache.cache_spec import bytes_per_token
-from specserve.layers.linear import Linear, MergedLinear
+from specserve.layers.linear import Linear
 from specserve.layers.moe import FusedMoE
-
-
-def quantize(model: torch.nn.Module, scheme: str) -> int:
-    n = 0
-    for m in model.modules():
-        if isinstance(m, FusedMoE):
-            n += m.quantize_fp8((128, 128))
-        elif type(m) in (Linear, MergedLinear) and m.fp8_capable and not m.is_fp8:
-            m.quantize_fp8((128, 128) if scheme == "block" else None)
-            n += 1
-    return n
+from specserve.layers.quant import OnlineFp8, quantize_fp8_online
 
 
 def step_bytes(model: torch.nn.Module, top_k: int) -> int:
@@ -77,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in ("bf16", "fp8"):
         if mode == "fp8" and not a.kv:
-            n = quantize(target, a.scheme) + quantize(draft, a.scheme)
+            block = (128, 128) if a.scheme == "block" else None
+            n = sum(quantize_fp8_online(m, OnlineFp8(), block) for m in (target, draft))
             print(f"quantised {n} layers to FP8 ({a.scheme})", flush=True)
         torch.cuda.empty_cache()
         kv = "fp8_e4m3" if a.kv and mode == "fp8" else "auto"

@@ -102,9 +102,11 @@ class OnlineFp8:
         return any(fnmatch.fnmatchcase(n, g) for n in names for g in self.exclude + ALWAYS_EXCLUDED)
 
 
-def quantize_fp8_online(model: nn.Module, config: OnlineFp8) -> int:
+def quantize_fp8_online(model: nn.Module, config: OnlineFp8, linear_block: tuple[int, int] | None = None) -> int:
     """Apply online FP8 to a loaded model (or draft): each eligible linear layer's weight replaced by FP8 values and
-    per-row scales, one layer at a time (the bf16 copy of that layer freed as it goes). Returns how many."""
+    per-row scales (linear_block: scales per block of that shape instead, as block-scaled checkpoints hold them;
+    scripts/gpu/bench_fp8_decode.py times both), one layer at a time (the bf16 copy of that layer freed as it goes).
+    Returns how many."""
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE) and not config.excluded(name, module):
@@ -114,6 +116,6 @@ def quantize_fp8_online(model: nn.Module, config: OnlineFp8) -> int:
             count += module.quantize_fp8()
         elif (isinstance(module, Linear) and module.fp8_capable and not module.is_fp8
                 and not config.excluded(name, module)):
-            module.quantize_fp8()
+            module.quantize_fp8(linear_block)
             count += 1
     return count
