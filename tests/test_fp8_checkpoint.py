@@ -18,7 +18,7 @@ from hybrid_helpers import build_tiny_hybrid
 from safetensors.torch import load_file, save_file
 
 from specserve.models.loader import ModelSource, load_mtp_draft, load_target
-from specserve.weights.fp8 import Fp8Format, dequantize, dequantize_stream, fp8_format
+from specserve.weights.fp8 import Fp8Format, Fp8Weight, dequantize, fp8_format, pair_stream
 
 FP8 = torch.float8_e4m3fn
 
@@ -59,6 +59,12 @@ def test_dequantize_matches_blockwise_reference(shape, block):
     assert torch.equal(dequantize(q, torch.tensor(0.5), Fp8Format(None)), q.float() * 0.5)  # one scale a tensor
 
 
+def _plain(tensors, fmt: Fp8Format) -> list[tuple[str, torch.Tensor]]:
+    """pair_stream with each FP8 weight dequantized to float32: the checkpoint as a plain one."""
+    return [(n, t.dequantize(torch.float32, None) if isinstance(t, Fp8Weight) else t)
+            for n, t in pair_stream(tensors, fmt)]
+
+
 def test_stream_pairs_weights_and_scales_in_any_order():
     fmt = Fp8Format((16, 16))
     w1, s1 = _quantize(torch.randn(20, 20), (16, 16))
@@ -66,15 +72,15 @@ def test_stream_pairs_weights_and_scales_in_any_order():
     plain = torch.randn(3)
     stream = [("a.weight", w1), ("b.weight_scale_inv", s2), ("norm.weight", plain), ("a.weight_scale_inv", s1),
               ("b.weight", w2)]
-    out = dict(dequantize_stream(stream, fmt))
+    out = dict(_plain(stream, fmt))
     assert set(out) == {"a.weight", "b.weight", "norm.weight"}
     assert torch.equal(out["a.weight"], dequantize(w1, s1, fmt))
     assert torch.equal(out["b.weight"], dequantize(w2, s2, fmt))
     assert out["norm.weight"] is plain
     with pytest.raises(ValueError, match="without their scale"):
-        list(dequantize_stream([("a.weight", w1)], fmt))
+        _plain([("a.weight", w1)], fmt)
     with pytest.raises(ValueError, match="without their"):
-        list(dequantize_stream([("a.weight_scale_inv", s1)], fmt))
+        _plain([("a.weight_scale_inv", s1)], fmt)
 
 
 def test_format_from_config():

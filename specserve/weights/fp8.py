@@ -196,10 +196,3 @@ def pair_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
         left = sorted(weights) + sorted(n + suffix for n in scales)
         raise ValueError(f"FP8 checkpoint: {len(left)} weight(s) without their scale or scale(s) without their "
                          f"weight, e.g. {left[0]}")
-
-
-def dequantize_stream(tensors: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format,
-                      device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """pair_stream with every FP8 weight dequantized (float32, on `device`): the checkpoint as a plain one."""
-    for name, t in pair_stream(tensors, fmt):
-        yield name, t.dequantize(torch.float32, device) if isinstance(t, Fp8Weight) else t
