@@ -303,6 +303,11 @@ def fp8_kv_cases(hq: int, hkv: int, d: int, slots: int) -> None:
                   lambda kc=kc, vc=vc, qw=qw, width=width, prep=prep, sc=sc: ta.fixed_width_attention(
                       qw.view(width, hq, d), kc, vc, table, rows, lens, width, 8, d ** -0.5, prep=prep, **sc),
                   F32_DOT=False)
+        # the MLA latent store (DeepSeek / GLM-5 rows: 512 latent values + 64 rope, 5 scales)
+        from specserve.kernels import triton_latent_store as tls
+        lat, lat_s, x = torch.zeros(slots, 576, dtype=dt), torch.ones(slots, 5), torch.randn(3, 576).to(BF16)
+        check(f"fp8 {fmt} MLA latent store", tls, ["_store_latent_kernel"],
+              lambda lat=lat, lat_s=lat_s, x=x: tls.store_latent_triton(lat, lat_s, torch.arange(3), x, 64), RNE=False)
         qp = torch.randn(100, hq, d).to(BF16)
         check(f"fp8 {fmt} prefill attention", ta, ["_varlen_kernel"],
               lambda kc=kc, vc=vc, qp=qp, sc=sc: ta.varlen_attention(

@@ -114,6 +114,30 @@ def test_store_and_read_through_slots():
     assert torch.equal(read_latent(plain, None, loc, 8, torch.float32), x.to(torch.bfloat16).float())
 
 
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("rows_dtype", [E4M3, E5M2, torch.bfloat16])
+@pytest.mark.parametrize("c,r", [(512, 64), (160, 16), (32, 0)])
+def test_triton_store_equals_reference(rows_dtype, c, r):
+    """The Triton store (kernels/triton_latent_store.py, the Triton MLA backend's) writes the reference store's rows
+    and scales bit for bit, at the slots only: full latent groups (512 + 64), a short last group (160 = 128 + 32)
+    and no rope part; values spanning 10 binades, so both formats' subnormals and every group's max are met; a
+    16-bit cache is a cast."""
+    from specserve.kernels.triton_latent_store import store_latent_triton
+
+    g = torch.Generator().manual_seed(c + r)
+    x = (torch.randn(5, c + r, generator=g) * torch.exp2(torch.randint(-6, 4, (5, c + r), generator=g))).bfloat16()
+    loc = torch.tensor([9, 1, 4, 0, 6])
+    fp8 = rows_dtype in (E4M3, E5M2)
+    groups = -(-c // 128) + (1 if r else 0)
+    got, want = (torch.zeros(12, c + r, dtype=rows_dtype) for _ in range(2))
+    got_s, want_s = ((torch.full((12, groups), 7.0) if fp8 else None) for _ in range(2))
+    store_latent_triton(got, got_s, loc, x, r)
+    store_latent(want, want_s, loc, x, r)
+    assert torch.equal(got.view(torch.uint8) if fp8 else got, want.view(torch.uint8) if fp8 else want)
+    if fp8:
+        assert torch.equal(got_s, want_s) and torch.equal(got_s[2], torch.full((groups,), 7.0))  # slot 2: untouched
+
 def test_pool_layout_and_bytes_per_token():
     mla, index = LatentCacheSpec(576, CacheKind.MLA, 64), LatentCacheSpec(128, CacheKind.INDEX_KEYS)
     assert mla.scale_groups == 5 and index.scale_groups == 1

@@ -244,9 +244,19 @@ class TritonMLABackend(_TokenRowsGraphs, TorchMLABackend):
 
     def __init__(self, req_to_token, kv_pool, mla_prefill: str = "absorbed"):
         super().__init__(req_to_token, kv_pool, mla_prefill)
+        from specserve.kernels.triton_latent_store import store_latent_triton
         from specserve.kernels.triton_mla import mla_decode_triton  # triton only where this backend is chosen
 
         self._kernel = mla_decode_triton
+        self._store = store_latent_triton
+
+    def store_latent(self, latent: torch.Tensor, layer, fb: ForwardBatch):
+        """As TorchMLABackend.store_latent (the same rows and scales, bit for bit), in one Triton launch."""
+        i = layer.cache_index
+        rows = self.kv_pool.rows[i]
+        scales = None if self.kv_pool.scales is None else self.kv_pool.scales[i]
+        self._store(rows, scales, fb.out_cache_loc, latent, rows.shape[1] - layer.kv_lora_rank)
+        return rows, scales
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
