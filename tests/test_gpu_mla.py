@@ -9,7 +9,7 @@
 - --attention-backend triton (the Triton absorbed-MLA and indexer-score kernels, sparse rows per query) captures
   every phase and gives the torch reference's greedy tokens, plain and MTP;
 - FP8 MLA latents: the kernel over fp8 rows == over the dequantised rows bit for bit; the Triton backends against
-  the torch reference on the same fp8 cache, greedy MTP == plain.
+  the torch reference on the same fp8 cache, greedy MTP == plain; the Triton latent store == the reference store.
 """
 
 import pytest
@@ -182,3 +182,23 @@ def test_fp8_latents_triton_gpu(models):
     assert all(r.graphs for r in spec.model_runner.spec.phases.all())
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
     spec.check_idle_invariants()
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+def test_fp8_latent_store_gpu(rows_dtype):
+    """The compiled Triton latent store (hardware casts) writes the reference store's rows and scales bit for bit,
+    DeepSeek's 512 + 64 rows."""
+    from specserve.kernels.reference_latent_fp8 import store_latent
+    from specserve.kernels.triton_latent_store import store_latent_triton
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(7, 576, generator=g, device="cuda") * 3).bfloat16()
+    loc = torch.tensor([3, 11, 0, 5, 8, 1, 14], device="cuda")
+    fp8 = rows_dtype != torch.bfloat16
+    got, want = (torch.zeros(16, 576, dtype=rows_dtype, device="cuda") for _ in range(2))
+    got_s, want_s = ((torch.ones(16, 5, device="cuda") if fp8 else None) for _ in range(2))
+    store_latent_triton(got, got_s, loc, x, 64)
+    store_latent(want, want_s, loc, x, 64)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if fp8 else torch.equal(got, want)
+    if fp8:
+        assert torch.equal(got_s, want_s)
