@@ -21,6 +21,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", 
           torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
           torch.float8_e5m2: "fp8e5"}
 BF16 = torch.bfloat16
+SM90_SHARED_BYTES = 232448  # the most shared memory an H100 / H200 block may use (227 KiB)
 
 
 class _Recorder:
@@ -83,6 +84,9 @@ def check(label: str, module, names: list[str], launch, aligned: bool = False, *
     for n in names:
         for args, kwargs in recorders[n].launches:
             compiled = _compile(kernels[n], args, {**kwargs, **override}, aligned)
+            # what the GPU would refuse at launch (triton's OutOfResources): sm_90's shared memory a block
+            assert compiled.metadata.shared <= SM90_SHARED_BYTES, (
+                f"{label}: {n} needs {compiled.metadata.shared} bytes of shared memory, sm_90 has {SM90_SHARED_BYTES}")
             launched += 1
             print(f"{label}: {n} -> {len(compiled.asm['ptx'])} chars of PTX")
     assert launched, f"{label}: nothing was launched"
@@ -308,6 +312,15 @@ def fp8_kv_cases(hq: int, hkv: int, d: int, slots: int) -> None:
         lat, lat_s, x = torch.zeros(slots, 576, dtype=dt), torch.ones(slots, 5), torch.randn(3, 576).to(BF16)
         check(f"fp8 {fmt} MLA latent store", tls, ["_store_latent_kernel"],
               lambda lat=lat, lat_s=lat_s, x=x: tls.store_latent_triton(lat, lat_s, torch.arange(3), x, 64), RNE=False)
+        # the absorbed-MLA kernel over those fp8 rows (GLM-5 / DeepSeek: 64 or 16 heads of 512 + 64), bf16 queries
+        # (the tiles whose shared memory the first H200 run found over the limit): decode, verify, a slot list
+        from specserve.kernels import triton_mla as tm_la
+        for heads, width in ((64, 1), (64, 4), (16, 4)):
+            q = torch.randn(2 * width, heads, 576).to(BF16)
+            tbl, lens2 = torch.arange(2 * 300).view(2, 300) % slots, torch.full((2,), 300)
+            check(f"fp8 {fmt} MLA decode H{heads} width {width}", tm_la, ["_mla_decode_kernel"],
+                  lambda q=q, lat=lat, lat_s=lat_s, tbl=tbl, lens2=lens2, width=width: tm_la.mla_decode_triton(
+                      q, lat, tbl, lens2, width, 0.1, 512, scales=lat_s), F32_DOT=False)
         qp = torch.randn(100, hq, d).to(BF16)
         check(f"fp8 {fmt} prefill attention", ta, ["_varlen_kernel"],
               lambda kc=kc, vc=vc, qp=qp, sc=sc: ta.varlen_attention(

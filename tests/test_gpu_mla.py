@@ -143,9 +143,9 @@ def test_fp8_indexer_triton_gpu(models):
 @pytest.mark.parametrize("width,sparse", [(1, False), (4, False), (4, True)])
 def test_fp8_latent_kernel_gpu(dtype, width, sparse):
     """The absorbed-MLA kernel over an fp8 latent cache (group scales, kernels/reference_latent_fp8.py) on the GPU:
-    bit-equal to the same kernel over the rows dequantised to q's dtype (the GPU's casts round to nearest, as
-    torch's), at 64 heads, 512 + 64 rows (5 scales), with key splits; the CPU counterpart runs under the
-    interpreter in tests/test_fp8_mla_cache.py."""
+    the same kernel over the rows dequantised to q's dtype, bit for bit in float32 (the GPU's casts round to
+    nearest, as torch's), within the bf16 bound for bf16 q; at 64 heads, 512 + 64 rows (5 scales), with key
+    splits; the CPU counterpart runs under the interpreter in tests/test_fp8_mla_cache.py."""
     from specserve.kernels.reference_latent_fp8 import dequantize_latent, quantize_latent
     from specserve.kernels.triton_mla import mla_decode_triton
 
@@ -160,7 +160,13 @@ def test_fp8_latent_kernel_gpu(dtype, width, sparse):
     sel = (torch.rand(bs, 1, width, max_kv, generator=g) < 0.3).cuda() if sparse else None
     got = mla_decode_triton(q, stored, table, lens, width, 0.1, c, sel, scales=scales)
     want = mla_decode_triton(q, dequantize_latent(stored, scales, r, dtype), table, lens, width, 0.1, c, sel)
-    assert torch.equal(got, want)
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:  # bf16 dots: the dequantised key tile comes from registers, the 16-bit one from shared memory, and the
+        # compiler may pick another MMA (and so another order of the K sums) for each; measured on an H200 (stop
+        # 57): not bit-equal. The CPU test's bound on bf16 (test_fp8_mla_cache.py)
+        tol = 4e-2 * want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
 
 
 def test_fp8_latents_triton_gpu(models):

@@ -24,7 +24,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, min_amax: float = MIN_AMAX)
     row's largest magnitude; the DSA index keys' format floors at 1e-12: reference.quantise_rows_fp8)."""
     fmax = FP8_MAX[dtype]
     xf = x.float()
-    s = xf.abs().amax(dim=-1).clamp_min(min_amax) / fmax  # [...]
+    amax = xf.abs().amax(dim=-1).clamp_min(min_amax)  # [...]
+    s = amax / amax.new_tensor(fmax)  # [...] a tensor divisor: reference_fp8._quantize_groups says why
     return (xf / s[..., None]).clamp(-fmax, fmax).to(dtype), s
 
 

@@ -62,7 +62,8 @@ def dequantize_experts(wq: torch.Tensor, s: torch.Tensor, block: tuple[int, int]
 def quantize_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] float -> (wq [..., N, K] float8_e4m3fn, s [..., N] float32): one scale per row, amax / 448, as
     llm-compressor's channel strategy (tests and benchmarks make per-channel FP8 experts with it)."""
-    s = w.float().abs().amax(-1).clamp_min(MIN_AMAX) / FP8_MAX  # [..., N]
+    amax = w.float().abs().amax(-1).clamp_min(MIN_AMAX)  # [..., N]
+    s = amax / amax.new_tensor(FP8_MAX)  # a tensor divisor, as _quantize_groups
     return (w.float() / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
@@ -74,7 +75,8 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     nb, kb = -(-n // bn), -(-k // bk)
     wf = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
     blocks = wf.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))  # [..., nb, bn, kb, bk]
-    s = blocks.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX) / FP8_MAX  # [..., nb, kb]
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(MIN_AMAX)  # [..., nb, kb]
+    s = amax / amax.new_tensor(FP8_MAX)  # a tensor divisor, as _quantize_groups
     q = (blocks / s[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.flatten(-4, -3).flatten(-2)[..., :n, :k], s
 

@@ -73,9 +73,11 @@ def _mla_decode_kernel(q_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, s
                        W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ROPE: tl.constexpr,
                        HAS_SEL: tl.constexpr, HAS_ROWS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                       SUB_C: tl.constexpr,
                        F32_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """FP8: rows are fp8 with float32 scales [slots, G] (stride_ss per slot): latent column j in group j // GROUP,
-    the rope part in group rope_group (kernels/reference_latent_fp8.py)."""
+    the rope part in group rope_group (kernels/reference_latent_fp8.py); SUB_C = min(GROUP, BLOCK_C) columns a
+    scale in the key tile."""
     t = tl.program_id(0)  # query token b * W + i
     hb = tl.program_id(1)  # head block
     split = tl.program_id(2)  # run of key blocks
@@ -116,9 +118,13 @@ def _mla_decode_kernel(q_ptr, rows_ptr, scales_ptr, kv_slots_ptr, kv_rows_ptr, s
         # the latent rows' c part, loaded once: the key's first C dims for every head, then the value
         kc = tl.load(row + c[None, :], mask=key_ok[:, None] & c_ok[None, :], other=0.0)
         if FP8:  # dequantised in float32 by each column's group scale, then rounded as a 16-bit cache would hold it
-            sc = tl.load(scales_ptr + slot[:, None] * stride_ss + (c // GROUP)[None, :],
-                         mask=key_ok[:, None] & c_ok[None, :], other=1.0)  # [BLOCK_N, BLOCK_C]
-            kc = kc.to(tl.float32) * sc
+            # one scale per SUB_C columns (a group, or the whole tile when it is narrower), broadcast over them:
+            # a [BLOCK_N, BLOCK_C] float32 tile of per-column scales would not fit the pipeline's shared memory
+            j = tl.arange(0, BLOCK_C // SUB_C)  # [CHUNKS]
+            sc = tl.load(scales_ptr + slot[:, None] * stride_ss + ((j * SUB_C) // GROUP)[None, :],
+                         mask=key_ok[:, None] & (j * SUB_C < kv_lora_rank)[None, :], other=1.0)  # [BLOCK_N, CHUNKS]
+            kc = tl.reshape(tl.reshape(kc.to(tl.float32), [BLOCK_N, BLOCK_C // SUB_C, SUB_C]) * sc[:, :, None],
+                            [BLOCK_N, BLOCK_C])
         kc = kc.to(q_c.dtype)
         s = dot(q_c, tl.trans(kc), F32_DOT, PRECISION)  # [BLOCK_H, BLOCK_N]
         if HAS_ROPE:
@@ -287,7 +293,7 @@ def mla_decode_triton(q: torch.Tensor, rows: torch.Tensor, kv_slots: torch.Tenso
         *sel_strides, out.stride(0), out.stride(1),
         W=width, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_R=block_r, NUM_SPLITS=num_splits,
         HAS_ROPE=rope > 0, HAS_SEL=selection is not None, HAS_ROWS=kv_rows is not None, FP8=fp8,
-        GROUP=LATENT_SCALE_GROUP, F32_DOT=f32_dot,
+        GROUP=LATENT_SCALE_GROUP, SUB_C=min(LATENT_SCALE_GROUP, block_c), F32_DOT=f32_dot,
         PRECISION=precision, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(bool(pdl)),
     )
