@@ -462,10 +462,17 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
     32. At most bn (a tile inside one weight block row). scripts/gpu/sweep_fp8_gemv.py times the alternatives.
     SPLIT_K: gemv_split (N = 4096 at 32 columns is 128 tiles: 5 splits on 132 SMs; gate_up's 896 tiles none)."""
     group = _gemv_group(k, block)
-    block_k = group * max(1, min(_STEP_BYTES // group, triton.cdiv(k, group)))
+    # block-scaled at one row: half the step (two scale groups), and K split in two at least: the H200 sweep's best
+    # at Llama-3.1-8B's qkv, o and gate_up (N32 K256 S3 / S5 / S2), 1.2-1.3x the 512-byte step (BENCHMARKS.md "FP8")
+    one_row_blocks = block is not None and m == 1
+    step = _STEP_BYTES // 2 if one_row_blocks else _STEP_BYTES
+    block_k = group * max(1, min(step // group, triton.cdiv(k, group)))
     block_n = 32 if m == 1 or m > _CUDA_CORE_ROWS else 16
     block_n = min(block_n, block[0] if block is not None else block_n)
-    return GemvConfig(block_n, block_k, gemv_split(n, k, block_n, block_k, sms), 4, 2)
+    split = gemv_split(n, k, block_n, block_k, sms)
+    if one_row_blocks and triton.cdiv(n, block_n) <= GEMV_COUNTERS:
+        split = max(split, min(2, triton.cdiv(k, block_k)))
+    return GemvConfig(block_n, block_k, split, 4, 2)
 
 
 def gemv_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
