@@ -110,9 +110,9 @@ def fp8_cases() -> None:
                 check(f"fp8 linear {n}x{k} block={block} rows={m}", tf,
                       ["_fp8_mm_kernel", "_fp8_gemv_kernel", "_quant_groups_kernel", "_quant_tokens_kernel"],
                       lambda x=x, wq=wq, sw=sw, block=block: tf.fp8_linear(x, wq, sw, block), **gpu)
-    # the split-K decode GEMV at Llama-3.1-8B's four projections, 1 and 4 rows (CUDA cores), block and channel, with
-    # the launch gemv_config picks on an H100's 132 SMs (split K for qkv, o and down), aligned as the JIT
-    # specialises these shapes: 16-byte loads and the pipeline's async copies, as on the GPU
+    # the split-K decode GEMV at Llama-3.1-8B's four projections, 1 and 4 rows (CUDA cores; 4 block-scaled rows: the
+    # tensor-core tile), block and channel, with the launch gemv_config picks on an H100's 132 SMs (split K for qkv,
+    # o and down), aligned as the JIT specialises these shapes: 16-byte loads and the pipeline's async copies
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
         wq = torch.empty(n, k, dtype=rf.FP8)
         for block in ((128, 128), None):

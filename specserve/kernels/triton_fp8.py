@@ -24,10 +24,11 @@ Kernels:
     16-byte loads. Each program quantises its x columns itself by the same rule (block: per group; per-channel: the
     row's amax over all of K first: x is a few rows, read from L2), so its results equal quantize + fp8_gemm up to
     float32 summation order. Block scales fold into x (a tile lies inside one weight block row: one weight scale a
-    sub-step). Up to 4 rows the products are taken on CUDA cores (per row a [BLOCK_N, group] float32 accumulator,
-    reduced over K once after the loop); 5..16 rows pad to a 16-row tensor-core tile, the same product as
-    fp8_gemm's. Split K: float32 partials [SPLIT_K, M, N]; the last program of a column tile to arrive (an arrival
-    counter, kernels/counters.py) sums them in split order: deterministic, no float atomics, no second launch.
+    sub-step). Per-channel weights up to 4 rows (block-scaled: one row) have their products taken on CUDA cores (per
+    row a [BLOCK_N, group] float32 accumulator, reduced over K once after the loop); more rows, up to 16, pad to a
+    16-row tensor-core tile, the same product as fp8_gemm's. Split K: float32 partials [SPLIT_K, M, N]; the last
+    program of a column tile to arrive (an arrival counter, kernels/counters.py) sums them in split order:
+    deterministic, no float atomics, no second launch.
   `fp8_linear`: the front door: x [..., K] -> [..., N] in x's dtype; M <= GEMV_MAX_ROWS rows take fp8_gemv, more
     quantize + fp8_gemm.
 fp8_gemm is `_fp8_mm_kernel`; grids and configs come from shapes (and the SM count) only, no host sync: every launch
@@ -71,7 +72,16 @@ from specserve.kernels.launch import sm_count
 from specserve.kernels.reference_fp8 import check_block, check_scales
 
 GEMV_MAX_ROWS = 16  # rows fp8_linear sends to fp8_gemv (decode, verify); more take quantize + fp8_gemm
-_CUDA_CORE_ROWS = 4  # fp8_gemv's rows up to which products run on CUDA cores; more on a 16-row tensor-core tile
+_CUDA_CORE_ROWS = 4  # per-channel fp8_gemv's rows up to which products run on CUDA cores; more on a 16-row
+# tensor-core tile. Block-scaled weights: CUDA cores at one row only: each row's group quantisation (an amax over 128
+# columns a sub-step) repeats per row on CUDA cores, so that path's time grows with the rows: on an H200 a Llama-3.1-8B
+# MTP iteration (verify at 4 rows) took 25.6 ms with it against 5.6 ms for a one-row step (BENCHMARKS.md "FP8"),
+# where the 16-row tile took 1.1-1.3x the one-row GEMV's time at the 8B's gate_up and down.
+
+
+def _cuda_core_rows(block: tuple[int, int] | None) -> int:
+    """Rows up to which fp8_gemv multiplies on CUDA cores (more: a 16-row tensor-core tile)."""
+    return 1 if block is not None else _CUDA_CORE_ROWS
 
 
 @triton.jit
@@ -457,9 +467,10 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
     One row: 32, a 16 kB step a program; ptxas (sm_90, read from compile_for_gpu's PTX, not timed) gives it 147
     registers, so 3 programs a SM, 48 kB of weights in flight (16 rows: 80 registers, 6 programs, also 48 kB, but
     each thread's 16 x values, quantised once and broadcast through shared memory, then serve half as many weight
-    bytes: more instructions a byte; 64 x 256: 168 registers, the same bytes, x shared by 4 rows). 2..4 rows: 16
-    (a [16, 128] float32 accumulator per row; 168 registers at 4 rows). 5..16 rows (a 16-row tensor-core tile):
-    32. At most bn (a tile inside one weight block row). scripts/gpu/sweep_fp8_gemv.py times the alternatives.
+    bytes: more instructions a byte; 64 x 256: 168 registers, the same bytes, x shared by 4 rows). 2..4 rows of
+    per-channel weights: 16 (a [16, 128] float32 accumulator per row; 168 registers at 4 rows). More rows (a 16-row
+    tensor-core tile; block-scaled weights from 2 rows: _cuda_core_rows): 32. At most bn (a tile inside one weight
+    block row). scripts/gpu/sweep_fp8_gemv.py times the alternatives.
     SPLIT_K: gemv_split (N = 4096 at 32 columns is 128 tiles: 5 splits on 132 SMs; gate_up's 896 tiles none)."""
     group = _gemv_group(k, block)
     # block-scaled at one row: half the step (two scale groups), and K split in two at least: the H200 sweep's best
@@ -467,7 +478,7 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
     one_row_blocks = block is not None and m == 1
     step = _STEP_BYTES // 2 if one_row_blocks else _STEP_BYTES
     block_k = group * max(1, min(step // group, triton.cdiv(k, group)))
-    block_n = 32 if m == 1 or m > _CUDA_CORE_ROWS else 16
+    block_n = 32 if m == 1 or m > _cuda_core_rows(block) else 16
     block_n = min(block_n, block[0] if block is not None else block_n)
     split = gemv_split(n, k, block_n, block_k, sms)
     if one_row_blocks and triton.cdiv(n, block_n) <= GEMV_COUNTERS:
@@ -500,7 +511,7 @@ def fp8_gemv_with(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tu
     if m == 0:
         return y
     group = _gemv_group(k, block)
-    dot = m > _CUDA_CORE_ROWS
+    dot = m > _cuda_core_rows(block)
     tile_m = 16 if dot else 1  # rows a row tile: a 16-row tensor-core tile, or each row its own accumulator
     block_n = cfg.block_n if block is None else min(cfg.block_n, block[0])
     if dot and block_n < 16:
