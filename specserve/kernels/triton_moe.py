@@ -50,7 +50,7 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, block_expert_ptr
         row_ok = pair < n_pairs
         tok = (pair // TOP_K).to(tl.int64)
         n, n_ok, k, x_ptrs, g_ptrs = expert_tile(x_ptr, tok, stride_xt, w_ptr, e, stride_we, stride_wn, pid_n, inter,
-                                           BLOCK_N, BLOCK_K)  # g_ptrs: the gate rows
+                                                 BLOCK_N, BLOCK_K)  # g_ptrs: the gate rows
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -80,7 +80,7 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, ids_ptr, sorted_ptr, block_expert_ptr, n
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
         n, n_ok, k, a_ptrs, w_ptrs = expert_tile(act_ptr, rows, inter, w_ptr, e, stride_we, stride_wn, pid_n, hidden,
-                                           BLOCK_N, BLOCK_K)
+                                                 BLOCK_N, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k_ok = k0 + k < inter

@@ -146,7 +146,7 @@ def _align_one_chunk_kernel(ids_ptr, pad_end_ptr, sorted_ptr, block_expert_ptr, 
 
 @triton.jit
 def block_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, pid_m, BLOCK_M: tl.constexpr,
-           DIRECT: tl.constexpr):
+                DIRECT: tl.constexpr):
     """(live, expert, pairs [BLOCK_M]; n_pairs marks padding) of block pid_m. Aligned: the block's run of
     sorted_ids and its owner; live while the block is below the live padded total (the grid covers the bound).
     DIRECT (one token, no alignment): block pid_m is pair pid_m alone, its expert read from the router's ids."""
@@ -164,7 +164,7 @@ def block_pairs(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_pairs, 
 
 @triton.jit
 def expert_tile(a_ptr, a_rows, stride_a, w_ptr, e, stride_we, stride_wn, pid_n, n_dim, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr):
     """A GEMM program's tile (every expert GEMM here: weights [E, N, K], K contiguous): its columns n [BLOCK_N] of
     n_dim and n_ok, the K lanes k [BLOCK_K], the input rows' pointers a_ptrs [M, K] (rows a_rows [M] int64 of
     stride_a) and expert e's weight pointers w_ptrs [K, N] (row n of stride_wn)."""
@@ -177,7 +177,7 @@ def expert_tile(a_ptr, a_rows, stride_a, w_ptr, e, stride_we, stride_wn, pid_n, 
 
 @triton.jit
 def sum_pairs(y_ptr, wts_ptr, out_ptr, counter_ptr, pid_n, n, n_ok, hidden, n_pairs, TOP_K: tl.constexpr,
-               BLOCK_N: tl.constexpr, RNE: tl.constexpr):
+              BLOCK_N: tl.constexpr, RNE: tl.constexpr):
     """One token (direct): the last of the TOP_K programs of column block pid_n to finish (counter pid_n) sums their
     outputs y [K, H] at columns n [BLOCK_N] into out [1, H] as _sum_k_kernel does (weights wts [K], in k order,
     float32), and resets the counter to 0: no sum launch.

@@ -69,7 +69,7 @@ def _gate_up_fp8_kernel(xq_ptr, sx_ptr, w_ptr, s_ptr, aq_ptr, sa_ptr, ids_ptr, s
         tok = rows // TOP_K
         # columns past I (not n_ok): zero weights, so a zero act that changes no group's amax
         n, n_ok, k, x_ptrs, g_ptrs = expert_tile(xq_ptr, tok, hidden, w_ptr, e, stride_we, stride_wn, pid_n, inter,
-                                           BLOCK_N, GROUP)  # x_ptrs [M, GROUP]; g_ptrs [GROUP, N]: the gate rows
+                                                 BLOCK_N, GROUP)  # x_ptrs [M, GROUP]; g_ptrs [GROUP, N]: the gate rows
         sx_ptrs = sx_ptr + tok * x_groups  # [M]
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
         sg_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] the gate columns' block rows
@@ -108,7 +108,7 @@ def _down_fp8_kernel(aq_ptr, sa_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, sorted_ptr, b
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
         n, n_ok, k, a_ptrs, w_ptrs = expert_tile(aq_ptr, rows, inter, w_ptr, e, stride_we, stride_wn, pid_n, hidden,
-                                           BLOCK_N, GROUP)  # [M, GROUP], [GROUP, N]
+                                                 BLOCK_N, GROUP)  # [M, GROUP], [GROUP, N]
         sw_ptrs = s_ptr + e * stride_se + (n // BN_W) * stride_sn  # [N] the columns' block rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, GROUP * GROUPS):
@@ -144,7 +144,7 @@ def _gate_up_fp8_channel_kernel(xq_ptr, sx_ptr, w_ptr, s_ptr, act_ptr, amax_ptr,
         tok = rows // TOP_K
         # columns past I (not n_ok): zero weights and scales, so a zero act that changes no amax
         n, n_ok, k, x_ptrs, g_ptrs = expert_tile(xq_ptr, tok, hidden, w_ptr, e, stride_we, stride_wn, pid_n, inter,
-                                           BLOCK_N, BLOCK_K)  # g_ptrs: the gate rows
+                                                 BLOCK_N, BLOCK_K)  # g_ptrs: the gate rows
         u_ptrs = g_ptrs + inter * stride_wn  # the up rows follow the gate rows
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -183,7 +183,7 @@ def _down_fp8_channel_kernel(act_ptr, amax_ptr, w_ptr, s_ptr, y_ptr, ids_ptr, so
         row_ok = pair < n_pairs
         rows = pair.to(tl.int64)
         n, n_ok, k, a_ptrs, w_ptrs = expert_tile(act_ptr, rows, inter, w_ptr, e, stride_we, stride_wn, pid_n, hidden,
-                                           BLOCK_N, BLOCK_K)
+                                                 BLOCK_N, BLOCK_K)
         tiles = tl.arange(0, AMAX_TILES)
         amax = tl.max(tl.load(amax_ptr + rows[:, None] * amax_tiles + tiles[None, :],
                               mask=row_ok[:, None] & (tiles < amax_tiles)[None, :], other=0.0), axis=1)  # [M]
@@ -236,7 +236,7 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 def fp8_act(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, bn: int, bk: int, route: tuple, cfg: dict
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 gate/up: x [T, H] quantized once by the dense FP8 linear's quantizer (the rule, per token and bk columns:
     reference_moe_fp8._quantize_groups bit for bit) -> xq [T, H] e4m3, sx [T, ceil(H/bk)]; then the GEMM, whose
     epilogue quantizes the act -> (aq [T*K, I] e4m3, sa [T*K, ceil(I/bk)] float32). route: (ids, sorted_ids,
@@ -275,7 +275,7 @@ def fp8_channel_configs(block_m: int, inter: int, hidden: int, tiles) -> tuple[d
 
 
 def fp8_channel_act(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, route: tuple, cfg: dict
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel FP8 gate/up: x [T, H] quantized once per token by the dense FP8 linear's quantizer
     (quantize_act_tokens_triton: reference_moe_fp8._quantize_groups with the row as one group, bit for bit) ->
     xq [T, H] e4m3, sx [T]; then the GEMM -> (act [T*K, I] in x's dtype, amax [T*K, cdiv(I, BLOCK_N)] float32: the
