@@ -366,14 +366,25 @@ def test_split_k_gemv_replays_in_a_cuda_graph(block, m):
         _check_product(y, _dequant_x(xq, sx, block), rf.dequantize_weight(wq, sw, block), None)
 
 
-@pytest.mark.gpu
-def test_prefill_rows_per_channel_take_cublas_and_equal_the_reference():
-    """Per-channel bf16 inputs of at least cublas_fp8.MIN_ROWS rows without a bias go to cuBLAS's row-wise FP8 GEMM:
-    the same quantised x (our per-token quantiser) and the same product within the fp8 GEMM's bound; replayed in a
-    CUDA graph as eager calls give. With a bias (or fewer rows) the Triton GEMM keeps them."""
+def test_cublas_takes_the_rows_the_gemv_would_put_on_tensor_cores():
+    """Per-channel rows go to cuBLAS exactly where fp8_gemv would leave its CUDA-core path (H200: the GEMV's 16-row
+    tile was 2-3x slower than cuBLAS at 16 rows; at one row the GEMV was faster)."""
     from specserve.kernels import cublas_fp8
 
-    n, k, m = 256, 512, cublas_fp8.MIN_ROWS + 40
+    first_cublas_row = cublas_fp8.MIN_ROWS
+    assert first_cublas_row == tf._cuda_core_rows(None) + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [5, 16, 300])
+def test_rows_per_channel_take_cublas_and_equal_the_reference(m):
+    """Per-channel bf16 inputs of at least cublas_fp8.MIN_ROWS rows without a bias go to cuBLAS's row-wise FP8 GEMM
+    (verify rows and prefill): the same quantised x (our per-token quantiser) and the same product within the fp8
+    GEMM's bound; replayed in a CUDA graph as eager calls give. With a bias (or fewer rows) the Triton kernels keep
+    them."""
+    from specserve.kernels import cublas_fp8
+
+    n, k = 256, 512
     wq, sw = _weights(n, k, None)
     x = _x(m, k, torch.bfloat16)
     bias = torch.randn(n).to(DEV, torch.bfloat16)

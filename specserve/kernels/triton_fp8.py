@@ -550,17 +550,18 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[i
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype (reference_fp8.fp8_linear_ref): up to GEMV_MAX_ROWS rows one fp8_gemv
-    launch; more the activation quantiser, then fp8_gemm, or for per-channel bf16 prefill-sized inputs without a bias
-    cuBLAS's row-wise FP8 GEMM (cublas_fp8: measured faster). The choice is by shape and dtype only (capturable)."""
+    """x [..., K] -> [..., N] in x's dtype (reference_fp8.fp8_linear_ref): per-channel bf16 inputs without a bias
+    from cublas_fp8.MIN_ROWS (5) rows the per-token quantiser, then cuBLAS's row-wise FP8 GEMM (cublas_fp8: measured
+    faster from 16 rows); otherwise up to GEMV_MAX_ROWS rows one fp8_gemv launch, more the activation quantiser,
+    then fp8_gemm. The choice is by shape and dtype only (capturable)."""
     check_scales(tuple(x.shape), wq, sw, block, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)  # [M, K]
-    if x2.shape[0] <= GEMV_MAX_ROWS:
-        y = fp8_gemv(x2, wq, sw, block, bias)
-    elif cublas_fp8.fits(x2, wq, block, bias):
+    if cublas_fp8.fits(x2, wq, block, bias):  # per-channel bf16 from 5 rows (verify rows included)
         xq, sx = quantize_act_tokens_triton(x2)
         y = cublas_fp8.fp8_linear_rowwise(xq, sx, wq, sw)
+    elif x2.shape[0] <= GEMV_MAX_ROWS:
+        y = fp8_gemv(x2, wq, sw, block, bias)
     else:
         xq, sx = quantize_act_tokens_triton(x2) if block is None else quantize_act_groups_triton(x2, block[1])
         y = fp8_gemm(xq, sx, wq, sw, block, bias, x.dtype)
