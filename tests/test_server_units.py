@@ -14,6 +14,7 @@ import time
 import pytest
 
 from specserve.engine.stop import final_text
+from specserve.kvcache.prefix_stats import PrefixCacheStats
 from specserve.server.detokenizer import IncrementalDetokenizer
 from specserve.server.errors import APIError
 from specserve.server.launch import parse_args, served_model_name
@@ -193,7 +194,7 @@ class FakeEngine:
         if self.flush_reply is not None:  # the engine answers with its next step output (on the event loop)
             reply = FlushCacheResult(flush_id, self.flush_reply.success, self.flush_reply.num_running,
                                      self.flush_reply.num_waiting)
-            stats = EngineStats(cached_pages=0 if reply.success else 7)
+            stats = EngineStats(prefix_cache=PrefixCacheStats(cached_pages=0 if reply.success else 7))
             asyncio.get_running_loop().call_soon(self.on_output, StepOutput(flushed=[reply], stats=stats))
 
 
@@ -325,9 +326,9 @@ def test_usage_sums_cached_tokens_per_choice_and_keeps_spec():
 
 def test_engine_stats_put_the_prefix_cache_in_metrics_and_server_info(bpe):
     tm, _ = _manager(bpe, page_size=4)
-    stats = EngineStats(free_pages=500, cached_pages=12, evictable_pages=9, cache_hit_tokens=30, cache_query_tokens=120,
-                        state_snapshots=2)
-    assert stats.cache_hit_rate == pytest.approx(0.25) and EngineStats().cache_hit_rate == 0.0
+    stats = EngineStats(free_pages=500, prefix_cache=PrefixCacheStats(cached_pages=12, evictable_pages=9, hit_tokens=30,
+                                                                      query_tokens=120, state_snapshots=2))
+    assert stats.prefix_cache.hit_rate == pytest.approx(0.25) and EngineStats().prefix_cache.hit_rate == 0.0
     tm._on_output(StepOutput(stats=stats))
     text = tm.metrics.render().decode()
     assert _metric(text, "specserve:cache_hit_rate") == pytest.approx(0.25)
@@ -351,7 +352,7 @@ def _app(tm):
 @pytest.mark.parametrize("method", ["GET", "POST"])
 def test_flush_cache_route_answers_what_the_engine_did(bpe, method):
     tm, eng = _manager(bpe)
-    tm._on_output(StepOutput(stats=EngineStats(cached_pages=7, evictable_pages=7)))
+    tm._on_output(StepOutput(stats=EngineStats(prefix_cache=PrefixCacheStats(cached_pages=7, evictable_pages=7))))
     with _app(tm) as client:
         eng.flush_reply = FlushCacheResult(0, False, num_running=2, num_waiting=1)
         r = client.request(method, "/flush_cache")

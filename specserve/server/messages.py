@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specserve.kvcache.prefix_stats import PrefixCacheStats
+
 if TYPE_CHECKING:
     from specserve.multimodal.request_images import PreprocessedImages
 
@@ -120,17 +122,8 @@ class EngineStats:
     num_overlapped_steps: int = 0  # decode steps launched before the previous one's output was read
     num_overlapped_prefills: int = 0  # prefills launched so, their first tokens read with the next step
     spec_adaptive: dict | None = None  # AdaptiveSpeculation.summary() (None: adaptive speculation off)
-    # the prefix cache (kvcache/prefix_stats.py; all 0 when it is off)
-    cached_pages: int = 0  # KV pages the cache holds (in use or kept for reuse)
-    evictable_pages: int = 0  # of those, pages no running request uses (counted in free_pages)
-    cache_hit_tokens: int = 0  # prompt tokens admitted from the cache since start
-    cache_query_tokens: int = 0  # prompt tokens looked up since start
-    state_snapshots: int = 0  # recurrent-state snapshots held (models with recurrent state)
-
-    @property
-    def cache_hit_rate(self) -> float:
-        """Prompt tokens the cache gave over those looked up, since start (SGLang's cache_hit_rate)."""
-        return self.cache_hit_tokens / self.cache_query_tokens if self.cache_query_tokens else 0.0
+    # the prefix cache's counts (its evictable pages are counted in free_pages; all 0 when it is off)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     @property
     def spec_accept_length(self) -> float:

@@ -95,10 +95,11 @@ class ServerMetrics:
         self._accept.labels(m).set(stats.spec_accept_length)
         self._accept_recent.labels(m).set(stats.recent_accept_length)
         self._plain_steps.labels(m).set(stats.spec_plain_steps)
-        self._hit_rate.labels(m).set(stats.cache_hit_rate)
-        self._cached_pages.labels(m).set(stats.cached_pages)
-        self._evictable_pages.labels(m).set(stats.evictable_pages)
-        self._snapshots.labels(m).set(stats.state_snapshots)
+        cache = stats.prefix_cache
+        self._hit_rate.labels(m).set(cache.hit_rate)
+        self._cached_pages.labels(m).set(cache.cached_pages)
+        self._evictable_pages.labels(m).set(cache.evictable_pages)
+        self._snapshots.labels(m).set(cache.state_snapshots)
         self._healthy.labels(m).set(1 if healthy else 0)
 
     def render(self) -> bytes:

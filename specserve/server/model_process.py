@@ -195,9 +195,7 @@ class EngineLoop:
             spec_adaptive=self._adaptive_summary(),
         )
         if cache is not None:
-            stats.cached_pages, stats.evictable_pages = cache.cached_pages, cache.evictable_pages
-            stats.cache_hit_tokens, stats.cache_query_tokens = cache.hit_tokens, cache.query_tokens
-            stats.state_snapshots = cache.state_snapshots
+            stats.prefix_cache = cache
         return stats
 
     def _adaptive_summary(self) -> dict | None:

@@ -541,11 +541,10 @@ class TokenizerManager:
 
     def prefix_cache_info(self) -> dict:
         """/get_server_info's prefix_cache object (counts are 0 with the cache off)."""
-        s = self.stats
-        return {"enabled": self.info.prefix_cache, "cached_pages": s.cached_pages,
-                "evictable_pages": s.evictable_pages,
-                "hit_tokens": s.cache_hit_tokens, "query_tokens": s.cache_query_tokens,
-                "hit_rate": s.cache_hit_rate, "state_snapshots": s.state_snapshots}
+        c = self.stats.prefix_cache
+        return {"enabled": self.info.prefix_cache, "cached_pages": c.cached_pages, "evictable_pages": c.evictable_pages,
+                "hit_tokens": c.hit_tokens, "query_tokens": c.query_tokens, "hit_rate": c.hit_rate,
+                "state_snapshots": c.state_snapshots}
 
     # ------------------------------------------------------------------ health and status
     async def health_generate(self, ids: list[int], timeout: float) -> None:
