@@ -38,6 +38,7 @@ class TorchMLABackend(TorchAttentionBackend):
         every other batch attends absorbed."""
         super().__init__(req_to_token, kv_pool)
         self.mla_prefill = mla_prefill
+        self._store_rows = store_latent  # the latent store (the rule's torch ops; TritonMLABackend's kernel)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         super().init_forward_metadata(fb)
@@ -68,7 +69,7 @@ class TorchMLABackend(TorchAttentionBackend):
         i = layer.cache_index
         rows = self.kv_pool.rows[i]
         scales = None if self.kv_pool.scales is None else self.kv_pool.scales[i]
-        store_latent(rows, scales, fb.out_cache_loc, latent, rows.shape[1] - layer.kv_lora_rank)
+        self._store_rows(rows, scales, fb.out_cache_loc, latent, rows.shape[1] - layer.kv_lora_rank)
         return rows, scales
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
@@ -248,15 +249,7 @@ class TritonMLABackend(_TokenRowsGraphs, TorchMLABackend):
         from specserve.kernels.triton_mla import mla_decode_triton  # triton only where this backend is chosen
 
         self._kernel = mla_decode_triton
-        self._store = store_latent_triton
-
-    def store_latent(self, latent: torch.Tensor, layer, fb: ForwardBatch):
-        """As TorchMLABackend.store_latent (the same rows and scales, bit for bit), in one Triton launch."""
-        i = layer.cache_index
-        rows = self.kv_pool.rows[i]
-        scales = None if self.kv_pool.scales is None else self.kv_pool.scales[i]
-        self._store(rows, scales, fb.out_cache_loc, latent, rows.shape[1] - layer.kv_lora_rank)
-        return rows, scales
+        self._store_rows = store_latent_triton  # the reference's rows and scales, bit for bit, in one launch
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, layer, fb: ForwardBatch,
                 selection=None) -> torch.Tensor:
