@@ -1,21 +1,19 @@
 """Per-token x per-channel FP8 GEMM through cuBLAS (torch._scaled_mm with row-wise scales) from a few rows on.
 
-On an H100, at Llama-3.1-8B's projections and 4,096 rows, cuBLAS's row-wise FP8 GEMM ran at 1.3-1.6x bf16 where our
-Triton FP8 GEMM ran at 0.80-1.06x; on an H200 at 16 rows (verify rows) it took 0.051 / 0.053 ms at gate_up / down
-where fp8_gemv's 16-row tensor-core tile took 0.147 / 0.105 (its per-channel row scales need a pass over all of K
-first), and 1.4-1.8x bf16 at 4,096 rows (BENCHMARKS.md "FP8"); 17..255 rows were not timed. cuBLAS has no 1x128 /
-128x128 block-scaled GEMM in this torch, so block-scaled weights keep the Triton kernels. The activation is
-quantized by our per-token quantizer (triton_fp8.quantize_act_tokens_triton: the rule of
-reference_fp8.quantize_act_tokens, bit for bit), so both paths multiply the same values; cuBLAS accumulates in
-float32 (use_fast_accum off). Capturable: no host sync, shapes only.
+Measured faster than our Triton kernels from verify-sized inputs up (BENCHMARKS.md "FP8": 16 and 4,096 rows on an
+H100 and an H200; the GEMV's 16-row tensor-core tile needs a pass over all of K for its per-channel row scales
+first; 17..255 rows were not timed), slower than the GEMV at one row. cuBLAS has no 1x128 / 128x128 block-scaled
+GEMM in this torch, so block-scaled weights keep the Triton kernels. The activation is quantized by our per-token
+quantizer (triton_fp8.quantize_act_tokens_triton: the rule of reference_fp8.quantize_act_tokens, bit for bit), so
+both paths multiply the same values; cuBLAS accumulates in float32 (use_fast_accum off). Capturable: no host sync,
+shapes only.
 """
 
 from __future__ import annotations
 
 import torch
 
-MIN_ROWS = 5  # fewer rows: fp8_gemv on CUDA cores (triton_fp8._CUDA_CORE_ROWS = 4; at one row 0.043 ms against
-# cuBLAS's 0.054 at the 8B's gate_up on an H200)
+MIN_ROWS = 5  # fewer rows: fp8_gemv on CUDA cores (triton_fp8._CUDA_CORE_ROWS; faster than cuBLAS at one row)
 
 
 def fits(x2: torch.Tensor, wq: torch.Tensor, block: tuple[int, int] | None, bias: torch.Tensor | None) -> bool:

@@ -29,8 +29,9 @@ Kernels:
     16-row tensor-core tile, the same product as fp8_gemm's. Split K: float32 partials [SPLIT_K, M, N]; the last
     program of a column tile to arrive (an arrival counter, kernels/counters.py) sums them in split order:
     deterministic, no float atomics, no second launch.
-  `fp8_linear`: the front door: x [..., K] -> [..., N] in x's dtype; M <= GEMV_MAX_ROWS rows take fp8_gemv, more
-    quantize + fp8_gemm.
+  `fp8_linear`: the front door: x [..., K] -> [..., N] in x's dtype; per-channel bf16 layers without a bias from
+    cublas_fp8.MIN_ROWS rows take cuBLAS's row-wise FP8 GEMM (kernels/cublas_fp8.py); otherwise M <= GEMV_MAX_ROWS
+    rows take fp8_gemv, more quantize + fp8_gemm.
 fp8_gemm is `_fp8_mm_kernel`; grids and configs come from shapes (and the SM count) only, no host sync: every launch
 is CUDA-graph capturable.
 
@@ -74,9 +75,8 @@ from specserve.kernels.reference_fp8 import check_block, check_scales
 GEMV_MAX_ROWS = 16  # rows fp8_linear sends to fp8_gemv (decode, verify); more take quantize + fp8_gemm
 _CUDA_CORE_ROWS = 4  # per-channel fp8_gemv's rows up to which products run on CUDA cores; more on a 16-row
 # tensor-core tile. Block-scaled weights: CUDA cores at one row only: each row's group quantisation (an amax over 128
-# columns a sub-step) repeats per row on CUDA cores, so that path's time grows with the rows: on an H200 a Llama-3.1-8B
-# MTP iteration (verify at 4 rows) took 25.6 ms with it against 5.6 ms for a one-row step (BENCHMARKS.md "FP8"),
-# where the 16-row tile took 1.1-1.3x the one-row GEMV's time at the 8B's gate_up and down.
+# columns a sub-step) repeats per row on CUDA cores, so that path's time grows with the rows, where the 16-row tile's
+# barely does (the 8B's verify rows: BENCHMARKS.md "FP8").
 
 
 def _cuda_core_rows(block: tuple[int, int] | None) -> int:
@@ -474,25 +474,23 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
     SPLIT_K: gemv_split (N = 4096 at 32 columns is 128 tiles: 5 splits on 132 SMs; gate_up's 896 tiles none)."""
     group = _gemv_group(k, block)
     # block-scaled at one row: half the step (two scale groups), and K split in two at least: the H200 sweep's best
-    # at Llama-3.1-8B's qkv, o and gate_up (N32 K256 S3 / S5 / S2), 1.2-1.3x the 512-byte step (BENCHMARKS.md "FP8")
+    # at Llama-3.1-8B's qkv, o and gate_up (BENCHMARKS.md "FP8")
     one_row_blocks = block is not None and m == 1
     step = _STEP_BYTES // 2 if one_row_blocks else _STEP_BYTES
     block_k = group * max(1, min(step // group, triton.cdiv(k, group)))
     block_n = 32 if m == 1 or m > _cuda_core_rows(block) else 16
     block_n = min(block_n, block[0] if block is not None else block_n)
-    split = gemv_split(n, k, block_n, block_k, sms)
-    if one_row_blocks and triton.cdiv(n, block_n) <= GEMV_COUNTERS:
-        split = max(split, min(2, triton.cdiv(k, block_k)))
-    return GemvConfig(block_n, block_k, split, 4, 2)
+    return GemvConfig(block_n, block_k, gemv_split(n, k, block_n, block_k, sms, 2 if one_row_blocks else 1), 4, 2)
 
 
-def gemv_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
-    """SPLIT_K for column tiles of block_n and K steps of block_k: enough programs for _PROGRAMS_PER_SM a SM, at
-    most one a K step and _MAX_SPLIT; 1 beyond GEMV_COUNTERS tiles."""
+def gemv_split(n: int, k: int, block_n: int, block_k: int, sms: int, least: int = 1) -> int:
+    """SPLIT_K for column tiles of block_n and K steps of block_k: enough programs for _PROGRAMS_PER_SM a SM (and
+    `least`), at most one a K step and _MAX_SPLIT; 1 beyond GEMV_COUNTERS tiles."""
     tiles = triton.cdiv(n, block_n)
     if tiles > GEMV_COUNTERS:
         return 1
-    return max(1, min(triton.cdiv(_PROGRAMS_PER_SM * sms, tiles), triton.cdiv(k, block_k), _MAX_SPLIT))
+    wanted = max(least, triton.cdiv(_PROGRAMS_PER_SM * sms, tiles))
+    return max(1, min(wanted, triton.cdiv(k, block_k), _MAX_SPLIT))
 
 
 def _gemv_counters(device: torch.device) -> torch.Tensor:
@@ -551,8 +549,8 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[i
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype (reference_fp8.fp8_linear_ref): per-channel bf16 inputs without a bias
-    from cublas_fp8.MIN_ROWS (5) rows the per-token quantiser, then cuBLAS's row-wise FP8 GEMM (cublas_fp8: measured
-    faster from 16 rows); otherwise up to GEMV_MAX_ROWS rows one fp8_gemv launch, more the activation quantiser,
+    from cublas_fp8.MIN_ROWS (5) rows the per-token quantiser, then cuBLAS's row-wise FP8 GEMM (cublas_fp8 says
+    why); otherwise up to GEMV_MAX_ROWS rows one fp8_gemv launch, more the activation quantiser,
     then fp8_gemm. The choice is by shape and dtype only (capturable)."""
     check_scales(tuple(x.shape), wq, sw, block, bias)
     lead, k = x.shape[:-1], x.shape[-1]
