@@ -117,14 +117,12 @@ def test_adaptive_plain_steps_gpu(models):
 
 
 
-def test_fp8_indexer_triton_gpu(models):
-    """--indexer-cache-dtype fp8_e4m3 on the GPU: the Triton scores kernel's fp8 x fp8 tile (q rounded in the kernel,
-    its sums kept in the tensor core: fast_acc) against the torch reference rounding q the same way in float32 sums:
-    the same greedy tokens for most prompts (a near-tie of the top-k may go the other way); and greedy MTP through
-    the Triton backends == their own plain decoding exactly (every phase scores alike)."""
+def _triton_near_reference_glm(models, **flags):
+    """GLM-5 (sparse top-k) with `flags` on the GPU: the Triton backends' greedy tokens against the torch
+    reference's over the same caches (all but at most 2 prompts: the kernels' dot order may break a near-tie) ->
+    (an MTP scheduler through the Triton backends, the prompts, the Triton backends' plain tokens)."""
     prompts = _prompts()
-    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32,
-              indexer_cache_dtype="fp8_e4m3")
+    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32, **flags)
     ref = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="torch", **kw)[0],
                                             prompts, NEW)]
     plain = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="triton", **kw)[0],
@@ -133,6 +131,15 @@ def test_fp8_indexer_triton_gpu(models):
     assert same >= len(prompts) - 2, f"only {same} of {len(prompts)} prompts equal to the reference"
     spec, _ = build_scheduler(models["glm"], attention_backend="triton", speculative_algorithm="MTP",
                               speculative_num_steps=3, **kw)
+    return spec, prompts, plain
+
+
+def test_fp8_indexer_triton_gpu(models):
+    """--indexer-cache-dtype fp8_e4m3 on the GPU: the Triton scores kernel's fp8 x fp8 tile (q rounded in the kernel,
+    its sums kept in the tensor core: fast_acc) against the torch reference rounding q the same way in float32 sums:
+    the same greedy tokens for most prompts (a near-tie of the top-k may go the other way); and greedy MTP through
+    the Triton backends == their own plain decoding exactly (every phase scores alike)."""
+    spec, prompts, plain = _triton_near_reference_glm(models, indexer_cache_dtype="fp8_e4m3")
     assert spec.model_runner.spec.phases.target_verify.backends[CacheKind.INDEX_KEYS].kv_pool.scales is not None
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
     assert spec.model_runner.spec.spec_step_graph.replays > 0
@@ -173,17 +180,7 @@ def test_fp8_latents_triton_gpu(models):
     """--kv-cache-dtype fp8_e4m3 (fp8 MLA latents) on the GPU, GLM-5 with a sparse top-k: the Triton backends'
     greedy tokens against the torch reference over the same fp8 cache (most prompts: the kernel's dot order may
     break a near-tie), and greedy MTP through them == their own plain decoding exactly."""
-    prompts = _prompts()
-    kw = dict(device="cuda", max_total_tokens=4096, cuda_graph_bs=CAPTURE, chunked_prefill_size=32,
-              kv_cache_dtype="fp8_e4m3")
-    ref = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="torch", **kw)[0],
-                                            prompts, NEW)]
-    plain = [r.output_ids for r in run_greedy(build_scheduler(models["glm"], attention_backend="triton", **kw)[0],
-                                              prompts, NEW)]
-    same = sum(p == r for p, r in zip(plain, ref))
-    assert same >= len(prompts) - 2, f"only {same} of {len(prompts)} prompts equal to the reference"
-    spec, _ = build_scheduler(models["glm"], attention_backend="triton", speculative_algorithm="MTP",
-                              speculative_num_steps=3, **kw)
+    spec, prompts, plain = _triton_near_reference_glm(models, kv_cache_dtype="fp8_e4m3")
     assert spec.model_runner.spec.phases.target_verify.backends[CacheKind.MLA].kv_pool.scales is not None
     assert all(r.graphs for r in spec.model_runner.spec.phases.all())
     assert [r.output_ids for r in run_greedy(spec, prompts, NEW)] == plain
